@@ -1,0 +1,1 @@
+"""What both methods share: decoder LM, attention baseline, data (grain), sharding, training loop."""

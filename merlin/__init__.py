@@ -1,0 +1,1 @@
+"""Multi-state linear attention and MERLIN segment aggregation (ops, aggregators, Flax layers)."""

@@ -1,0 +1,10 @@
+"""Triadic linear attention: a 3-D recurrent state (E x D x V per head).
+
+``triadic_gdn`` is the op (scan oracle, chunked JAX, Pallas kernels behind one ``impl`` switch);
+``TriadicGDN`` is the Flax Linen layer.
+"""
+
+from triadic.layer import DecayGate, TriadicGDN
+from triadic.ops import triadic_gdn
+
+__all__ = ["triadic_gdn", "TriadicGDN", "DecayGate"]

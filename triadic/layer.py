@@ -1,0 +1,103 @@
+"""``TriadicGDN``: the triadic gated delta rule as its authors built the layer (SPEC section 1).
+
+x -> q, k, v (H x D, H x D, H x V) and k2, q2 (H x E) -> causal depthwise conv (width 4) on all
+of them, SiLU on q, k, v -> q, k l2-normalised over D; k2, q2 = l2norm_E(softplus(.)) ->
+per-slice decay g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(.) -> triadic_gdn ->
+RMSNorm(o) * sigmoid(gate) -> output projection. E = 1 drops k2/q2 (they are 1): Gated DeltaNet.
+
+Parameters are separate DenseGeneral kernels per stream (mathematically the one fused projection
+of the paper) so that a checkpoint of an E = 1 model maps onto an E = 8 one by name: the q, k, v,
+gate, beta and output kernels carry over, the decay parameters (shape (.., H, 1)) broadcast along
+E, and k2/q2 are new.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from triadic.nn import RMSNorm, ShortConv, dense, l2norm, softplus_inverse
+from triadic.ops import triadic_gdn
+
+
+def a_log_init(key, shape, dtype=jnp.float32):
+  """A_log = log U(1, 16) (Mamba-2 / GDN)."""
+  return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+
+
+def dt_bias_init(key, shape, dtype=jnp.float32, dt_min=1e-3, dt_max=1e-1):
+  """dt_bias = softplus^-1(dt), dt ~ LogUniform(dt_min, dt_max)."""
+  u = jax.random.uniform(key, shape, dtype)
+  dt = jnp.exp(u * (np.log(dt_max) - np.log(dt_min)) + np.log(dt_min))
+  return softplus_inverse(dt).astype(dtype)
+
+
+class DecayGate(nn.Module):
+  """Log decay ``g = -exp(A_log) * softplus(a + dt_bias)`` with a, A_log, dt_bias of shape (.., H, E)."""
+
+  num_heads: int
+  expand_e: int = 1
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    shape = (self.num_heads, self.expand_e)
+    names = ("heads", "expand")
+    a = dense(shape, ("embed",) + names, dtype=self.dtype, param_dtype=self.param_dtype, name="a_proj")(x)
+    a_log = self.param("A_log", nn.with_logical_partitioning(a_log_init, names), shape, self.param_dtype)
+    dt_bias = self.param("dt_bias", nn.with_logical_partitioning(dt_bias_init, names), shape,
+                         self.param_dtype)
+    a = a.astype(jnp.float32) + dt_bias.astype(jnp.float32)
+    return -jnp.exp(a_log.astype(jnp.float32)) * jax.nn.softplus(a)
+
+
+class TriadicGDN(nn.Module):
+  """Triadic Gated DeltaNet (``erase=True``) or Triadic sGLA (``erase=False``) mixer.
+
+  Input and output (B, T, d_model). ``expand_e`` = E; E = 1 is Gated DeltaNet / Mamba-2's SSD core.
+  """
+
+  num_heads: int
+  head_dim: int
+  value_dim: int | None = None
+  expand_e: int = 1
+  erase: bool = True
+  conv_width: int = 4
+  impl: str = "auto"
+  chunk_size: int = 64
+  dtype: Any = jnp.float32
+  param_dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: jax.Array) -> jax.Array:
+    h, d, e = self.num_heads, self.head_dim, self.expand_e
+    vd = self.value_dim or self.head_dim
+    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    conv = lambda z, name, names: ShortConv(self.conv_width, names, name=name, **kw)(z)
+
+    def stream(features, names, name):
+      z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
+      return conv(z, f"{name}_conv", names)
+
+    q = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "q")))
+    k = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "k")))
+    v = jax.nn.silu(stream((h, vd), ("heads", "head_dim"), "v"))
+    b, t = x.shape[:2]
+    if e > 1:
+      k2 = l2norm(jax.nn.softplus(stream((h, e), ("heads", "expand"), "k2").astype(jnp.float32)))
+      q2 = l2norm(jax.nn.softplus(stream((h, e), ("heads", "expand"), "q2").astype(jnp.float32)))
+    else:
+      k2 = q2 = jnp.ones((b, t, h, 1), jnp.float32)
+    g = DecayGate(h, e, name="decay", **kw)(x)
+    beta = jax.nn.sigmoid(dense((h,), ("embed", "heads"), name="beta_proj", **kw)(x).astype(jnp.float32))
+
+    o, _ = triadic_gdn(q, k, v, k2.astype(q.dtype), q2.astype(q.dtype), g, beta, erase=self.erase,
+                       impl=self.impl, chunk_size=self.chunk_size)
+    gate = dense((h, vd), ("embed", "heads", "head_dim"), name="gate_proj", **kw)(x)
+    o = RMSNorm(names=("head_dim",), name="o_norm", **kw)(o) * jax.nn.sigmoid(gate)
+    return dense(x.shape[-1], ("heads", "head_dim", "embed"), axis=(-2, -1), name="out_proj", **kw)(o)

@@ -1,0 +1,89 @@
+"""The public triadic op: one function, several implementations of the same mathematics."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from triadic.scan import triadic_scan
+
+IMPLS = ("auto", "scan", "chunked", "pallas")
+
+
+def _check(name, x, rank, what):
+  if x.ndim != rank:
+    raise ValueError(f"{name} must have rank {rank} with shape {what}, got shape {x.shape}")
+
+
+def validate(q, k, v, k2, q2, g, beta, initial_state, impl, chunk_size):
+  """Raise a ValueError naming the argument and the expected shape for any bad input.
+
+  Returns (B, T, H, D, V, E). Positivity of g is checked only for concrete arrays (not under jit).
+  """
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  for name, x, rank, what in (
+      ("q", q, 4, "(B, T, H, D)"), ("k", k, 4, "(B, T, H, D)"), ("v", v, 4, "(B, T, H, V)"),
+      ("k2", k2, 4, "(B, T, H, E)"), ("q2", q2, 4, "(B, T, H, E)"), ("g", g, 4, "(B, T, H, E)"),
+      ("beta", beta, 3, "(B, T, H)")):
+    _check(name, x, rank, what)
+  b, t, h, d = q.shape
+  vdim = v.shape[-1]
+  e = k2.shape[-1]
+  expected = {"k": (b, t, h, d), "v": (b, t, h, vdim), "k2": (b, t, h, e), "q2": (b, t, h, e),
+              "g": (b, t, h, e), "beta": (b, t, h)}
+  names = {"k": "(B, T, H, D)", "v": "(B, T, H, V)", "k2": "(B, T, H, E)", "q2": "(B, T, H, E)",
+           "g": "(B, T, H, E)", "beta": "(B, T, H)"}
+  for name, x in (("k", k), ("v", v), ("k2", k2), ("q2", q2), ("g", g), ("beta", beta)):
+    if x.shape != expected[name]:
+      raise ValueError(
+          f"{name} must have shape {names[name]} = {expected[name]} to match q {q.shape} "
+          f"(B={b}, T={t}, H={h}, D={d}) and k2 (E={e}), got {x.shape}")
+  if initial_state is not None and initial_state.shape != (b, h, e, d, vdim):
+    raise ValueError(f"initial_state must have shape (B, H, E, D, V) = {(b, h, e, d, vdim)}, "
+                     f"got {initial_state.shape}")
+  if not isinstance(chunk_size, int) or chunk_size < 1:
+    raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
+  if not isinstance(g, jax.core.Tracer):
+    gmax = float(jnp.max(g)) if g.size else 0.0
+    if gmax > 0:
+      raise ValueError(f"g is a log decay and must be <= 0 everywhere, got max(g) = {gmax}")
+  return b, t, h, d, vdim, e
+
+
+def triadic_gdn(q, k, v, k2, q2, g, beta, *, scale=None, initial_state=None, erase=True,
+                impl="auto", chunk_size=64):
+  """Triadic gated delta rule (``../shared/SPEC.md`` section 1).
+
+  Args:
+    q, k: (B, T, H, D) query and key.
+    v: (B, T, H, V) value.
+    k2, q2: (B, T, H, E) second key and query (non-negative in the layer).
+    g: (B, T, H, E) per-slice log decay, <= 0.
+    beta: (B, T, H) write strength in (0, 1).
+    scale: output scale, default D ** -0.5.
+    initial_state: (B, H, E, D, V) float32, zeros if None.
+    erase: True for the delta rule (Triadic GDN), False for no erase term (Triadic sGLA).
+    impl: "scan" (the oracle), "chunked" (chunk-parallel JAX), "pallas" (kernels) or "auto".
+    chunk_size: chunk length C of the chunked and Pallas forms.
+
+  Returns:
+    o (B, T, H, V) in q's dtype, final_state (B, H, E, D, V) float32.
+  """
+  b, t, h, d, vdim, e = validate(q, k, v, k2, q2, g, beta, initial_state, impl, chunk_size)
+  if scale is None:
+    scale = d ** -0.5
+  if initial_state is None:
+    initial_state = jnp.zeros((b, h, e, d, vdim), jnp.float32)
+  if impl == "auto":
+    impl = "chunked"
+  if impl == "scan":
+    o, state = triadic_scan(q, k, v, k2, q2, g, beta, scale=scale, initial_state=initial_state,
+                            erase=erase)
+  elif impl == "chunked":
+    from triadic.chunked import triadic_chunked
+    o, state = triadic_chunked(q, k, v, k2, q2, g, beta, scale=scale, initial_state=initial_state,
+                               erase=erase, chunk_size=chunk_size)
+  else:
+    raise ValueError("impl='pallas' is not available yet")
+  return o.astype(q.dtype), state
