@@ -1,0 +1,117 @@
+"""The chunk-parallel triadic gated delta rule in plain JAX (SPEC section 1, "The chunked form").
+
+Tokens are cut into chunks of C. Inside a chunk everything is parallel (matmuls over C x C), and
+only the state S (E, D, V) is passed from chunk to chunk by a `lax.scan`. Per chunk, with gc the
+chunk-local inclusive cumulative sum of g (C, E):
+
+  decay_tse = exp(gc_te - gc_se)                    s <= t, (C, C, E): the only E-dependent masks
+  M_ts      = sum_e k2_te k2_se decay_tse           what token t's joint key reads of token s's write
+  M'_ts     = sum_e q2_te k2_se decay_tse           what query t reads of token s's write
+  A         = (I + StrictLower(beta_t (k_t . k_s) M_ts))^-1          the UT transform
+  U         = A (beta (V - W S0)),  W_t = k2_t exp(gc_t) (x) k_t      corrected values
+  o_t       = scale [ (q2_t exp(gc_t) (x) q_t) . S0 + sum_{s<=t} (q_t . k_s) M'_ts U_s ]
+  S_e      <- exp(gc_Ce) S_e0 + sum_t k2_te exp(gc_Ce - gc_te) k_t U_t^T
+
+The joint key k2 (x) k is never formed for C x C products: (q (x) q2)^T diag(decay) (k (x) k2) =
+(q . k) (q2^T diag(decay) k2), so the masks cost C^2 (D + E). It is formed (C, E*D) only where it
+meets the state, which is a (C, E*D) x (E*D, V) matmul either way.
+
+Numerics: the decay masks are computed as exponentials of differences gc_t - gc_s with s <= t (and
+gc_C - gc_t, gc_t), all <= 0, never as a product exp(gc_t) exp(-gc_s); the upper triangle is
+masked before the exponential. So any g <= 0 (even -30 per token) gives no inf and no NaN, in the
+forward and in the gradients. Everything is float32.
+
+Memory: `jax.lax.scan` over chunks with a rematerialised body keeps only the chunk-start states
+(T / C of them) and per-token (C, E*D) keys for the backward, never per-token states.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+
+def _to_chunks(x: jax.Array, n: int, c: int) -> jax.Array:
+  """(B, T, H, ...) -> (B, H, n, C, ...) float32, zero-padded at the end of T."""
+  x = x.astype(jnp.float32)
+  pad = n * c - x.shape[1]
+  x = jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
+  x = x.reshape(x.shape[0], n, c, *x.shape[2:])
+  return jnp.moveaxis(x, 3, 1)
+
+
+def chunk_masks(gc: jax.Array, k2: jax.Array, q2: jax.Array):
+  """Decay-weighted second-key masks of a chunk: (M, M'), each (..., C, C), zero above the diagonal.
+
+  gc, k2, q2: (..., C, E). The upper triangle is masked before the exponential (double `where`),
+  so its positive differences never overflow and never poison the gradient.
+  """
+  c = gc.shape[-2]
+  causal = jnp.tril(jnp.ones((c, c), bool))[..., None]  # (t, s, 1)
+  diff = gc[..., :, None, :] - gc[..., None, :, :]  # (..., t, s, E), <= 0 where s <= t
+  decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+  m = jnp.einsum("...te,...se,...tse->...ts", k2, k2, decay)
+  mq = jnp.einsum("...te,...se,...tse->...ts", q2, k2, decay)
+  return m, mq
+
+
+def joint(k2w: jax.Array, k: jax.Array) -> jax.Array:
+  """Joint key k2 (x) k flattened e-major: (..., C, E) x (..., C, D) -> (..., C, E*D)."""
+  out = k2w[..., :, None] * k[..., None, :]
+  return out.reshape(*out.shape[:-2], -1)
+
+
+def triadic_chunked(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: jax.Array,
+                    erase: bool, chunk_size: int):
+  """Chunk-parallel triadic gated delta rule. Shapes and result as ``triadic.triadic_gdn``."""
+  b, t, h, d = q.shape
+  vdim, e = v.shape[-1], k2.shape[-1]
+  c = max(1, min(chunk_size, t))
+  n = -(-t // c)
+  # Padded tokens have k = k2 = q = q2 = v = beta = 0 and g = 0: they leave the state unchanged.
+  q, k, v, k2, q2, g = (_to_chunks(x, n, c) for x in (q, k, v, k2, q2, g))
+  beta = _to_chunks(beta, n, c)
+
+  gc = jnp.cumsum(g, axis=-2)  # (B, H, n, C, E), chunk-local, non-increasing, <= 0
+  m, mq = chunk_masks(gc, k2, q2)
+  # Inter-chunk factors: every exponent is <= 0.
+  w_read = joint(k2 * jnp.exp(gc), k)  # (.., C, E*D) reads S0 at token t (after its decay)
+  q_read = joint(q2 * jnp.exp(gc), q)  # (.., C, E*D) query of S0
+  k_write = joint(k2 * jnp.exp(gc[..., -1:, :] - gc), k)  # (.., C, E*D) write, decayed to chunk end
+  chunk_decay = jnp.exp(gc[..., -1, :])  # (B, H, n, E)
+
+  u_part = beta[..., None] * v
+  if erase:
+    tril_strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    kk = jnp.einsum("...td,...sd->...ts", k, k)
+    system = jnp.eye(c) + jnp.where(tril_strict, beta[..., None] * kk * m, 0.0)
+    rhs = jnp.concatenate([u_part, beta[..., None] * w_read], axis=-1)
+    sol = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    u_part, w_part = sol[..., :vdim], sol[..., vdim:]  # U = u_part - w_part S0 (WY form)
+  else:
+    w_part = None  # U = beta V: no dependence on the state
+
+  intra = jnp.einsum("...td,...sd->...ts", q, k) * mq  # (q_t . k_s) M'_ts, lower triangular
+
+  def step(state, xs):
+    """One chunk: corrected values U from the chunk-start state, then the state at chunk end."""
+    u_c, w_c, kw_c, dec_c = xs
+    flat = state.reshape(b, h, e * d, vdim)
+    u = u_c if w_c is None else u_c - jnp.einsum("bhcx,bhxv->bhcv", w_c, flat)
+    new = dec_c[..., None, None] * state + jnp.einsum(
+        "bhcx,bhcv->bhxv", kw_c, u).reshape(b, h, e, d, vdim)
+    return new, (u, state)
+
+  lead = lambda x: None if x is None else jnp.moveaxis(x, 2, 0)
+  final_state, (u, starts) = jax.lax.scan(
+      jax.checkpoint(step), initial_state.astype(jnp.float32),
+      (lead(u_part), lead(w_part), lead(k_write), lead(chunk_decay)))
+  u, starts = jnp.moveaxis(u, 0, 2), jnp.moveaxis(starts, 0, 2)  # (B,H,n,C,V), (B,H,n,E,D,V)
+
+  o = jnp.einsum("bhncx,bhnxv->bhncv", q_read, starts.reshape(b, h, n, e * d, vdim))
+  o = scale * (o + jnp.einsum("bhnts,bhnsv->bhntv", intra, u))
+  o = jnp.moveaxis(o, 1, 3).reshape(b, n * c, h, vdim)[:, :t]
+  return o, final_state
