@@ -5,6 +5,6 @@
 """
 
 from triadic.layer import DecayGate, TriadicGDN
-from triadic.ops import triadic_gdn
+from triadic.ops import triadic_gdn, triadic_gdn_step
 
-__all__ = ["triadic_gdn", "TriadicGDN", "DecayGate"]
+__all__ = ["triadic_gdn", "triadic_gdn_step", "TriadicGDN", "DecayGate"]

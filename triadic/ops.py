@@ -5,7 +5,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from triadic.scan import triadic_scan
+from triadic.scan import token_step, triadic_scan
 
 IMPLS = ("auto", "scan", "chunked", "pallas")
 
@@ -51,6 +51,15 @@ def validate(q, k, v, k2, q2, g, beta, initial_state, impl, chunk_size):
   return b, t, h, d, vdim, e
 
 
+def _auto_impl(d, vdim, chunk_size):
+  """Pallas on GPU when the kernels take these sizes; chunked JAX otherwise (CPU runs Pallas only
+  in interpret mode, far slower; the TPU kernels are only checked to lower, not yet run)."""
+  from triadic.pallas.ops import default_platform, unsupported
+  if default_platform() == "gpu" and unsupported(d, vdim, chunk_size) is None:
+    return "pallas"
+  return "chunked"
+
+
 def triadic_gdn(q, k, v, k2, q2, g, beta, *, scale=None, initial_state=None, erase=True,
                 impl="auto", chunk_size=64):
   """Triadic gated delta rule (``../shared/SPEC.md`` section 1).
@@ -76,7 +85,7 @@ def triadic_gdn(q, k, v, k2, q2, g, beta, *, scale=None, initial_state=None, era
   if initial_state is None:
     initial_state = jnp.zeros((b, h, e, d, vdim), jnp.float32)
   if impl == "auto":
-    impl = "chunked"
+    impl = _auto_impl(d, vdim, chunk_size)
   if impl == "scan":
     o, state = triadic_scan(q, k, v, k2, q2, g, beta, scale=scale, initial_state=initial_state,
                             erase=erase)
@@ -85,5 +94,23 @@ def triadic_gdn(q, k, v, k2, q2, g, beta, *, scale=None, initial_state=None, era
     o, state = triadic_chunked(q, k, v, k2, q2, g, beta, scale=scale, initial_state=initial_state,
                                erase=erase, chunk_size=chunk_size)
   else:
-    raise ValueError("impl='pallas' is not available yet")
+    from triadic.pallas.ops import triadic_pallas
+    o, state = triadic_pallas(q, k, v, k2, q2, g, beta, scale=scale, initial_state=initial_state,
+                              erase=erase, chunk_size=chunk_size)
+  return o.astype(q.dtype), state
+
+
+def triadic_gdn_step(state, q, k, v, k2, q2, g, beta, *, scale=None, erase=True):
+  """One decoding step of ``triadic_gdn``: the same recurrence for a single token, from a carried state.
+
+  Shapes are the op's without T: state (B, H, E, D, V) float32; q, k (B, H, D); v (B, H, V);
+  k2, q2, g (B, H, E); beta (B, H). Returns (o (B, H, V) in q's dtype, new state float32). Running it
+  over the tokens after ``triadic_gdn(..., )`` returned ``final_state`` continues that sequence exactly.
+  """
+  add_t = lambda x: x[:, None]
+  validate(*map(add_t, (q, k, v, k2, q2, g, beta)), state, "scan", 1)
+  if scale is None:
+    scale = q.shape[-1] ** -0.5
+  f32 = lambda x: x.astype(jnp.float32)
+  o, state = token_step(f32(state), *map(f32, (q, k, v, k2, q2, g, beta)), scale=scale, erase=erase)
   return o.astype(q.dtype), state

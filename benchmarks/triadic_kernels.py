@@ -1,0 +1,214 @@
+"""Triadic kernels: Pallas vs chunked JAX vs causal attention (cuDNN), forward and forward+backward.
+
+Issue 6's setting: bf16, H = 16, D = V = 128, 32768 tokens per batch (B=8 at T=4096, B=2 at 16384,
+B=1 at 65536), E in {1, 2, 4, 8}, chunk 64. Prints one table: milliseconds (median of --reps timed
+calls after a warm-up), the pallas/chunked and attention/pallas ratios, and the TFLOP/s each triadic
+impl achieves against the matmul FLOP count of the chunked form (``chunked_flops``).
+
+  PYTHONPATH=. python3 benchmarks/triadic_kernels.py                 # the full table (GPU)
+  PYTHONPATH=. python3 benchmarks/triadic_kernels.py --check         # GPU correctness first
+  PYTHONPATH=. python3 benchmarks/triadic_kernels.py --t 16384 --e 1 8
+
+Needs only jax (no grain / ml_collections), so it runs on the bare GPU machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import statistics
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from triadic.ops import triadic_gdn
+
+SHAPES = {4096: 8, 16384: 2, 65536: 1}  # T -> B, 32768 tokens per batch
+
+
+def chunked_flops(b, t, h, d, vd, e, c=64):
+  """Matmul FLOPs of the chunked form, forward: per token and head, Q K^T and K K^T (4 C D),
+  A rhs and P U (4 C V), the state read, the output read and the state write (6 E D V). The UT
+  inverse and the elementwise masks are not counted. Forward+backward is counted as 3x forward."""
+  return b * t * h * (4 * c * d + 4 * c * vd + 6 * e * d * vd)
+
+
+def inputs(key, b, t, h, d, vd, e, dtype):
+  ks = jax.random.split(key, 8)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (b, t, h, d)))
+  k = unit(jax.random.normal(ks[1], (b, t, h, d)))
+  v = jax.random.normal(ks[2], (b, t, h, vd))
+  k2 = unit(jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, e))))
+  q2 = unit(jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, e))))
+  g = -0.1 * jax.nn.softplus(jax.random.normal(ks[5], (b, t, h, e)))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[6], (b, t, h)))
+  return [x.astype(dtype) for x in (q, k, v, k2, q2, g, beta)]
+
+
+def timeit(fn, args, reps):
+  out = fn(*args)
+  jax.block_until_ready(out)
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times)
+
+
+def triadic_fns(impl):
+  run = lambda *a: triadic_gdn(*a, impl=impl, chunk_size=64)[0]
+
+  def fwd_bwd(*a):
+    o, pull = jax.vjp(run, *a)
+    return pull(jnp.ones_like(o))
+
+  return jax.jit(run), jax.jit(fwd_bwd)
+
+
+def attention_fns():
+  run = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                      implementation="cudnn")
+
+  def fwd_bwd(q, k, v):
+    o, pull = jax.vjp(run, q, k, v)
+    return pull(jnp.ones_like(o))
+
+  return jax.jit(run), jax.jit(fwd_bwd)
+
+
+def rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
+
+
+def check(only=None):
+  """Relative RMS error of pallas against scan (float32) and chunked (bf16) on this machine."""
+  names = "o state dq dk dv dk2 dq2 dg dbeta dh0".split()
+  print("| case | " + " | ".join(names) + " |")
+  print("|" + "---|" * (len(names) + 1))
+  cases = [("f32 scan B1 T300 H2 D64 V64 E3", (1, 300, 2, 64, 64, 3), jnp.float32, "scan", True),
+           ("f32 scan sGLA E2", (1, 200, 2, 32, 48, 2), jnp.float32, "scan", False),
+           ("bf16 vs chunked B1 T2048 H4 D128 E8", (1, 2048, 4, 128, 128, 8), jnp.bfloat16,
+            "chunked", True)]
+  for i, (label, (b, t, h, d, vd, e), dtype, ref, erase) in enumerate(cases):
+    if only and i not in only:
+      continue
+    args = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, dtype)
+    h0 = 0.1 * jax.random.normal(jax.random.PRNGKey(1), (b, h, e, d, vd))
+    kd, ks = jax.random.split(jax.random.PRNGKey(2))
+    do = jax.random.normal(kd, (b, t, h, vd), dtype)
+    dh = jax.random.normal(ks, (b, h, e, d, vd))
+
+    def grads(impl):
+      f = lambda *a: triadic_gdn(*a[:7], initial_state=a[7], erase=erase, impl=impl,
+                                 chunk_size=64)
+      (o, s), pull = jax.vjp(f, *args, h0)
+      return [o, s] + list(pull((do, dh)))
+
+    got = jax.jit(lambda: grads("pallas"))()
+    want = jax.jit(lambda: grads(ref))()
+    print(f"| {label} | " + " | ".join(f"{rel(x, y):.1e}" for x, y in zip(got, want)) + " |")
+  sys.stdout.flush()
+
+
+def stages(t, e_list, reps):
+  """Time each Pallas stage alone (bf16, H = 16, D = V = 128) for a few tile configurations."""
+  import dataclasses
+  from triadic.pallas import backward as bwd_kernels
+  from triadic.pallas import ops as pops
+  from triadic.pallas import recurrent
+  from triadic.pallas.chunk_prep import chunk_prep
+  b, h, d, vd, c = SHAPES.get(t, 1), 16, 128, 128, 64
+  nc = t // c
+  print("| E | config | prep | forward | backward states | chunk backward |")
+  print("|---|---|---|---|---|---|")
+  for e in e_list:
+    q, k, v, k2, q2, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
+    ch = lambda x, dt: pops._chunks(x.astype(dt), nc, c)
+    q, k, v, do = (ch(x, jnp.bfloat16) for x in (q, k, v, v))
+    k2, q2, g, beta = (ch(x, jnp.float32) for x in (k2, q2, g, beta))
+    rows = lambda x: jnp.swapaxes(x, -1, -2)
+    h0 = jnp.zeros((b * h, e, d, vd), jnp.float32)
+    base = pops.default_config("gpu", e, vd)
+    variants = [base] + [dataclasses.replace(base, **kw) for kw in (
+        {"num_stages": 1}, {"num_stages": 3}, {"block_v": 64}, {"num_warps": 8},
+        {"bwd_block_v": 64}, {"bwd_num_warps": 4})]
+    for cfg in variants:
+      pre = jax.jit(lambda: chunk_prep(q, k, k2, rows(k2), q2, g, rows(g), beta, erase=True,
+                                       cfg=cfg))
+      gcc, gcr, a, p = pre()
+      fwd = jax.jit(lambda: recurrent.forward(q, k, v, k2, q2, gcc, beta, a, p, h0, scale=0.1,
+                                              erase=True, cfg=cfg))
+      o, u, st, ht = fwd()
+      bst = jax.jit(lambda: recurrent.backward(q, k, do, k2, q2, gcc, beta, a, p, h0, scale=0.1,
+                                               erase=True, cfg=cfg))
+      du, dst, _ = bst()
+      cbw = jax.jit(lambda: bwd_kernels.chunk_backward(
+          q, k, v, do, u, du, st, dst, k2, rows(k2), q2, gcc, gcr, beta, a, scale=0.1, erase=True,
+          cfg=cfg))
+      ms = [timeit(f, (), reps) for f in (pre, fwd, bst, cbw)]
+      label = (f"bv{cfg.block_v} w{cfg.num_warps} s{cfg.num_stages} "
+               f"bwd_bv{cfg.bwd_block_v} bwd_w{cfg.bwd_num_warps}")
+      print(f"| {e} | {label} | " + " | ".join(f"{x:.2f}" for x in ms) + " |")
+      sys.stdout.flush()
+
+
+def main():
+  parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  parser.add_argument("--t", type=int, nargs="*", default=list(SHAPES))
+  parser.add_argument("--e", type=int, nargs="*", default=[1, 2, 4, 8])
+  parser.add_argument("--reps", type=int, default=10)
+  parser.add_argument("--check", action="store_true", help="correctness table, then exit")
+  parser.add_argument("--no-chunked", action="store_true", help="skip the chunked JAX column")
+  parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0, 1, 2)")
+  parser.add_argument("--stages", action="store_true", help="per-kernel times, then exit")
+  args = parser.parse_args()
+  dev = jax.devices()[0]
+  print(f"# {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
+        f"{datetime.datetime.now():%Y-%m-%d %H:%M}")
+  if args.check:
+    check(args.cases)
+    return
+  if args.stages:
+    stages(args.t[0], args.e, args.reps)
+    return
+  h, d, vd = 16, 128, 128
+  print("| B | T | E | pallas fwd | pallas f+b | chunked fwd | chunked f+b | cudnn fwd | cudnn f+b "
+        "| chunked/pallas f+b | cudnn/pallas f+b | pallas TFLOP/s fwd / f+b "
+        "| chunked TFLOP/s fwd / f+b |")
+  print("|" + "---|" * 14)
+  for t in args.t:
+    b = SHAPES.get(t, max(1, 32768 // t))
+    key = jax.random.PRNGKey(0)
+    att_fwd, att_fb = attention_fns()
+    qa, ka, va = inputs(key, b, t, h, d, vd, 1, jnp.bfloat16)[:3]
+    try:
+      att = (timeit(att_fwd, (qa, ka, va), args.reps), timeit(att_fb, (qa, ka, va), args.reps))
+    except Exception as err:  # cuDNN missing or shape refused: report, do not stop the table
+      print(f"# cudnn attention failed at T={t}: {type(err).__name__}: {err}"[:300])
+      att = (float("nan"), float("nan"))
+    for e in args.e:
+      xs = inputs(key, b, t, h, d, vd, e, jnp.bfloat16)
+      pf, pfb = triadic_fns("pallas")
+      pal = (timeit(pf, xs, args.reps), timeit(pfb, xs, args.reps))
+      if args.no_chunked:
+        chk = (float("nan"), float("nan"))
+      else:
+        cf, cfb = triadic_fns("chunked")
+        chk = (timeit(cf, xs, args.reps), timeit(cfb, xs, args.reps))
+      fl = chunked_flops(b, t, h, d, vd, e)
+      tf = lambda ms, mult: mult * fl / (ms * 1e-3) / 1e12
+      print(f"| {b} | {t} | {e} | {pal[0]:.2f} | {pal[1]:.2f} | {chk[0]:.2f} | {chk[1]:.2f} "
+            f"| {att[0]:.2f} | {att[1]:.2f} | {chk[1] / pal[1]:.2f}x | {att[1] / pal[1]:.2f}x "
+            f"| {tf(pal[0], 1):.0f} / {tf(pal[1], 3):.0f} "
+            f"| {tf(chk[0], 1):.0f} / {tf(chk[1], 3):.0f} |")
+      sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  main()

@@ -1,0 +1,158 @@
+"""The chunk-parallel backward kernel: every input gradient of a chunk, given both state passes.
+
+One program per (batch*head, chunk). From the forward it reads the chunk-start states S_e, U and A;
+from ``recurrent.backward`` the chunk-end state gradients dS_e and dU. It recomputes M, M', K K^T
+and Q K^T (C x C, cheap) instead of storing them. With c_e = k2_e a_e, X = V - sum_e diag(c_e) K S_e
+(so rhs = beta X and U = A rhs), the chain rule per chunk is:
+
+  drhs = A^T dU,  dV = beta drhs,  dbeta += rowsum(drhs X),  dA = dU rhs^T,  dP = scale dO U^T
+  per e:  d(c_e K) = -dV S_e^T      d(q2_e a_e Q) = scale dO S_e^T
+          d(k2_e b_e K) = U dS_e^T   dlam_e = <dS_e, S_e>
+  dL   = -A^T dA A^T (strictly lower),  L = beta (K K^T) * M,  P = (Q K^T) * M'
+  M, M' -> dk2, dq2 and d gc through exp(gc_t - gc_s); a, b, lam -> d gc;  dg = reverse cumsum(d gc)
+
+The value axis is walked in blocks of ``bwd_block_v`` columns (everything that contracts over V is
+accumulated: dQ, dK, dA, dP and the per-slice row sums). Row-side (1, C) gradients of k2 and gc
+come out transposed and are added, and gc's reverse cumulative sum taken, in ``ops.py``.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from triadic.pallas.chunk_prep import decay_masks
+from triadic.pallas.common import F32, call, col, colsum, last, masks, mm, row, rowsum, total
+
+
+def _chunk_backward_kernel(q_ref, k_ref, v_ref, do_ref, u_ref, du_ref, s_ref, ds_ref,
+                           k2c, k2r, q2c, gcc, gcr, beta_ref, a_ref,
+                           dq_ref, dk_ref, dv_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref,
+                           dgcr_ref, dbeta_ref, *, c, e_dim, vd, bv, scale, erase, dtype,
+                           precision):
+  q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+  beta = beta_ref[...].astype(F32)
+  amat = a_ref[...]
+  a = [jnp.exp(col(gcc, e)) for e in range(e_dim)]
+  gl = [last(gcc, e, c) for e in range(e_dim)]
+  b = [jnp.exp(gl[e] - col(gcc, e)) for e in range(e_dim)]
+  z_col = jnp.zeros((c, 1), F32)
+
+  def vblock(cols, carry):
+    dq, dk, da, dp, dbeta, dcoef, dqcoef, dkcoef, dlam = carry
+    do = do_ref[:, cols].astype(F32)
+    u, du = u_ref[:, cols], du_ref[:, cols]
+    x = v_ref[:, cols].astype(F32)
+    drhs = mm(amat, du, dtype, ta=True) if erase else du
+    dx = beta * drhs
+    dv_ref[:, cols] = dx
+    dcoef, dqcoef, dkcoef, dlam = list(dcoef), list(dqcoef), list(dkcoef), list(dlam)
+    for e in range(e_dim):
+      s = s_ref[e, :, cols].astype(F32)
+      ds = ds_ref[e, :, cols].astype(F32)
+      if erase:
+        x = x - mm(col(k2c, e) * a[e] * k, s, dtype)
+        g1 = mm(dx, s, dtype, tb=True)
+        dk = dk - (col(k2c, e) * a[e]) * g1
+        dcoef[e] = dcoef[e] - rowsum(k * g1)
+      g2 = mm(do, s, dtype, tb=True)
+      dq = dq + scale * (col(q2c, e) * a[e]) * g2
+      dqcoef[e] = dqcoef[e] + scale * rowsum(q * g2)
+      g3 = mm(u, ds, dtype, tb=True)
+      dk = dk + (col(k2c, e) * b[e]) * g3
+      dkcoef[e] = dkcoef[e] + rowsum(k * g3)
+      dlam[e] = dlam[e] + total(ds * s)
+    dbeta = dbeta + rowsum(drhs * x)
+    if erase:
+      da = da + mm(du, beta * x, dtype, tb=True)
+    dp = dp + scale * mm(do, u, dtype, tb=True)
+    return dq, dk, da, dp, dbeta, tuple(dcoef), tuple(dqcoef), tuple(dkcoef), tuple(dlam)
+
+  zeros = lambda *s: jnp.zeros(s, F32)
+  carry = (zeros(c, q.shape[1]), zeros(c, k.shape[1]), zeros(c, c), zeros(c, c), zeros(c, 1),
+           (z_col,) * e_dim, (z_col,) * e_dim, (z_col,) * e_dim, (zeros(1, 1),) * e_dim)
+  if vd == bv:
+    carry = vblock(slice(None), carry)
+  else:
+    carry = jax.lax.fori_loop(0, vd // bv, lambda j, cr: vblock(pl.ds(j * bv, bv), cr), carry)
+  dq, dk, da, dp, dbeta, dcoef, dqcoef, dkcoef, dlam = carry
+
+  # Chunk-local part: the masks M, M' and the UT transform.
+  causal, strict, _, _ = masks(c)
+  is_last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
+  gt = [col(gcc, e) for e in range(e_dim)]
+  dec = [decay_masks(gt[e], row(gcr, e), causal) for e in range(e_dim)]
+  qk = mm(q, k, dtype, tb=True)
+  dp = jnp.where(causal, dp, 0.0)
+  mq = sum(col(q2c, e) * row(k2r, e) * dec[e] for e in range(e_dim))
+  dqk = dp * mq
+  dmq = dp * qk
+  dq = dq + mm(dqk, k, dtype)
+  dk = dk + mm(dqk, q, dtype, ta=True)
+  if erase:
+    kk = mm(k, k, dtype, tb=True)
+    m = sum(col(k2c, e) * row(k2r, e) * dec[e] for e in range(e_dim))
+    da = jnp.where(causal, da, 0.0)
+    dl = jnp.where(strict, -mm(mm(amat, da, F32, ta=True, precision=precision), amat, F32, tb=True,
+                                    precision=precision), 0.0)
+    dkk = dl * beta * m
+    dm = dl * beta * kk
+    dbeta = dbeta + rowsum(dl * kk * m)
+    dk = dk + mm(dkk, k, dtype) + mm(dkk, k, dtype, ta=True)
+  dq_ref[...] = dq
+  dk_ref[...] = dk
+  dbeta_ref[...] = dbeta
+
+  for e in range(e_dim):
+    k2t, k2s, q2t = col(k2c, e), row(k2r, e), col(q2c, e)
+    wq = dmq * dec[e]                      # d M'_ts / d(q2_t k2_s), times dM'
+    dq2 = rowsum(wq * k2s) + dqcoef[e] * a[e]
+    dk2_row = colsum(wq * q2t)
+    dgm = wq * q2t * k2s                   # gradient through exp(gc_t - gc_s)
+    dk2_col = dkcoef[e] * b[e]
+    if erase:
+      wk = dm * dec[e]
+      dk2_col = dk2_col + rowsum(wk * k2s) + dcoef[e] * a[e]
+      dk2_row = dk2_row + colsum(wk * k2t)
+      dgm = dgm + wk * k2t * k2s
+    dg_col = rowsum(dgm) + dqcoef[e] * q2t * a[e] - dkcoef[e] * k2t * b[e]
+    if erase:
+      dg_col = dg_col + dcoef[e] * k2t * a[e]
+    dgl = total(dkcoef[e] * k2t * b[e]) + dlam[e] * jnp.exp(gl[e])
+    dg_col = dg_col + jnp.where(is_last, dgl, 0.0)
+    dq2c_ref[:, pl.ds(e, 1)] = dq2
+    dk2c_ref[:, pl.ds(e, 1)] = dk2_col
+    dk2r_ref[pl.ds(e, 1), :] = dk2_row
+    dgcc_ref[:, pl.ds(e, 1)] = dg_col
+    dgcr_ref[pl.ds(e, 1), :] = -colsum(dgm)
+
+
+def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,
+                   scale, erase, cfg):
+  """Run the chunk-parallel backward. Layout (BH, NC, ...) as the forward kernels.
+
+  Returns float32 dq, dk (BH,NC,C,D), dv (BH,NC,C,V), dk2 column and row parts ((C,E), (E,C)),
+  dq2 (C,E), d gc column and row parts, dbeta (C,1).
+  """
+  bh, nc, c, d = q.shape
+  vd, e_dim = v.shape[-1], k2c.shape[-1]
+  bv = min(cfg.bwd_block_v, vd)
+  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
+  shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
+  kernel = functools.partial(_chunk_backward_kernel, c=c, e_dim=e_dim, vd=vd, bv=bv, scale=scale,
+                             erase=erase, dtype=q.dtype, precision=cfg.f32_precision)
+  return call(
+      kernel, cfg=cfg, grid=(bh, nc),
+      in_specs=[spec(c, d), spec(c, d), spec(c, vd), spec(c, vd), spec(c, vd), spec(c, vd),
+                spec(e_dim, d, vd), spec(e_dim, d, vd), spec(c, e_dim), spec(e_dim, c),
+                spec(c, e_dim), spec(c, e_dim), spec(e_dim, c), spec(c, 1), spec(c, c)],
+      out_specs=[spec(c, d), spec(c, d), spec(c, vd), spec(c, e_dim), spec(e_dim, c),
+                 spec(c, e_dim), spec(c, e_dim), spec(e_dim, c), spec(c, 1)],
+      out_shape=[shape(c, d), shape(c, d), shape(c, vd), shape(c, e_dim), shape(e_dim, c),
+                 shape(c, e_dim), shape(c, e_dim), shape(e_dim, c), shape(c, 1)],
+      semantics=("parallel", "parallel"), name="triadic_chunk_backward",
+      num_warps=cfg.bwd_num_warps,
+  )(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr, beta_c, a)

@@ -1,0 +1,120 @@
+"""What every triadic kernel shares: the platform switch, the matmul helper and per-slice loads.
+
+Kernels see the chunked, head-major layout (BH, NC, C, X) built by ``triadic.pallas.ops``: every
+block covers whole trailing dimensions, which Mosaic TPU needs (tiles are (8, 128) or the full
+dimension) and which keeps Triton's power-of-two tensors to C, D, V, BV.
+
+Per-token, per-slice quantities (k2, q2, gc) arrive as (C, E) tiles. Triton cannot slice a
+tensor held in registers, so a slice e is loaded from the ref as a (C, 1) column (``col``) or, from
+the transposed (E, C) copy, as a (1, C) row (``row``); a scalar such as gc at the chunk's last
+token is a (1, 1) load. Everything then stays two-dimensional, the only shapes Mosaic handles well.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import tpu as pltpu
+from jax.experimental.pallas import triton as plt
+
+F32 = jnp.float32
+PLATFORMS = ("gpu", "tpu", "cpu")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """How to launch: platform ("gpu" Triton, "tpu" Mosaic, "cpu" interpret) and tile choices.
+
+  block_v: value columns per program of the recurrent kernels (the state tile is E x D x block_v
+  float32). bwd_block_v: value columns per step of the chunk-parallel backward's inner loop.
+  """
+  platform: str
+  block_v: int
+  bwd_block_v: int
+  num_warps: int = 4
+  num_stages: int = 2
+  bwd_num_warps: int = 8
+
+  @property
+  def interpret(self) -> bool:
+    return self.platform == "cpu"
+
+  @property
+  def f32_precision(self):
+    """Precision of the float32-only matmuls (UT inverse, its gradient). Triton's IEEE float32
+    dot runs on the FMA units (the prep kernel took 9.8 ms at B=2, T=16384, H=16 on an H200);
+    TF32x3 runs on the tensor cores at float32-level accuracy (three TF32 products)."""
+    if self.platform == "gpu":
+      return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
+    return jax.lax.Precision.HIGHEST
+
+
+def call(kernel, *, cfg: Config, grid, in_specs, out_specs, out_shape, semantics, name,
+         num_warps=None):
+  """``pl.pallas_call`` with the platform's compiler parameters.
+
+  semantics: one of "parallel"/"arbitrary" per grid axis (TPU only; Triton programs are
+  independent by construction).
+  """
+  kwargs = {}
+  if cfg.platform == "gpu":
+    kwargs["compiler_params"] = plt.CompilerParams(
+        num_warps=num_warps or cfg.num_warps, num_stages=cfg.num_stages)
+  elif cfg.platform == "tpu":
+    kwargs["compiler_params"] = pltpu.CompilerParams(dimension_semantics=semantics)
+  return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
+                        out_shape=out_shape, interpret=cfg.interpret, name=name, **kwargs)
+
+
+def mm(a, b, dtype, *, ta=False, tb=False, precision=None):
+  """a @ b (a^T if ta, b^T if tb) with operands cast to ``dtype``, float32 accumulation.
+
+  float32 operands use full precision (Triton's default for float32 is TF32, which loses ~3
+  digits and would break the float32 bounds of the tests); bf16 operands use the tensor cores.
+  ``precision`` overrides the float32 choice (``Config.f32_precision``).
+  """
+  dims = (((0,) if ta else (1,)), ((1,) if tb else (0,)))
+  if dtype == F32:
+    prec = jax.lax.Precision.HIGHEST if precision is None else precision
+  else:
+    prec = jax.lax.Precision.DEFAULT
+  return jax.lax.dot_general(a.astype(dtype), b.astype(dtype), (dims, ((), ())),
+                             precision=prec, preferred_element_type=F32)
+
+
+def masks(c):
+  """(causal s <= t, strict s < t, t index, s index) over a C x C chunk, t the row."""
+  t = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
+  s = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
+  return s <= t, s < t, t, s
+
+
+def col(ref, e, *lead):
+  """Slice e of a (..., C, E) ref as a (C, 1) float32 column."""
+  return ref[(*lead, slice(None), pl.ds(e, 1))].astype(F32)
+
+
+def row(ref, e, *lead):
+  """Slice e of a (..., E, C) ref as a (1, C) float32 row."""
+  return ref[(*lead, pl.ds(e, 1), slice(None))].astype(F32)
+
+
+def last(ref, e, c, *lead):
+  """Entry (C - 1, e) of a (..., C, E) ref as a (1, 1) float32 array: gc at the chunk's end."""
+  return ref[(*lead, pl.ds(c - 1, 1), pl.ds(e, 1))].astype(F32)
+
+
+def rowsum(x):
+  return jnp.sum(x, axis=1, keepdims=True)
+
+
+def colsum(x):
+  return jnp.sum(x, axis=0, keepdims=True)
+
+
+def total(x):
+  """Sum of a 2-D array as (1, 1) (Triton reduces one axis at a time)."""
+  return colsum(rowsum(x))

@@ -1,0 +1,143 @@
+"""``triadic_pallas``: the Pallas kernels behind ``triadic_gdn(..., impl="pallas")``.
+
+Pipeline (forward): ``chunk_prep`` (parallel over chunks: gc, A, P) -> ``recurrent.forward`` (chunk
+loop per value block; saves chunk-start states and U). Backward (``jax.custom_vjp``):
+``recurrent.backward`` (reverse chunk loop: chunk-end state gradients and dU) ->
+``backward.chunk_backward`` (parallel over chunks: every input gradient). Only the inputs, gc, A, P,
+U and the chunk-start states are kept from the forward; M, M', K K^T and Q K^T are recomputed.
+
+Layout: (B, T, H, X) -> (B*H, NC, C, X) with T zero-padded to NC*C (padded tokens have k = q = v =
+beta = k2 = q2 = 0 and g = 0, so they leave the state alone). D and V are zero-padded to a power of
+two (Triton tensors are powers of two; zero rows/columns of the state stay zero), E likewise.
+The platform is the default backend's: Triton on GPU, Mosaic on TPU, ``interpret=True`` on CPU.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from triadic.pallas import backward as bwd_kernels
+from triadic.pallas import recurrent
+from triadic.pallas.chunk_prep import chunk_prep
+from triadic.pallas.common import F32, PLATFORMS, Config
+
+CHUNK_SIZES = (16, 32, 64, 128)
+MAX_D = 256
+
+
+def unsupported(d: int, vd: int, chunk_size: int) -> str | None:
+  """Why the kernels cannot take these sizes, or None if they can."""
+  if chunk_size not in CHUNK_SIZES:
+    return f"chunk_size must be one of {CHUNK_SIZES} for impl='pallas', got {chunk_size}"
+  if d % 16 or d > MAX_D:
+    return f"q/k last dim D must be a multiple of 16 and <= {MAX_D} for impl='pallas', got {d}"
+  if vd % 16:
+    return f"v last dim V must be a multiple of 16 for impl='pallas', got {vd}"
+  return None
+
+
+def default_platform() -> str:
+  backend = jax.default_backend()
+  return "gpu" if backend in ("gpu", "cuda", "rocm") else ("tpu" if backend == "tpu" else "cpu")
+
+
+def default_config(platform: str, e: int, vd: int) -> Config:
+  """Tile choices per platform. GPU: block_v 32 (16 for E >= 8, the state tile is E*D*block_v
+  float32 in registers); TPU: whole V per program (lane width 128); CPU interpret: 16, so that small
+  test shapes still run several value blocks."""
+  if platform not in PLATFORMS:
+    raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
+  if platform == "gpu":
+    return Config("gpu", block_v=16 if e >= 8 else 32, bwd_block_v=32)
+  if platform == "tpu":
+    return Config("tpu", block_v=vd, bwd_block_v=vd)
+  return Config("cpu", block_v=16, bwd_block_v=16)
+
+
+def _pow2(n: int, least: int = 1) -> int:
+  return max(least, 1 << (n - 1).bit_length())
+
+
+def _chunks(x, nc, c, width=None):
+  """(B, T, H, X) -> (B*H, NC, C, X'), zero-padded in T (and in X up to width)."""
+  b, t, h = x.shape[:3]
+  x = x if x.ndim == 4 else x[..., None]
+  pad_x = 0 if width is None else width - x.shape[-1]
+  x = jnp.pad(x, ((0, 0), (0, nc * c - t), (0, 0), (0, pad_x)))
+  x = jnp.moveaxis(x, 2, 1).reshape(b * h, nc, c, x.shape[-1])
+  return x
+
+
+def _rows(x):
+  return jnp.swapaxes(x, -1, -2)
+
+
+def _forward(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
+  gcc, gcr, a, p = chunk_prep(q, k, k2, _rows(k2), q2, g, _rows(g), beta, erase=erase, cfg=cfg)
+  o, u, states, ht = recurrent.forward(q, k, v, k2, q2, gcc, beta, a, p, h0, scale=scale,
+                                       erase=erase, cfg=cfg)
+  return (o, ht), (q, k, v, k2, q2, beta, gcc, gcr, a, p, u, states)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _core(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
+  return _forward(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg)[0]
+
+
+def _core_fwd(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
+  out, res = _forward(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg)
+  return out, res
+
+
+def _core_bwd(scale, erase, cfg, saved, cotangents):
+  q, k, v, k2, q2, beta, gcc, gcr, a, p, u, states = saved
+  do, dht = cotangents
+  du, dstates, dh0 = recurrent.backward(q, k, do.astype(q.dtype), k2, q2, gcc, beta, a, p,
+                                        dht.astype(F32), scale=scale, erase=erase, cfg=cfg)
+  dq, dk, dv, dk2c, dk2r, dq2, dgcc, dgcr, dbeta = bwd_kernels.chunk_backward(
+      q, k, v, do, u, du, states, dstates, k2, _rows(k2), q2, gcc, gcr, beta, a, scale=scale,
+      erase=erase, cfg=cfg)
+  dgc = dgcc + _rows(dgcr)
+  dg = jnp.flip(jnp.cumsum(jnp.flip(dgc, 2), axis=2), 2)  # gc is a cumsum over the chunk axis
+  dk2 = dk2c + _rows(dk2r)
+  cast = lambda x, ref: x.astype(ref.dtype)
+  return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dk2, k2), cast(dq2, q2), dg,
+          cast(dbeta, beta), dh0)
+
+
+_core.defvjp(_core_fwd, _core_bwd)
+
+
+def triadic_pallas(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: jax.Array,
+                   erase: bool, chunk_size: int, platform: str | None = None,
+                   config: Config | None = None):
+  """Triadic gated delta rule by Pallas kernels. Shapes and result as ``triadic.triadic_gdn``.
+
+  platform: "gpu", "tpu" or "cpu" (interpret); default from ``jax.default_backend()``. Passing it
+  explicitly lets a CPU machine lower the GPU or TPU kernels. Raises ValueError for sizes the
+  kernels cannot take (``unsupported``).
+  """
+  b, t, h, d = q.shape
+  vd, e = v.shape[-1], k2.shape[-1]
+  reason = unsupported(d, vd, chunk_size)
+  if reason:
+    raise ValueError(reason)
+  platform = platform or default_platform()
+  dp, vp, ep = _pow2(d, 16), _pow2(vd, 16), _pow2(e)
+  cfg = config or default_config(platform, ep, vp)
+  c = chunk_size
+  nc = -(-t // c)
+  dtype = q.dtype
+  ch = functools.partial(_chunks, nc=nc, c=c)
+  h0 = initial_state.astype(F32).reshape(b * h, e, d, vd)
+  h0 = jnp.pad(h0, ((0, 0), (0, ep - e), (0, dp - d), (0, vp - vd)))
+  o, ht = _core(ch(q, width=dp), ch(k.astype(dtype), width=dp), ch(v.astype(dtype), width=vp),
+                ch(k2.astype(F32), width=ep), ch(q2.astype(F32), width=ep),
+                ch(g.astype(F32), width=ep), ch(beta.astype(F32)), h0, float(scale), bool(erase),
+                cfg)
+  o = o.reshape(b, h, nc * c, vp)[:, :, :t, :vd]
+  ht = ht[:, :e, :d, :vd].reshape(b, h, e, d, vd)
+  return jnp.moveaxis(o, 1, 2), ht
