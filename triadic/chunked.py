@@ -31,7 +31,6 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
 
 
 def _to_chunks(x: jax.Array, n: int, c: int) -> jax.Array:
@@ -56,6 +55,41 @@ def chunk_masks(gc: jax.Array, k2: jax.Array, q2: jax.Array):
   m = jnp.einsum("...te,...se,...tse->...ts", k2, k2, decay)
   mq = jnp.einsum("...te,...se,...tse->...ts", q2, k2, decay)
   return m, mq
+
+
+@jax.custom_vjp
+def unit_lower_inverse(lower: jax.Array) -> jax.Array:
+  """(I + L)^-1 for strictly lower-triangular L (..., C, C), by forward substitution over rows.
+
+  Why not the alternatives: `jax.scipy.linalg.solve_triangular` deadlocks on jaxlib 0.10's CPU
+  runtime when two solves run at once (LAPACK trsm FFI; seen in training steps on a 2-core machine),
+  and the all-matmul doubling product (I - L)(I + L^2)(I + L^4)... loses every digit in float32
+  when keys in a chunk are aligned (|L_ts| -> 1: L^32 reaches 1e16 at C = 64). Substitution is
+  C - 1 small steps per chunk, every chunk at once, and as accurate as a triangular solve.
+  """
+  c = lower.shape[-1]
+  eye = jnp.broadcast_to(jnp.eye(c, dtype=lower.dtype), lower.shape)
+
+  def row(t, inv):  # row t of A = I - L A only needs rows s < t, which are final
+    new = eye[..., t, :] - jnp.einsum("...s,...sc->...c", lower[..., t, :], inv)
+    return inv.at[..., t, :].set(new)
+
+  return jax.lax.fori_loop(1, c, row, eye)
+
+
+def _unit_lower_inverse_fwd(lower):
+  inv = unit_lower_inverse(lower)
+  return inv, inv
+
+
+def _unit_lower_inverse_bwd(inv, d_inv):
+  """d(A)/d(L) for A = (I + L)^-1: dL = -A^T dA A^T, kept on the strict lower triangle."""
+  c = inv.shape[-1]
+  grad = -jnp.einsum("...ts,...tu,...vu->...sv", inv, d_inv, inv)
+  return (jnp.where(jnp.tril(jnp.ones((c, c), bool), -1), grad, 0.0),)
+
+
+unit_lower_inverse.defvjp(_unit_lower_inverse_fwd, _unit_lower_inverse_bwd)
 
 
 def joint(k2w: jax.Array, k: jax.Array) -> jax.Array:
@@ -87,9 +121,9 @@ def triadic_chunked(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: ja
   if erase:
     tril_strict = jnp.tril(jnp.ones((c, c), bool), -1)
     kk = jnp.einsum("...td,...sd->...ts", k, k)
-    system = jnp.eye(c) + jnp.where(tril_strict, beta[..., None] * kk * m, 0.0)
+    ut = unit_lower_inverse(jnp.where(tril_strict, beta[..., None] * kk * m, 0.0))
     rhs = jnp.concatenate([u_part, beta[..., None] * w_read], axis=-1)
-    sol = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    sol = jnp.einsum("...ts,...sx->...tx", ut, rhs)
     u_part, w_part = sol[..., :vdim], sol[..., vdim:]  # U = u_part - w_part S0 (WY form)
   else:
     w_part = None  # U = beta V: no dependence on the state

@@ -12,8 +12,10 @@ block of the recurrent kernels (SPEC section 1, "The chunked form"):
 The masks are elementwise C x C x E work (64 x 64 x 8 = 32k exponentials per chunk at E = 8), each
 exponent gc_t - gc_s with s <= t, masked before ``exp``: nothing overflows for any g <= 0. The
 cumulative sums are masked reductions (no cumsum lowering in Mosaic; a triangular matmul would be
-TF32 on Triton). A is the doubling product (I - L)(I + L^2)(I + L^4)... (L nilpotent, so
-log2(C) - 1 squarings suffice): 2 (log2 C - 1) float32 matmuls, no sequential substitution.
+TF32 on Triton). The kernel writes the strictly lower L = StrictLower(beta_t (k_t . k_s) M_ts);
+A = (I + L)^-1 is then taken by forward substitution (``triadic.chunked.unit_lower_inverse``),
+not by the all-matmul doubling product (I - L)(I + L^2)(I + L^4)...: that product loses every
+digit in float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g. a repeated token).
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from triadic.chunked import unit_lower_inverse
 from triadic.pallas.common import F32, call, col, colsum, masks, mm, row, rowsum
 
 
@@ -40,21 +43,8 @@ def chunk_gc(g_c, g_r, e, c):
   return gt, gs
 
 
-def ut_inverse(lower, c, precision=None):
-  """(I + L)^-1 for strictly lower-triangular L (C x C, float32) by the doubling product."""
-  _, _, t, s = masks(c)
-  eye = jnp.where(t == s, 1.0, 0.0).astype(F32)
-  inv, power = eye - lower, lower
-  n = 2
-  while n < c:  # after the loop inv = sum_{j < 2n} (-L)^j, and L^c = 0
-    power = mm(power, power, F32, precision=precision)
-    inv = inv + mm(inv, power, F32, precision=precision)
-    n *= 2
-  return inv
-
-
 def _prep_kernel(q_ref, k_ref, k2c, k2r, q2c, gcin, grin, beta_ref,
-                 gcc_ref, gcr_ref, a_ref, p_ref, *, c, e_dim, erase, dtype, precision):
+                 gcc_ref, gcr_ref, a_ref, p_ref, *, c, e_dim, erase, dtype):
   causal, strict, _, _ = masks(c)
   m = jnp.zeros((c, c), F32)
   mq = jnp.zeros((c, c), F32)
@@ -72,7 +62,7 @@ def _prep_kernel(q_ref, k_ref, k2c, k2r, q2c, gcin, grin, beta_ref,
   if erase:
     kk = mm(k, k, dtype, tb=True)
     lower = jnp.where(strict, beta_ref[...].astype(F32) * kk * m, 0.0)
-    a_ref[...] = ut_inverse(lower, c, precision)
+    a_ref[...] = lower
   else:
     a_ref[...] = jnp.zeros((c, c), F32)
 
@@ -85,10 +75,9 @@ def chunk_prep(q, k, k2c, k2r, q2c, g_c, g_r, beta_c, *, erase, cfg):
   bh, nc, c, d = q.shape
   e_dim = k2c.shape[-1]
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))
-  kernel = functools.partial(_prep_kernel, c=c, e_dim=e_dim, erase=erase, dtype=q.dtype,
-                             precision=cfg.f32_precision)
+  kernel = functools.partial(_prep_kernel, c=c, e_dim=e_dim, erase=erase, dtype=q.dtype)
   shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
-  return call(
+  gcc, gcr, lower, p = call(
       kernel, cfg=cfg, grid=(bh, nc),
       in_specs=[spec(c, d), spec(c, d), spec(c, e_dim), spec(e_dim, c), spec(c, e_dim),
                 spec(c, e_dim), spec(e_dim, c), spec(c, 1)],
@@ -96,3 +85,4 @@ def chunk_prep(q, k, k2c, k2r, q2c, g_c, g_r, beta_c, *, erase, cfg):
       out_shape=[shape(c, e_dim), shape(e_dim, c), shape(c, c), shape(c, c)],
       semantics=("parallel", "parallel"), name="triadic_chunk_prep",
   )(q, k, k2c, k2r, q2c, g_c, g_r, beta_c)
+  return gcc, gcr, (unit_lower_inverse(lower) if erase else lower), p
