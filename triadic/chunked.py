@@ -57,24 +57,49 @@ def chunk_masks(gc: jax.Array, k2: jax.Array, q2: jax.Array):
   return m, mq
 
 
+_BASE = 16  # diagonal blocks inverted by row substitution; larger blocks are merged by matmuls
+
+
+def _diag_blocks(x: jax.Array, size: int) -> jax.Array:
+  """The diagonal (size x size) blocks of x (..., n, n), as (..., n / size, size, size)."""
+  m = x.shape[-1] // size
+  x = x.reshape(*x.shape[:-2], m, size, m, size)
+  return jnp.moveaxis(jnp.diagonal(x, axis1=-4, axis2=-2), -1, -3)
+
+
 @jax.custom_vjp
 def unit_lower_inverse(lower: jax.Array) -> jax.Array:
-  """(I + L)^-1 for strictly lower-triangular L (..., C, C), by forward substitution over rows.
+  """(I + L)^-1 for strictly lower-triangular L (..., C, C): blocked forward substitution.
 
-  Why not the alternatives: `jax.scipy.linalg.solve_triangular` deadlocks on jaxlib 0.10's CPU
-  runtime when two solves run at once (LAPACK trsm FFI; seen in training steps on a 2-core machine),
-  and the all-matmul doubling product (I - L)(I + L^2)(I + L^4)... loses every digit in float32
-  when keys in a chunk are aligned (|L_ts| -> 1: L^32 reaches 1e16 at C = 64). Substitution is
-  C - 1 small steps per chunk, every chunk at once, and as accurate as a triangular solve.
+  Diagonal 16 x 16 blocks are inverted by substitution over their rows (15 steps, all blocks at
+  once); then pairs of inverted blocks merge, [[A11, 0], [A21, A22]] with A21 = -A22 L21 A11, up to
+  C (log2(C / 16) levels of matmuls). Every step is substitution, so it is as accurate as a
+  triangular solve. Why not the alternatives: `jax.scipy.linalg.solve_triangular` deadlocks on
+  jaxlib 0.10's CPU runtime when two solves run at once (LAPACK trsm FFI, seen in training steps
+  on a 2-core machine), and the all-matmul doubling product (I - L)(I + L^2)(I + L^4)... loses every
+  digit in float32 when keys in a chunk are aligned (|L_ts| -> 1: L^32 reaches 1e16 at C = 64).
   """
   c = lower.shape[-1]
-  eye = jnp.broadcast_to(jnp.eye(c, dtype=lower.dtype), lower.shape)
+  n = max(1, 1 << (c - 1).bit_length())  # a power of two; zero padding of L is exact
+  base = min(n, _BASE)
+  padded = jnp.pad(lower, [(0, 0)] * (lower.ndim - 2) + [(0, n - c), (0, n - c)])
+  blocks = _diag_blocks(padded, base)
+  eye = jnp.broadcast_to(jnp.eye(base, dtype=lower.dtype), blocks.shape)
 
-  def row(t, inv):  # row t of A = I - L A only needs rows s < t, which are final
-    new = eye[..., t, :] - jnp.einsum("...s,...sc->...c", lower[..., t, :], inv)
+  def row(t, inv):  # row t of A = I - L A needs only rows s < t, which are final
+    new = eye[..., t, :] - jnp.einsum("...s,...sc->...c", blocks[..., t, :], inv)
     return inv.at[..., t, :].set(new)
 
-  return jax.lax.fori_loop(1, c, row, eye)
+  inv = jax.lax.fori_loop(1, base, row, eye)
+  size = base
+  while size < n:
+    l21 = _diag_blocks(padded, 2 * size)[..., size:, :size]
+    a11, a22 = inv[..., 0::2, :, :], inv[..., 1::2, :, :]
+    a21 = -jnp.einsum("...ij,...jk,...kl->...il", a22, l21, a11)
+    top = jnp.concatenate([a11, jnp.zeros_like(a11)], axis=-1)
+    inv = jnp.concatenate([top, jnp.concatenate([a21, a22], axis=-1)], axis=-2)
+    size *= 2
+  return inv[..., 0, :c, :c]
 
 
 def _unit_lower_inverse_fwd(lower):
