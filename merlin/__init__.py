@@ -1,1 +1,19 @@
-"""Multi-state linear attention and MERLIN segment aggregation (ops, aggregators, Flax layers)."""
+"""Multi-state linear attention and MERLIN segment aggregation (SPEC section 2).
+
+``multistate_attention`` is the op (scan oracle and chunk-parallel form behind one ``impl``
+switch); the aggregators turn small keys/queries into segment weights lam; ``MultiStateGDN`` and
+``MultiStateMamba2`` are the Flax Linen mixers (``Mamba2`` the single-state one);
+``state_memory`` reports what the segments and their moments cost.
+"""
+
+from merlin.aggregators import meanpool_weights, merlin_weights, position_weights, vanilla_weights
+from merlin.layers import AGGREGATORS, Aggregator, Mamba2, MultiStateGDN, MultiStateMamba2
+from merlin.memory import StateMemory, state_memory
+from merlin.moments import moment_scores
+from merlin.ops import multistate_attention
+
+__all__ = [
+    "multistate_attention", "merlin_weights", "meanpool_weights", "position_weights",
+    "vanilla_weights", "moment_scores", "Aggregator", "AGGREGATORS", "Mamba2", "MultiStateGDN",
+    "MultiStateMamba2", "state_memory", "StateMemory",
+]

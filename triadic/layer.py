@@ -75,29 +75,50 @@ class TriadicGDN(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array) -> jax.Array:
-    h, d, e = self.num_heads, self.head_dim, self.expand_e
-    vd = self.value_dim or self.head_dim
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    conv = lambda z, name, names: ShortConv(self.conv_width, names, name=name, **kw)(z)
+    q, k, v, k2, q2, g, beta = gdn_inputs(x, self.num_heads, self.head_dim, self.value_dim,
+                                          self.expand_e, self.conv_width, **kw)
+    o, _ = triadic_gdn(q, k, v, k2, q2, g, beta, erase=self.erase, impl=self.impl,
+                       chunk_size=self.chunk_size)
+    return gdn_output(o, x, **kw)
 
-    def stream(features, names, name):
-      z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
-      return conv(z, f"{name}_conv", names)
 
-    q = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "q")))
-    k = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "k")))
-    v = jax.nn.silu(stream((h, vd), ("heads", "head_dim"), "v"))
-    b, t = x.shape[:2]
-    if e > 1:
-      k2 = l2norm(jax.nn.softplus(stream((h, e), ("heads", "expand"), "k2").astype(jnp.float32)))
-      q2 = l2norm(jax.nn.softplus(stream((h, e), ("heads", "expand"), "q2").astype(jnp.float32)))
-    else:
-      k2 = q2 = jnp.ones((b, t, h, 1), jnp.float32)
-    g = DecayGate(h, e, name="decay", **kw)(x)
-    beta = jax.nn.sigmoid(dense((h,), ("embed", "heads"), name="beta_proj", **kw)(x).astype(jnp.float32))
+def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4, *,
+               dtype=jnp.float32, param_dtype=jnp.float32):
+  """The input side of ``TriadicGDN``: (q, k, v, k2, q2, g, beta) from x (B, T, d_model).
 
-    o, _ = triadic_gdn(q, k, v, k2.astype(q.dtype), q2.astype(q.dtype), g, beta, erase=self.erase,
-                       impl=self.impl, chunk_size=self.chunk_size)
-    gate = dense((h, vd), ("embed", "heads", "head_dim"), name="gate_proj", **kw)(x)
-    o = RMSNorm(names=("head_dim",), name="o_norm", **kw)(o) * jax.nn.sigmoid(gate)
-    return dense(x.shape[-1], ("heads", "head_dim", "embed"), axis=(-2, -1), name="out_proj", **kw)(o)
+  Call it inside a compact method: its parameters (q_proj, q_conv, ..., decay, beta_proj) belong to
+  the calling module, under the same names in every layer that uses it, so checkpoints of the
+  single-state layer load into the multi-state one (``merlin.MultiStateGDN``) by name.
+  """
+  h, d, e = num_heads, head_dim, expand_e
+  vd = value_dim or head_dim
+  kw = dict(dtype=dtype, param_dtype=param_dtype)
+
+  def stream(features, names, name):
+    z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
+    return ShortConv(conv_width, names, name=f"{name}_conv", **kw)(z)
+
+  q = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "q")))
+  k = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "k")))
+  v = jax.nn.silu(stream((h, vd), ("heads", "head_dim"), "v"))
+  b, t = x.shape[:2]
+  if e > 1:
+    k2 = l2norm(jax.nn.softplus(stream((h, e), ("heads", "expand"), "k2").astype(jnp.float32)))
+    q2 = l2norm(jax.nn.softplus(stream((h, e), ("heads", "expand"), "q2").astype(jnp.float32)))
+  else:
+    k2 = q2 = jnp.ones((b, t, h, 1), jnp.float32)
+  g = DecayGate(h, e, name="decay", **kw)(x)
+  beta = jax.nn.sigmoid(dense((h,), ("embed", "heads"), name="beta_proj", **kw)(x).astype(jnp.float32))
+  return q, k, v, k2.astype(q.dtype), q2.astype(q.dtype), g, beta
+
+
+def gdn_output(o, x, *, dtype=jnp.float32, param_dtype=jnp.float32):
+  """The output side of ``TriadicGDN``: out_proj(RMSNorm(o) * sigmoid(gate_proj(x))), o (B, T, H, V).
+
+  Like ``gdn_inputs``, call it inside a compact method (parameters gate_proj, o_norm, out_proj).
+  """
+  kw = dict(dtype=dtype, param_dtype=param_dtype)
+  gate = dense(o.shape[-2:], ("embed", "heads", "head_dim"), name="gate_proj", **kw)(x)
+  o = RMSNorm(names=("head_dim",), name="o_norm", **kw)(o) * jax.nn.sigmoid(gate)
+  return dense(x.shape[-1], ("heads", "head_dim", "embed"), axis=(-2, -1), name="out_proj", **kw)(o)

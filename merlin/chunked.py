@@ -1,0 +1,125 @@
+"""Chunk-parallel multi-state linear attention in plain JAX (SPEC section 2).
+
+Chunks of C tokens never straddle a segment (C divides L), so inside a chunk one state, the
+current segment's, is written. With gc the chunk-local inclusive cumsum of g and the decay mask
+``D_ts = exp(gc_t - gc_s)`` (s <= t), the E = 1 case of the triadic chunked form gives, for a
+state entering the chunk as S0:
+
+    A  = (I + StrictLower(beta_t (k_t . k_s) D_ts))^-1             UT transform (erase only)
+    Uv = A (beta V),   W = A (beta exp(gc) K)                        WY form: U = [current] Uv - W S0
+    S  <- Phi S0 + [current] Kw^T Uv,   Phi = exp(gc_C) I - Kw^T W,   Kw_t = exp(gc_C - gc_t) k_t
+
+``Phi`` does not depend on the state, so the whole (N, D, V) stack crosses the chunk as one
+batched product (factored: ``exp(gc_C) S - Kw^T (W S)``), and only the current state gets the
+write. The output splits the same way: with ``P_ts = (q_t . k_s) D_ts`` and the effective query
+``Qe_t = exp(gc_t) q_t - sum_s P_ts W_s``,
+
+    o_t = scale [ lam_t,s (P Uv)_t + sum_i lam_ti Qe_t^T S0^i ]
+
+the second term being one (C, N*D) x (N*D, V) matmul per chunk. Without erase W = 0.
+
+Numerics: every exponent is a later-minus-earlier difference of gc (<= 0); the upper triangle is
+masked before the exponential, so no g <= 0 overflows, forward or backward. Float32 throughout.
+
+Memory: the chunk loop is a two-level ``lax.scan`` whose inner groups of ~sqrt(#chunks) chunks
+are rematerialised, so the backward keeps O(sqrt(#chunks)) stacks, never per-token states.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.scipy.linalg import solve_triangular
+
+from merlin.segments import segment_ids
+
+
+def _chunks(x: jax.Array, n: int, c: int) -> jax.Array:
+  """(B, T, H, ...) -> (B, H, n, C, ...) float32, zero-padded at the end of T."""
+  x = x.astype(jnp.float32)
+  x = jnp.pad(x, [(0, 0), (0, n * c - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+  return jnp.moveaxis(x.reshape(x.shape[0], n, c, *x.shape[2:]), 3, 1)
+
+
+def _group_size(n: int) -> int:
+  """The largest divisor of n that is <= ceil(sqrt(n)): chunks per rematerialised group."""
+  root = math.isqrt(n)
+  root += root * root < n
+  return max(g for g in range(1, root + 1) if n % g == 0)
+
+
+def intra_chunk(q, k, v, g, beta, erase: bool):
+  """Everything inside a chunk that does not touch a state. Inputs (..., C, D|V) and (..., C).
+
+  Returns (uv, w, q_eff, k_write, chunk_decay, intra): Uv (.., C, V); W (.., C, D) or None;
+  Qe (.., C, D); Kw (.., C, D); exp(gc_C) (..,); and P Uv (.., C, V).
+  """
+  c = q.shape[-2]
+  gc = jnp.cumsum(g, axis=-1)  # chunk-local, non-increasing, <= 0
+  causal = jnp.tril(jnp.ones((c, c), bool))
+  diff = gc[..., :, None] - gc[..., None, :]
+  decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)  # D_ts, zero for s > t
+  qk = jnp.einsum("...td,...sd->...ts", q, k) * decay  # P
+  uv = beta[..., None] * v
+  w = None
+  q_eff = jnp.exp(gc)[..., None] * q
+  if erase:
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    kk = jnp.einsum("...td,...sd->...ts", k, k)
+    system = jnp.eye(c) + jnp.where(strict, beta[..., None] * kk * decay, 0.0)
+    rhs = jnp.concatenate([uv, (beta * jnp.exp(gc))[..., None] * k], axis=-1)
+    sol = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    uv, w = sol[..., :v.shape[-1]], sol[..., v.shape[-1]:]
+    q_eff = q_eff - jnp.einsum("...ts,...sd->...td", qk, w)
+  k_write = jnp.exp(gc[..., -1:] - gc)[..., None] * k
+  intra = jnp.einsum("...ts,...sv->...tv", qk, uv)
+  return uv, w, q_eff, k_write, jnp.exp(gc[..., -1]), intra
+
+
+def multistate_chunked(q, k, v, g, beta, lam, *, segment_len: int, scale: float, erase: bool,
+                       chunk_size: int):
+  """Chunk-parallel multi-state recurrence; shapes as ``merlin.multistate_attention``.
+
+  ``lam`` must already be zero for i > s(t); ``chunk_size`` must divide ``segment_len``.
+  Returns o (B, T, H, V) float32.
+  """
+  b, t, h, d = q.shape
+  n_states, vdim = lam.shape[-1], v.shape[-1]
+  c = chunk_size
+  n = -(-t // c)
+  # Padded tokens have q = k = v = beta = lam = 0 and g = 0: no write, no erase, no decay.
+  q, k, v, lam = (_chunks(x, n, c) for x in (q, k, v, lam))
+  g, beta = _chunks(g, n, c), _chunks(beta, n, c)
+  uv, w, q_eff, k_write, chunk_decay, intra = intra_chunk(q, k, v, g, beta, erase)
+
+  owner = jax.nn.one_hot(segment_ids(n, segment_len // c), n_states, dtype=jnp.float32)  # (n, N)
+  lam_cur = jnp.einsum("bhncm,nm->bhnc", lam, owner)
+  o_intra = lam_cur[..., None] * intra
+
+  def step(states, xs):
+    """One chunk: read the stack with the lam-weighted effective query, then carry it across."""
+    lam_c, qe_c, w_c, kw_c, uv_c, dec_c, owner_c = xs
+    query = (lam_c[..., :, None] * qe_c[..., None, :]).reshape(b, h, c, n_states * d)
+    o = jnp.einsum("bhcx,bhxv->bhcv", query, states.reshape(b, h, n_states * d, vdim))
+    carried = dec_c[..., None, None, None] * states
+    if w_c is not None:  # Phi S0 = exp(gc_C) S0 - Kw^T (W S0), all N states in one product
+      carried = carried - jnp.einsum("bhcd,bhncv->bhndv", kw_c,
+                                     jnp.einsum("bhcd,bhndv->bhncv", w_c, states))
+    write = jnp.einsum("bhcd,bhcv->bhdv", kw_c, uv_c)
+    return carried + owner_c[:, None, None] * write[:, :, None], o
+
+  def group(states, xs):
+    return jax.lax.scan(step, states, xs)
+
+  per_group = _group_size(n)
+  split = lambda x: None if x is None else jnp.moveaxis(x, 2, 0).reshape(
+      n // per_group, per_group, *x.shape[:2], *x.shape[3:])
+  xs = tuple(map(split, (lam, q_eff, w, k_write, uv, chunk_decay)))
+  xs += (owner.reshape(n // per_group, per_group, n_states),)
+  init = jnp.zeros((b, h, n_states, d, vdim), jnp.float32)
+  _, o_prev = jax.lax.scan(jax.checkpoint(group), init, xs)
+  o_prev = jnp.moveaxis(o_prev.reshape(n, b, h, c, vdim), 0, 2)
+  o = scale * (o_prev + o_intra)  # (B, H, n, C, V)
+  return jnp.moveaxis(o, 1, 3).reshape(b, n * c, h, vdim)[:, :t]

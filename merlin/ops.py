@@ -1,0 +1,84 @@
+"""The public multi-state op: one function, a scan oracle and a chunk-parallel form of the same math."""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from merlin.chunked import multistate_chunked
+from merlin.scan import multistate_scan
+from merlin.segments import check_segments, visible
+
+IMPLS = ("auto", "scan", "chunked")
+
+
+def validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size):
+  """Raise a ValueError naming the argument and what was expected; return (B, T, H, D, V, N)."""
+  if impl not in IMPLS:
+    raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
+  for name, x, rank, what in (("q", q, 4, "(B, T, H, D)"), ("k", k, 4, "(B, T, H, D)"),
+                              ("v", v, 4, "(B, T, H, V)"), ("g", g, 3, "(B, T, H)"),
+                              ("beta", beta, 3, "(B, T, H)"), ("lam", lam, 4, "(B, T, H, N)")):
+    if x.ndim != rank:
+      raise ValueError(f"{name} must have rank {rank} with shape {what}, got shape {x.shape}")
+  b, t, h, d = q.shape
+  vdim, n = v.shape[-1], lam.shape[-1]
+  for name, x, want, what in (("k", k, (b, t, h, d), "(B, T, H, D)"),
+                              ("v", v, (b, t, h, vdim), "(B, T, H, V)"),
+                              ("g", g, (b, t, h), "(B, T, H)"), ("beta", beta, (b, t, h), "(B, T, H)"),
+                              ("lam", lam, (b, t, h, n), "(B, T, H, N)")):
+    if x.shape != want:
+      raise ValueError(f"{name} must have shape {what} = {want} to match q {q.shape}, got {x.shape}")
+  check_segments(t, segment_len, n, "lam.shape[-1] (N, the number of segment states)")
+  if chunk_size is not None and (not isinstance(chunk_size, int) or chunk_size < 1
+                                 or segment_len % chunk_size):
+    raise ValueError(f"chunk_size must be a positive int dividing segment_len = {segment_len}, "
+                     f"got {chunk_size!r}")
+  if not isinstance(g, jax.core.Tracer) and g.size:  # concrete g (NumPy, so also inside a trace)
+    gmax = float(np.max(np.asarray(g)))
+    if gmax > 0:
+      raise ValueError(f"g is a log decay and must be <= 0 everywhere, got max(g) = {gmax}")
+  return b, t, h, d, vdim, n
+
+
+def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool = True,
+                         scale: float | None = None, impl: str = "auto", chunk_size: int | None = None):
+  """Multi-state gated linear attention (``../shared/SPEC.md`` section 2).
+
+  Segment i = t // segment_len owns state S^i; every state decays (and is erased, if ``erase``)
+  at every token, only the current segment's is written, and the output reads all visible states
+  weighted by ``lam``. With lam = 1 this is Gated DeltaNet (erase) or Mamba-2 / linear attention.
+
+  Args:
+    q, k: (B, T, H, D) query and key.
+    v: (B, T, H, V) value.
+    g: (B, T, H) log decay, <= 0.
+    beta: (B, T, H) write strength (1 for Mamba-2).
+    lam: (B, T, H, N) segment weights from an aggregator; entries for i > t // segment_len are
+      ignored. N >= ceil(T / segment_len) is required.
+    segment_len: tokens per segment, L.
+    erase: True for multi-state Gated DeltaNet, False for multi-state Mamba-2 / linear attention.
+    scale: output scale, default D ** -0.5.
+    impl: "scan" (per-token oracle), "chunked" (chunk-parallel) or "auto" (= "chunked").
+    chunk_size: chunk length C of the chunked form; must divide segment_len. Default
+      gcd(segment_len, 64).
+
+  Returns:
+    o (B, T, H, V) in q's dtype.
+  """
+  _, t, _, d, _, n = validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size)
+  scale = d ** -0.5 if scale is None else scale
+  lam = jnp.where(visible(t, segment_len, n)[:, None, :], lam.astype(jnp.float32), 0.0)
+  # Materialise lam: XLA:CPU otherwise fuses the aggregator's softmax into the chunk relayout and
+  # recomputes it there (100x slower at T = 4096).
+  lam = jax.lax.optimization_barrier(lam)
+  if impl == "scan":
+    o = multistate_scan(q, k, v, g, beta, lam, segment_len=segment_len, scale=scale, erase=erase)
+  else:
+    chunk_size = chunk_size or math.gcd(segment_len, 64)
+    o = multistate_chunked(q, k, v, g, beta, lam, segment_len=segment_len, scale=scale, erase=erase,
+                           chunk_size=chunk_size)
+  return o.astype(q.dtype)

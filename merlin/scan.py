@@ -1,0 +1,43 @@
+"""The per-token recurrence of multi-state linear attention (SPEC section 2): the oracle.
+
+Per batch row and head, a stack of N states S^i (D, V), all zero at the start. For each token t:
+
+    S^i    <- exp(g_t) S^i                          every state
+    S^i    <- S^i - beta_t k_t (k_t^T S^i)          every state, if erase
+    S^s(t) <- S^s(t) + beta_t k_t v_t^T             only the current segment's state
+    o_t     = scale sum_{i <= s(t)} lam_ti (S^i)^T q_t
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from merlin.segments import segment_ids
+
+
+def multistate_scan(q, k, v, g, beta, lam, *, segment_len: int, scale: float, erase: bool):
+  """``jax.lax.scan`` over tokens carrying the (B, H, N, D, V) stack, float32 throughout.
+
+  ``lam`` must already be zero for i > s(t). Returns o (B, T, H, V) float32.
+  """
+  b, t, h, d = q.shape
+  n, vdim = lam.shape[-1], v.shape[-1]
+  time_major = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
+  owner = jax.nn.one_hot(segment_ids(t, segment_len), n, dtype=jnp.float32)  # (T, N)
+  xs = tuple(map(time_major, (q, k, v, g, beta, lam))) + (owner,)
+
+  def step(states, x):
+    q_t, k_t, v_t, g_t, beta_t, lam_t, owner_t = x  # (B,H,D) (B,H,D) (B,H,V) (B,H) (B,H) (B,H,N) (N,)
+    states = states * jnp.exp(g_t)[..., None, None, None]
+    if erase:
+      read = jnp.einsum("bhd,bhndv->bhnv", k_t, states)
+      states = states - jnp.einsum("bh,bhd,bhnv->bhndv", beta_t, k_t, read)
+    write = jnp.einsum("bh,bhd,bhv->bhdv", beta_t, k_t, v_t)
+    states = states + owner_t[:, None, None] * write[:, :, None]
+    o = scale * jnp.einsum("bhn,bhd,bhndv->bhv", lam_t, q_t, states)
+    return states, o
+
+  init = jnp.zeros((b, h, n, d, vdim), jnp.float32)
+  _, o = jax.lax.scan(step, init, xs)
+  return jnp.moveaxis(o, 0, 1)
