@@ -1,0 +1,13 @@
+"""The triadic paper's 400M model: 24 layers, d_model 1024, 8 heads of 128, SwiGLU 2816, 32k
+vocabulary, Triadic GDN with E = 8 (bf16 compute, fp32 params).
+
+  python train.py --config configs/lm_400m.py --workdir runs/lm_400m --config.data.text_glob='corpus/*.txt'
+  python train.py --config configs/lm_400m.py:mqar --workdir runs/lm_400m_bench   # synthetic data
+  python eval.py --count_params --config configs/lm_400m.py
+"""
+
+from lm.paper_configs import lm_config
+
+
+def get_config(data: str = "text"):
+  return lm_config(d_model=1024, num_heads=8, mlp_dim=2816, data=data or "text")

@@ -1,0 +1,88 @@
+"""The shared skeleton of every config file in ``configs/`` and the start-up checks on it.
+
+A config file calls ``base_config(data_name)``, then sets its sizes. ``validate`` runs before any
+work: every bad value fails at start-up with a ValueError naming the key.
+"""
+
+from __future__ import annotations
+
+import ml_collections
+
+from lm import data
+from lm.model import ModelConfig
+
+# Logical axis -> mesh axes. Params are fully sharded over "fsdp" along d_model and split over
+# "tensor" along heads / MLP / vocab; activations are split over the batch axes.
+LOGICAL_AXIS_RULES = [
+    ("batch", ["data", "fsdp"]),
+    ("embed", "fsdp"),
+    ("embed_act", None),
+    ("heads", "tensor"),
+    ("kv_heads", "tensor"),
+    ("mlp", "tensor"),
+    ("vocab", "tensor"),
+    ("head_dim", None),
+    ("expand", None),
+    ("moment", None),
+    ("conv", None),
+    ("layers", None),
+]
+
+
+def base_config(data_name: str) -> ml_collections.ConfigDict:
+  """Every key the scripts read, with defaults for a tiny model on task ``data_name``."""
+  c = ml_collections.ConfigDict()
+  c.seed = 0
+  c.init_from = ""  # a checkpoint (workdir or step dir) to start a new model from
+
+  c.data = data.default_config(data_name)
+
+  c.model = ml_collections.ConfigDict(dict(
+      mixer="triadic_gdn",  # attention | gdn | triadic_gdn | triadic_sgla | mamba2 | multistate_*
+      layer_pattern="",  # e.g. "triadic_gdn,triadic_gdn,triadic_gdn,attention" (repeated)
+      num_layers=2, d_model=64, num_heads=4, head_dim=16, num_kv_heads=0, mlp_dim=128,
+      expand_e=1,  # E of triadic_gdn / triadic_sgla
+      aggregator="merlin", segment_len=64, max_segments=16, d_r=16,  # multi-state mixers
+      state_dim=64,  # Mamba-2's N
+      conv_width=4, impl="auto", chunk_size=64, attention_impl="",
+      dtype="float32",  # compute dtype; params stay float32
+      remat=False,
+  ))
+
+  c.train = ml_collections.ConfigDict(dict(
+      num_steps=1000, batch_size=32,
+      learning_rate=3e-3, warmup_steps=100, min_lr_ratio=0.1,  # warmup + cosine to 10%
+      b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0,
+      log_every=50, checkpoint_every=500, keep_checkpoints=3,
+      peak_tflops=989.0,  # per device, for MFU (H200 dense bf16)
+  ))
+  c.eval = ml_collections.ConfigDict(dict(batch_size=64, step=-1))  # -1: the latest checkpoint
+
+  c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
+  c.logical_axis_rules = [list(r) for r in LOGICAL_AXIS_RULES]
+  return c
+
+
+def validate(config, process_count: int = 1) -> ModelConfig:
+  """Check ``config``; return the ModelConfig. Raises ValueError naming the first bad key."""
+  cfg = ModelConfig.from_config(config)
+  t = config.train
+  for key in ("num_steps", "batch_size", "log_every", "checkpoint_every", "keep_checkpoints"):
+    if not isinstance(t[key], int) or t[key] < 1:
+      raise ValueError(f"train.{key} must be a positive int, got {t[key]!r}")
+  if t.warmup_steps < 0 or t.learning_rate <= 0 or not 0 <= t.min_lr_ratio <= 1:
+    raise ValueError(f"train.learning_rate must be > 0, train.warmup_steps >= 0 and "
+                     f"train.min_lr_ratio in [0, 1]; got {t.learning_rate}, {t.warmup_steps}, "
+                     f"{t.min_lr_ratio}")
+  if t.warmup_steps >= t.num_steps:
+    raise ValueError(f"train.warmup_steps ({t.warmup_steps}) must be less than train.num_steps "
+                     f"({t.num_steps})")
+  if t.batch_size % process_count:
+    raise ValueError(f"train.batch_size ({t.batch_size}) must be a multiple of the number of "
+                     f"processes ({process_count})")
+  if cfg.max_len is not None and config.data.seq_len > cfg.max_len:
+    raise ValueError(f"data.seq_len ({config.data.seq_len}) exceeds model.max_segments * "
+                     f"model.segment_len = {cfg.max_segments} * {cfg.segment_len} = {cfg.max_len}")
+  if not isinstance(config.seed, int) or config.seed < 0:
+    raise ValueError(f"seed must be a non-negative int, got {config.seed!r}")
+  return cfg

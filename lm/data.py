@@ -1,0 +1,399 @@
+"""Training and evaluation data, through grain: MQAR, needle in a haystack, byte-level text.
+
+Every example is laid out for a causal next-token LM, as a dict of numpy arrays of length
+``data.seq_len``:
+
+  inputs   int32    the tokens the model reads;
+  targets  int32    what each position must predict: the next token (at MQAR's answer
+                    positions, the queried key's value, as in Zoology's labels);
+  weights  float32  the loss weight of each position (MQAR and NIAH: 1 on the answers, 0
+                    elsewhere and on padding; text: 1 everywhere).
+
+Synthetic examples are pure functions of ``(seed, stream, index)`` (numpy's SeedSequence), so a
+run is deterministic by seed, every process can build its own share without talking to the
+others, and the grain iterator's whole state is one integer that orbax saves next to the model.
+Evaluation sets use ``data.eval_seed`` and their own streams: every run, whatever its training
+seed, is scored on the same examples.
+
+Entry points: ``default_config(name)`` (the ``config.data`` section), ``make_train_iterator``
+(this process's batches), ``iterator_checkpoint_args`` (orbax args for the iterator state), and
+the ``*_eval_set`` builders that ``lm.evals`` scores.
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+import sys
+from collections.abc import Sequence
+
+import grain
+import ml_collections
+import numpy as np
+
+PAD = 0  # padding token (weight 0) and MQAR's empty slots before random_non_queries fills them
+NEEDLE = 1  # NIAH: opens a needle "NEEDLE key... value..."
+QUERY = 2  # NIAH: opens the final query "QUERY key..." whose continuation is the value
+NIAH_SPECIAL = 3  # NIAH tokens below this are the markers above
+
+# Example streams: training and every evaluation setting draw from disjoint random streams.
+_TRAIN, _EVAL = 0, 1
+
+# Zoology (Arora et al. 2023, the based/zoology figure-2 sweep): vocab 8192, training mixture
+# of (seq_len, num_pairs) with 100k examples of the first setting and 20k of each other one.
+ZOOLOGY_TRAIN_SETTINGS = ((64, 4), (128, 8), (256, 16), (256, 32), (256, 64))
+ZOOLOGY_TRAIN_MIX = (5.0, 1.0, 1.0, 1.0, 1.0)
+ZOOLOGY_EVAL_SETTINGS = ((64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512, 128),
+                         (1024, 256))
+
+
+def default_config(name: str) -> ml_collections.ConfigDict:
+  """The ``config.data`` section for task ``name``: every key its dataset and evaluator read.
+
+  ``name`` is "mqar", "niah" or "text" (small sizes that train on a CPU in minutes), or
+  "mqar_zoology" (Zoology's scale; its ``name`` field is "mqar"). Override fields afterwards.
+  """
+  c = ml_collections.ConfigDict()
+  c.worker_threads = 2  # grain threads that build examples
+  c.prefetch = 8  # batches grain keeps ready
+  c.eval_seed = 0  # evaluation sets do not depend on the training seed
+  if name in ("mqar", "mqar_zoology"):
+    zoology = name == "mqar_zoology"
+    c.name = "mqar"
+    c.vocab_size = 8192 if zoology else 256
+    # Training mixes these (seq_len, num_pairs) settings, each padded to seq_len, drawn with
+    # probabilities proportional to train_mix (empty: uniform).
+    c.train_settings = ZOOLOGY_TRAIN_SETTINGS if zoology else ((64, 2), (64, 4), (64, 8))
+    c.train_mix = ZOOLOGY_TRAIN_MIX if zoology else ()
+    c.seq_len = max(s for s, _ in c.train_settings)
+    c.power_a = 0.01  # Zoology's power law on query gaps (1.0: uniform)
+    c.random_non_queries = True  # fill non-query slots with random tokens, as Zoology does
+    # Accuracy is reported per setting; each runs at its own seq_len.
+    c.eval_settings = ZOOLOGY_EVAL_SETTINGS if zoology else (
+        (64, 1), (64, 2), (64, 4), (64, 8), (64, 16))
+    c.num_eval_examples = 1000 if zoology else 128  # per setting
+  elif name == "niah":
+    c.name = "niah"
+    c.vocab_size = 256
+    c.seq_len = 128
+    c.train_min_len = 32  # training lengths are uniform in [train_min_len, seq_len]
+    c.key_len = 2  # tokens per needle key
+    c.value_len = 2  # tokens per needle value (the answer)
+    c.num_needles = 4  # the queried needle plus num_needles - 1 distractors
+    c.eval_lengths = (64, 128, 256)
+    c.eval_depths = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the queried needle starts: 0 first, 1 last
+    c.num_eval_examples = 32  # per (length, depth) cell
+  elif name == "text":
+    c.name = "text"
+    c.vocab_size = 256  # bytes
+    c.seq_len = 256
+    c.text_glob = ""  # files to read, e.g. "corpus/**/*.txt" (recursive glob)
+    c.eval_fraction = 0.05  # the last bytes of the corpus, held out for evaluation
+    c.eval_seq_len = 0  # 0: seq_len
+    c.num_eval_examples = 64  # held-out windows to score (at most)
+    c.eval_num_buckets = 8  # perplexity is reported per bucket of positions
+  else:
+    raise ValueError(f"name must be one of 'mqar', 'mqar_zoology', 'niah', 'text'; got {name!r}")
+  return c
+
+
+# ---------------------------------------------------------------------------------------------
+# Examples
+
+
+def _example(tokens: np.ndarray, weights: np.ndarray, targets: np.ndarray | None = None,
+             seq_len: int | None = None) -> dict[str, np.ndarray]:
+  """inputs/targets/weights from ``tokens`` (n + 1,) and ``weights`` (n,), padded to seq_len."""
+  n = len(tokens) - 1
+  seq_len = n if seq_len is None else seq_len
+  out = {"inputs": np.full(seq_len, PAD, np.int32), "targets": np.full(seq_len, PAD, np.int32),
+         "weights": np.zeros(seq_len, np.float32)}
+  out["inputs"][:n] = tokens[:-1]
+  out["targets"][:n] = tokens[1:] if targets is None else targets
+  out["weights"][:n] = weights
+  return out
+
+
+def check_mqar_setting(vocab_size: int, seq_len: int, num_pairs: int, where: str = "") -> None:
+  """ValueError unless (seq_len, num_pairs) fits Zoology's layout and the vocabulary."""
+  if num_pairs < 1 or seq_len % 2 or 4 * num_pairs > seq_len:
+    raise ValueError(f"{where or 'MQAR setting'}: need an even seq_len >= 4 * num_pairs and "
+                     f"num_pairs >= 1; got seq_len={seq_len}, num_pairs={num_pairs}")
+  if num_pairs > vocab_size // 2 - 1:
+    raise ValueError(f"{where or 'MQAR setting'}: num_pairs={num_pairs} distinct keys need "
+                     f"vocab_size >= {2 * num_pairs + 2}; got vocab_size={vocab_size}")
+
+
+def mqar_example(rng: np.random.Generator, *, vocab_size: int, seq_len: int, num_pairs: int,
+                 power_a: float = 0.01, random_non_queries: bool = True) -> dict:
+  """One multi-query associative recall example, Zoology's generator (``_mqar``) per row.
+
+  Keys come from [1, vocab/2), values from [vocab/2, vocab), each distinct. The sequence of
+  seq_len + 1 tokens starts with the pairs ``k1 v1 k2 v2 ...``; each key is then queried once,
+  at an even offset ``2 * gap`` of the rest, gaps drawn without replacement from a power law
+  (short gaps likelier). The slot after a query is where its value would come next: that
+  position's target is the value and its weight 1. Slots holding no query are PAD, or random
+  tokens with ``random_non_queries``; as in Zoology the value itself never appears after a query.
+  """
+  check_mqar_setting(vocab_size, seq_len, num_pairs)
+  half = vocab_size // 2
+  keys = rng.choice(np.arange(1, half), size=num_pairs, replace=False)
+  values = rng.choice(np.arange(half, vocab_size), size=num_pairs, replace=False)
+  context = 2 * num_pairs
+  space = (seq_len - context) // 2
+  p = power_a * np.arange(1, space + 1, dtype=np.float64) ** (power_a - 1)
+  gaps = rng.choice(space, size=num_pairs, replace=False, p=p / p.sum())
+  tokens = np.zeros(seq_len + 1, np.int64)
+  tokens[0:context:2], tokens[1:context:2] = keys, values
+  query_pos = context + 2 * gaps
+  tokens[query_pos] = keys
+  if random_non_queries:
+    empty = tokens == 0
+    tokens[empty] = rng.integers(vocab_size, size=int(empty.sum()))
+  targets = tokens[1:].copy()
+  targets[query_pos] = values  # the position of the query predicts the value
+  weights = np.zeros(seq_len, np.float32)
+  weights[query_pos] = 1.0
+  return _example(tokens, weights, targets)
+
+
+def niah_layout(vocab_size: int) -> tuple[range, range, range]:
+  """(filler, key, value) token ranges: the non-marker vocabulary in three disjoint thirds."""
+  third = (vocab_size - NIAH_SPECIAL) // 3
+  a = NIAH_SPECIAL
+  return range(a, a + third), range(a + third, a + 2 * third), range(a + 2 * third, vocab_size)
+
+
+def check_niah(vocab_size: int, length: int, key_len: int, value_len: int, num_needles: int,
+               where: str = "") -> None:
+  """ValueError unless the needles and the query fit in a context of ``length`` tokens."""
+  needle_len = 1 + key_len + value_len
+  # The haystack (all but the query) holds the needles; with distractors it keeps one needle's
+  # length spare, so they always fit on the two sides of the queried needle, wherever it is.
+  need = needle_len * (num_needles + 1 + (num_needles > 1))
+  if min(key_len, value_len, num_needles) < 1 or length + 1 < need:
+    raise ValueError(f"{where or 'NIAH'}: length={length} cannot hold {num_needles} needles and "
+                     f"the query of key_len={key_len}, value_len={value_len} (needs length >= "
+                     f"{need - 1}; all counts >= 1)")
+  _, keys, _ = niah_layout(vocab_size)
+  if len(keys) < 2 or len(keys) ** key_len < num_needles:
+    raise ValueError(f"{where or 'NIAH'}: vocab_size={vocab_size} is too small for "
+                     f"{num_needles} distinct keys of key_len={key_len}")
+
+
+def niah_example(rng: np.random.Generator, *, vocab_size: int, length: int, depth: float,
+                 key_len: int = 2, value_len: int = 2, num_needles: int = 4,
+                 seq_len: int | None = None) -> dict:
+  """One needle-in-a-haystack example of ``length`` input tokens (padded to ``seq_len``).
+
+  Random filler tokens hold ``num_needles`` needles ``NEEDLE k_1..k_K v_1..v_V`` with distinct
+  keys; the queried one starts at fraction ``depth`` of the haystack (0: first token, 1: right
+  before the query), the distractors at random free places. The sequence ends with
+  ``QUERY k_1..k_K v_1..v_V`` of the queried needle: the V positions that predict its value
+  carry weight 1.
+  """
+  if not 0.0 <= depth <= 1.0:
+    raise ValueError(f"depth must be in [0, 1]; got {depth}")
+  check_niah(vocab_size, length, key_len, value_len, num_needles)
+  filler, key_range, value_range = niah_layout(vocab_size)
+  n = length + 1  # tokens, inputs are the first `length`
+  needle_len = 1 + key_len + value_len
+  hay = n - needle_len  # the query (same size as a needle) closes the sequence
+  tokens = rng.integers(filler.start, filler.stop, size=n)
+  codes = rng.choice(len(key_range) ** key_len, size=num_needles, replace=False)
+  keys = np.stack(np.unravel_index(codes, (len(key_range),) * key_len), -1) + key_range.start
+  values = rng.integers(value_range.start, value_range.stop, size=(num_needles, value_len))
+  start = int(round(depth * (hay - needle_len)))
+  left, right = start, hay - start - needle_len  # free room on each side of the queried needle
+  m = num_needles - 1
+  m_left = int(rng.integers(max(0, m - right // needle_len), min(m, left // needle_len) + 1))
+  starts = [start, *_spread(rng, left, m_left, needle_len),
+            *(start + needle_len + _spread(rng, right, m - m_left, needle_len))]
+  for s, key, value in zip(starts, keys, values):
+    tokens[s:s + needle_len] = [NEEDLE, *key, *value]
+  tokens[hay:] = [QUERY, *keys[0], *values[0]]
+  weights = np.zeros(length, np.float32)
+  weights[n - 1 - value_len:] = 1.0  # positions whose next token is a value token
+  return _example(tokens, weights, seq_len=seq_len)
+
+
+def _spread(rng: np.random.Generator, room: int, count: int, width: int) -> np.ndarray:
+  """Uniformly random starts of ``count`` non-overlapping spans of ``width`` within ``room``."""
+  slots = np.sort(rng.choice(room - count * width + count, size=count, replace=False))
+  return slots + np.arange(count) * (width - 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Text
+
+
+def read_text(text_glob: str) -> np.ndarray:
+  """The bytes of every file ``text_glob`` matches (sorted, recursive), concatenated (uint8)."""
+  paths = sorted(p for p in glob.glob(text_glob, recursive=True) if os.path.isfile(p))
+  if not text_glob or not paths:
+    raise ValueError(f"data.text_glob must match at least one file; {text_glob!r} matches none")
+  return np.concatenate([np.fromfile(p, dtype=np.uint8) for p in paths])
+
+
+def pack(data: np.ndarray, seq_len: int) -> np.ndarray:
+  """Non-overlapping windows of seq_len + 1 bytes, (num_windows, seq_len + 1); drops the tail."""
+  n = len(data) // (seq_len + 1)
+  return data[: n * (seq_len + 1)].reshape(n, seq_len + 1)
+
+
+def text_split(c: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
+  """(train, held-out) windows: the corpus's last ``eval_fraction`` of bytes is held out."""
+  if not 0.0 < c.eval_fraction < 1.0:
+    raise ValueError(f"data.eval_fraction must be in (0, 1); got {c.eval_fraction}")
+  data = read_text(c.text_glob)
+  eval_len = c.eval_seq_len or c.seq_len
+  cut = len(data) - max(int(len(data) * c.eval_fraction), eval_len + 1)
+  train, held_out = pack(data[:max(cut, 0)], c.seq_len), pack(data[max(cut, 0):], eval_len)
+  if len(train) == 0 or len(held_out) == 0:
+    raise ValueError(f"data.text_glob={c.text_glob!r}: {len(data)} bytes are too few for one "
+                     f"training window of seq_len + 1 = {c.seq_len + 1} bytes plus one held-out "
+                     f"window of {eval_len + 1}")
+  return train, held_out
+
+
+def _window_example(window: np.ndarray) -> dict:
+  return _example(window.astype(np.int32), np.ones(len(window) - 1, np.float32))
+
+
+# ---------------------------------------------------------------------------------------------
+# Training iterator
+
+
+def _rng(seed: int, stream: int, *index: int) -> np.random.Generator:
+  return np.random.default_rng([seed, stream, *index])
+
+
+def _check_train_config(c: ml_collections.ConfigDict) -> None:
+  """ValueError naming the first ``data.*`` field the training set cannot be built from."""
+  if c.name == "mqar":
+    if not c.train_settings:
+      raise ValueError("data.train_settings must list at least one (seq_len, num_pairs)")
+    for i, (s, k) in enumerate(c.train_settings):
+      check_mqar_setting(c.vocab_size, s, k, f"data.train_settings[{i}]")
+      if s > c.seq_len:
+        raise ValueError(f"data.train_settings[{i}]: seq_len={s} exceeds data.seq_len={c.seq_len}")
+    if c.train_mix and (len(c.train_mix) != len(c.train_settings) or min(c.train_mix) < 0
+                        or sum(c.train_mix) <= 0):
+      raise ValueError(f"data.train_mix must be empty or {len(c.train_settings)} non-negative "
+                       f"weights, one per train setting; got {c.train_mix}")
+  elif c.name == "niah":
+    if not 1 <= c.train_min_len <= c.seq_len:
+      raise ValueError(f"data.train_min_len must be in [1, seq_len={c.seq_len}]; "
+                       f"got {c.train_min_len}")
+    check_niah(c.vocab_size, c.train_min_len, c.key_len, c.value_len, c.num_needles,
+               "data.train_min_len")
+
+
+def _train_example(c: ml_collections.ConfigDict, seed: int, index: int) -> dict:
+  """Training example number ``index`` of a synthetic task, padded to data.seq_len."""
+  rng = _rng(seed, _TRAIN, index)
+  if c.name == "mqar":
+    mix = np.asarray(c.train_mix or [1.0] * len(c.train_settings), np.float64)
+    s, k = c.train_settings[rng.choice(len(mix), p=mix / mix.sum())]
+    ex = mqar_example(rng, vocab_size=c.vocab_size, seq_len=s, num_pairs=k, power_a=c.power_a,
+                      random_non_queries=c.random_non_queries)
+    return {name: _pad(x, c.seq_len) for name, x in ex.items()}
+  length = int(rng.integers(c.train_min_len, c.seq_len + 1))
+  return niah_example(rng, vocab_size=c.vocab_size, length=length, depth=float(rng.random()),
+                      key_len=c.key_len, value_len=c.value_len, num_needles=c.num_needles,
+                      seq_len=c.seq_len)
+
+
+def _pad(x: np.ndarray, n: int) -> np.ndarray:
+  return np.pad(x, (0, n - len(x)), constant_values=PAD)
+
+
+def make_train_iterator(data_config: ml_collections.ConfigDict, *, seed: int,
+                        global_batch_size: int, process_index: int,
+                        process_count: int) -> grain.DatasetIterator:
+  """This process's endless stream of training batches, as a grain ``DatasetIterator``.
+
+  Each batch is a dict of ``inputs``/``targets`` int32 and ``weights`` float32, all
+  (global_batch_size // process_count, data.seq_len). The global stream of examples is fixed
+  by ``seed``; process p takes examples p, p + P, p + 2P, ... so the processes' shares are
+  disjoint and together batch k of every process is global batch k. Text windows are
+  reshuffled every epoch. Save and restore the iterator with ``iterator_checkpoint_args``.
+  """
+  c = data_config
+  if global_batch_size < 1 or process_count < 1 or global_batch_size % process_count:
+    raise ValueError(f"global_batch_size ({global_batch_size}) must be a positive multiple of "
+                     f"process_count ({process_count})")
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index must be in [0, {process_count}); got {process_index}")
+  if not isinstance(seed, (int, np.integer)) or seed < 0:
+    raise ValueError(f"seed must be a non-negative int; got {seed!r}")
+  if c.name == "text":
+    windows, _ = text_split(c)
+    ds = grain.MapDataset.source(windows).shuffle(seed).repeat().map(_window_example)
+  elif c.name in ("mqar", "niah"):
+    _check_train_config(c)
+    ds = grain.MapDataset.range(sys.maxsize).map(lambda i: _train_example(c, seed, i))
+  else:
+    raise ValueError(f"data.name must be 'mqar', 'niah' or 'text'; got {c.name!r}")
+  ds = ds[process_index::process_count].batch(global_batch_size // process_count,
+                                              drop_remainder=True)
+  options = grain.ReadOptions(num_threads=c.worker_threads, prefetch_buffer_size=c.prefetch)
+  return iter(ds.to_iter_dataset(options))
+
+
+def iterator_checkpoint_args(iterator: grain.DatasetIterator, save: bool):
+  """The orbax args that save (``save=True``) or restore the iterator's position.
+
+  Put them in a composite next to the model state, with the same key on save and restore::
+
+    mngr.save(step, args=ocp.args.Composite(state=ocp.args.StandardSave(state),
+                                            data=iterator_checkpoint_args(it, save=True)))
+    fresh = make_train_iterator(...)  # same config, seed and process layout
+    mngr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore(abstract),
+                                               data=iterator_checkpoint_args(fresh, save=False)))
+
+  Restoring sets ``fresh`` in place (the composite's ``data`` entry is ``fresh`` itself): its
+  next batch is the one the saved iterator would have yielded next. grain writes one small
+  JSON file per process, named by ``jax.process_index()``.
+  """
+  cls = grain.checkpoint.CheckpointSave if save else grain.checkpoint.CheckpointRestore
+  return cls(iterator)
+
+
+# ---------------------------------------------------------------------------------------------
+# Evaluation sets
+
+
+def _stack(examples: Sequence[dict]) -> dict[str, np.ndarray]:
+  return {k: np.stack([e[k] for e in examples]) for k in examples[0]}
+
+
+def mqar_eval_set(data_config: ml_collections.ConfigDict, setting: int) -> dict[str, np.ndarray]:
+  """The examples of ``data.eval_settings[setting]``, stacked, at that setting's own seq_len."""
+  c = data_config
+  s, k = c.eval_settings[setting]
+  check_mqar_setting(c.vocab_size, s, k, f"data.eval_settings[{setting}]")
+  return _stack([mqar_example(_rng(c.eval_seed, _EVAL, setting, i), vocab_size=c.vocab_size,
+                              seq_len=s, num_pairs=k, power_a=c.power_a,
+                              random_non_queries=c.random_non_queries)
+                 for i in range(c.num_eval_examples)])
+
+
+def niah_eval_set(data_config: ml_collections.ConfigDict, length_index: int,
+                  depth_index: int) -> dict[str, np.ndarray]:
+  """The examples of one (eval_lengths[i], eval_depths[j]) cell, stacked, of that length."""
+  c = data_config
+  length, depth = c.eval_lengths[length_index], c.eval_depths[depth_index]
+  check_niah(c.vocab_size, length, c.key_len, c.value_len, c.num_needles,
+             f"data.eval_lengths[{length_index}]")
+  return _stack([niah_example(_rng(c.eval_seed, _EVAL, length_index, depth_index, i),
+                              vocab_size=c.vocab_size, length=length, depth=depth,
+                              key_len=c.key_len, value_len=c.value_len,
+                              num_needles=c.num_needles)
+                 for i in range(c.num_eval_examples)])
+
+
+def text_eval_set(data_config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
+  """The first ``num_eval_examples`` held-out windows of eval_seq_len (or seq_len), stacked."""
+  _, held_out = text_split(data_config)
+  return _stack([_window_example(w) for w in held_out[:data_config.num_eval_examples]])

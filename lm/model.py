@@ -1,0 +1,171 @@
+"""The decoder language model: embedding, N blocks of (mixer + SwiGLU MLP, pre-RMSNorm), final
+norm, untied head.
+
+The mixer of each layer comes from ``ModelConfig.layers()``: ``mixer`` for every layer, or a
+``layer_pattern`` repeated over the depth (e.g. three triadic layers then one attention layer).
+One repetition of the pattern is a ``Group``; the groups are stacked with ``nn.scan`` (parameters
+get a leading ``layers`` axis), so compile time does not grow with depth and ``remat`` bounds the
+activation memory.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+
+from lm.mixers import MIXERS, MULTISTATE, make_mixer
+from triadic.nn import RMSNorm, dense
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Every number that shapes the model; built from ``config.model`` and ``config.data``."""
+
+  vocab_size: int
+  num_layers: int
+  d_model: int
+  num_heads: int
+  head_dim: int
+  mlp_dim: int
+  mixer: str = "triadic_gdn"
+  layer_pattern: str = ""
+  num_kv_heads: int = 0
+  expand_e: int = 1
+  aggregator: str = "merlin"
+  segment_len: int = 256
+  max_segments: int = 64
+  d_r: int = 128
+  state_dim: int = 64
+  conv_width: int = 4
+  impl: str = "auto"
+  chunk_size: int = 64
+  attention_impl: str | None = None
+  dtype: str = "float32"
+  remat: bool = False
+
+  @classmethod
+  def from_config(cls, config) -> "ModelConfig":
+    """Read ``config.model`` (+ ``config.data.vocab_size``), ignoring keys the model does not use."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    kw = {k: v for k, v in config.model.items() if k in names}
+    kw["vocab_size"] = config.data.vocab_size
+    if kw.get("attention_impl") == "":
+      kw["attention_impl"] = None
+    return cls(**kw)
+
+  def __post_init__(self):
+    for name in ("vocab_size", "num_layers", "d_model", "num_heads", "head_dim", "mlp_dim",
+                 "expand_e", "segment_len", "max_segments", "d_r", "state_dim", "conv_width",
+                 "chunk_size"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or value < 1:
+        raise ValueError(f"model.{name} must be a positive int, got {value!r}")
+    if self.dtype not in DTYPES:
+      raise ValueError(f"model.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
+    pattern = self.pattern()
+    for m in pattern:
+      if m not in MIXERS:
+        where = "model.layer_pattern" if self.layer_pattern else "model.mixer"
+        raise ValueError(f"{where} names unknown mixer {m!r}; known mixers: {MIXERS}")
+    if self.num_layers % len(pattern):
+      raise ValueError(f"model.num_layers ({self.num_layers}) must be a multiple of the length of "
+                       f"model.layer_pattern {pattern} ({len(pattern)})")
+    kvh = self.num_kv_heads or self.num_heads
+    if "attention" in pattern and self.num_heads % kvh:
+      raise ValueError(f"model.num_kv_heads ({kvh}) must divide model.num_heads ({self.num_heads})")
+
+  def pattern(self) -> tuple[str, ...]:
+    """The mixers of one repeating group of layers."""
+    if self.layer_pattern:
+      return tuple(m.strip() for m in self.layer_pattern.split(",") if m.strip())
+    return (self.mixer,)
+
+  def layers(self) -> tuple[str, ...]:
+    """The mixer of every layer, bottom to top."""
+    return self.pattern() * (self.num_layers // len(self.pattern()))
+
+  @property
+  def max_len(self) -> int | None:
+    """The longest sequence the model accepts (multi-state mixers hold max_segments segments)."""
+    if any(m in MULTISTATE for m in self.pattern()):
+      return self.max_segments * self.segment_len
+    return None
+
+  @property
+  def compute_dtype(self):
+    return DTYPES[self.dtype]
+
+
+class Mlp(nn.Module):
+  """SwiGLU: ``down(silu(gate(x)) * up(x))``."""
+
+  hidden: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x):
+    kw = dict(dtype=self.dtype)
+    gate = dense(self.hidden, ("embed", "mlp"), name="gate", **kw)(x)
+    up = dense(self.hidden, ("embed", "mlp"), name="up", **kw)(x)
+    return dense(x.shape[-1], ("mlp", "embed"), name="down", **kw)(jax.nn.silu(gate) * up)
+
+
+class Block(nn.Module):
+  """``x + mixer(norm(x))`` then ``x + mlp(norm(x))``."""
+
+  cfg: ModelConfig
+  mixer: str
+
+  @nn.compact
+  def __call__(self, x):
+    dt = self.cfg.compute_dtype
+    x = nn.with_logical_constraint(x, ("batch", None, "embed_act"))
+    h = RMSNorm(dtype=dt, name="mixer_norm")(x)
+    x = x + make_mixer(self.mixer, self.cfg, dtype=dt, name="mixer")(h).astype(x.dtype)
+    h = RMSNorm(dtype=dt, name="mlp_norm")(x)
+    return x + Mlp(self.cfg.mlp_dim, dtype=dt, name="mlp")(h).astype(x.dtype)
+
+
+class Group(nn.Module):
+  """One repetition of the layer pattern (the body of the scan over depth)."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, x, _):
+    for i, mixer in enumerate(self.cfg.pattern()):
+      x = Block(self.cfg, mixer, name=f"block{i}")(x)
+    return x, None
+
+
+class LM(nn.Module):
+  """Decoder LM: int32 tokens (B, T) -> float32 logits (B, T, vocab_size)."""
+
+  cfg: ModelConfig
+
+  @nn.compact
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    cfg = self.cfg
+    if tokens.ndim != 2:
+      raise ValueError(f"tokens must have shape (B, T), got shape {tokens.shape}")
+    if cfg.max_len is not None and tokens.shape[1] > cfg.max_len:
+      raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.max_segments * "
+                       f"model.segment_len = {cfg.max_segments} * {cfg.segment_len} = {cfg.max_len}")
+    embed = nn.Embed(cfg.vocab_size, cfg.d_model, name="embed",
+                     embedding_init=nn.with_logical_partitioning(
+                         nn.initializers.normal(0.02), ("vocab", "embed")))
+    x = embed(tokens).astype(jnp.float32)  # the residual stream stays float32
+    group = nn.remat(Group, prevent_cse=False) if cfg.remat else Group
+    stack = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
+                    length=cfg.num_layers // len(cfg.pattern()),
+                    metadata_params={nn.PARTITION_NAME: "layers"})
+    x, _ = stack(cfg, name="layers")(x, None)
+    x = RMSNorm(dtype=cfg.compute_dtype, name="final_norm")(x)
+    logits = dense(cfg.vocab_size, ("embed", "vocab"), dtype=cfg.compute_dtype, name="head")(x)
+    return logits.astype(jnp.float32)

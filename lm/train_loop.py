@@ -1,0 +1,142 @@
+"""The training loop: set up mesh, state and data; restore or initialise; step; log; checkpoint.
+
+A run never loses more than one checkpoint interval: it saves every ``train.checkpoint_every``
+steps, at the end, and when preempted (SIGTERM; on several processes, JAX's preemption sync
+point so that all of them save the same step). Restarting with the same workdir resumes from
+the latest checkpoint (model, optimizer and data iterator) and continues the same loss curve.
+Before any save, every step since the last check is checked for a finite loss and gradient, so a
+NaN stops the run and the last checkpoint on disk is a good one.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+from typing import Callable
+
+import jax
+import numpy as np
+from absl import logging
+from etils import epath
+from jax.experimental import multihost_utils
+
+from lm import checkpoint, costs, data, init_from, logger, sharding, state as state_lib
+from lm.config import validate
+
+
+class _Preemption:
+  """Becomes true on SIGTERM (one process) or at JAX's preemption sync point (several)."""
+
+  def __init__(self):
+    self.event = threading.Event()
+    self.multi = jax.process_count() > 1
+    self.previous = None
+    if not self.multi and threading.current_thread() is threading.main_thread():
+      self.previous = signal.signal(signal.SIGTERM, lambda *_: self.event.set())
+
+  def __call__(self, step: int) -> bool:
+    if self.multi:
+      return multihost_utils.reached_preemption_sync_point(step)
+    return self.event.is_set()
+
+  def restore(self):
+    if self.previous is not None:
+      signal.signal(signal.SIGTERM, self.previous)
+
+
+def _write_config(config, workdir: str) -> None:
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+
+
+def train(config, workdir: str, *, stop_at: Callable[[int], bool] | None = None) -> dict:
+  """Train ``config`` in ``workdir``; returns the last logged metrics.
+
+  ``stop_at(step)`` (for tests) acts like a preemption after that step.
+  """
+  cfg = validate(config, jax.process_count())
+  mesh = sharding.make_mesh(config.mesh)
+  batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  t = config.train
+  if t.batch_size % batch_shards:
+    raise ValueError(f"train.batch_size ({t.batch_size}) must be a multiple of the data x fsdp "
+                     f"mesh size ({batch_shards})")
+  rules = sharding.rules(config)
+  setup = state_lib.create(cfg, t, mesh, rules, config.data.seq_len)
+  step_fn = state_lib.jit_train_step(setup, t, mesh, rules)
+  os.makedirs(workdir, exist_ok=True)
+
+  iterator = data.make_train_iterator(config.data, seed=config.seed, global_batch_size=t.batch_size,
+                                      process_index=jax.process_index(),
+                                      process_count=jax.process_count())
+  mngr = checkpoint.manager(workdir, t.keep_checkpoints)
+  seq_len = config.data.seq_len
+  log = logger.MetricsLogger(workdir, t.num_steps, t.batch_size * seq_len,
+                             costs.flops_per_token(cfg, seq_len),
+                             t.peak_tflops * 1e12 * jax.device_count())
+
+  latest = mngr.latest_step()
+  if latest is not None:
+    step_dir = checkpoint.step_dir(workdir, latest)
+    checkpoint.check_matches(checkpoint.saved_param_shapes(step_dir),
+                             checkpoint.param_shapes(setup.abstract_state.params), str(step_dir))
+    state = checkpoint.restore(mngr, latest, setup.abstract_state, iterator)
+    log.truncate(latest)
+    logging.info("resumed from step %d of %s", latest, mngr.directory)
+  else:
+    state = setup.init(jax.random.key(config.seed))
+    if config.init_from:
+      params, _ = init_from.load(config.init_from, state.params, setup.shardings.params)
+      state = state.replace(params=params)
+    log.truncate(0)
+  _write_config(config, workdir)
+  preempted = _Preemption()
+
+  start = int(jax.device_get(state.step))
+  pending: list[tuple[int, dict]] = []
+  last = {}
+
+  def check_and_log():
+    """Fetch pending metrics; stop on a non-finite loss; log every ``log_every`` step."""
+    nonlocal last
+    for step, m in jax.device_get(pending):
+      m = {k: float(v) for k, v in m.items()}
+      if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
+        mngr.wait_until_finished()
+        raise FloatingPointError(
+            f"loss is {m['loss']} (grad norm {m['grad_norm']}) at step {step}: stopping. The last "
+            f"good checkpoint is step {mngr.latest_step()} in {mngr.directory}.")
+      if step % t.log_every == 0 or step == t.num_steps:
+        log.write(step, m)
+      last = {"step": step, **m}
+    pending.clear()
+
+  logging.info("training %s from step %d to %d on mesh %s", cfg.layers(), start, t.num_steps,
+               dict(mesh.shape))
+  try:
+    for step in range(start + 1, t.num_steps + 1):
+      batch = sharding.global_batch(next(iterator), mesh)
+      state, metrics = step_fn(state, batch)
+      pending.append((step, metrics))
+      if step == start + 1:  # the first step compiles: time throughput from here on
+        jax.block_until_ready(metrics)
+        log.mark(step)
+      stop = preempted(step) or (stop_at is not None and stop_at(step))
+      save = stop or step % t.checkpoint_every == 0 or step == t.num_steps
+      if save or step % t.log_every == 0:
+        check_and_log()
+      if save:
+        checkpoint.save(mngr, step, state, iterator, force=True)
+      if stop:
+        logging.info("preempted: saved step %d, exiting", step)
+        break
+    check_and_log()
+  finally:
+    mngr.wait_until_finished()
+    mngr.close()
+    log.close()
+    preempted.restore()
+  return last

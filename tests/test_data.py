@@ -1,0 +1,205 @@
+"""lm.data: generators give the right answers, iterators are sharded, seeded and resumable."""
+
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from lm import data
+
+
+def _mqar_config(**overrides):
+  c = data.default_config("mqar")
+  c.num_eval_examples = 8
+  c.update(overrides)
+  return c
+
+
+def _text_config(tmp_path, seq_len=15, size=3000):
+  corpus = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
+  (tmp_path / "docs").mkdir()
+  corpus[: size // 2].tofile(tmp_path / "docs" / "a.txt")
+  corpus[size // 2:].tofile(tmp_path / "docs" / "b.txt")
+  c = data.default_config("text")
+  c.text_glob = str(tmp_path / "docs" / "*.txt")
+  c.seq_len = seq_len
+  c.eval_fraction = 0.1
+  return c, corpus
+
+
+def _iterator(c, seed=0, batch=4, index=0, count=1):
+  return data.make_train_iterator(c, seed=seed, global_batch_size=batch, process_index=index,
+                                  process_count=count)
+
+
+def _rows(batch):
+  return {r.tobytes() for r in batch["inputs"]}
+
+
+@pytest.mark.parametrize("seq_len,num_pairs,random_fill", [(64, 4, True), (128, 16, False),
+                                                           (32, 8, True)])
+def test_mqar_targets_are_the_values_of_the_queried_keys(seq_len, num_pairs, random_fill):
+  vocab = 256
+  for seed in range(20):
+    ex = data.mqar_example(np.random.default_rng(seed), vocab_size=vocab, seq_len=seq_len,
+                           num_pairs=num_pairs, random_non_queries=random_fill)
+    x, y, w = ex["inputs"], ex["targets"], ex["weights"]
+    keys, values = x[0:2 * num_pairs:2], x[1:2 * num_pairs:2]
+    assert len(set(keys)) == num_pairs and ((keys >= 1) & (keys < vocab // 2)).all()
+    assert ((values >= vocab // 2) & (values < vocab)).all()
+    answer = np.flatnonzero(w)
+    assert w.sum() == num_pairs and (answer >= 2 * num_pairs).all()
+    assert sorted(x[answer]) == sorted(keys)  # every key queried exactly once
+    pairs = dict(zip(keys, values))
+    assert [pairs[k] for k in x[answer]] == list(y[answer])
+    other = np.setdiff1d(np.arange(seq_len - 1), answer)
+    np.testing.assert_array_equal(y[other], x[other + 1])  # elsewhere: the next token
+    if not random_fill:
+      assert (x[2 * num_pairs:][w[2 * num_pairs:] == 0] == data.PAD).all()
+
+
+@pytest.mark.parametrize("depth", [0.0, 0.4, 1.0])
+@pytest.mark.parametrize("num_needles", [1, 3])
+def test_niah_answer_is_the_planted_needles_value(depth, num_needles):
+  kl, vl, length = 2, 3, 60
+  nl = 1 + kl + vl
+  for seed in range(10):
+    ex = data.niah_example(np.random.default_rng(seed), vocab_size=64, length=length,
+                           depth=depth, key_len=kl, value_len=vl, num_needles=num_needles,
+                           seq_len=70)
+    x, y, w = ex["inputs"], ex["targets"], ex["weights"]
+    tokens = np.append(x[:length], y[length - 1])
+    assert w.sum() == vl and (w[length:] == 0).all() and (x[length:] == data.PAD).all()
+    query = length + 1 - nl
+    assert tokens[query] == data.QUERY
+    key = tokens[query + 1:query + 1 + kl]
+    starts = np.flatnonzero(tokens[:query] == data.NEEDLE)
+    assert len(starts) == num_needles
+    match = [s for s in starts if (tokens[s + 1:s + 1 + kl] == key).all()]
+    assert len(match) == 1
+    assert match[0] == round(depth * (query - nl))
+    np.testing.assert_array_equal(y[w > 0], tokens[match[0] + 1 + kl:match[0] + nl])
+
+
+def test_niah_rejects_a_context_too_short_for_its_needles():
+  with pytest.raises(ValueError, match="length=20"):
+    data.niah_example(np.random.default_rng(0), vocab_size=64, length=20, depth=0.5,
+                      num_needles=4)
+  with pytest.raises(ValueError, match="depth"):
+    data.niah_example(np.random.default_rng(0), vocab_size=64, length=64, depth=1.5)
+
+
+@pytest.mark.parametrize("name", ["mqar", "niah", "text"])
+def test_batches_have_the_interface_shapes_and_dtypes(name, tmp_path):
+  c = _text_config(tmp_path)[0] if name == "text" else data.default_config(name)
+  batch = next(_iterator(c, batch=6, index=1, count=2))
+  assert set(batch) == {"inputs", "targets", "weights"}
+  for k, dtype in [("inputs", np.int32), ("targets", np.int32), ("weights", np.float32)]:
+    assert batch[k].shape == (3, c.seq_len) and batch[k].dtype == dtype
+  assert batch["inputs"].max() < c.vocab_size and batch["targets"].max() < c.vocab_size
+  if name == "text":
+    assert (batch["weights"] == 1).all()
+  else:
+    assert 0 < batch["weights"].sum() < batch["weights"].size
+
+
+def test_mqar_training_mixes_settings_and_pads():
+  c = _mqar_config(train_settings=((16, 2), (32, 8)), seq_len=40)
+  batch = next(_iterator(c, batch=32))
+  answers = batch["weights"].sum(axis=1)
+  assert set(answers) == {2.0, 8.0}
+  short = answers == 2
+  assert (batch["inputs"][short, 16:] == data.PAD).all()
+  assert (batch["weights"][:, 32:] == 0).all()
+
+
+@pytest.mark.parametrize("name", ["mqar", "niah"])
+def test_synthetic_stream_is_determined_by_seed(name):
+  c = data.default_config(name)
+  a, b, other = _iterator(c, seed=3), _iterator(c, seed=3), _iterator(c, seed=4)
+  for _ in range(2):
+    x, y, z = next(a), next(b), next(other)
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])
+    assert not np.array_equal(x["inputs"], z["inputs"])
+
+
+def test_text_windows_are_packed_bytes_of_the_corpus_and_cover_an_epoch(tmp_path):
+  c, corpus = _text_config(tmp_path)
+  train, held_out = data.text_split(c)
+  window = c.seq_len + 1
+  assert len(train) == (len(corpus) - 300) // window and held_out.shape[1] == window
+  it = _iterator(c, seed=5, batch=2)
+  rows = np.concatenate([next(it)["inputs"] for _ in range(len(train) // 2)])
+  first = next(_iterator(c, seed=5, batch=2))
+  np.testing.assert_array_equal(first["targets"][:, :-1], first["inputs"][:, 1:])
+  for r, t in zip(first["inputs"], first["targets"]):
+    start = corpus.tobytes().index(r.astype(np.uint8).tobytes())
+    assert start % window == 0 and corpus[start + window - 1] == t[-1]
+  # One epoch is a permutation of the training windows, not their stored order.
+  assert _rows({"inputs": rows}) == _rows({"inputs": train[:len(rows), :-1].astype(np.int32)})
+  assert not np.array_equal(rows, train[:len(rows), :-1])
+
+
+def test_text_glob_matching_nothing_is_a_clear_error(tmp_path):
+  c = data.default_config("text")
+  c.text_glob = str(tmp_path / "missing" / "*.txt")
+  with pytest.raises(ValueError, match="data.text_glob"):
+    _iterator(c)
+
+
+@pytest.mark.parametrize("name", ["mqar", "text"])
+def test_processes_read_disjoint_shares_of_the_global_batch(name, tmp_path):
+  c = _text_config(tmp_path)[0] if name == "text" else data.default_config(name)
+  whole = _iterator(c, seed=1, batch=8)
+  shards = [_iterator(c, seed=1, batch=8, index=p, count=2) for p in range(2)]
+  for _ in range(3):
+    full = _rows(next(whole))
+    parts = [_rows(next(s)) for s in shards]
+    assert not parts[0] & parts[1]
+    assert parts[0] | parts[1] == full
+
+
+def test_bad_arguments_name_what_is_wrong():
+  with pytest.raises(ValueError, match="global_batch_size"):
+    _iterator(data.default_config("mqar"), batch=5, count=2)
+  with pytest.raises(ValueError, match="process_index"):
+    _iterator(data.default_config("mqar"), index=2, count=2)
+  with pytest.raises(ValueError, match=r"data.train_settings\[0\]"):
+    _iterator(_mqar_config(train_settings=((64, 40),)))
+  with pytest.raises(ValueError, match="exceeds data.seq_len"):
+    _iterator(_mqar_config(train_settings=((128, 4),), seq_len=64))
+  with pytest.raises(ValueError, match="name"):
+    data.default_config("copying")
+
+
+def test_zoology_scale_settings_are_valid():
+  c = data.default_config("mqar_zoology")
+  assert c.name == "mqar" and c.vocab_size == 8192 and c.seq_len == 256
+  assert max(c.eval_settings) == (1024, 256)
+  c.num_eval_examples = 2
+  ex = data.mqar_eval_set(c, len(c.eval_settings) - 1)
+  assert ex["inputs"].shape == (2, 1024) and ex["weights"].sum() == 2 * 256
+  assert next(_iterator(c, batch=2))["inputs"].shape == (2, 256)
+
+
+@pytest.mark.parametrize("name", ["mqar", "text"])
+def test_iterator_state_round_trips_through_orbax(name, tmp_path):
+  c = _text_config(tmp_path)[0] if name == "text" else data.default_config(name)
+  it = _iterator(c, seed=2, batch=4)
+  for _ in range(3):
+    next(it)
+  options = ocp.CheckpointManagerOptions(max_to_keep=2)
+  with ocp.CheckpointManager(tmp_path / "ckpt", options=options) as mngr:
+    mngr.save(3, args=ocp.args.Composite(data=data.iterator_checkpoint_args(it, save=True)))
+    mngr.wait_until_finished()
+  expected = [next(it) for _ in range(2)]
+  fresh = _iterator(c, seed=2, batch=4)
+  with ocp.CheckpointManager(tmp_path / "ckpt", options=options) as mngr:
+    assert mngr.latest_step() == 3
+    restored = mngr.restore(3, args=ocp.args.Composite(
+        data=data.iterator_checkpoint_args(fresh, save=False)))
+  assert restored.data is fresh
+  for want in expected:
+    got = next(fresh)
+    for k in want:
+      np.testing.assert_array_equal(got[k], want[k])

@@ -1,0 +1,96 @@
+"""Training end to end on a tiny config: train, checkpoint, resume exactly, preempt, evaluate,
+init_from, mismatching checkpoints and the NaN guard."""
+
+import json
+import os
+import signal
+
+import numpy as np
+import pytest
+
+from lm import eval_loop, state as state_lib, train_loop
+from tests.train_util import tiny_config
+
+
+def losses(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return {r["step"]: r["loss"] for r in map(json.loads, f)}
+
+
+def test_train_checkpoint_evaluate(tmp_path):
+  c = tiny_config()
+  last = train_loop.train(c, str(tmp_path))
+  assert last["step"] == 6 and np.isfinite(last["loss"])
+  assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "6"]
+  assert (tmp_path / "tensorboard").is_dir()
+  result = eval_loop.evaluate(eval_loop.load_config(str(tmp_path)), str(tmp_path))
+  assert result["step"] == 6
+  assert any(f.endswith(".png") for f in os.listdir(tmp_path / "eval"))
+
+
+def test_preempted_run_resumes_on_the_same_curve(tmp_path):
+  """SIGTERM after step 2 saves step 3 and stops; the restart continues to the identical curve."""
+  c = tiny_config()
+  c.train.checkpoint_every = 100  # only the preemption and the end save
+  straight = train_loop.train(c, str(tmp_path / "a"))
+
+  def sigterm_at_2(step):
+    if step == 2:
+      os.kill(os.getpid(), signal.SIGTERM)
+    return False
+
+  stopped = train_loop.train(c, str(tmp_path / "b"), stop_at=sigterm_at_2)
+  assert stopped["step"] == 3
+  assert sorted(os.listdir(tmp_path / "b" / "checkpoints")) == ["3"]
+  resumed = train_loop.train(c, str(tmp_path / "b"))
+  assert resumed["step"] == straight["step"] == 6
+  assert losses(tmp_path / "b") == losses(tmp_path / "a")
+
+
+def test_checkpoint_of_another_model_is_a_clear_error(tmp_path):
+  train_loop.train(tiny_config(), str(tmp_path))
+  other = tiny_config(mixer="triadic_gdn", expand_e=4)
+  with pytest.raises(ValueError, match=r"does not match the model(.|\n)*k2_proj/kernel: missing"):
+    train_loop.train(other, str(tmp_path))
+
+
+def test_init_from_e1_to_e8(tmp_path):
+  src = tiny_config(mixer="triadic_gdn", expand_e=1)
+  src.train.num_steps = 3
+  train_loop.train(src, str(tmp_path / "e1"))
+  dst = tiny_config(mixer="triadic_gdn", expand_e=8)
+  dst.train.num_steps = 2
+  dst.init_from = str(tmp_path / "e1")
+  import jax
+  from lm import checkpoint, init_from, sharding
+  from lm.config import validate
+  mesh = sharding.make_mesh(dst.mesh)
+  setup = state_lib.create(validate(dst), dst.train, mesh, sharding.rules(dst), 32)
+  fresh = setup.init(jax.random.key(0)).params
+  params, plan = init_from.load(dst.init_from, fresh, setup.shardings.params)
+  source = checkpoint.load_params(checkpoint.step_dir(str(tmp_path / "e1")),
+                                  state_lib.create(validate(src), src.train, mesh,
+                                                   sharding.rules(src), 32).abstract_state.params)
+  mixer, src_mixer = params["layers"]["block0"]["mixer"], source["layers"]["block0"]["mixer"]
+  np.testing.assert_array_equal(mixer["q_proj"]["kernel"], src_mixer["q_proj"]["kernel"])
+  a_log = np.asarray(mixer["decay"]["A_log"])
+  assert a_log.shape == (2, 4, 8)
+  np.testing.assert_array_equal(a_log, np.broadcast_to(src_mixer["decay"]["A_log"], (2, 4, 8)))
+  assert "layers/block0/mixer/k2_proj/kernel" in plan["new"]
+  assert "layers/block0/mixer/decay/a_proj/kernel" in plan["broadcast"]
+  # And through the training loop: it starts from the source and trains.
+  assert np.isfinite(train_loop.train(dst, str(tmp_path / "e8"))["loss"])
+
+
+def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch):
+  c = tiny_config()
+  c.train.num_steps, c.train.checkpoint_every = 6, 2
+  stop_after_2 = lambda step: step == 2
+  train_loop.train(c, str(tmp_path), stop_at=stop_after_2)
+  real = state_lib.loss_fn
+  monkeypatch.setattr(state_lib, "loss_fn",
+                      lambda *a: (lambda l, aux: (l * np.nan, aux))(*real(*a)))
+  with pytest.raises(FloatingPointError, match="at step 3: stopping. The last good checkpoint is step 2"):
+    train_loop.train(c, str(tmp_path))
+  assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]

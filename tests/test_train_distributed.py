@@ -1,0 +1,65 @@
+"""The sharded step on 8 fake CPU devices (data x tensor) and a two-process jax.distributed run
+both give the loss of one device. Each runs in subprocesses so the flags stay out of pytest."""
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+SCRIPT = textwrap.dedent("""
+    import json, sys, jax
+    if {coordinator!r}:
+      jax.distributed.initialize({coordinator!r}, num_processes=2, process_id={process_id})
+    from lm import train_loop
+    from tests.train_util import tiny_config
+    c = tiny_config()
+    c.train.num_steps, c.train.checkpoint_every = 3, 3
+    c.mesh.update(data={data}, tensor={tensor})
+    last = train_loop.train(c, {workdir!r})
+    print("RESULT", json.dumps(last))
+""")
+
+
+def run(tmp_path, name, *, devices=1, data=1, tensor=1, coordinator="", process_id=0, wait=True):
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  code = SCRIPT.format(coordinator=coordinator, process_id=process_id, data=data, tensor=tensor,
+                       workdir=str(tmp_path / name))
+  proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+  return proc if not wait else result(proc)
+
+
+def result(proc):
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0, out[-3000:]
+  line = [l for l in out.splitlines() if l.startswith("RESULT ")][-1]
+  return json.loads(line[len("RESULT "):])
+
+
+def test_sharded_step_matches_one_device(tmp_path):
+  one = run(tmp_path, "one")
+  eight = run(tmp_path, "eight", devices=8, data=4, tensor=2)
+  assert eight["step"] == one["step"] == 3
+  assert eight["loss"] == pytest.approx(one["loss"], rel=1e-5)
+  assert eight["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
+
+
+def test_two_processes_agree(tmp_path):
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  coord = f"127.0.0.1:{port}"
+  procs = [run(tmp_path, "multi", devices=1, data=2, coordinator=coord, process_id=i, wait=False)
+           for i in range(2)]
+  a, b = [result(p) for p in procs]
+  one = run(tmp_path, "single")
+  assert a["step"] == b["step"] == 3
+  assert a["loss"] == b["loss"]
+  assert a["loss"] == pytest.approx(one["loss"], rel=1e-5)
