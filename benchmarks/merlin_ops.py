@@ -11,28 +11,18 @@ relative-RMS distance between the two outputs, and names the machine.
 On a CPU shared with other jobs, XLA's multi-threaded kernels stall under oversubscription (the
 chunked form, which has the larger parallel ops, by up to 100x); pin one core for stable numbers:
 
-    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false --xla_cpu_enable_concurrency_optimized_scheduler=false" \
-      taskset -c 0 python benchmarks/merlin_ops.py --T 4096 --H 2 --D 32 --V 32 --R 32
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false" taskset -c 0 python benchmarks/merlin_ops.py --T 4096 --H 2 --D 32 --V 32 --R 32
 """
 
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import os
 import platform
 import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-# XLA:CPU (jaxlib 0.10.2, 2 cores) deadlocks, idle, in the forward+backward of the MERLIN
-# aggregator + chunked op at T >= 1024 under its concurrency-optimised thunk scheduler; the
-# sequential scheduler runs it. Only on CPU-only installs, and only if the user did not choose.
-_FLAG = "--xla_cpu_enable_concurrency_optimized_scheduler=false"
-if (not any(importlib.util.find_spec(f"jax_cuda{v}_plugin") for v in (12, 13))
-    and "concurrency_optimized_scheduler" not in os.environ.get("XLA_FLAGS", "")):
-  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " + _FLAG).strip()
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402

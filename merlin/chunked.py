@@ -31,9 +31,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from jax.scipy.linalg import solve_triangular
-
 from merlin.segments import segment_ids
+from triadic.chunked import unit_lower_inverse
 
 
 def _chunks(x: jax.Array, n: int, c: int) -> jax.Array:
@@ -68,9 +67,9 @@ def intra_chunk(q, k, v, g, beta, erase: bool):
   if erase:
     strict = jnp.tril(jnp.ones((c, c), bool), -1)
     kk = jnp.einsum("...td,...sd->...ts", k, k)
-    system = jnp.eye(c) + jnp.where(strict, beta[..., None] * kk * decay, 0.0)
+    ut = unit_lower_inverse(jnp.where(strict, beta[..., None] * kk * decay, 0.0))
     rhs = jnp.concatenate([uv, (beta * jnp.exp(gc))[..., None] * k], axis=-1)
-    sol = solve_triangular(system, rhs, lower=True, unit_diagonal=True)
+    sol = jnp.einsum("...ts,...sx->...tx", ut, rhs)
     uv, w = sol[..., :v.shape[-1]], sol[..., v.shape[-1]:]
     q_eff = q_eff - jnp.einsum("...ts,...sd->...td", qk, w)
   k_write = jnp.exp(gc[..., -1:] - gc)[..., None] * k

@@ -233,3 +233,28 @@ def test_aligned_keys_stay_accurate(impl):
   want_o, want_s = triadic_reference(q, k, v, k2, q2, g, beta)
   o, s = triadic_gdn(q, k, v, k2, q2, g, beta, impl=impl, chunk_size=64)
   assert rel_rms(o, want_o) < 2e-5 and rel_rms(s, want_s) < 2e-5
+
+
+@pytest.mark.parametrize("erase", [True, False])
+def test_prefill_then_decode_steps_continue_the_sequence(erase):
+  """triadic_gdn over a prompt that ends mid-chunk, then triadic_gdn_step token by token, equals
+  one pass over the whole sequence (outputs and final state)."""
+  from triadic import triadic_gdn_step
+  args = make_inputs(31, 2, 45, 2, 8, 6, 3)
+  prompt = 37  # not a multiple of the chunk
+  want_o, want_s = triadic_reference(*args, erase=erase)
+  o, state = triadic_gdn(*(x[:, :prompt] for x in args), erase=erase, impl="chunked", chunk_size=16)
+  outs = [o]
+  step = jax.jit(lambda s, *xs: triadic_gdn_step(s, *xs, erase=erase))
+  for t in range(prompt, 45):
+    o_t, state = step(state, *(x[:, t] for x in args))
+    outs.append(o_t[:, None])
+  assert rel_rms(jnp.concatenate(outs, axis=1), want_o) < 2e-5
+  assert rel_rms(state, want_s) < 2e-5
+
+
+def test_step_rejects_bad_shapes():
+  from triadic import triadic_gdn_step
+  q, k, v, k2, q2, g, beta = (x[:, 0] for x in make_inputs(0, 1, 2, 2, 4, 4, 2))
+  with pytest.raises(ValueError, match=r"state must have shape \(B, H, E, D, V\)"):
+    triadic_gdn_step(jnp.zeros((1, 2, 3, 4, 4)), q, k, v, k2, q2, g, beta)

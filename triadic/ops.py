@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from triadic.scan import token_step, triadic_scan
 
@@ -15,7 +16,7 @@ def _check(name, x, rank, what):
     raise ValueError(f"{name} must have rank {rank} with shape {what}, got shape {x.shape}")
 
 
-def validate(q, k, v, k2, q2, g, beta, initial_state, impl, chunk_size):
+def validate(q, k, v, k2, q2, g, beta, initial_state, impl, chunk_size, state_name="initial_state"):
   """Raise a ValueError naming the argument and the expected shape for any bad input.
 
   Returns (B, T, H, D, V, E). Positivity of g is checked only for concrete arrays (not under jit).
@@ -40,14 +41,16 @@ def validate(q, k, v, k2, q2, g, beta, initial_state, impl, chunk_size):
           f"{name} must have shape {names[name]} = {expected[name]} to match q {q.shape} "
           f"(B={b}, T={t}, H={h}, D={d}) and k2 (E={e}), got {x.shape}")
   if initial_state is not None and initial_state.shape != (b, h, e, d, vdim):
-    raise ValueError(f"initial_state must have shape (B, H, E, D, V) = {(b, h, e, d, vdim)}, "
+    raise ValueError(f"{state_name} must have shape (B, H, E, D, V) = {(b, h, e, d, vdim)}, "
                      f"got {initial_state.shape}")
   if not isinstance(chunk_size, int) or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-  if not isinstance(g, jax.core.Tracer):
-    gmax = float(jnp.max(g)) if g.size else 0.0
-    if gmax > 0:
-      raise ValueError(f"g is a log decay and must be <= 0 everywhere, got max(g) = {gmax}")
+  try:  # concrete g only: under jit the values are not known at trace time
+    gmax = float(np.max(np.asarray(g))) if g.size else 0.0
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    gmax = 0.0
+  if gmax > 0:
+    raise ValueError(f"g is a log decay and must be <= 0 everywhere, got max(g) = {gmax}")
   return b, t, h, d, vdim, e
 
 
@@ -108,7 +111,7 @@ def triadic_gdn_step(state, q, k, v, k2, q2, g, beta, *, scale=None, erase=True)
   over the tokens after ``triadic_gdn(..., )`` returned ``final_state`` continues that sequence exactly.
   """
   add_t = lambda x: x[:, None]
-  validate(*map(add_t, (q, k, v, k2, q2, g, beta)), state, "scan", 1)
+  validate(*map(add_t, (q, k, v, k2, q2, g, beta)), state, "scan", 1, state_name="state")
   if scale is None:
     scale = q.shape[-1] ** -0.5
   f32 = lambda x: x.astype(jnp.float32)
