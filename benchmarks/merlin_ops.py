@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
@@ -29,14 +28,9 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import merlin  # noqa: E402
+from benchmarks.common import machine  # noqa: E402
 
 MOMENTS = {"scan": "scan", "chunked": "parallel"}
-
-
-def machine() -> str:
-  dev = jax.devices()[0]
-  return (f"{platform.node()} | {dev.platform} {dev.device_kind} x{jax.device_count()} | "
-          f"{os.cpu_count()} CPUs | jax {jax.__version__}")
 
 
 def inputs(key, b, t, h, d, vdim, r, n):

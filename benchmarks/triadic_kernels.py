@@ -20,11 +20,16 @@ import statistics
 import sys
 import time
 
-import jax
-import jax.numpy as jnp
-import numpy as np
+import os
 
-from triadic.ops import triadic_gdn
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from benchmarks.common import triadic_inputs as inputs  # noqa: E402
+from triadic.ops import triadic_gdn  # noqa: E402
 
 SHAPES = {4096: 8, 16384: 2, 65536: 1}  # T -> B, 32768 tokens per batch
 
@@ -34,19 +39,6 @@ def chunked_flops(b, t, h, d, vd, e, c=64):
   A rhs and P U (4 C V), the state read, the output read and the state write (6 E D V). The UT
   inverse and the elementwise masks are not counted. Forward+backward is counted as 3x forward."""
   return b * t * h * (4 * c * d + 4 * c * vd + 6 * e * d * vd)
-
-
-def inputs(key, b, t, h, d, vd, e, dtype):
-  ks = jax.random.split(key, 8)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(jax.random.normal(ks[0], (b, t, h, d)))
-  k = unit(jax.random.normal(ks[1], (b, t, h, d)))
-  v = jax.random.normal(ks[2], (b, t, h, vd))
-  k2 = unit(jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, e))))
-  q2 = unit(jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, e))))
-  g = -0.1 * jax.nn.softplus(jax.random.normal(ks[5], (b, t, h, e)))
-  beta = jax.nn.sigmoid(jax.random.normal(ks[6], (b, t, h)))
-  return [x.astype(dtype) for x in (q, k, v, k2, q2, g, beta)]
 
 
 def timeit(fn, args, reps):

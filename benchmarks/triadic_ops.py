@@ -4,7 +4,7 @@
     python benchmarks/triadic_ops.py --T 2048,8192 --E 1,4,8 --B 1 --H 4 --D 64
 
 Prints one table with the times of both impls side by side, their ratio, and each impl's
-relative-RMS distance from a float64 NumPy oracle on the same inputs (checked at the smallest T),
+relative-RMS distance from the tests' float64 NumPy oracle on the same inputs (at the smallest T),
 and names the machine.
 """
 
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import sys
 import time
 
@@ -22,41 +21,9 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from benchmarks.common import machine, triadic_inputs  # noqa: E402
+from tests.triadic_reference import triadic_reference  # noqa: E402
 from triadic import triadic_gdn  # noqa: E402
-
-
-def machine() -> str:
-  dev = jax.devices()[0]
-  return (f"{platform.node()} | {dev.platform} {dev.device_kind} x{jax.device_count()} | "
-          f"{os.cpu_count()} CPUs | jax {jax.__version__}")
-
-
-def inputs(key, b, t, h, d, vdim, e, dtype):
-  ks = jax.random.split(key, 7)
-  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
-  q = unit(jax.random.normal(ks[0], (b, t, h, d)))
-  k = unit(jax.random.normal(ks[1], (b, t, h, d)))
-  v = jax.random.normal(ks[2], (b, t, h, vdim))
-  k2 = unit(jax.nn.softplus(jax.random.normal(ks[3], (b, t, h, e))))
-  q2 = unit(jax.nn.softplus(jax.random.normal(ks[4], (b, t, h, e))))
-  g = -0.1 * jax.random.uniform(ks[5], (b, t, h, e))
-  beta = jax.nn.sigmoid(jax.random.normal(ks[6], (b, t, h)))
-  return tuple(x.astype(dtype) for x in (q, k, v, k2, q2)) + (g, beta)
-
-
-def oracle(q, k, v, k2, q2, g, beta):
-  """float64 NumPy per-token loop (SPEC section 1), for the accuracy column."""
-  q, k, v, k2, q2, g, beta = (np.asarray(x, np.float64) for x in (q, k, v, k2, q2, g, beta))
-  b, t, h, d = q.shape
-  s = np.zeros((b, h, k2.shape[-1], d, v.shape[-1]))
-  o = np.zeros(v.shape)
-  for i in range(t):
-    s *= np.exp(g[:, i])[..., None, None]
-    r = np.einsum("bhe,bhd,bhedv->bhv", k2[:, i], k[:, i], s)
-    u = beta[:, i, :, None] * (v[:, i] - r)
-    s += np.einsum("bhe,bhd,bhv->bhedv", k2[:, i], k[:, i], u)
-    o[:, i] = q.shape[-1] ** -0.5 * np.einsum("bhe,bhd,bhedv->bhv", q2[:, i], q[:, i], s)
-  return o
 
 
 def timed(fn, args, reps):
@@ -92,9 +59,9 @@ def main():
   smallest = min(int(x) for x in a.T.split(","))
   for t in (int(x) for x in a.T.split(",")):
     for e in (int(x) for x in a.E.split(",")):
-      args = inputs(jax.random.PRNGKey(t * 31 + e), a.B, t, a.H, a.D, a.V, e, dtype)
+      args = triadic_inputs(jax.random.PRNGKey(t * 31 + e), a.B, t, a.H, a.D, a.V, e, dtype)
       row, fb, errs = f"{t:>6} {e:>3} ", {}, []
-      ref = oracle(*args) if t == smallest else None
+      ref = triadic_reference(*args)[0] if t == smallest else None
       for impl in impls:
         fwd = jax.jit(lambda *x, impl=impl: triadic_gdn(*x, impl=impl, chunk_size=a.chunk)[0])
         loss = lambda *x, impl=impl: jnp.sum(triadic_gdn(*x, impl=impl, chunk_size=a.chunk)[0]

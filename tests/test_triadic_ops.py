@@ -258,3 +258,13 @@ def test_step_rejects_bad_shapes():
   q, k, v, k2, q2, g, beta = (x[:, 0] for x in make_inputs(0, 1, 2, 2, 4, 4, 2))
   with pytest.raises(ValueError, match=r"state must have shape \(B, H, E, D, V\)"):
     triadic_gdn_step(jnp.zeros((1, 2, 3, 4, 4)), q, k, v, k2, q2, g, beta)
+
+
+@pytest.mark.parametrize("t", [40, 64])
+def test_jit_of_the_output_alone(t):
+  """One chunk, only o used under jit: the case jaxlib 0.10's CPU YNNPACK fusions miscompile
+  (triadic/_xla_cpu.py)."""
+  args = make_inputs(37, 1, t, 4, 64, 64, 2)
+  o = jax.jit(lambda *xs: triadic_gdn(*xs, impl="chunked", chunk_size=64)[0])(*args)
+  want, _ = triadic_reference(*args)
+  assert rel_rms(o, want) < 2e-5

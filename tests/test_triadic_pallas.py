@@ -9,9 +9,16 @@ Error bounds (relative RMS, ||a - b|| / ||b||):
   chunk-start states kept in bf16).
 Shapes are small (interpret mode is slow, CI has 2 cores) but odd: T not a multiple of the chunk,
 E = 3 (padded to 4 inside), V = 48 (padded to 64), several value blocks per program.
+The sharded case (batch and heads over a 2 x 2 mesh of fake CPU devices) runs in a subprocess.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +29,8 @@ from triadic import triadic_gdn
 from triadic.pallas.ops import triadic_pallas
 
 jax.config.update("jax_default_matmul_precision", "highest")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 BOUNDS = {jnp.float32: dict(out=1e-4, state=1e-4, grad=1e-4),
           jnp.bfloat16: dict(out=1.5e-2, state=1e-2, grad=2e-2)}
@@ -137,3 +146,65 @@ def test_aligned_keys_stay_accurate():
   assert rel_rms(o, o_ref) < 1e-4 and rel_rms(s, s_ref) < 1e-4
   for name, got, want in zip(NAMES, grads, ref_grads):
     assert rel_rms(got, want) < 1e-4, name
+
+
+SHARDED_SCRIPT = textwrap.dedent("""
+    import json, re, sys
+    import jax, jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    jax.config.update("jax_default_matmul_precision", "highest")
+    from tests.test_triadic_pallas import make_inputs, rel_rms, value_and_grads, NAMES
+    from triadic import triadic_gdn
+
+    b, t, h, d, vdim, e, chunk = 2, 40, 2, 16, 32, 2, 16
+    args, do, ds = make_inputs(0, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.float32)
+    ref_grads, (o_ref, s_ref) = value_and_grads("scan", args, do, ds, erase=True, chunk_size=chunk)
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    specs = [P("data", None, "tensor")] * 7 + [P("data", "tensor")]
+    sharded = [jax.device_put(x, NamedSharding(mesh, s)) for x, s in zip(args, specs)]
+    do = jax.device_put(do, NamedSharding(mesh, specs[0]))
+    ds = jax.device_put(ds, NamedSharding(mesh, specs[-1]))
+    report = {}
+    for partitioner in ("shardy", "gspmd"):
+      jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
+
+      def loss(*a):
+        o, s = triadic_gdn(*a[:7], initial_state=a[7], impl="pallas", chunk_size=chunk)
+        return jnp.sum(o * do) + jnp.sum(s * ds), (o, s)
+
+      f = jax.jit(jax.grad(loss, argnums=tuple(range(8)), has_aux=True))
+      hlo = f.lower(*sharded).compile().as_text()
+      grads, (o, s) = f(*sharded)
+      report[partitioner] = dict(
+          errors={"o": rel_rms(o, o_ref), "state": rel_rms(s, s_ref),
+                  **{"d" + n: rel_rms(g, r) for n, g, r in zip(NAMES, grads, ref_grads)}},
+          # the kernels' merged (B*H, NC, C, X) layout: global B*H = 4, per device 1
+          global_kernel_shape=bool(re.search(r"\\[4,3,16,", hlo)),
+          local_kernel_shape=bool(re.search(r"\\[1,3,16,", hlo)),
+          all_gathers=len(re.findall(r"all-gather", hlo)),
+          sharded_like_inputs=[str(g.sharding.spec) == str(s) for g, s in zip(grads, specs)]
+                              + [str(o.sharding.spec) == str(specs[0])])
+    print("RESULT", json.dumps(report))
+""")
+
+
+def test_pallas_runs_per_shard_under_jit():
+  """Batch over "data" and heads over "tensor" on 4 fake CPU devices, under Shardy and GSPMD:
+  values and gradients match the unsharded scan, every device runs the kernels on its own
+  (B/2, H/2) slice (no all-gather of the operands, no array of the global kernel layout), and
+  outputs and gradients keep the inputs' sharding. In a subprocess so the device count flag
+  stays out of this pytest session."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], cwd=ROOT, env=env, text=True,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+  report = json.loads(line[len("RESULT "):])
+  bound = BOUNDS[jnp.float32]["grad"]
+  for partitioner, r in report.items():
+    for name, err in r["errors"].items():
+      assert err < bound, f"{partitioner}: {name} rel RMS {err:.2e}"
+    assert r["all_gathers"] == 0, (partitioner, r)
+    assert not r["global_kernel_shape"] and r["local_kernel_shape"], (partitioner, r)
+    assert all(r["sharded_like_inputs"]), (partitioner, r)

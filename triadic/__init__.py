@@ -4,7 +4,11 @@
 ``TriadicGDN`` is the Flax Linen layer.
 """
 
-from triadic.layer import DecayGate, TriadicGDN
-from triadic.ops import triadic_gdn, triadic_gdn_step
+from triadic import _xla_cpu
+
+_xla_cpu.apply()
+
+from triadic.layer import DecayGate, TriadicGDN  # noqa: E402
+from triadic.ops import triadic_gdn, triadic_gdn_step  # noqa: E402
 
 __all__ = ["triadic_gdn", "triadic_gdn_step", "TriadicGDN", "DecayGate"]

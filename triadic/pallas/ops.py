@@ -6,10 +6,17 @@ loop per value block; saves chunk-start states and U). Backward (``jax.custom_vj
 ``backward.chunk_backward`` (parallel over chunks: every input gradient). Only the inputs, gc, A, P,
 U and the chunk-start states are kept from the forward; M, M', K K^T and Q K^T are recomputed.
 
-Layout: (B, T, H, X) -> (B*H, NC, C, X) with T zero-padded to NC*C (padded tokens have k = q = v =
-beta = k2 = q2 = 0 and g = 0, so they leave the state alone). D and V are zero-padded to a power of
-two (Triton tensors are powers of two; zero rows/columns of the state stay zero), E likewise.
+Layout: (B, T, H, X) -> (B, H, NC, C, X) with T zero-padded to NC*C (padded tokens have k = q = v =
+beta = k2 = q2 = 0 and g = 0, so they leave the state alone); the kernels see (B*H, NC, C, X).
+D and V are zero-padded to a power of two (Triton tensors are powers of two; zero rows/columns of
+the state stay zero), E likewise.
 The platform is the default backend's: Triton on GPU, Mosaic on TPU, ``interpret=True`` on CPU.
+
+Sharding: the forward (outputs and residuals) and the backward are each one custom-partitioned
+function (``partition.batch_head_partitioned``) whose operands and results all keep (B, H) as
+leading dims, merged to B*H only inside. Under jit with B and/or H sharded on any mesh axes, each
+device then runs the kernels on its own (B/b, H/h) slice instead of gathering the global batch.
+The ``jax.custom_vjp`` stays outside them (custom_partitioning defines no derivative).
 """
 
 from __future__ import annotations
@@ -20,7 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from triadic.pallas import backward as bwd_kernels
-from triadic.pallas import recurrent
+from triadic.pallas import partition, recurrent
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import F32, PLATFORMS, Config
 
@@ -62,39 +69,62 @@ def _pow2(n: int, least: int = 1) -> int:
 
 
 def _chunks(x, nc, c, width=None):
-  """(B, T, H, X) -> (B*H, NC, C, X'), zero-padded in T (and in X up to width)."""
+  """(B, T, H, X) -> (B, H, NC, C, X'), zero-padded in T (and in X up to width)."""
   b, t, h = x.shape[:3]
   x = x if x.ndim == 4 else x[..., None]
   pad_x = 0 if width is None else width - x.shape[-1]
   x = jnp.pad(x, ((0, 0), (0, nc * c - t), (0, 0), (0, pad_x)))
-  x = jnp.moveaxis(x, 2, 1).reshape(b * h, nc, c, x.shape[-1])
-  return x
+  return jnp.moveaxis(x, 2, 1).reshape(b, h, nc, c, x.shape[-1])
 
 
 def _rows(x):
   return jnp.swapaxes(x, -1, -2)
 
 
-def _forward(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
+def _merge(x):
+  """(B, H, ...) -> (B*H, ...): the kernels' layout (a bitcast, no copy)."""
+  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _split(x, b, h):
+  """(B*H, ...) -> (B, H, ...), so that every partitioned operand and result shards on B and H."""
+  return x.reshape(b, h, *x.shape[1:])
+
+
+# Shardy rules of the partitioned forward and backward: b, h may be sharded on any mesh axes; the
+# chunk axis n, the chunk c (and s, the second chunk index of A and P), D, V, E and the size-1 axis
+# of beta must be whole on every device (the recurrence runs along n and c).
+_REPLICATED = ("n", "c", "s", "d", "v", "e", "one")
+_FWD_RULE = ("b h n c d, b h n c d, b h n c v, b h n c e, b h n c e, b h n c e, b h n c one, "
+             "b h e d v -> b h n c v, b h e d v, b h n c e, b h n e c, b h n c s, b h n c s, "
+             "b h n c v, b h n e d v")
+_BWD_RULE = ("b h n c d, b h n c d, b h n c v, b h n c e, b h n c e, b h n c one, b h n c e, "
+             "b h n e c, b h n c s, b h n c s, b h n c v, b h n e d v, b h n c v, b h e d v "
+             "-> b h n c d, b h n c d, b h n c v, b h n c e, b h n c e, b h n c e, b h n c one, "
+             "b h e d v")
+
+
+def _forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
+  """Forward kernels on (B, H, NC, C, X) operands and h0 (B, H, E, D, V).
+
+  Returns (o, final state) and the residuals gc (column and row layouts), A, P, U and the
+  chunk-start states, all with leading (B, H).
+  """
+  b, h = q.shape[:2]
+  q, k, v, k2, q2, g, beta, h0 = map(_merge, (q, k, v, k2, q2, g, beta, h0))
   gcc, gcr, a, p = chunk_prep(q, k, k2, _rows(k2), q2, g, _rows(g), beta, erase=erase, cfg=cfg)
   o, u, states, ht = recurrent.forward(q, k, v, k2, q2, gcc, beta, a, p, h0, scale=scale,
                                        erase=erase, cfg=cfg)
-  return (o, ht), (q, k, v, k2, q2, beta, gcc, gcr, a, p, u, states)
+  return tuple(_split(x, b, h) for x in (o, ht, gcc, gcr, a, p, u, states))
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _core(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
-  return _forward(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg)[0]
-
-
-def _core_fwd(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
-  out, res = _forward(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg)
-  return out, res
-
-
-def _core_bwd(scale, erase, cfg, saved, cotangents):
-  q, k, v, k2, q2, beta, gcc, gcr, a, p, u, states = saved
-  do, dht = cotangents
+def _backward(scale, erase, cfg, q, k, v, k2, q2, beta, gcc, gcr, a, p, u, states, do, dht):
+  """Backward kernels: the residuals of ``_forward`` and the cotangents (do, dht), all with
+  leading (B, H). Returns the gradients of the eight ``_forward`` operands, in their dtypes."""
+  b, h = q.shape[:2]
+  dtypes = (q.dtype, k.dtype, v.dtype, k2.dtype, q2.dtype, beta.dtype)
+  q, k, v, k2, q2, beta, gcc, gcr, a, p, u, states, do, dht = map(
+      _merge, (q, k, v, k2, q2, beta, gcc, gcr, a, p, u, states, do, dht))
   du, dstates, dh0 = recurrent.backward(q, k, do.astype(q.dtype), k2, q2, gcc, beta, a, p,
                                         dht.astype(F32), scale=scale, erase=erase, cfg=cfg)
   dq, dk, dv, dk2c, dk2r, dq2, dgcc, dgcr, dbeta = bwd_kernels.chunk_backward(
@@ -103,9 +133,29 @@ def _core_bwd(scale, erase, cfg, saved, cotangents):
   dgc = dgcc + _rows(dgcr)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dgc, 2), axis=2), 2)  # gc is a cumsum over the chunk axis
   dk2 = dk2c + _rows(dk2r)
-  cast = lambda x, ref: x.astype(ref.dtype)
-  return (cast(dq, q), cast(dk, k), cast(dv, v), cast(dk2, k2), cast(dq2, q2), dg,
-          cast(dbeta, beta), dh0)
+  dq, dk, dv, dk2, dq2, dbeta = (x.astype(dt) for x, dt in zip((dq, dk, dv, dk2, dq2, dbeta),
+                                                                 dtypes))
+  return tuple(_split(x, b, h) for x in (dq, dk, dv, dk2, dq2, dg, dbeta, dh0))
+
+
+_forward_sharded = partition.batch_head_partitioned(_forward, n_static=3, rule=_FWD_RULE,
+                                                    replicated=_REPLICATED)
+_backward_sharded = partition.batch_head_partitioned(_backward, n_static=3, rule=_BWD_RULE,
+                                                     replicated=_REPLICATED)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
+def _core(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
+  return _forward_sharded(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)[:2]
+
+
+def _core_fwd(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
+  o, ht, *res = _forward_sharded(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)
+  return (o, ht), (q, k, v, k2, q2, beta, *res)
+
+
+def _core_bwd(scale, erase, cfg, saved, cotangents):
+  return _backward_sharded(scale, erase, cfg, *saved, *cotangents)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
@@ -132,12 +182,12 @@ def triadic_pallas(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: jax
   nc = -(-t // c)
   dtype = q.dtype
   ch = functools.partial(_chunks, nc=nc, c=c)
-  h0 = initial_state.astype(F32).reshape(b * h, e, d, vd)
-  h0 = jnp.pad(h0, ((0, 0), (0, ep - e), (0, dp - d), (0, vp - vd)))
+  pad_state = ((0, 0), (0, 0), (0, ep - e), (0, dp - d), (0, vp - vd))
+  h0 = jnp.pad(initial_state.astype(F32), pad_state)
   o, ht = _core(ch(q, width=dp), ch(k.astype(dtype), width=dp), ch(v.astype(dtype), width=vp),
                 ch(k2.astype(F32), width=ep), ch(q2.astype(F32), width=ep),
                 ch(g.astype(F32), width=ep), ch(beta.astype(F32)), h0, float(scale), bool(erase),
                 cfg)
   o = o.reshape(b, h, nc * c, vp)[:, :, :t, :vd]
-  ht = ht[:, :e, :d, :vd].reshape(b, h, e, d, vd)
+  ht = ht[:, :, :e, :d, :vd]
   return jnp.moveaxis(o, 1, 2), ht
