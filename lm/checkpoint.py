@@ -18,10 +18,16 @@ from etils import epath
 from lm import data
 
 
+def absolute(path) -> str:
+  """Local paths made absolute (orbax needs it: a relative step dir loses its metadata); URLs as is."""
+  path = str(path)
+  return path if "://" in path else os.path.abspath(path)
+
+
 def manager(workdir: str, keep: int, *, read_only: bool = False) -> ocp.CheckpointManager:
   options = ocp.CheckpointManagerOptions(max_to_keep=keep, enable_async_checkpointing=True,
                                          read_only=read_only, create=not read_only)
-  return ocp.CheckpointManager(os.path.join(os.path.abspath(workdir), "checkpoints"), options=options)
+  return ocp.CheckpointManager(os.path.join(absolute(workdir), "checkpoints"), options=options)
 
 
 def save(mngr: ocp.CheckpointManager, step: int, state, iterator, *, force: bool = False) -> bool:
@@ -41,7 +47,7 @@ def restore(mngr: ocp.CheckpointManager, step: int, abstract_state, iterator):
 
 def step_dir(path: str, step: int | None = None) -> epath.Path:
   """A step directory from a workdir, its ``checkpoints`` folder or a step folder itself."""
-  path = epath.Path(path)
+  path = epath.Path(absolute(path))
   if (path / "state").exists():
     return path
   root = path / "checkpoints" if (path / "checkpoints").exists() else path

@@ -17,14 +17,16 @@ def losses(workdir):
     return {r["step"]: r["loss"] for r in map(json.loads, f)}
 
 
-def test_train_checkpoint_evaluate(tmp_path):
+def test_train_checkpoint_evaluate(tmp_path, monkeypatch):
+  """The README's flow, with a relative --workdir as a user would type it."""
   c = tiny_config()
-  last = train_loop.train(c, str(tmp_path))
+  monkeypatch.chdir(tmp_path.parent)
+  last = train_loop.train(c, tmp_path.name)
   assert last["step"] == 6 and np.isfinite(last["loss"])
   assert sorted(losses(tmp_path)) == [1, 2, 3, 4, 5, 6]
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["3", "6"]
   assert (tmp_path / "tensorboard").is_dir()
-  result = eval_loop.evaluate(eval_loop.load_config(str(tmp_path)), str(tmp_path))
+  result = eval_loop.evaluate(eval_loop.load_config(tmp_path.name), tmp_path.name)
   assert result["step"] == 6
   assert any(f.endswith(".png") for f in os.listdir(tmp_path / "eval"))
 
