@@ -16,13 +16,17 @@ import jax.numpy as jnp
 from triadic.nn import dense
 
 
-def rotary(x: jax.Array, base: float = 10000.0) -> jax.Array:
-  """Rotary position embedding over the last axis of x (B, T, H, D), positions 0..T-1."""
+def rotary(x: jax.Array, base: float = 10000.0, offset: jax.Array | int = 0) -> jax.Array:
+  """Rotary position embedding over the last axis of x (B, T, H, D), positions offset..offset+T-1
+  (``offset`` may be traced: decoding continues the positions of a KV cache)."""
   t, d = x.shape[1], x.shape[-1]
   if d % 2:
     raise ValueError(f"rotary embedding needs an even head_dim, got {d}")
   inv_freq = base ** (-jnp.arange(0, d, 2, dtype=jnp.float32) / d)
-  angle = jnp.arange(t, dtype=jnp.float32)[:, None] * inv_freq[None, :]  # (T, D/2)
+  pos = jnp.arange(t, dtype=jnp.float32)
+  if not (isinstance(offset, int) and offset == 0):  # keep the training forward's graph unchanged
+    pos = pos + jnp.asarray(offset).astype(jnp.float32)
+  angle = pos[:, None] * inv_freq[None, :]  # (T, D/2)
   cos, sin = jnp.cos(angle)[None, :, None, :], jnp.sin(angle)[None, :, None, :]
   xf = x.astype(jnp.float32)
   x1, x2 = xf[..., : d // 2], xf[..., d // 2:]
@@ -44,7 +48,14 @@ class Attention(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, cache: dict | None = None):
+    """x (B, T, d_model) -> (B, T, d_model), the training forward.
+
+    With ``cache`` (``init_cache``: a preallocated KV cache and its length) the T tokens of x come
+    after the cached ones: their keys and values are written at ``length``, they attend to every
+    cached key and causally to each other, and the result is ``(y, new_cache)``. The caller keeps
+    ``length + T <= max_len`` (the write position is traced, so it cannot be checked here).
+    """
     h, d = self.num_heads, self.head_dim
     kvh = self.num_kv_heads or h
     if h % kvh:
@@ -53,6 +64,35 @@ class Attention(nn.Module):
     q = dense((h, d), ("embed", "heads", "head_dim"), name="q_proj", **kw)(x)
     k = dense((kvh, d), ("embed", "kv_heads", "head_dim"), name="k_proj", **kw)(x)
     v = dense((kvh, d), ("embed", "kv_heads", "head_dim"), name="v_proj", **kw)(x)
+    out_proj = lambda o: dense(x.shape[-1], ("heads", "head_dim", "embed"), axis=(-2, -1),
+                               name="out_proj", **kw)(o)
+    if cache is not None:
+      o, cache = cached_attention(q, k, v, cache)
+      return out_proj(o.astype(self.dtype)), cache
     q, k = rotary(q), rotary(k)
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
-    return dense(x.shape[-1], ("heads", "head_dim", "embed"), axis=(-2, -1), name="out_proj", **kw)(o)
+    return out_proj(o)
+
+  def init_cache(self, batch: int, max_len: int) -> dict:
+    """Empty KV cache: k, v (B, max_len, kv_heads, head_dim) in the compute dtype, length 0."""
+    shape = (batch, max_len, self.num_kv_heads or self.num_heads, self.head_dim)
+    return {"k": jnp.zeros(shape, self.dtype), "v": jnp.zeros(shape, self.dtype),
+            "length": jnp.zeros((), jnp.int32)}
+
+
+def cached_attention(q, k, v, cache):
+  """Causal attention of new q, k, v (B, T, ., D) (before RoPE) against a KV cache (see
+  ``Attention.__call__``); returns o (B, T, H, D) float32 and the updated cache."""
+  length = cache["length"]
+  t, h, d = q.shape[1], q.shape[2], q.shape[3]
+  q, k = rotary(q, offset=length), rotary(k, offset=length)
+  start = (0, length, 0, 0)
+  keys = jax.lax.dynamic_update_slice(cache["k"], k.astype(cache["k"].dtype), start)
+  values = jax.lax.dynamic_update_slice(cache["v"], v.astype(cache["v"].dtype), start)
+  b, s, kvh, _ = keys.shape
+  qg = q.astype(jnp.float32).reshape(b, t, kvh, h // kvh, d)
+  scores = jnp.einsum("btkgd,bskd->bkgts", qg, keys.astype(jnp.float32)) * d ** -0.5
+  allowed = jnp.arange(s)[None, :] <= (length + jnp.arange(t))[:, None]  # (T, S)
+  scores = jnp.where(allowed, scores, -jnp.inf)
+  o = jnp.einsum("bkgts,bskd->btkgd", jax.nn.softmax(scores, axis=-1), values.astype(jnp.float32))
+  return o.reshape(b, t, h, d), {"k": keys, "v": values, "length": length + t}

@@ -1,7 +1,9 @@
 """The mixer registry: a mixer name from the config -> the Flax module that mixes along time.
 
-Every mixer is called as ``mixer(x)`` with x (B, T, d_model) -> (B, T, d_model). The modules of
-the multi-state paper live in ``merlin`` and are imported only when a config asks for them.
+Every mixer is called as ``mixer(x)`` with x (B, T, d_model) -> (B, T, d_model); the mixers in
+``DECODABLE`` also take ``mixer(x, cache) -> (y, new_cache)`` for prefill and decoding. The
+modules of the multi-state paper live in ``merlin`` and are imported only when a config asks for
+them.
 """
 
 from __future__ import annotations
@@ -16,6 +18,21 @@ from lm.attention import Attention
 MIXERS = ("attention", "gdn", "triadic_gdn", "triadic_sgla", "mamba2", "multistate_gdn",
           "multistate_mamba2")
 MULTISTATE = ("multistate_gdn", "multistate_mamba2")
+DECODABLE = MIXERS  # mixers with a decoding cache (init_cache, mixer(x, cache)); all of them now
+
+
+def check_decodable(kind: str) -> None:
+  """NotImplementedError naming ``kind`` if that mixer has no recurrent / KV-cache decoding yet."""
+  if kind not in DECODABLE:
+    raise NotImplementedError(f"decoding with a cache is not implemented for mixer {kind!r} yet; "
+                              f"mixers that decode: {DECODABLE}")
+
+
+def mixer_cache(kind: str, cfg, batch: int, max_len: int, dtype) -> dict:
+  """The empty decoding cache of one ``kind`` layer (the mixer's ``init_cache``)."""
+  check_decodable(kind)
+  # parent=None: a detached module (callable from inside another module's method, e.g. LM.init_cache)
+  return make_mixer(kind, cfg, dtype=dtype, parent=None).init_cache(batch, max_len)
 
 
 def _merlin(name: str):

@@ -17,7 +17,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm.mixers import MIXERS, MULTISTATE, make_mixer
+from lm.mixers import MIXERS, MULTISTATE, check_decodable, make_mixer, mixer_cache
 from triadic.nn import RMSNorm, dense
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
@@ -123,13 +123,21 @@ class Block(nn.Module):
   mixer: str
 
   @nn.compact
-  def __call__(self, x):
+  def __call__(self, x, cache=None):
+    """x -> x; with the mixer's ``cache``, (x, new_cache) (see ``LM.__call__``)."""
     dt = self.cfg.compute_dtype
     x = nn.with_logical_constraint(x, ("batch", None, "embed_act"))
     h = RMSNorm(dtype=dt, name="mixer_norm")(x)
-    x = x + make_mixer(self.mixer, self.cfg, dtype=dt, name="mixer")(h).astype(x.dtype)
+    mixer = make_mixer(self.mixer, self.cfg, dtype=dt, name="mixer")
+    if cache is None:
+      y = mixer(h)
+    else:
+      check_decodable(self.mixer)
+      y, cache = mixer(h, cache)
+    x = x + y.astype(x.dtype)
     h = RMSNorm(dtype=dt, name="mlp_norm")(x)
-    return x + Mlp(self.cfg.mlp_dim, dtype=dt, name="mlp")(h).astype(x.dtype)
+    x = x + Mlp(self.cfg.mlp_dim, dtype=dt, name="mlp")(h).astype(x.dtype)
+    return x if cache is None else (x, cache)
 
 
 class Group(nn.Module):
@@ -138,10 +146,16 @@ class Group(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, _):
+  def __call__(self, x, cache):
+    """(x, None) -> (x, None) for training; (x, {block_i: cache}) -> (x, new caches) to decode."""
+    if cache is None:
+      for i, mixer in enumerate(self.cfg.pattern()):
+        x = Block(self.cfg, mixer, name=f"block{i}")(x)
+      return x, None
+    new = {}
     for i, mixer in enumerate(self.cfg.pattern()):
-      x = Block(self.cfg, mixer, name=f"block{i}")(x)
-    return x, None
+      x, new[f"block{i}"] = Block(self.cfg, mixer, name=f"block{i}")(x, cache[f"block{i}"])
+    return x, new
 
 
 class LM(nn.Module):
@@ -150,10 +164,19 @@ class LM(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens: jax.Array) -> jax.Array:
+  def __call__(self, tokens: jax.Array, cache: dict | None = None):
+    """Logits (B, T, vocab) for tokens (B, T): the training forward.
+
+    With ``cache`` (``init_cache``, or returned by the previous call) the tokens continue the cached
+    sequence and the result is ``(logits, new_cache)``: a prompt (prefill, the parallel form) or one
+    token (decode, the recurrent step / KV cache). The parameters are the training forward's.
+    """
     cfg = self.cfg
     if tokens.ndim != 2:
       raise ValueError(f"tokens must have shape (B, T), got shape {tokens.shape}")
+    if cache is not None:
+      for m in cfg.pattern():
+        check_decodable(m)
     if cfg.max_len is not None and tokens.shape[1] > cfg.max_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.max_segments * "
                        f"model.segment_len = {cfg.max_segments} * {cfg.segment_len} = {cfg.max_len}")
@@ -165,7 +188,18 @@ class LM(nn.Module):
     stack = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
                     length=cfg.num_layers // len(cfg.pattern()),
                     metadata_params={nn.PARTITION_NAME: "layers"})
-    x, _ = stack(cfg, name="layers")(x, None)
+    x, cache = stack(cfg, name="layers")(x, cache)
     x = RMSNorm(dtype=cfg.compute_dtype, name="final_norm")(x)
     logits = dense(cfg.vocab_size, ("embed", "vocab"), dtype=cfg.compute_dtype, name="head")(x)
-    return logits.astype(jnp.float32)
+    logits = logits.astype(jnp.float32)
+    return logits if cache is None else (logits, cache)
+
+  def init_cache(self, batch: int, max_len: int) -> dict:
+    """The empty decoding cache for ``batch`` sequences of up to ``max_len`` tokens (prompt +
+    generated): {block_i: that mixer's cache}, each leaf with a leading axis over the layer groups
+    (the ``layers`` axis of the parameters). NotImplementedError for mixers without decoding."""
+    cfg = self.cfg
+    groups = cfg.num_layers // len(cfg.pattern())
+    one = {f"block{i}": mixer_cache(m, cfg, batch, max_len, cfg.compute_dtype)
+           for i, m in enumerate(cfg.pattern())}
+    return jax.tree.map(lambda z: jnp.broadcast_to(z, (groups,) + z.shape), one)

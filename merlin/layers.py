@@ -15,12 +15,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from merlin.aggregators import merlin_weights, meanpool_weights, position_weights, vanilla_weights
+from merlin.aggregators import (_softmax, merlin_weights, meanpool_weights, position_weights,
+                                vanilla_weights)
+from merlin.decode import moment_prefill, moment_step, multistate_decode, visible_now
 from merlin.memory import state_memory
 from merlin.ops import multistate_attention
-from triadic.layer import a_log_init, dt_bias_init, gdn_inputs, gdn_output
+from triadic.layer import a_log_init, dt_bias_init, gdn_cache, gdn_inputs, gdn_output
 from triadic.nn import RMSNorm, ShortConv, dense, l2norm, softplus_inverse
-from triadic.ops import triadic_gdn
+from triadic.ops import triadic_gdn, triadic_gdn_step
 
 AGGREGATORS = ("vanilla", "position", "meanpool", "merlin")
 
@@ -47,19 +49,34 @@ class Aggregator(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, cache: dict | None = None, position=None):
+    """lam (B, T, H, N) for x (B, T, d_model): the training forward.
+
+    Decoding (``cache`` from ``init_cache``): T > 1 is a prefill from the start of the sequence
+    (lam as in training, and the segment moment sums of its keys); T = 1 is the token at
+    ``position`` (traced int), whose weights come from the running sums alone. Returns
+    ``(lam, new_cache)``.
+    """
     h, n, r = self.num_heads, self.max_segments, self.d_r
     b, t = x.shape[:2]
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    step = cache is not None and t == 1
     if self.kind == "vanilla":
-      return vanilla_weights(b, t, h, n)
+      lam = vanilla_weights(b, t, h, n)
+      return lam if cache is None else (lam, cache)
     if self.kind == "position":
       logical = nn.with_logical_partitioning
       p = nn.DenseGeneral(
           (h, n), use_bias=True, name="pos_proj",
           kernel_init=logical(nn.initializers.lecun_normal(), ("embed", "heads", None)),
           bias_init=logical(nn.initializers.constant(softplus_inverse(1.0)), ("heads", None)), **kw)(x)
-      return position_weights(p, segment_len=self.segment_len)
+      if cache is None:
+        return position_weights(p, segment_len=self.segment_len)
+      if not step:
+        return position_weights(p, segment_len=self.segment_len), cache
+      distance = jnp.clip(position // self.segment_len - jnp.arange(n), 0, n - 1)
+      lam = jax.nn.softplus(jnp.take(p.astype(jnp.float32), distance, axis=-1))
+      return jnp.where(visible_now(position, n, self.segment_len), lam, 0.0), cache
 
     def small(name):
       if self.groups == 1:
@@ -77,11 +94,42 @@ class Aggregator(nn.Module):
     common = dict(segment_len=self.segment_len, max_segments=n,
                   impl="scan" if self.impl == "scan" else "auto")
     tau_mu = temperature("tau_mu", r ** 0.5)
+    if step:
+      (r_mu, r_sigma), (sums, squares) = moment_step(cache["sum"], cache["sq"], qr[:, 0], kr[:, 0],
+                                                     position, segment_len=self.segment_len)
+      cache = {"sum": sums, "sq": squares}
+      mask = visible_now(position, n, self.segment_len)[None]  # (T = 1, N)
+      lam = _softmax(r_mu[:, None], tau_mu, mask)
+    elif cache is not None:
+      sums, squares = moment_prefill(kr, segment_len=self.segment_len, num_segments=n)
+      cache = {"sum": sums, "sq": squares}
     if self.kind == "meanpool":
-      return meanpool_weights(qr, kr, tau_mu, **common)
+      if not step:
+        lam = meanpool_weights(qr, kr, tau_mu, **common)
+      return lam if cache is None else (lam, cache)
     gamma = jax.nn.sigmoid(dense(h, ("embed", "heads"), use_bias=True, name="gamma_proj", **kw)(x)
                            .astype(jnp.float32))
-    return merlin_weights(qr, kr, gamma, tau_mu, temperature("tau_sigma", float(r)), **common)
+    tau_sigma = temperature("tau_sigma", float(r))
+    if not step:
+      lam = merlin_weights(qr, kr, gamma, tau_mu, tau_sigma, **common)
+      return lam if cache is None else (lam, cache)
+    gamma = gamma[..., None]
+    lam = gamma * lam + (1.0 - gamma) * _softmax(r_sigma[:, None], tau_sigma, mask)
+    return lam, cache
+
+  def init_cache(self, batch: int) -> dict:
+    """The empty running moments: per segment, the sum of k' (B, G, N, R) and of k' k'^T
+    (B, G, N, R, R) for meanpool / merlin; nothing for vanilla / position."""
+    if self.kind in ("vanilla", "position"):
+      return {}
+    shape = (batch, self.groups, self.max_segments, self.d_r)
+    return {"sum": jnp.zeros(shape, jnp.float32), "sq": jnp.zeros(shape + (self.d_r,), jnp.float32)}
+
+
+def _aggregator_cache(layer, *, groups: int, batch: int) -> dict:
+  """The empty running moments of ``layer``'s aggregator (a detached module: no parameters)."""
+  return Aggregator(layer.aggregator, layer.num_heads, layer.segment_len, layer.max_segments,
+                    layer.d_r, groups=groups, parent=None).init_cache(batch)
 
 
 def _check_aggregator(aggregator):
@@ -111,17 +159,43 @@ class MultiStateGDN(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, cache: dict | None = None):
+    """x (B, T, d_model) -> (B, T, d_model), the training forward.
+
+    With ``cache`` (``init_cache``) the result is ``(y, new_cache)``: T > 1 is a prefill, which
+    must start the sequence (an empty cache; checked when the length is concrete): outputs by the
+    chunk-parallel op, final segment states by ``multistate_prefill_states``; T = 1 is one decoding
+    step from the segment states and the running moments. Same parameters as training.
+    """
     _check_aggregator(self.aggregator)
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    q, k, v, _, _, g, beta = gdn_inputs(x, self.num_heads, self.head_dim, self.value_dim, 1,
-                                        self.conv_width, **kw)
-    lam = Aggregator(self.aggregator, self.num_heads, self.segment_len, self.max_segments, self.d_r,
-                     groups=self.num_heads, impl=self.impl, name="aggregator", **kw)(x)
-    o = multistate_attention(q, k, v, g[..., 0], beta, lam, segment_len=self.segment_len,
-                             erase=self.erase, impl=self.impl,
-                             chunk_size=min(self.chunk_size, self.segment_len))
-    return gdn_output(o, x, **kw)
+    inputs = gdn_inputs(x, self.num_heads, self.head_dim, self.value_dim, 1, self.conv_width,
+                        conv_cache=None if cache is None else cache["conv"], **kw)
+    (q, k, v, _, _, g, beta), conv = inputs if cache is not None else (inputs, None)
+    aggregator = Aggregator(self.aggregator, self.num_heads, self.segment_len, self.max_segments,
+                            self.d_r, groups=self.num_heads, impl=self.impl, name="aggregator", **kw)
+    if cache is None:
+      lam = aggregator(x)
+      o = multistate_attention(q, k, v, g[..., 0], beta, lam, segment_len=self.segment_len,
+                               erase=self.erase, impl=self.impl,
+                               chunk_size=min(self.chunk_size, self.segment_len))
+      return gdn_output(o, x, **kw)
+    o, cache = multistate_decode(self, q, k, v, g[..., 0], beta,
+                                  aggregator(x, cache["moments"], cache["length"]), cache,
+                                  erase=self.erase, scale=self.head_dim ** -0.5)
+    return gdn_output(o, x, **kw), {**cache, "conv": conv}
+
+  def init_cache(self, batch: int, max_len: int | None = None) -> dict:
+    """Empty decoding cache: N segment states (B, H, N, D, V) float32, the aggregator's running
+    moments, the short convolutions' inputs and the length (0). ``max_len`` is unused."""
+    del max_len
+    vd = self.value_dim or self.head_dim
+    conv = gdn_cache(batch, self.num_heads, self.head_dim, vd, 1, self.conv_width, self.dtype,
+                     state=False)["conv"]
+    return {"state": jnp.zeros((batch, self.num_heads, self.max_segments, self.head_dim, vd),
+                               jnp.float32),
+            "conv": conv, "moments": _aggregator_cache(self, groups=self.num_heads, batch=batch),
+            "length": jnp.zeros((), jnp.int32)}
 
   def state_memory(self, num_segments: int | None = None, bytes_per_value: int = 4):
     """``merlin.state_memory`` for this layer (``max_segments`` segments unless given)."""
@@ -148,16 +222,23 @@ class Mamba2(nn.Module):
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
 
-  def ssd_inputs(self, x):
+  def ssd_inputs(self, x, conv_cache=None):
     """(xs, z, b, c, dt, g): xs, z (B, T, H, P); b, c (B, T, state_dim); dt, g (B, T, H).
 
-    Creates the shared parameters; call from the compact ``__call__``.
+    Creates the shared parameters; call from the compact ``__call__``. With ``conv_cache``
+    ({"x", "b", "c"}: each convolution's last conv_width - 1 inputs) the convolutions continue
+    from it and the result is ``((xs, z, b, c, dt, g), new_conv_cache)`` (decoding).
     """
     h, p, kw = self.num_heads, self.head_dim, dict(dtype=self.dtype, param_dtype=self.param_dtype)
+    new_cache = {}
 
     def stream(features, names, name):
       z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
-      return jax.nn.silu(ShortConv(self.conv_width, names, name=f"{name}_conv", **kw)(z))
+      conv = ShortConv(self.conv_width, names, name=f"{name}_conv", **kw)
+      if conv_cache is None:
+        return jax.nn.silu(conv(z))
+      y, new_cache[name] = conv(z, conv_cache[name])
+      return jax.nn.silu(y)
 
     xs = stream((h, p), ("heads", "head_dim"), "x")
     b = stream(self.state_dim, ("state",), "b").astype(jnp.float32)
@@ -168,7 +249,14 @@ class Mamba2(nn.Module):
     dt = dense(h, ("embed", "heads"), name="dt_proj", **kw)(x).astype(jnp.float32)
     dt = jax.nn.softplus(dt + per_head("dt_bias", dt_bias_init))
     g = -jnp.exp(per_head("A_log", a_log_init)) * dt
-    return xs, z, b, c, dt, g
+    inputs = xs, z, b, c, dt, g
+    return inputs if conv_cache is None else (inputs, new_cache)
+
+  def conv_cache(self, batch: int) -> dict:
+    """Zero inputs of the short convolutions (x, b, c) for a fresh decoding cache."""
+    w, h, p, n = self.conv_width - 1, self.num_heads, self.head_dim, self.state_dim
+    return {"x": jnp.zeros((batch, w, h, p), self.dtype), "b": jnp.zeros((batch, w, n), self.dtype),
+            "c": jnp.zeros((batch, w, n), self.dtype)}
 
   def ssd_output(self, y, xs, z, x):
     """out_proj(RMSNorm((y + D xs) * silu(z))), y (B, T, H, P) -> (B, T, d_model)."""
@@ -187,13 +275,36 @@ class Mamba2(nn.Module):
     return per_head(c), per_head(b), xs.astype(jnp.float32) * dt[..., None]
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
-    xs, z, b, c, dt, g = self.ssd_inputs(x)
+  def __call__(self, x: jax.Array, cache: dict | None = None):
+    """x (B, T, d_model) -> (B, T, d_model). With ``cache`` (``init_cache``) it continues the cached
+    sequence and returns ``(y, new_cache)``: T > 1 by the parallel form from the cached state
+    (prefill), T = 1 by the one-token recurrence (decode)."""
+    if cache is None:
+      xs, z, b, c, dt, g = self.ssd_inputs(x)
+    else:
+      (xs, z, b, c, dt, g), conv = self.ssd_inputs(x, cache["conv"])
     q, k, v = self.heads(b, c, xs, dt)
     ones = jnp.ones(g.shape + (1,), jnp.float32)
-    y, _ = triadic_gdn(q, k, v, ones, ones, g[..., None], jnp.ones_like(g), scale=1.0, erase=False,
-                       impl=self.impl, chunk_size=self.chunk_size)
-    return self.ssd_output(y, xs, z, x)
+    if cache is None:
+      y, _ = triadic_gdn(q, k, v, ones, ones, g[..., None], jnp.ones_like(g), scale=1.0, erase=False,
+                         impl=self.impl, chunk_size=self.chunk_size)
+      return self.ssd_output(y, xs, z, x)
+    if x.shape[1] == 1:
+      y, state = triadic_gdn_step(cache["state"], *(a[:, 0] for a in (q, k, v, ones, ones)),
+                                  g[:, 0, :, None], jnp.ones_like(g[:, 0]), scale=1.0, erase=False)
+      y = y[:, None]
+    else:
+      y, state = triadic_gdn(q, k, v, ones, ones, g[..., None], jnp.ones_like(g), scale=1.0,
+                             erase=False, impl=self.impl, chunk_size=self.chunk_size,
+                             initial_state=cache["state"])
+    return self.ssd_output(y, xs, z, x), {"state": state, "conv": conv}
+
+  def init_cache(self, batch: int, max_len: int | None = None) -> dict:
+    """Empty decoding cache: the SSD state (B, H, 1, state_dim, head_dim) float32 and the short
+    convolutions' inputs. ``max_len`` is unused (the cost is constant)."""
+    del max_len
+    state = jnp.zeros((batch, self.num_heads, 1, self.state_dim, self.head_dim), jnp.float32)
+    return {"state": state, "conv": self.conv_cache(batch)}
 
 
 class MultiStateMamba2(Mamba2):
@@ -206,17 +317,37 @@ class MultiStateMamba2(Mamba2):
   d_r: int = 128
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, cache: dict | None = None):
+    """x (B, T, d_model) -> (B, T, d_model); with ``cache`` (``init_cache``), ``(y, new_cache)``:
+    T > 1 is a prefill from the start of the sequence, T = 1 one decoding step (see
+    ``MultiStateGDN``)."""
     _check_aggregator(self.aggregator)
-    xs, z, b, c, dt, g = self.ssd_inputs(x)
+    if cache is None:
+      xs, z, b, c, dt, g = self.ssd_inputs(x)
+    else:
+      (xs, z, b, c, dt, g), conv = self.ssd_inputs(x, cache["conv"])
     q, k, v = self.heads(b, c, xs, dt)
-    lam = Aggregator(self.aggregator, self.num_heads, self.segment_len, self.max_segments, self.d_r,
-                     groups=1, impl=self.impl, name="aggregator", dtype=self.dtype,
-                     param_dtype=self.param_dtype)(x)
-    y = multistate_attention(q, k, v, g, jnp.ones_like(g), lam, segment_len=self.segment_len,
-                             erase=False, scale=1.0, impl=self.impl,
-                             chunk_size=min(self.chunk_size, self.segment_len))
-    return self.ssd_output(y, xs, z, x)
+    aggregator = Aggregator(self.aggregator, self.num_heads, self.segment_len, self.max_segments,
+                            self.d_r, groups=1, impl=self.impl, name="aggregator", dtype=self.dtype,
+                            param_dtype=self.param_dtype)
+    if cache is None:
+      lam = aggregator(x)
+      y = multistate_attention(q, k, v, g, jnp.ones_like(g), lam, segment_len=self.segment_len,
+                               erase=False, scale=1.0, impl=self.impl,
+                               chunk_size=min(self.chunk_size, self.segment_len))
+      return self.ssd_output(y, xs, z, x)
+    y, cache = multistate_decode(self, q, k, v, g, jnp.ones_like(g), aggregator(
+        x, cache["moments"], cache["length"]), cache, erase=False, scale=1.0)
+    return self.ssd_output(y, xs, z, x), {**cache, "conv": conv}
+
+  def init_cache(self, batch: int, max_len: int | None = None) -> dict:
+    """Empty decoding cache: N segment states (B, H, N, state_dim, head_dim) float32, the
+    aggregator's running moments, the short convolutions' inputs and the length (0)."""
+    del max_len
+    moments = _aggregator_cache(self, groups=1, batch=batch)
+    return {"state": jnp.zeros((batch, self.num_heads, self.max_segments, self.state_dim,
+                                self.head_dim), jnp.float32),
+            "conv": self.conv_cache(batch), "moments": moments, "length": jnp.zeros((), jnp.int32)}
 
   def state_memory(self, num_segments: int | None = None, bytes_per_value: int = 4):
     """``merlin.state_memory`` for this layer (``max_segments`` segments unless given)."""

@@ -21,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from triadic.nn import RMSNorm, ShortConv, dense, l2norm, softplus_inverse
-from triadic.ops import triadic_gdn
+from triadic.ops import triadic_gdn, triadic_gdn_step
 
 
 def a_log_init(key, shape, dtype=jnp.float32):
@@ -74,30 +74,78 @@ class TriadicGDN(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, cache: dict | None = None):
+    """x (B, T, d_model) -> (B, T, d_model), the training forward.
+
+    With ``cache`` (from ``init_cache``, or returned by an earlier call) the layer continues a
+    sequence instead and returns ``(y, new_cache)``: T > 1 runs the parallel form (chunked /
+    Pallas) from the cached state (prefill), T = 1 the one-token recurrence (decode). Same
+    parameters either way, so a trained checkpoint decodes.
+    """
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    q, k, v, k2, q2, g, beta = gdn_inputs(x, self.num_heads, self.head_dim, self.value_dim,
-                                          self.expand_e, self.conv_width, **kw)
-    o, _ = triadic_gdn(q, k, v, k2, q2, g, beta, erase=self.erase, impl=self.impl,
-                       chunk_size=self.chunk_size)
-    return gdn_output(o, x, **kw)
+    conv = None if cache is None else cache["conv"]
+    inputs = gdn_inputs(x, self.num_heads, self.head_dim, self.value_dim, self.expand_e,
+                        self.conv_width, conv_cache=conv, **kw)
+    if cache is None:
+      q, k, v, k2, q2, g, beta = inputs
+      o, _ = triadic_gdn(q, k, v, k2, q2, g, beta, erase=self.erase, impl=self.impl,
+                         chunk_size=self.chunk_size)
+      return gdn_output(o, x, **kw)
+    (q, k, v, k2, q2, g, beta), conv = inputs
+    if x.shape[1] == 1:
+      o, state = triadic_gdn_step(cache["state"], *(z[:, 0] for z in (q, k, v, k2, q2, g, beta)),
+                                  erase=self.erase)
+      o = o[:, None]
+    else:
+      o, state = triadic_gdn(q, k, v, k2, q2, g, beta, erase=self.erase, impl=self.impl,
+                             chunk_size=self.chunk_size, initial_state=cache["state"])
+    return gdn_output(o, x, **kw), {"state": state, "conv": conv}
+
+  def init_cache(self, batch: int, max_len: int | None = None) -> dict:
+    """The empty decoding cache: the recurrent state (B, H, E, D, V) float32 (zeros) and, per short
+    convolution, its last conv_width - 1 inputs. ``max_len`` is unused (the cost is constant)."""
+    del max_len
+    return gdn_cache(batch, self.num_heads, self.head_dim, self.value_dim, self.expand_e,
+                     self.conv_width, self.dtype)
+
+
+def gdn_cache(batch, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
+              dtype=jnp.float32, state=True) -> dict:
+  """Zero cache of ``gdn_inputs``'s short convolutions ({"conv": {stream: (B, W-1, H, .)}}) plus,
+  if ``state``, the single recurrent state (B, H, E, D, V) float32 of ``TriadicGDN``."""
+  h, d, e, vd = num_heads, head_dim, expand_e, value_dim or head_dim
+  widths = {"q": d, "k": d, "v": vd}
+  if e > 1:
+    widths.update(k2=e, q2=e)
+  conv = {name: jnp.zeros((batch, conv_width - 1, h, w), dtype) for name, w in widths.items()}
+  cache = {"conv": conv}
+  if state:
+    cache["state"] = jnp.zeros((batch, h, e, d, vd), jnp.float32)
+  return cache
 
 
 def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4, *,
-               dtype=jnp.float32, param_dtype=jnp.float32):
+               dtype=jnp.float32, param_dtype=jnp.float32, conv_cache=None):
   """The input side of ``TriadicGDN``: (q, k, v, k2, q2, g, beta) from x (B, T, d_model).
 
   Call it inside a compact method: its parameters (q_proj, q_conv, ..., decay, beta_proj) belong to
   the calling module, under the same names in every layer that uses it, so checkpoints of the
   single-state layer load into the multi-state one (``merlin.MultiStateGDN``) by name.
+  With ``conv_cache`` ({stream: last conv_width - 1 inputs}, see ``gdn_cache``) the convolutions
+  continue from it and the result is ``(inputs, new_conv_cache)`` (decoding).
   """
   h, d, e = num_heads, head_dim, expand_e
   vd = value_dim or head_dim
   kw = dict(dtype=dtype, param_dtype=param_dtype)
+  new_cache = {}
 
   def stream(features, names, name):
     z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
-    return ShortConv(conv_width, names, name=f"{name}_conv", **kw)(z)
+    conv = ShortConv(conv_width, names, name=f"{name}_conv", **kw)
+    if conv_cache is None:
+      return conv(z)
+    y, new_cache[name] = conv(z, conv_cache[name])
+    return y
 
   q = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "q")))
   k = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "k")))
@@ -110,7 +158,8 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
     k2 = q2 = jnp.ones((b, t, h, 1), jnp.float32)
   g = DecayGate(h, e, name="decay", **kw)(x)
   beta = jax.nn.sigmoid(dense((h,), ("embed", "heads"), name="beta_proj", **kw)(x).astype(jnp.float32))
-  return q, k, v, k2.astype(q.dtype), q2.astype(q.dtype), g, beta
+  inputs = (q, k, v, k2.astype(q.dtype), q2.astype(q.dtype), g, beta)
+  return inputs if conv_cache is None else (inputs, new_cache)
 
 
 def gdn_output(o, x, *, dtype=jnp.float32, param_dtype=jnp.float32):

@@ -59,7 +59,11 @@ class ShortConv(nn.Module):
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array) -> jax.Array:
+  def __call__(self, x: jax.Array, cache: jax.Array | None = None):
+    """``y`` for x (B, T, *channels); with ``cache`` (B, width - 1, *channels), the inputs before x,
+    returns ``(y, new_cache)`` instead: the convolution continued from there (zeros = a fresh start,
+    which is the training forward's causal padding), and x's last width - 1 inputs for the next call.
+    """
     channels = x.shape[2:]
     fan_in = self.width
     init = nn.initializers.uniform(scale=2.0 / math.sqrt(fan_in))
@@ -71,8 +75,12 @@ class ShortConv(nn.Module):
     kernel = kernel.astype(self.dtype)
     x = x.astype(self.dtype)
     t = x.shape[1]
-    padded = jnp.pad(x, [(0, 0), (self.width - 1, 0)] + [(0, 0)] * len(channels))
-    return sum(padded[:, w:w + t] * kernel[w] for w in range(self.width))
+    if cache is None:
+      padded = jnp.pad(x, [(0, 0), (self.width - 1, 0)] + [(0, 0)] * len(channels))
+      return sum(padded[:, w:w + t] * kernel[w] for w in range(self.width))
+    padded = jnp.concatenate([cache.astype(self.dtype), x], axis=1)
+    y = sum(padded[:, w:w + t] * kernel[w] for w in range(self.width))
+    return y, padded[:, padded.shape[1] - (self.width - 1):].astype(cache.dtype)
 
 
 class RMSNorm(nn.Module):
