@@ -22,6 +22,7 @@ import jax
 import jax.numpy as jnp
 
 from merlin.ops import multistate_attention
+from merlin.scan import token_step
 from merlin.segments import num_segments_needed, segment_ids
 from triadic.ops import triadic_gdn
 
@@ -59,14 +60,7 @@ def multistate_step(states, q, k, v, g, beta, lam, position, *, segment_len: int
   q, k, v, g, beta = map(f32, (q, k, v, g, beta))
   lam = jnp.where(visible_now(position, n, segment_len), f32(lam), 0.0)
   owner = jax.nn.one_hot(position // segment_len, n, dtype=jnp.float32)
-  states = states * jnp.exp(g)[..., None, None, None]
-  if erase:
-    read = jnp.einsum("bhd,bhndv->bhnv", k, states)
-    states = states - jnp.einsum("bh,bhd,bhnv->bhndv", beta, k, read)
-  write = jnp.einsum("bh,bhd,bhv->bhdv", beta, k, v)
-  states = states + owner[:, None, None] * write[:, :, None]
-  o = scale * jnp.einsum("bhn,bhd,bhndv->bhv", lam, q, states)
-  return o, states
+  return token_step(states, q, k, v, g, beta, lam, owner, scale=scale, erase=erase)
 
 
 def moment_prefill(kr, *, segment_len: int, num_segments: int):

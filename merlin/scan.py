@@ -16,6 +16,20 @@ import jax.numpy as jnp
 from merlin.segments import segment_ids
 
 
+def token_step(states, q, k, v, g, beta, lam, owner, *, scale: float, erase: bool):
+  """One token, float32: states (B,H,N,D,V); q, k (B,H,D); v (B,H,V); g, beta (B,H); lam (B,H,N),
+  zero for segments the token may not read; owner (N,) one-hot of the token's segment.
+  Returns (o (B,H,V), new states). The scan runs it over T; decoding runs it once per token."""
+  states = states * jnp.exp(g)[..., None, None, None]
+  if erase:
+    read = jnp.einsum("bhd,bhndv->bhnv", k, states)
+    states = states - jnp.einsum("bh,bhd,bhnv->bhndv", beta, k, read)
+  write = jnp.einsum("bh,bhd,bhv->bhdv", beta, k, v)
+  states = states + owner[:, None, None] * write[:, :, None]
+  o = scale * jnp.einsum("bhn,bhd,bhndv->bhv", lam, q, states)
+  return o, states
+
+
 def multistate_scan(q, k, v, g, beta, lam, *, segment_len: int, scale: float, erase: bool):
   """``jax.lax.scan`` over tokens carrying the (B, H, N, D, V) stack, float32 throughout.
 
@@ -28,14 +42,7 @@ def multistate_scan(q, k, v, g, beta, lam, *, segment_len: int, scale: float, er
   xs = tuple(map(time_major, (q, k, v, g, beta, lam))) + (owner,)
 
   def step(states, x):
-    q_t, k_t, v_t, g_t, beta_t, lam_t, owner_t = x  # (B,H,D) (B,H,D) (B,H,V) (B,H) (B,H) (B,H,N) (N,)
-    states = states * jnp.exp(g_t)[..., None, None, None]
-    if erase:
-      read = jnp.einsum("bhd,bhndv->bhnv", k_t, states)
-      states = states - jnp.einsum("bh,bhd,bhnv->bhndv", beta_t, k_t, read)
-    write = jnp.einsum("bh,bhd,bhv->bhdv", beta_t, k_t, v_t)
-    states = states + owner_t[:, None, None] * write[:, :, None]
-    o = scale * jnp.einsum("bhn,bhd,bhndv->bhv", lam_t, q_t, states)
+    o, states = token_step(states, *x, scale=scale, erase=erase)
     return states, o
 
   init = jnp.zeros((b, h, n, d, vdim), jnp.float32)
