@@ -16,11 +16,10 @@ from __future__ import annotations
 
 import argparse
 import datetime
+import os
 import statistics
 import sys
 import time
-
-import os
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -29,6 +28,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
+from tests.util import rel_rms as rel  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
 
 SHAPES = {4096: 8, 16384: 2, 65536: 1}  # T -> B, 32768 tokens per batch
@@ -71,11 +71,6 @@ def attention_fns():
     return pull(jnp.ones_like(o))
 
   return jax.jit(run), jax.jit(fwd_bwd)
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.linalg.norm(a - b) / np.linalg.norm(b))
 
 
 def check(only=None):

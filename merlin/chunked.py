@@ -32,14 +32,7 @@ import math
 import jax
 import jax.numpy as jnp
 from merlin.segments import segment_ids
-from triadic.chunked import unit_lower_inverse
-
-
-def _chunks(x: jax.Array, n: int, c: int) -> jax.Array:
-  """(B, T, H, ...) -> (B, H, n, C, ...) float32, zero-padded at the end of T."""
-  x = x.astype(jnp.float32)
-  x = jnp.pad(x, [(0, 0), (0, n * c - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
-  return jnp.moveaxis(x.reshape(x.shape[0], n, c, *x.shape[2:]), 3, 1)
+from triadic.chunked import to_chunks, unit_lower_inverse
 
 
 def _group_size(n: int) -> int:
@@ -89,8 +82,8 @@ def multistate_chunked(q, k, v, g, beta, lam, *, segment_len: int, scale: float,
   c = chunk_size
   n = -(-t // c)
   # Padded tokens have q = k = v = beta = lam = 0 and g = 0: no write, no erase, no decay.
-  q, k, v, lam = (_chunks(x, n, c) for x in (q, k, v, lam))
-  g, beta = _chunks(g, n, c), _chunks(beta, n, c)
+  q, k, v, lam = (to_chunks(x, n, c) for x in (q, k, v, lam))
+  g, beta = to_chunks(g, n, c), to_chunks(beta, n, c)
   uv, w, q_eff, k_write, chunk_decay, intra = intra_chunk(q, k, v, g, beta, erase)
 
   owner = jax.nn.one_hot(segment_ids(n, segment_len // c), n_states, dtype=jnp.float32)  # (n, N)

@@ -12,11 +12,8 @@ from lm.generate import generate
 from lm.mixers import DECODABLE, MIXERS, check_decodable
 from lm.model import LM, ModelConfig
 from merlin import Aggregator, Mamba2, MultiStateGDN, MultiStateMamba2, merlin_weights
+from tests.util import rel_rms
 from triadic import TriadicGDN
-
-
-def rel_rms(a, b):
-  return float(jnp.sqrt(jnp.mean((a - b) ** 2)) / jnp.sqrt(jnp.mean(b ** 2)))
 
 
 def prefill_then_steps(model, variables, x, prompt_len):

@@ -10,14 +10,10 @@ import numpy as np
 import pytest
 
 from merlin import meanpool_weights, merlin_weights, moment_scores, position_weights
+from tests.util import rel_rms as rel
 
 B, T, H, R, L, N = 2, 29, 3, 5, 6, 7  # 29 tokens: 4 full segments of 6 and a partial fifth
 IMPLS = ["scan", "parallel"]
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def numpy_scores(qr, kr, segment_len, n):

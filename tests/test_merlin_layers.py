@@ -9,14 +9,10 @@ import pytest
 
 import merlin
 import triadic
+from tests.util import rel_rms as rel
 
 BATCH, T, MODEL, H, P, L, N = 2, 19, 16, 2, 8, 4, 5  # 19 tokens: 5 segments of 4 (last partial)
 SMALL = dict(segment_len=L, max_segments=N, d_r=4, chunk_size=4)
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def shapes(tree):

@@ -11,13 +11,9 @@ import pytest
 
 import triadic
 from merlin import multistate_attention
+from tests.util import rel_rms as rel
 
 B, T, H, D, V, L, N = 2, 37, 2, 8, 6, 8, 6  # 37 tokens: 4 full segments and a partial fifth
-
-
-def rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
 
 
 def make_inputs(seed, t=T, n=N, g_scale=0.5):

@@ -16,16 +16,12 @@ import pytest
 from tests.triadic_reference import (gated_deltanet_reference, gated_linear_attention_reference,
                                      triadic_reference)
 from triadic import triadic_gdn
+from tests.util import rel_rms
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 BOUNDS = {jnp.float32: dict(out=2e-5, state=2e-5, grad=1e-4),
           jnp.bfloat16: dict(out=1.5e-2, state=1e-3, grad=2e-2)}
-
-
-def rel_rms(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
 def make_inputs(seed, b, t, h, d, vdim, e, *, decay=1.0, dtype=jnp.float32):

@@ -27,6 +27,7 @@ import pytest
 
 from triadic import triadic_gdn
 from triadic.pallas.ops import triadic_pallas
+from tests.util import rel_rms
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -35,11 +36,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BOUNDS = {jnp.float32: dict(out=1e-4, state=1e-4, grad=1e-4),
           jnp.bfloat16: dict(out=1.5e-2, state=1e-2, grad=2e-2)}
 NAMES = ("q", "k", "v", "k2", "q2", "g", "beta", "initial_state")
-
-
-def rel_rms(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30)
 
 
 def make_inputs(seed, b, t, h, d, vdim, e, *, decay, dtype):

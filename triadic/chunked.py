@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 
-def _to_chunks(x: jax.Array, n: int, c: int) -> jax.Array:
+def to_chunks(x: jax.Array, n: int, c: int) -> jax.Array:
   """(B, T, H, ...) -> (B, H, n, C, ...) float32, zero-padded at the end of T."""
   x = x.astype(jnp.float32)
   pad = n * c - x.shape[1]
@@ -131,8 +131,8 @@ def triadic_chunked(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: ja
   c = max(1, min(chunk_size, t))
   n = -(-t // c)
   # Padded tokens have k = k2 = q = q2 = v = beta = 0 and g = 0: they leave the state unchanged.
-  q, k, v, k2, q2, g = (_to_chunks(x, n, c) for x in (q, k, v, k2, q2, g))
-  beta = _to_chunks(beta, n, c)
+  q, k, v, k2, q2, g = (to_chunks(x, n, c) for x in (q, k, v, k2, q2, g))
+  beta = to_chunks(beta, n, c)
 
   gc = jnp.cumsum(g, axis=-2)  # (B, H, n, C, E), chunk-local, non-increasing, <= 0
   m, mq = chunk_masks(gc, k2, q2)

@@ -1,0 +1,11 @@
+"""What the tests share beyond the oracles: the error measure every bound is stated in."""
+
+from __future__ import annotations
+
+import numpy as np
+
+
+def rel_rms(a, b) -> float:
+  """Relative RMS error ||a - b|| / ||b||, in float64."""
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
