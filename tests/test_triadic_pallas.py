@@ -10,6 +10,11 @@ Error bounds (relative RMS, ||a - b|| / ||b||):
 Shapes are small (interpret mode is slow, CI has 2 cores) but odd: T not a multiple of the chunk,
 E = 3 (padded to 4 inside), V = 48 (padded to 64), several value blocks per program.
 The sharded case (batch and heads over a 2 x 2 mesh of fake CPU devices) runs in a subprocess.
+
+Both structures of the state-passing kernels run here: platform "cpu" interprets the Triton one
+(chunk loop inside the kernel over whole-sequence blocks), ``Config("tpu", ..., interpret=True)``
+the Mosaic TPU one (chunks on the grid, one chunk per block, state in VMEM scratch); a trace at
+T = 65536 checks that no TPU block grows with T.
 """
 
 from __future__ import annotations
@@ -24,9 +29,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from jax.experimental.pallas import tpu as pltpu
+from jax.extend import core as jex_core
 
 from triadic import triadic_gdn
-from triadic.pallas.ops import triadic_pallas
+from triadic.pallas import recurrent
+from triadic.pallas.chunk_prep import chunk_prep
+from triadic.pallas.common import Config
+from triadic.pallas.ops import _chunks, triadic_pallas
 from tests.util import rel_rms
 
 jax.config.update("jax_default_matmul_precision", "highest")
@@ -55,9 +65,16 @@ def make_inputs(seed, b, t, h, d, vdim, e, *, decay, dtype):
   return xs + [h0], do, ds
 
 
-def value_and_grads(impl, args, do, ds, *, erase, chunk_size):
+def value_and_grads(impl, args, do, ds, *, erase, chunk_size, config=None):
+  """Gradients of all eight inputs and (o, final state); ``config`` runs ``triadic_pallas`` with
+  those launch choices (e.g. the TPU structure in interpret mode) instead of ``impl``."""
   def loss(*a):
-    o, s = triadic_gdn(*a[:7], initial_state=a[7], erase=erase, impl=impl, chunk_size=chunk_size)
+    if config is None:
+      o, s = triadic_gdn(*a[:7], initial_state=a[7], erase=erase, impl=impl,
+                         chunk_size=chunk_size)
+    else:
+      o, s = triadic_pallas(*a[:7], scale=a[0].shape[-1] ** -0.5, initial_state=a[7],
+                            erase=erase, chunk_size=chunk_size, config=config)
     return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * ds), (o, s)
 
   grad = jax.grad(loss, argnums=tuple(range(8)), has_aux=True)
@@ -74,10 +91,10 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("b,t,h,d,vdim,e,chunk,erase,decay,dtype", CASES)
-def test_pallas_matches_scan(b, t, h, d, vdim, e, chunk, erase, decay, dtype):
+def check_against_scan(b, t, h, d, vdim, e, chunk, erase, decay, dtype, config=None):
   args, do, ds = make_inputs(0, b, t, h, d, vdim, e, decay=decay, dtype=dtype)
-  grads, (o, s) = value_and_grads("pallas", args, do, ds, erase=erase, chunk_size=chunk)
+  grads, (o, s) = value_and_grads("pallas", args, do, ds, erase=erase, chunk_size=chunk,
+                                  config=config)
   ref_args = [x.astype(jnp.float32) for x in args]
   ref_grads, (o_ref, s_ref) = value_and_grads("scan", ref_args, do, ds, erase=erase,
                                               chunk_size=chunk)
@@ -91,6 +108,55 @@ def test_pallas_matches_scan(b, t, h, d, vdim, e, chunk, erase, decay, dtype):
     assert np.all(np.isfinite(np.asarray(got, np.float32))), name
     err = rel_rms(got, want)
     assert err < bound["grad"], f"d{name}: rel RMS {err:.2e}"
+
+
+@pytest.mark.parametrize("b,t,h,d,vdim,e,chunk,erase,decay,dtype", CASES)
+def test_pallas_matches_scan(b, t, h, d, vdim, e, chunk, erase, decay, dtype):
+  check_against_scan(b, t, h, d, vdim, e, chunk, erase, decay, dtype)
+
+
+def tpu_interpreted(block_v=16, interpret=True):
+  """The TPU kernels' structure run on this CPU. block_v 16 gives the small shapes several value
+  blocks (a TPU itself needs a multiple of 128 or the whole V, see ``default_config``)."""
+  return Config("tpu", block_v=block_v, bwd_block_v=16, interpret=interpret)
+
+
+@pytest.mark.parametrize("b,t,h,d,vdim,e,chunk,erase,decay,dtype", [
+    pytest.param(1, 50, 2, 16, 32, 3, 16, True, 1.0, jnp.float32, id="E3-T50-C16"),
+    pytest.param(1, 40, 1, 32, 32, 2, 16, False, 1.0, jnp.bfloat16, id="E2-bf16-noerase"),
+])
+def test_tpu_structure_matches_scan(b, t, h, d, vdim, e, chunk, erase, decay, dtype):
+  """Chunks on the grid ("arbitrary"), state in VMEM scratch (from h0 at the first chunk, to the
+  final state at the last, reversed for the state gradient), in interpret mode: output, final
+  state and every gradient against the scan, with the same bounds as the Triton structure."""
+  check_against_scan(b, t, h, d, vdim, e, chunk, erase, decay, dtype, config=tpu_interpreted())
+
+
+def test_tpu_structure_under_tpu_interpret_mode():
+  """The TPU-structured recurrent kernels under Pallas' TPU interpret mode, which simulates VMEM
+  and the pipeline's DMAs, fills uninitialised scratch with NaN, splits the "parallel" grid axes
+  over two cores (as a megacore TPU does, each core with its own scratch) and visits them in a
+  random order: forward and reverse pass equal the Triton structure's. Called directly (TPU
+  interpret mode cannot run inside ``triadic_pallas``'s custom_partitioning)."""
+  b, t, h, d, vdim, e, c = 1, 40, 2, 16, 32, 2, 16
+  nc = -(-t // c)
+  args, do, ds = make_inputs(2, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.float32)
+  merge = lambda x: x.reshape(b * h, *x.shape[2:])
+  q, k, v, k2, q2, g, beta = (merge(_chunks(x, nc, c)) for x in args[:7])
+  h0, dht, do = merge(args[7]), merge(ds), merge(_chunks(do, nc, c))
+  rows = lambda x: jnp.swapaxes(x, -1, -2)
+  loop = Config("cpu", block_v=16, bwd_block_v=16)
+  gcc, _, a, p = chunk_prep(q, k, k2, rows(k2), q2, g, rows(g), beta, erase=True, cfg=loop)
+  kernel_args = (q, k, v, k2, q2, gcc, beta, a, p)
+  grid = tpu_interpreted(interpret=pltpu.InterpretParams(random_seed=0, num_cores_or_threads=2))
+  want = (recurrent.forward(*kernel_args, h0, scale=0.25, erase=True, cfg=loop)
+          + recurrent.backward(q, k, do, *kernel_args[3:], dht, scale=0.25, erase=True, cfg=loop))
+  got = (recurrent.forward(*kernel_args, h0, scale=0.25, erase=True, cfg=grid)
+         + recurrent.backward(q, k, do, *kernel_args[3:], dht, scale=0.25, erase=True, cfg=grid))
+  names = ("o", "U", "states", "final state", "dU", "dstates", "dh0")
+  for name, x, y in zip(names, got, want):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert rel_rms(x, y) < 1e-6, f"{name}: rel RMS {rel_rms(x, y):.2e}"
 
 
 def test_unsupported_sizes_raise_under_pallas_and_fall_back_under_auto():
@@ -129,6 +195,83 @@ def test_kernels_lower(platform, target, dtype):
   for kernel in ("triadic_chunk_prep", "triadic_forward", "triadic_backward_states",
                  "triadic_chunk_backward"):
     assert kernel in text, kernel
+
+
+def pallas_calls(jaxpr):
+  """Every pallas_call equation in a jaxpr, nested ones (jit, custom_vjp, custom_partitioning)
+  included."""
+  for eqn in jaxpr.eqns:
+    if eqn.primitive.name == "pallas_call":
+      yield eqn
+      continue
+    for param in eqn.params.values():
+      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
+        if isinstance(sub, jex_core.ClosedJaxpr):
+          yield from pallas_calls(sub.jaxpr)
+        elif isinstance(sub, jex_core.Jaxpr):
+          yield from pallas_calls(sub)
+
+
+def vmem_bytes(shape, dtype):
+  """Bytes of a VMEM buffer: the last two dims padded to Mosaic's (8 * packing, 128) tiles."""
+  itemsize = jnp.dtype(dtype).itemsize
+  shape = (1,) * max(0, 2 - len(shape)) + tuple(shape)
+  sub = 8 * (4 // itemsize)
+  padded = (*shape[:-2], -(-shape[-2] // sub) * sub, -(-shape[-1] // 128) * 128)
+  return int(np.prod(padded)) * itemsize
+
+
+def trace_long(platform, t, e=2, d=128, vdim=128, chunk=64):
+  """Forward and backward traced at (B, T, H) = (1, t, 1), bf16, for ``platform``; nothing runs."""
+  b, h = 1, 1
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vdim), spec(b, t, h, e),
+          spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h),
+          spec(b, h, e, d, vdim, dt=jnp.float32)]
+
+  def loss(*a):
+    o, s = triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7], erase=True,
+                          chunk_size=chunk, platform=platform)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+  return jax.jit(jax.grad(loss, argnums=tuple(range(8)))).trace(*args)
+
+
+def kernel_blocks(traced):
+  """Per pallas_call of a traced program: (name, grid, block shapes, estimated VMEM bytes per
+  program: every block twice for the pipeline's double buffering, plus scratch)."""
+  out = []
+  for eqn in pallas_calls(traced.jaxpr.jaxpr):
+    gm = eqn.params["grid_mapping"]
+    shapes = [tuple(bm.ref_aval.shape) for bm in gm.block_mappings]
+    vmem = sum(2 * vmem_bytes(shape, bm.array_aval.dtype)
+               for shape, bm in zip(shapes, gm.block_mappings))
+    vmem += sum(vmem_bytes(a.shape, a.dtype) for a in gm.scratch_avals)
+    out.append((eqn.params["name"], tuple(gm.grid), shapes, vmem))
+  return out
+
+
+def test_tpu_blocks_do_not_span_the_sequence():
+  """At T = 65536 (D = V = 128, E = 2, C = 64; traced and lowered, not run) no block of any TPU
+  kernel depends on T, and each program's VMEM (double-buffered blocks plus scratch, ~1.3 MiB)
+  stays far below the 16 MiB a TPU core gives a kernel by default; the recurrent kernels walk
+  the 1024 chunks on the grid. The Triton structure, whose blocks span the sequence, would need
+  ~700 MiB by the same estimate: the check has teeth."""
+  limit = 16 * 2 ** 20
+  traced = trace_long("tpu", 65536)
+  long, short = kernel_blocks(traced), kernel_blocks(trace_long("tpu", 4096))
+  names = ("triadic_chunk_prep", "triadic_forward", "triadic_backward_states",
+           "triadic_chunk_backward")
+  assert sorted(x[0] for x in long) == sorted(names), [x[0] for x in long]
+  for (name, grid, shapes, vmem), (_, _, short_shapes, _) in zip(long, short):
+    assert shapes == short_shapes, (name, shapes, short_shapes)
+    assert vmem < limit / 4, (name, vmem / 2 ** 20, shapes)
+    if name in ("triadic_forward", "triadic_backward_states"):
+      assert grid == (1, 1, 1024), (name, grid)
+  text = traced.lower(lowering_platforms=("tpu",)).as_text()
+  assert all(name in text for name in names)
+  triton = {name: vmem for name, _, _, vmem in kernel_blocks(trace_long("gpu", 65536))}
+  assert triton["triadic_forward"] > limit and triton["triadic_backward_states"] > limit, triton
 
 
 def test_aligned_keys_stay_accurate():

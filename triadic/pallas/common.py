@@ -4,6 +4,13 @@ Kernels see the chunked, head-major layout (BH, NC, C, X) built by ``triadic.pal
 block covers whole trailing dimensions, which Mosaic TPU needs (tiles are (8, 128) or the full
 dimension) and which keeps Triton's power-of-two tensors to C, D, V, BV.
 
+Platforms differ in what a block is. On Triton (GPU) a block is a pointer into global memory: a
+block may span the whole sequence and the kernel walks it (the state-passing loop does so). On
+Mosaic TPU every block is copied into VMEM (16-64 MiB per core) and double-buffered by the
+pipeline, so no block may grow with T: the sequential chunk walk is then a grid axis ("arbitrary"
+semantics) with one chunk per block and the carried state in VMEM scratch (``recurrent.py``).
+``Config.platform`` picks the structure; ``Config.interpret`` runs either on a CPU.
+
 Per-token, per-slice quantities (k2, q2, gc) arrive as (C, E) tiles. Triton cannot slice a
 tensor held in registers, so a slice e is loaded from the ref as a (C, 1) column (``col``) or, from
 the transposed (E, C) copy, as a (1, C) row (``row``); a scalar such as gc at the chunk's last
@@ -28,8 +35,17 @@ PLATFORMS = ("gpu", "tpu", "cpu")
 class Config:
   """How to launch: platform ("gpu" Triton, "tpu" Mosaic, "cpu" interpret) and tile choices.
 
+  The platform fixes the kernels' structure: "gpu" and "cpu" run the state-passing kernels as one
+  program per value block looping over all chunks; "tpu" puts the chunks on the grid
+  (``chunk_grid``). ``interpret=True`` runs the platform's kernels in Pallas interpret mode (on
+  any backend), which is how a CPU tests the TPU structure; it is always on for "cpu". A
+  ``pltpu.InterpretParams`` instead selects TPU interpret mode (simulated VMEM and DMAs,
+  NaN-filled uninitialised scratch, "parallel" grid axes in random order given a seed), for direct
+  kernel calls only: its callbacks cannot pass the ``custom_partitioning`` around
+  ``triadic_pallas``.
   block_v: value columns per program of the recurrent kernels (the state tile is E x D x block_v
-  float32). bwd_block_v: value columns per step of the chunk-parallel backward's inner loop.
+  float32; on TPU a multiple of 128 or the whole V). bwd_block_v: value columns per step of the
+  chunk-parallel backward's inner loop.
   """
   platform: str
   block_v: int
@@ -37,10 +53,20 @@ class Config:
   num_warps: int = 4
   num_stages: int = 2
   bwd_num_warps: int = 8
+  interpret: bool | pltpu.InterpretParams = False
+
+  def __post_init__(self):
+    if self.platform not in PLATFORMS:
+      raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
+    if self.platform == "cpu" and not self.interpret:
+      object.__setattr__(self, "interpret", True)
 
   @property
-  def interpret(self) -> bool:
-    return self.platform == "cpu"
+  def chunk_grid(self) -> bool:
+    """Whether the state-passing kernels take the chunk axis as a grid axis (TPU: blocks live in
+    VMEM, one chunk each) instead of looping over whole-sequence blocks (Triton: blocks are
+    pointers into HBM)."""
+    return self.platform == "tpu"
 
   @property
   def f32_precision(self):
@@ -53,11 +79,12 @@ class Config:
 
 
 def call(kernel, *, cfg: Config, grid, in_specs, out_specs, out_shape, semantics, name,
-         num_warps=None):
+         num_warps=None, scratch_shapes=()):
   """``pl.pallas_call`` with the platform's compiler parameters.
 
   semantics: one of "parallel"/"arbitrary" per grid axis (TPU only; Triton programs are
-  independent by construction).
+  independent by construction). scratch_shapes: per-program scratch buffers (``pltpu.VMEM``;
+  TPU structure only), which persist across the grid's sequential ("arbitrary") steps.
   """
   kwargs = {}
   if cfg.platform == "gpu":
@@ -65,6 +92,8 @@ def call(kernel, *, cfg: Config, grid, in_specs, out_specs, out_shape, semantics
         num_warps=num_warps or cfg.num_warps, num_stages=cfg.num_stages)
   elif cfg.platform == "tpu":
     kwargs["compiler_params"] = pltpu.CompilerParams(dimension_semantics=semantics)
+  if scratch_shapes:
+    kwargs["scratch_shapes"] = scratch_shapes
   return pl.pallas_call(kernel, grid=grid, in_specs=in_specs, out_specs=out_specs,
                         out_shape=out_shape, interpret=cfg.interpret, name=name, **kwargs)
 

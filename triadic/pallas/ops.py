@@ -11,6 +11,11 @@ beta = k2 = q2 = 0 and g = 0, so they leave the state alone); the kernels see (B
 D and V are zero-padded to a power of two (Triton tensors are powers of two; zero rows/columns of
 the state stay zero), E likewise.
 The platform is the default backend's: Triton on GPU, Mosaic on TPU, ``interpret=True`` on CPU.
+The platform also fixes the state-passing kernels' structure (``recurrent.py``): on Triton one
+program per value block loops over whole-sequence blocks (blocks are pointers); on Mosaic TPU the
+chunks are a sequential grid axis, every block one chunk, the state in VMEM scratch (blocks are
+VMEM copies, so none may grow with T). On CPU the loop structure runs in interpret mode unless a
+``Config("tpu", ..., interpret=True)`` asks for the TPU one (the tests run both).
 
 Sharding: the forward (outputs and residuals) and the backward are each one custom-partitioned
 function (``partition.batch_head_partitioned``) whose operands and results all keep (B, H) as
@@ -52,9 +57,14 @@ def default_platform() -> str:
 
 
 def default_config(platform: str, e: int, vd: int) -> Config:
-  """Tile choices per platform. GPU: block_v 32 (16 for E >= 8, the state tile is E*D*block_v
-  float32 in registers); TPU: whole V per program (lane width 128); CPU interpret: 16, so that small
-  test shapes still run several value blocks."""
+  """Tile choices per platform, which also fixes the recurrent kernels' structure (``Config``).
+
+  GPU (Triton, chunk loop inside the kernel over whole-sequence blocks): block_v 32 (16 for
+  E >= 8, the state tile is E*D*block_v float32 in registers). TPU (Mosaic, chunks on the grid,
+  one chunk per VMEM block, state in VMEM scratch): whole V per program (Mosaic tiles are (8, 128)
+  or the full dimension; at D = V = 128, C = 64, E = 8 a program's double-buffered blocks and
+  state scratch take about 3.6 MiB of VMEM, whatever T). CPU (interpret mode, the GPU
+  structure): 16, so that small test shapes still run several value blocks."""
   if platform not in PLATFORMS:
     raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
   if platform == "gpu":
