@@ -1,10 +1,14 @@
 """Evaluate a trained checkpoint, or count a config's parameters.
 
   python eval.py --workdir runs/mqar [--step N] [--config configs/mqar.py]
+  python eval.py --workdir runs/niah --generate     # needles scored by greedy decoding
   python eval.py --count_params --config configs/lm_1p3b.py
 
 Writes ``<workdir>/eval/*.json`` and PNG plots (MQAR accuracy by pairs, needle depth x length,
 text perplexity by position). Without ``--config`` the run's own ``config.json`` is used.
+``--generate`` (the same as ``--config.eval.mode=generate`` with ``--config``) decodes each needle's
+value greedily from the prompt up to its query instead of teacher forcing; it writes
+``niah_generate_step<N>.json`` and its own plots.
 """
 
 import json
@@ -17,6 +21,8 @@ _WORKDIR = flags.DEFINE_string("workdir", None, "A workdir written by train.py."
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")
 _COUNT = flags.DEFINE_bool("count_params", False,
                            "Print parameter counts and state bytes as one JSON line, and exit.")
+_GENERATE = flags.DEFINE_bool(
+    "generate", False, "Score by greedy generation (eval.mode='generate'; needle task only).")
 
 
 def main(argv):
@@ -33,7 +39,8 @@ def main(argv):
     return
   if not _WORKDIR.value:
     raise app.UsageError("--workdir is required to evaluate")
-  print(json.dumps(eval_loop.evaluate(config, _WORKDIR.value, _STEP.value)))
+  mode = "generate" if _GENERATE.value else None  # None: config.eval.mode
+  print(json.dumps(eval_loop.evaluate(config, _WORKDIR.value, _STEP.value, mode=mode)))
 
 
 if __name__ == "__main__":

@@ -56,7 +56,10 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       log_every=50, checkpoint_every=500, keep_checkpoints=3,
       peak_tflops=989.0,  # per device, for MFU (H200 dense bf16)
   ))
-  c.eval = ml_collections.ConfigDict(dict(batch_size=64, step=-1))  # -1: the latest checkpoint
+  c.eval = ml_collections.ConfigDict(dict(
+      batch_size=64, step=-1,  # -1: the latest checkpoint
+      mode="teacher_forced",  # or "generate": needles scored by greedy decoding (eval.py --generate)
+  ))
 
   c.mesh = ml_collections.ConfigDict(dict(data=-1, fsdp=1, tensor=1))
   c.logical_axis_rules = [list(r) for r in LOGICAL_AXIS_RULES]

@@ -1,8 +1,10 @@
 """Evaluate a checkpoint: restore its params onto the current mesh and run ``lm.evals``.
 
 Only the params are read (not the optimizer), onto the shardings this mesh gives them, so a
-checkpoint written on one mesh is evaluated on any other. ``count`` reports sizes without
-allocating the model.
+checkpoint written on one mesh is evaluated on any other. ``config.eval.mode`` picks teacher-forced
+scoring (one forward per example) or, for needle retrieval, greedy generation (``lm.generate``,
+same params, prompts split over the mesh's batch axes when the batch size allows). ``count``
+reports sizes without allocating the model.
 """
 
 from __future__ import annotations
@@ -15,7 +17,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from lm import checkpoint, costs, evals, sharding, state as state_lib
+from lm import checkpoint, costs, evals, generate, sharding, state as state_lib
 from lm.model import ModelConfig
 
 
@@ -35,8 +37,11 @@ def count(config) -> dict:
           "flops_per_token": costs.flops_per_token(cfg, config.data.seq_len)}
 
 
-def evaluate(config, workdir: str, step: int | None = None) -> dict:
-  """Restore ``step`` (default: latest) of ``workdir`` and run the evaluators of ``config.data``."""
+def evaluate(config, workdir: str, step: int | None = None, mode: str | None = None) -> dict:
+  """Restore ``step`` (default: latest) of ``workdir`` and run the evaluators of ``config.data``,
+  in ``mode`` (default ``config.eval.mode``; "teacher_forced" for configs saved before it)."""
+  mode = mode or config.eval.get("mode", "teacher_forced")
+  evals.check_mode(config.data.name, mode)  # before anything is restored
   cfg = ModelConfig.from_config(config)
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.rules(config)
@@ -52,5 +57,16 @@ def evaluate(config, workdir: str, step: int | None = None) -> dict:
   def logits_fn(inputs: np.ndarray) -> np.ndarray:
     return np.asarray(apply(params, np.asarray(inputs, np.int32)))
 
+  batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
+  split = jax.process_count() == 1 and config.eval.batch_size % batch_shards == 0
+
+  def generate_fn(prompts: np.ndarray, num_tokens: int) -> np.ndarray:
+    """Greedy continuations (b, num_tokens) of prompts (b, p), under the params' shardings."""
+    prompts = np.asarray(prompts, np.int32)
+    if split:
+      prompts = jax.device_put(prompts, sharding.batch_sharding(mesh))
+    tokens = generate.generate({"params": params}, cfg, prompts, num_tokens, temperature=0.0)
+    return np.asarray(tokens[:, prompts.shape[1]:])
+
   return evals.evaluate(config.data, logits_fn, workdir, step=int(step_dir.name),
-                        batch_size=config.eval.batch_size)
+                        batch_size=config.eval.batch_size, mode=mode, generate_fn=generate_fn)

@@ -1,9 +1,15 @@
 """Evaluators: MQAR accuracy by number of pairs, needle accuracy by length x depth, text
 perplexity by position bucket. Each writes ``workdir/eval/<task>_step<step>.json`` and PNG plots.
 
-The model enters only as ``logits_fn(inputs int32 (b, t)) -> logits (b, t, vocab)``, so this
-module knows nothing of Flax, meshes or checkpoints. Evaluation sets come from ``lm.data`` and
-depend on ``data.eval_seed`` only, so runs with different training seeds meet the same examples.
+Two modes (``config.eval.mode``): "teacher_forced" scores the argmax of one forward over each
+example; "generate" (needle retrieval only) feeds the prompt up to the query and scores the greedy
+continuation, written as ``<task>_generate_step<step>.json``. For greedy decoding the two agree
+exactly: every teacher-forced argmax of the answer is right iff generation reproduces it.
+
+The model enters only as ``logits_fn(inputs int32 (b, t)) -> logits (b, t, vocab)`` or
+``generate_fn(prompts int32 (b, p), num_tokens) -> tokens int32 (b, num_tokens)``, so this module
+knows nothing of Flax, meshes or checkpoints. Evaluation sets come from ``lm.data`` and depend on
+``data.eval_seed`` only, so runs with different training seeds meet the same examples.
 """
 
 from __future__ import annotations
@@ -20,6 +26,9 @@ from tqdm.auto import tqdm
 from lm import data, plots
 
 LogitsFn = Callable[[np.ndarray], np.ndarray]
+GenerateFn = Callable[[np.ndarray, int], np.ndarray]
+
+MODES = ("teacher_forced", "generate")
 
 
 def _score(logits_fn: LogitsFn, examples: dict, batch_size: int, pbar) -> tuple:
@@ -46,6 +55,34 @@ def _score(logits_fn: LogitsFn, examples: dict, batch_size: int, pbar) -> tuple:
     nll.append(logsumexp(logits, axis=-1) - picked)
     pbar.update(b)
   return np.concatenate(preds), np.concatenate(nll)
+
+
+def _generate(generate_fn: GenerateFn, prompts: np.ndarray, num_tokens: int, batch_size: int,
+              pbar) -> np.ndarray:
+  """Greedy continuations (n, num_tokens) of prompts (n, p), ``batch_size`` rows per call (the
+  last batch filled with padding rows whose results are dropped: one compile per prompt length)."""
+  out = []
+  for i in range(0, len(prompts), batch_size):
+    rows = prompts[i:i + batch_size]
+    b = len(rows)
+    batch = np.pad(rows, ((0, batch_size - b), (0, 0)), constant_values=data.PAD)
+    tokens = np.asarray(generate_fn(batch, num_tokens))
+    if tokens.shape != (batch_size, num_tokens):
+      raise ValueError(f"generate_fn must map prompts {batch.shape} and num_tokens={num_tokens} "
+                       f"to tokens of shape ({batch_size}, {num_tokens}); got {tokens.shape}")
+    out.append(tokens[:b])
+    pbar.update(b)
+  return np.concatenate(out)
+
+
+def _answer_span(examples: dict, where: str) -> tuple[int, int]:
+  """(start, stop): the positions with weight > 0, one contiguous span shared by every row."""
+  w = examples["weights"] > 0
+  pos = np.flatnonzero(w[0])
+  if not len(pos) or (w != w[0]).any() or pos[-1] - pos[0] + 1 != len(pos):
+    raise ValueError(f"{where}: scoring by generation needs one contiguous answer span at the same "
+                     f"positions in every example")
+  return int(pos[0]), int(pos[-1]) + 1
 
 
 def _progress(total: int, name: str):
@@ -85,6 +122,27 @@ def eval_niah(c: ml_collections.ConfigDict, logits_fn: LogitsFn, batch_size: int
         preds, _ = _score(logits_fn, ex, batch_size, pbar)
         hit = (preds == ex["targets"]) | (ex["weights"] == 0)
         grid[i, j] = hit.all(axis=1).mean()
+  return _niah_metrics(grid, lengths, depths)
+
+
+def eval_niah_generate(c: ml_collections.ConfigDict, generate_fn: GenerateFn,
+                       batch_size: int) -> dict:
+  """``eval_niah``'s exact-match grid, scored by generation: the prompt is each example's inputs
+  up to and including the last key token of the query (the position that predicts the first value
+  token), and the value_len greedily generated tokens must equal the value."""
+  lengths, depths = list(c.eval_lengths), list(c.eval_depths)
+  grid = np.zeros((len(depths), len(lengths)))
+  with _progress(grid.size * c.num_eval_examples, "niah generate") as pbar:
+    for j in range(len(lengths)):
+      for i in range(len(depths)):
+        ex = data.niah_eval_set(c, j, i)
+        start, stop = _answer_span(ex, f"niah cell (length {lengths[j]}, depth {depths[i]})")
+        got = _generate(generate_fn, ex["inputs"][:, :start + 1], stop - start, batch_size, pbar)
+        grid[i, j] = (got == ex["targets"][:, start:stop]).all(axis=1).mean()
+  return _niah_metrics(grid, lengths, depths)
+
+
+def _niah_metrics(grid: np.ndarray, lengths: list, depths: list) -> dict:
   return {"accuracy": float(grid.mean()), "lengths": lengths, "depths": depths,
           "accuracy_grid": grid.tolist(),  # [depth][length]
           "accuracy_by_depth": grid.mean(axis=1).tolist(),
@@ -107,9 +165,29 @@ def eval_text(c: ml_collections.ConfigDict, logits_fn: LogitsFn, batch_size: int
 
 
 _EVALUATORS = {"mqar": eval_mqar, "niah": eval_niah, "text": eval_text}
+_GENERATE_EVALUATORS = {"niah": eval_niah_generate}  # tasks with one answer span per example
+GENERATE_TASKS = tuple(_GENERATE_EVALUATORS)
+
+
+def check_mode(task: str, mode: str) -> None:
+  """ValueError naming ``eval.mode`` unless ``mode`` is known and task ``task`` supports it."""
+  if mode not in MODES:
+    raise ValueError(f"eval.mode must be one of {MODES}; got {mode!r}")
+  if mode == "generate" and task not in GENERATE_TASKS:
+    why = {"mqar": "its queries are interleaved with the context, each scored in place",
+           "text": "perplexity scores every position, not one answer"}.get(task, "")
+    raise ValueError(f"eval.mode='generate' (eval.py --generate) is not supported for "
+                     f"data.name={task!r}{': ' + why if why else ''}; it supports "
+                     f"{GENERATE_TASKS}. Use eval.mode='teacher_forced'.")
 
 
 def _plot(name: str, m: dict, out: epath.Path, step: int) -> list[str]:
+  if m.get("mode") == "generate":
+    grid = np.asarray(m["accuracy_grid"])
+    return [plots.heatmap(out / f"{name}_generate_heatmap_step{step}.png", grid, m["lengths"],
+                          m["depths"], f"needle accuracy (greedy generation), step {step}"),
+            plots.depth_curve(out / f"{name}_generate_depth_step{step}.png", m["depths"], grid,
+                              m["lengths"], f"needle accuracy by depth (generation), step {step}")]
   if name == "mqar":
     s = m["settings"]
     return [plots.accuracy_curve(out / f"mqar_accuracy_step{step}.png",
@@ -126,28 +204,40 @@ def _plot(name: str, m: dict, out: epath.Path, step: int) -> list[str]:
                                  m["perplexity_by_bucket"], f"perplexity by position, step {step}")]
 
 
-def evaluate(data_config: ml_collections.ConfigDict, logits_fn: LogitsFn, workdir: str, *,
-             step: int, batch_size: int, write: bool = True) -> dict:
+def evaluate(data_config: ml_collections.ConfigDict, logits_fn: LogitsFn | None, workdir: str, *,
+             step: int, batch_size: int, write: bool = True, mode: str = "teacher_forced",
+             generate_fn: GenerateFn | None = None) -> dict:
   """Runs the evaluator of ``data_config.name`` and returns its metrics.
 
-  ``logits_fn(inputs int32 (batch_size, t)) -> (batch_size, t, vocab)``; calls of one
-  evaluation setting share t, different settings may differ. With ``write`` (on one process of
-  a multi-host job, say), writes ``workdir/eval/<name>_step<step>.json`` and the PNG plots; the
-  returned dict lists them under ``files``.
+  ``mode="teacher_forced"``: ``logits_fn(inputs int32 (batch_size, t)) -> (batch_size, t,
+  vocab)``; calls of one evaluation setting share t, different settings may differ.
+  ``mode="generate"`` (tasks in ``GENERATE_TASKS``): ``generate_fn(prompts int32 (batch_size, p),
+  num_tokens) -> greedy continuations int32 (batch_size, num_tokens)``; logits_fn is unused.
+  With ``write`` (on one process of a multi-host job, say), writes
+  ``workdir/eval/<name>_step<step>.json`` (``<name>_generate_step<step>.json`` when generating)
+  and the PNG plots; the returned dict lists them under ``files``.
   """
   if data_config.name not in _EVALUATORS:
     raise ValueError(f"data.name must be one of {sorted(_EVALUATORS)}; got {data_config.name!r}")
+  check_mode(data_config.name, mode)
   if batch_size < 1:
     raise ValueError(f"batch_size must be >= 1; got {batch_size}")
   if data_config.get("num_eval_examples", 1) < 1:
     raise ValueError(f"data.num_eval_examples must be >= 1; got {data_config.num_eval_examples}")
   name = data_config.name
-  metrics = {"task": name, "step": int(step), **_EVALUATORS[name](data_config, logits_fn,
-                                                                 batch_size)}
+  if mode == "generate":
+    if generate_fn is None:
+      raise ValueError("eval.mode='generate' needs a generate_fn")
+    scores = _GENERATE_EVALUATORS[name](data_config, generate_fn, batch_size)
+  else:
+    if logits_fn is None:
+      raise ValueError("eval.mode='teacher_forced' needs a logits_fn")
+    scores = _EVALUATORS[name](data_config, logits_fn, batch_size)
+  metrics = {"task": name, "mode": mode, "step": int(step), **scores}
   if write:
     out = epath.Path(workdir) / "eval"
     out.mkdir(parents=True, exist_ok=True)
-    path = out / f"{name}_step{step}.json"
+    path = out / f"{name}{'_generate' if mode == 'generate' else ''}_step{step}.json"
     files = [str(path), *_plot(name, metrics, out, step)]
     metrics["files"] = files
     record = {**metrics, "data_config": data_config.to_dict()}

@@ -53,9 +53,11 @@ def generate(params, model, prompt: jax.Array, max_new_tokens: int, *, temperatu
   if temperature < 0 or not isinstance(top_k, int) or top_k < 0:
     raise ValueError(f"temperature must be >= 0 and top_k a non-negative int, got {temperature!r}, "
                      f"{top_k!r}")
-  total = prompt.shape[1] + max_new_tokens
-  if cfg.max_len is not None and total > cfg.max_len:
-    raise ValueError(f"prompt + max_new_tokens = {total} exceeds the model's max_len {cfg.max_len}")
+  # The model reads the prompt and every new token but the last (which is only sampled).
+  seen = prompt.shape[1] + max_new_tokens - 1
+  if cfg.max_len is not None and seen > cfg.max_len:
+    raise ValueError(f"prompt + max_new_tokens - 1 = {seen} tokens exceed the model's max_len "
+                     f"{cfg.max_len} (max_segments * segment_len)")
   if max_new_tokens == 0:
     return prompt.astype(jnp.int32)
   variables = params if "params" in params else {"params": params}

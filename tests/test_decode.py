@@ -139,3 +139,14 @@ def test_every_mixer_decodes_and_others_say_so():
   assert set(DECODABLE) == set(MIXERS)
   with pytest.raises(NotImplementedError, match="'retnet'"):
     check_decodable("retnet")
+
+
+def test_generate_may_fill_a_multistate_model_to_max_len():
+  """The last new token is sampled, never read: prompt + new - 1 <= max_len is the bound."""
+  cfg = small(mixer="multistate_gdn", aggregator="vanilla", segment_len=4, max_segments=2, d_r=4,
+              num_layers=1)
+  prompt = jnp.ones((1, 6), jnp.int32)
+  variables = jax.jit(LM(cfg).init)(jax.random.key(0), prompt)
+  assert generate(variables, cfg, prompt, 3, temperature=0.0).shape == (1, 9)  # reads 8 tokens
+  with pytest.raises(ValueError, match="prompt \\+ max_new_tokens - 1 = 9 tokens exceed"):
+    generate(variables, cfg, prompt, 4, temperature=0.0)
