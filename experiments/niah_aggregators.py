@@ -1,0 +1,176 @@
+"""Experiment 2: MERLIN on needle retrieval. Trains configs/niah.py's multi-state Gated DeltaNet
+with each aggregator (vanilla, position, meanpool, merlin) and the single-state GDN, then sweeps
+the segment length (the config's / 4 .. x 2, every aggregator) and merlin's d_r (16..128).
+
+  python -m experiments.niah_aggregators --workdir runs/papers --parallel 8 --seeds 2
+
+``--sweeps`` picks parts: main (aggregators at the config's segment length, every seed), segment, d_r (seed 0).
+Writes docs/figures/niah_*.png and niah_aggregators.json, and prints the markdown tables.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import numpy as np
+from absl import app, flags
+from matplotlib.figure import Figure
+
+from experiments import common, sweep
+
+CONFIG = flags.DEFINE_string("niah_config", "configs/niah.py", "The config of every run "
+                              "(configs/niah.py:cpu: the CPU-sized version).")
+AGGREGATORS = ("vanilla", "position", "meanpool", "merlin")
+SEGMENT_FRACTIONS = (4, 2, 1, 0.5)  # the swept segment lengths: the config's / these (64..512 at 256)
+D_RS = (16, 32, 64, 128)
+SWEEPS = flags.DEFINE_list("sweeps", ["main", "segment", "d_r"], "Parts to run.")
+SEGMENT_SWEEP = flags.DEFINE_list("segments", [], "Segment lengths swept (default: the config's "
+                                  "segment_len / 4, / 2, x 1, x 2; the paper's 64..512 at 256).")
+DR_SWEEP = flags.DEFINE_list("d_rs", [str(r) for r in D_RS], "d_r values swept.")
+
+
+def _config():
+  """(segment_len, longest context) of the --config file."""
+  path, _, arg = CONFIG.value.partition(":")
+  spec = importlib.util.spec_from_file_location("niah_config", os.path.join(sweep.REPO, path))
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  c = module.get_config(arg) if arg else module.get_config()
+  return c.model.segment_len, max(c.data.seq_len, *c.data.eval_lengths)
+
+
+def segments() -> list[int]:
+  seg, _ = _config()
+  return [int(s) for s in SEGMENT_SWEEP.value] or [int(seg / f) for f in SEGMENT_FRACTIONS]
+
+
+def items(agg: str, seg: int | None = None, d_r: int = 16, seed: int = 0) -> tuple[str, ...]:
+  """The config overrides ("key=value") of one model: ``agg`` an aggregator or "single"."""
+  default, max_len = _config()
+  seg = seg or default
+  if agg == "single":
+    return ("config.model.mixer=gdn", f"config.seed={seed}")
+  return (f"config.model.aggregator={agg}", f"config.model.segment_len={seg}",
+          f"config.model.max_segments={-(-max_len // seg)}", f"config.model.d_r={d_r}",
+          f"config.seed={seed}")
+
+
+def _run(agg: str, seg: int | None = None, d_r: int = 16, seed: int = 0) -> sweep.Run:
+  seg = seg or _config()[0]
+  name = (f"niah_single_seed{seed}" if agg == "single"
+          else f"niah_{agg}_L{seg}_r{d_r}_seed{seed}")
+  return sweep.Run(name, CONFIG.value, common.overrides(*items(agg, seg, d_r, seed)),
+                   group={"agg": agg, "seg": 0 if agg == "single" else seg,
+                          "d_r": 0 if agg == "single" else d_r, "seed": seed})
+
+
+def runs() -> list[sweep.Run]:
+  out = []
+  if "main" in SWEEPS.value:
+    out += [_run(a, seed=s) for s in range(common.SEEDS.value) for a in ("single", *AGGREGATORS)]
+  if "segment" in SWEEPS.value:
+    default = _config()[0]
+    out += [_run(a, seg) for seg in segments() if seg != default for a in AGGREGATORS]
+  if "d_r" in SWEEPS.value:
+    out += [_run("merlin", d_r=r) for r in D_RS if r != 16 and str(r) in DR_SWEEP.value]
+  return list({r.name: r for r in out}.values())
+
+
+def _label(agg: str) -> str:
+  return "single-state GDN" if agg == "single" else agg
+
+
+def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
+  got = [(r.group, results[r.name]) for r in all_runs if results[r.name]]
+  if not got:
+    raise RuntimeError("no run of the sweep has a result")
+  first = got[0][1]
+  segment = _config()[0]
+  lengths, depths = first["lengths"], first["depths"]
+  sections, summary = [], {}
+
+  def cells(pred):
+    return [np.asarray(res["accuracy_grid"]) for g, res in got if pred(g)]
+
+  # Main comparison: accuracy by length and by depth, mean over seeds.
+  main = [a for a in ("single", *AGGREGATORS)
+          if cells(lambda g, a=a: g["agg"] == a and g["seg"] in (0, segment) and g["d_r"] in (0, 16))]
+  rows_len, rows_depth = [], []
+  fig = Figure(figsize=(6.5, 4.2))
+  ax = fig.subplots()
+  hfig = Figure(figsize=(3.2 * len(main), 3.0))
+  hax = hfig.subplots(1, len(main), squeeze=False)[0]
+  for i, a in enumerate(main):
+    grids = np.stack(cells(lambda g, a=a: g["agg"] == a and g["seg"] in (0, segment)
+                           and g["d_r"] in (0, 16)))
+    by_len, by_depth, overall = grids.mean(1), grids.mean(2), grids.mean((1, 2))
+    summary[a] = {"grid_mean": grids.mean(0).tolist(), "overall_per_seed": overall.tolist(),
+                  "by_length_per_seed": by_len.tolist(), "by_depth_per_seed": by_depth.tolist()}
+    rows_len.append([_label(a), *[common.fmt(*common.mean_spread(list(c))) for c in by_len.T],
+                     common.fmt(*common.mean_spread(list(overall)))])
+    rows_depth.append([_label(a), *[common.fmt(*common.mean_spread(list(c)))
+                                    for c in by_depth.T]])
+    ax.plot(depths, by_depth.mean(0), "o-", label=_label(a))
+    im = hax[i].imshow(grids.mean(0), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for (y, x), v in np.ndenumerate(grids.mean(0)):
+      hax[i].text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=7)
+    hax[i].set_xticks(range(len(lengths)), [str(n) for n in lengths])
+    hax[i].set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])
+    hax[i].set(title=_label(a), xlabel="context length", ylabel="needle depth" if i == 0 else "")
+  hfig.colorbar(im, ax=list(hax), label="accuracy")
+  common.save(hfig, "niah_heatmaps.png")
+  ax.set(xlabel="needle depth (0 = start of context, 1 = next to the query)",
+         ylabel="exact-match accuracy", ylim=(-0.03, 1.05),
+         title=f"needle accuracy by depth (segment {segment}, mean over lengths)")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  common.save(fig, "niah_depth.png")
+  sections.append(f"By context length (segment {segment}, d_r 16):\n\n" + common.markdown_table(
+      ["model", *[str(n) for n in lengths], "all"], rows_len))
+  sections.append("By needle depth (mean over lengths):\n\n" + common.markdown_table(
+      ["model", *[f"{d:.2f}" for d in depths]], rows_depth))
+
+  # Segment-length sweep (seed 0) and d_r sweep.
+  for key, values, fixed, name in (("seg", sorted(set(segments()) | {segment}), {"d_r": 16},
+                                    "segment length"),
+                                   ("d_r", D_RS, {"seg": segment}, "d_r")):
+    aggs = AGGREGATORS if key == "seg" else ("merlin",)
+    table, curves = [], {}
+    for a in aggs:
+      accs = []
+      for v in values:
+        grids = cells(lambda g, a=a, v=v: g["agg"] == a and g[key] == v and g["seed"] == 0
+                      and all(g[k] == x for k, x in fixed.items()))
+        accs.append(float(grids[0].mean()) if grids else float("nan"))
+      if not all(np.isnan(accs)):
+        curves[a] = accs
+        table.append([a, *[common.fmt(x, 0) for x in accs]])
+    if sum(1 for acc in curves.values() for x in acc if not np.isnan(x)) <= len(curves):
+      continue  # nothing swept
+    summary[f"{key}_sweep"] = {"values": list(values), "accuracy": curves}
+    fig = Figure(figsize=(5.5, 3.8))
+    ax = fig.subplots()
+    for a, accs in curves.items():
+      ax.plot(values, accs, "o-", label=a)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.set(xlabel=name, ylabel="exact-match accuracy (all cells)", ylim=(-0.03, 1.05),
+           title=f"needle accuracy by {name} (seed 0)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    common.save(fig, f"niah_{key}_sweep.png")
+    sections.append(f"By {name} (seed 0, all cells):\n\n" + common.markdown_table(
+        ["aggregator", *[str(v) for v in values]], table))
+  common.write_json("niah_aggregators.json", {"lengths": lengths, "depths": depths, **summary})
+  return "\n\n".join(sections) + "\n\n" + common.steps_note(results)
+
+
+def main(argv):
+  del argv
+  all_runs = runs()
+  print(report(common.run(all_runs), all_runs))
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,78 @@
+"""The experiment reports (experiments/*.py) on hand-made evaluation results: the 50% crossing, the
+upgrade's recovered fraction, and the tables and plots they write."""
+
+import json
+import math
+import os
+
+import pytest
+from absl import flags
+
+from experiments import mqar_capacity, niah_aggregators, sweep, upgrade
+
+
+@pytest.fixture
+def parsed_flags(tmp_path):
+  fv = flags.FLAGS
+  fv.unparse_flags()
+  fv(["test", f"--workdir={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}", "--seeds=2",
+      "--niah_config=configs/niah.py:cpu"])
+  yield tmp_path
+  fv.unparse_flags()
+
+
+def test_crossing_interpolates_in_log2_pairs():
+  pairs = [8, 16, 32, 64]
+  assert mqar_capacity.crossing(pairs, [0.9, 0.7, 0.3, 0.1]) == pytest.approx(2 ** 4.5)
+  assert mqar_capacity.crossing(pairs, [0.9, 0.5, 0.4, 0.1]) == pytest.approx(16)
+  assert mqar_capacity.crossing(pairs, [0.4, 0.3, 0.2, 0.1]) == 0.0
+  assert math.isinf(mqar_capacity.crossing(pairs, [1.0, 0.9, 0.8, 0.6]))
+
+
+def _write_result(workdir: str, result: dict, config=None):
+  os.makedirs(os.path.join(workdir, "eval"), exist_ok=True)
+  with open(os.path.join(workdir, "eval", f"{result['task']}_step{result['step']}.json"), "w") as f:
+    json.dump(result, f)
+  if config is not None:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort())
+
+
+def test_eval_result_takes_the_newest_teacher_forced_file(tmp_path):
+  d = str(tmp_path)
+  _write_result(d, {"task": "niah", "step": 5, "accuracy": 0.1})
+  _write_result(d, {"task": "niah", "step": 40, "accuracy": 0.4})
+  _write_result(d, {"task": "niah_generate", "step": 90, "accuracy": 0.9})
+  assert sweep.eval_result(d)["step"] == 40
+  assert sweep.eval_result(str(tmp_path / "missing")) is None
+
+
+def test_niah_report_tables_and_plots(parsed_flags):
+  runs = niah_aggregators.runs()
+  assert len({r.name for r in runs}) == len(runs)
+  depths, lengths = [0.0, 0.5, 1.0], [64, 128]
+  results = {}
+  for r in runs:  # accuracy rises with depth for vanilla, flat for the others
+    acc = 0.9 if r.group["agg"] == "merlin" else 0.5
+    grid = [[(d if r.group["agg"] == "vanilla" else acc)] * len(lengths) for d in depths]
+    results[r.name] = {"task": "niah", "step": 10, "accuracy_grid": grid, "lengths": lengths,
+                       "depths": depths}
+  text = niah_aggregators.report(results, runs)
+  assert "| merlin | 0.90 | 0.90 | 0.90 |" in text  # by length, then "all"
+  assert "| vanilla | 0.00 | 0.50 | 1.00 |" in text  # by depth
+  out = parsed_flags / "out"
+  for name in ("niah_heatmaps.png", "niah_depth.png", "niah_seg_sweep.png", "niah_d_r_sweep.png",
+               "niah_aggregators.json"):
+    assert (out / name).stat().st_size > 0, name
+
+
+def test_upgrade_report_recovered_fraction(parsed_flags):
+  parts = upgrade.quads()
+  acc = {"small": 0.2, "continued": 0.3, "upgraded": 0.6, "big": 0.8}
+  results = {q[k].name: {"task": "mqar", "step": 7, "accuracy": acc[k]}
+             for per in parts.values() for q in per for k in q}
+  text = upgrade.report(results, parts)
+  # scratch gain 0.6, upgrade gain 0.3: half of it recovered, for each seed
+  assert "| 0.60 | 0.30 | 0.50 / 0.50 |" in text
+  summary = json.loads((parsed_flags / "out" / "upgrade.json").read_text())
+  assert summary["triadic"]["recovered"] == pytest.approx([0.5, 0.5])
