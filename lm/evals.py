@@ -110,19 +110,28 @@ def eval_mqar(c: ml_collections.ConfigDict, logits_fn: LogitsFn, batch_size: int
           "accuracy_by_num_pairs": by_pairs, "settings": settings}
 
 
+def _niah_grid(c: ml_collections.ConfigDict, name: str, cell: Callable) -> dict:
+  """``cell(examples, label, pbar) -> exact-match accuracy`` of every (length, depth) cell, as the
+  grid [depth][length] and its means."""
+  lengths, depths = list(c.eval_lengths), list(c.eval_depths)
+  grid = np.zeros((len(depths), len(lengths)))
+  with _progress(grid.size * c.num_eval_examples, name) as pbar:
+    for j in range(len(lengths)):
+      for i in range(len(depths)):
+        label = f"niah cell (length {lengths[j]}, depth {depths[i]})"
+        grid[i, j] = cell(data.niah_eval_set(c, j, i), label, pbar)
+  return _niah_metrics(grid, lengths, depths)
+
+
 def eval_niah(c: ml_collections.ConfigDict, logits_fn: LogitsFn, batch_size: int) -> dict:
   """Exact-match accuracy (every value token right) per context length x needle depth cell,
   and its means by depth (the recency-bias picture) and by length."""
-  lengths, depths = list(c.eval_lengths), list(c.eval_depths)
-  grid = np.zeros((len(depths), len(lengths)))
-  with _progress(grid.size * c.num_eval_examples, "niah") as pbar:
-    for j in range(len(lengths)):
-      for i in range(len(depths)):
-        ex = data.niah_eval_set(c, j, i)
-        preds, _ = _score(logits_fn, ex, batch_size, pbar)
-        hit = (preds == ex["targets"]) | (ex["weights"] == 0)
-        grid[i, j] = hit.all(axis=1).mean()
-  return _niah_metrics(grid, lengths, depths)
+
+  def cell(ex, label, pbar):
+    preds, _ = _score(logits_fn, ex, batch_size, pbar)
+    return ((preds == ex["targets"]) | (ex["weights"] == 0)).all(axis=1).mean()
+
+  return _niah_grid(c, "niah", cell)
 
 
 def eval_niah_generate(c: ml_collections.ConfigDict, generate_fn: GenerateFn,
@@ -130,16 +139,13 @@ def eval_niah_generate(c: ml_collections.ConfigDict, generate_fn: GenerateFn,
   """``eval_niah``'s exact-match grid, scored by generation: the prompt is each example's inputs
   up to and including the last key token of the query (the position that predicts the first value
   token), and the value_len greedily generated tokens must equal the value."""
-  lengths, depths = list(c.eval_lengths), list(c.eval_depths)
-  grid = np.zeros((len(depths), len(lengths)))
-  with _progress(grid.size * c.num_eval_examples, "niah generate") as pbar:
-    for j in range(len(lengths)):
-      for i in range(len(depths)):
-        ex = data.niah_eval_set(c, j, i)
-        start, stop = _answer_span(ex, f"niah cell (length {lengths[j]}, depth {depths[i]})")
-        got = _generate(generate_fn, ex["inputs"][:, :start + 1], stop - start, batch_size, pbar)
-        grid[i, j] = (got == ex["targets"][:, start:stop]).all(axis=1).mean()
-  return _niah_metrics(grid, lengths, depths)
+
+  def cell(ex, label, pbar):
+    start, stop = _answer_span(ex, label)
+    got = _generate(generate_fn, ex["inputs"][:, :start + 1], stop - start, batch_size, pbar)
+    return (got == ex["targets"][:, start:stop]).all(axis=1).mean()
+
+  return _niah_grid(c, "niah generate", cell)
 
 
 def _niah_metrics(grid: np.ndarray, lengths: list, depths: list) -> dict:
