@@ -116,7 +116,7 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
     for (y, x), v in np.ndenumerate(grids.mean(0)):
       hax[i].text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=7)
     hax[i].set_xticks(range(len(lengths)), [str(n) for n in lengths])
-    hax[i].set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths])
+    hax[i].set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths] if i == 0 else [])
     hax[i].set(title=_label(a), xlabel="context length", ylabel="needle depth" if i == 0 else "")
   hfig.colorbar(im, ax=list(hax), label="accuracy")
   common.save(hfig, "niah_heatmaps.png")

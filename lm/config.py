@@ -47,6 +47,7 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       conv_width=4, impl="auto", chunk_size=64, attention_impl="",
       dtype="float32",  # compute dtype; params stay float32
       remat=False,
+      tie_embeddings=False,  # the output head is the input embedding's transpose
   ))
 
   c.train = ml_collections.ConfigDict(dict(

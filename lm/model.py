@@ -48,6 +48,7 @@ class ModelConfig:
   attention_impl: str | None = None
   dtype: str = "float32"
   remat: bool = False
+  tie_embeddings: bool = False  # logits from the input embedding (no separate head)
 
   @classmethod
   def from_config(cls, config) -> "ModelConfig":
@@ -190,7 +191,10 @@ class LM(nn.Module):
                     metadata_params={nn.PARTITION_NAME: "layers"})
     x, cache = stack(cfg, name="layers")(x, cache)
     x = RMSNorm(dtype=cfg.compute_dtype, name="final_norm")(x)
-    logits = dense(cfg.vocab_size, ("embed", "vocab"), dtype=cfg.compute_dtype, name="head")(x)
+    if cfg.tie_embeddings:
+      logits = embed.attend(x.astype(cfg.compute_dtype))
+    else:
+      logits = dense(cfg.vocab_size, ("embed", "vocab"), dtype=cfg.compute_dtype, name="head")(x)
     logits = logits.astype(jnp.float32)
     return logits if cache is None else (logits, cache)
 

@@ -2,6 +2,7 @@
 
 import importlib
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -38,6 +39,22 @@ def test_every_mixer_gives_finite_logits_and_is_causal(mixer):
   assert bool(jnp.all(jnp.isfinite(logits)))
   changed = tokens.at[:, 10].set((tokens[:, 10] + 1) % 64)  # the future must not leak back
   np.testing.assert_allclose(model.apply(params, changed)[:, :10], logits[:, :10], atol=1e-5)
+
+
+def test_tied_embeddings_read_the_logits_off_the_input_table():
+  cfg = small(mixer="gdn", tie_embeddings=True)
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+  params = nn.unbox(LM(cfg).init(jax.random.key(0), tokens)["params"])
+  assert "head" not in params
+  untied = costs.count_params(small(mixer="gdn"))
+  assert costs.count_params(cfg)["total"] == untied["total"] - 64 * 32
+  # Scaling one token's embedding row scales that token's logit everywhere (and only its own).
+  doubled = {**params, "embed": {"embedding": params["embed"]["embedding"].at[5].multiply(2.0)}}
+  other = jnp.array([[1, 2, 3, 4]])  # inputs without token 5: the hidden states do not change
+  a = LM(cfg).apply({"params": params}, other)
+  b = LM(cfg).apply({"params": doubled}, other)
+  np.testing.assert_allclose(b[..., 5], 2 * a[..., 5], rtol=1e-5)
+  np.testing.assert_allclose(np.delete(np.asarray(b), 5, -1), np.delete(np.asarray(a), 5, -1))
 
 
 def test_hybrid_pattern_stacks_groups_with_a_layers_axis():
