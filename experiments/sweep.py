@@ -99,6 +99,10 @@ def run_sweep(runs: list[Run], root: str, *, parallel: int, deadline_s: float | 
   def workdir(r):
     return os.path.join(root, r.name)
 
+  def start_eval(r):
+    active[r.name] = ("eval", _launch(["eval.py", f"--workdir={workdir(r)}"],
+                                      os.path.join(workdir(r), "eval.log"), env))
+
   while waiting or active:
     now = time.time() - start
     if deadline_s is not None and now > deadline_s and not stopping:
@@ -117,8 +121,7 @@ def run_sweep(runs: list[Run], root: str, *, parallel: int, deadline_s: float | 
                       workdir(r), phase)
         failed.add(name)
       elif phase == "train":
-        active[name] = ("eval", _launch(["eval.py", f"--workdir={workdir(r)}"],
-                                        os.path.join(workdir(r), "eval.log"), env))
+        start_eval(r)
       else:
         done.add(name)
         res = eval_result(workdir(r))
@@ -137,8 +140,7 @@ def run_sweep(runs: list[Run], root: str, *, parallel: int, deadline_s: float | 
       if stopping:  # past the deadline: evaluate what exists, start nothing new
         waiting.remove(r)
         if os.path.exists(os.path.join(workdir(r), "metrics.jsonl")):
-          active[r.name] = ("eval", _launch(["eval.py", f"--workdir={workdir(r)}"],
-                                            os.path.join(workdir(r), "eval.log"), env))
+          start_eval(r)
         else:
           failed.add(r.name)
         continue
