@@ -15,7 +15,9 @@ Needs only jax (no grain / ml_collections), so it runs on the bare GPU machine.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
+import functools
 import os
 import statistics
 import sys
@@ -30,6 +32,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
 from tests.util import rel_rms as rel  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
+from triadic.pallas import ops as pops  # noqa: E402
 
 SHAPES = {4096: 8, 16384: 2, 65536: 1}  # T -> B, 32768 tokens per batch
 
@@ -52,8 +55,19 @@ def timeit(fn, args, reps):
   return 1e3 * statistics.median(times)
 
 
-def triadic_fns(impl):
-  run = lambda *a: triadic_gdn(*a, impl=impl, chunk_size=64)[0]
+def triadic_fns(impl, mosaic_gpu=None):
+  """jitted forward and forward+backward of ``impl``; for "pallas", ``mosaic_gpu`` True/False
+  forces the Hopper (Mosaic GPU) or the Triton state-passing kernels (None: the default)."""
+  if mosaic_gpu is None:
+    run = lambda *a: triadic_gdn(*a, impl=impl, chunk_size=64)[0]
+  else:
+    def run(q, k, v, k2, q2, g, beta):
+      cfg = dataclasses.replace(pops.default_config("gpu", k2.shape[-1], v.shape[-1]),
+                                mosaic_gpu=mosaic_gpu)
+      h0 = jnp.zeros((q.shape[0], q.shape[2], k2.shape[-1], q.shape[-1], v.shape[-1]),
+                     jnp.float32)
+      return pops.triadic_pallas(q, k, v, k2, q2, g, beta, scale=q.shape[-1] ** -0.5,
+                                 initial_state=h0, erase=True, chunk_size=64, config=cfg)[0]
 
   def fwd_bwd(*a):
     o, pull = jax.vjp(run, *a)
@@ -103,12 +117,11 @@ def check(only=None):
   sys.stdout.flush()
 
 
-def stages(t, e_list, reps):
-  """Time each Pallas stage alone (bf16, H = 16, D = V = 128) for a few tile configurations."""
-  import dataclasses
+def stages(t, e_list, reps, variants=False):
+  """Time each Pallas stage alone (bf16, H = 16, D = V = 128): the Triton kernels (with
+  ``variants``, also a few other tile configurations) and, on Hopper, the Mosaic GPU
+  state-passing kernels ("mgpu") in their place."""
   from triadic.pallas import backward as bwd_kernels
-  from triadic.pallas import ops as pops
-  from triadic.pallas import recurrent
   from triadic.pallas.chunk_prep import chunk_prep
   b, h, d, vd, c = SHAPES.get(t, 1), 16, 128, 128, 64
   nc = t // c
@@ -116,31 +129,36 @@ def stages(t, e_list, reps):
   print("|---|---|---|---|---|---|")
   for e in e_list:
     q, k, v, k2, q2, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
-    ch = lambda x, dt: pops._chunks(x.astype(dt), nc, c)
+    ch = lambda x, dt: pops._chunks(x.astype(dt), nc, c).reshape(b * h, nc, c, -1)
     q, k, v, do = (ch(x, jnp.bfloat16) for x in (q, k, v, v))
     k2, q2, g, beta = (ch(x, jnp.float32) for x in (k2, q2, g, beta))
     rows = lambda x: jnp.swapaxes(x, -1, -2)
     h0 = jnp.zeros((b * h, e, d, vd), jnp.float32)
     base = pops.default_config("gpu", e, vd)
-    variants = [base] + [dataclasses.replace(base, **kw) for kw in (
+    base = dataclasses.replace(base, mosaic_gpu=False)
+    configs = [base] + ([dataclasses.replace(base, **kw) for kw in (
         {"num_stages": 1}, {"num_stages": 3}, {"block_v": 64}, {"num_warps": 8},
-        {"bwd_block_v": 64}, {"bwd_num_warps": 4})]
-    for cfg in variants:
-      pre = jax.jit(lambda: chunk_prep(q, k, k2, rows(k2), q2, g, rows(g), beta, erase=True,
-                                       cfg=cfg))
-      gcc, gcr, a, p = pre()
-      fwd = jax.jit(lambda: recurrent.forward(q, k, v, k2, q2, gcc, beta, a, p, h0, scale=0.1,
-                                              erase=True, cfg=cfg))
-      o, u, st, ht = fwd()
-      bst = jax.jit(lambda: recurrent.backward(q, k, do, k2, q2, gcc, beta, a, p, h0, scale=0.1,
-                                               erase=True, cfg=cfg))
-      du, dst, _ = bst()
-      cbw = jax.jit(lambda: bwd_kernels.chunk_backward(
-          q, k, v, do, u, du, st, dst, k2, rows(k2), q2, gcc, gcr, beta, a, scale=0.1, erase=True,
-          cfg=cfg))
-      ms = [timeit(f, (), reps) for f in (pre, fwd, bst, cbw)]
+        {"bwd_block_v": 64}, {"bwd_num_warps": 4})] if variants else [])
+    if pops.is_hopper():
+      configs.append(dataclasses.replace(base, mosaic_gpu=True))
+    for cfg in configs:
+      pre = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))
+      prep_args = (q, k, k2, rows(k2), q2, g, rows(g), beta)
+      gcc, gcr, a, p = pre(*prep_args)
+      state_fwd, state_bwd = pops._state_kernels(cfg, q, v, k2)
+      fwd = jax.jit(functools.partial(state_fwd, scale=0.1, erase=True))
+      fwd_args = (q, k, v, k2, q2, gcc, beta, a, p, h0)
+      o, u, st, ht = fwd(*fwd_args)
+      bst = jax.jit(functools.partial(state_bwd, scale=0.1, erase=True))
+      bst_args = (q, k, do, k2, q2, gcc, beta, a, p, h0)
+      du, dst, _ = bst(*bst_args)
+      cbw = jax.jit(functools.partial(bwd_kernels.chunk_backward, scale=0.1, erase=True, cfg=cfg))
+      cbw_args = (q, k, v, do, u, du, st, dst, k2, rows(k2), q2, gcc, gcr, beta, a)
+      ms = [timeit(f, xs, reps) for f, xs in ((pre, prep_args), (fwd, fwd_args),
+                                              (bst, bst_args), (cbw, cbw_args))]
       label = (f"bv{cfg.block_v} w{cfg.num_warps} s{cfg.num_stages} "
                f"bwd_bv{cfg.bwd_block_v} bwd_w{cfg.bwd_num_warps}")
+      label = "mgpu state kernels, " + label if cfg.mosaic_gpu else label
       print(f"| {e} | {label} | " + " | ".join(f"{x:.2f}" for x in ms) + " |")
       sys.stdout.flush()
 
@@ -152,8 +170,12 @@ def main():
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--check", action="store_true", help="correctness table, then exit")
   parser.add_argument("--no-chunked", action="store_true", help="skip the chunked JAX column")
+  parser.add_argument("--no-triton", action="store_true",
+                      help="on Hopper, skip the pallas-triton column (Triton state kernels)")
   parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0, 1, 2)")
   parser.add_argument("--stages", action="store_true", help="per-kernel times, then exit")
+  parser.add_argument("--variants", action="store_true",
+                      help="with --stages: also other Triton tile configurations")
   args = parser.parse_args()
   dev = jax.devices()[0]
   print(f"# {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
@@ -162,13 +184,18 @@ def main():
     check(args.cases)
     return
   if args.stages:
-    stages(args.t[0], args.e, args.reps)
+    stages(args.t[0], args.e, args.reps, args.variants)
     return
   h, d, vd = 16, 128, 128
-  print("| B | T | E | pallas fwd | pallas f+b | chunked fwd | chunked f+b | cudnn fwd | cudnn f+b "
+  hopper = pops.is_hopper()
+  if hopper:
+    print("# pallas: Mosaic GPU (wgmma) state-passing kernels where they take the sizes; "
+          "pallas-triton: the same op with the Triton state-passing kernels")
+  print("| B | T | E | pallas fwd | pallas f+b | f+b vs E=1 | pallas-triton fwd | pallas-triton f+b "
+        "| chunked fwd | chunked f+b | cudnn fwd | cudnn f+b "
         "| chunked/pallas f+b | cudnn/pallas f+b | pallas TFLOP/s fwd / f+b "
         "| chunked TFLOP/s fwd / f+b |")
-  print("|" + "---|" * 14)
+  print("|" + "---|" * 16)
   for t in args.t:
     b = SHAPES.get(t, max(1, 32768 // t))
     key = jax.random.PRNGKey(0)
@@ -179,10 +206,16 @@ def main():
     except Exception as err:  # cuDNN missing or shape refused: report, do not stop the table
       print(f"# cudnn attention failed at T={t}: {type(err).__name__}: {err}"[:300])
       att = (float("nan"), float("nan"))
+    e1 = None
     for e in args.e:
       xs = inputs(key, b, t, h, d, vd, e, jnp.bfloat16)
       pf, pfb = triadic_fns("pallas")
       pal = (timeit(pf, xs, args.reps), timeit(pfb, xs, args.reps))
+      e1 = pal[1] if e == 1 else e1
+      tri = (float("nan"), float("nan"))
+      if hopper and not args.no_triton:
+        tf_, tfb = triadic_fns("pallas", mosaic_gpu=False)
+        tri = (timeit(tf_, xs, args.reps), timeit(tfb, xs, args.reps))
       if args.no_chunked:
         chk = (float("nan"), float("nan"))
       else:
@@ -190,7 +223,9 @@ def main():
         chk = (timeit(cf, xs, args.reps), timeit(cfb, xs, args.reps))
       fl = chunked_flops(b, t, h, d, vd, e)
       tf = lambda ms, mult: mult * fl / (ms * 1e-3) / 1e12
-      print(f"| {b} | {t} | {e} | {pal[0]:.2f} | {pal[1]:.2f} | {chk[0]:.2f} | {chk[1]:.2f} "
+      vs1 = f"{pal[1] / e1:.2f}x" if e1 else "-"
+      print(f"| {b} | {t} | {e} | {pal[0]:.2f} | {pal[1]:.2f} | {vs1} | {tri[0]:.2f} | {tri[1]:.2f} "
+            f"| {chk[0]:.2f} | {chk[1]:.2f} "
             f"| {att[0]:.2f} | {att[1]:.2f} | {chk[1] / pal[1]:.2f}x | {att[1] / pal[1]:.2f}x "
             f"| {tf(pal[0], 1):.0f} / {tf(pal[1], 3):.0f} "
             f"| {tf(chk[0], 1):.0f} / {tf(chk[1], 3):.0f} |")

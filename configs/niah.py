@@ -31,7 +31,7 @@ def get_config(size: str = ""):
                  tie_embeddings=True)
   c.data.update(seq_len=1024, train_min_len=128, num_needles=8, eval_lengths=(256, 512, 1024),
                 num_eval_examples=64)
-  c.train.update(num_steps=1500, batch_size=32, learning_rate=3e-3, warmup_steps=100,
+  c.train.update(num_steps=3000, batch_size=32, learning_rate=3e-3, warmup_steps=100,
                  log_every=100, checkpoint_every=500)
   c.eval.batch_size = 64
   if size == "cpu":

@@ -46,6 +46,10 @@ class Config:
   block_v: value columns per program of the recurrent kernels (the state tile is E x D x block_v
   float32; on TPU a multiple of 128 or the whole V). bwd_block_v: value columns per step of the
   chunk-parallel backward's inner loop.
+  mosaic_gpu: run the two state-passing kernels as Mosaic GPU (Hopper wgmma) kernels
+  (``mosaic.py``, their own block_v) wherever ``mosaic.supported`` takes the sizes (bf16, C = 64,
+  ...), the Triton ones elsewhere. On by default on Hopper GPUs; on "cpu" it selects Mosaic GPU
+  interpret mode (how the tests run them).
   """
   platform: str
   block_v: int
@@ -54,12 +58,15 @@ class Config:
   num_stages: int = 2
   bwd_num_warps: int = 8
   interpret: bool | pltpu.InterpretParams = False
+  mosaic_gpu: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
       raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
     if self.platform == "cpu" and not self.interpret:
       object.__setattr__(self, "interpret", True)
+    if self.mosaic_gpu and self.platform == "tpu":
+      raise ValueError("mosaic_gpu=True needs platform 'gpu' (or 'cpu' to interpret), got 'tpu'")
 
   @property
   def chunk_grid(self) -> bool:

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from triadic.pallas import backward as bwd_kernels
-from triadic.pallas import partition, recurrent
+from triadic.pallas import mosaic, partition, recurrent
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import F32, PLATFORMS, Config
 
@@ -56,6 +56,12 @@ def default_platform() -> str:
   return "gpu" if backend in ("gpu", "cuda", "rocm") else ("tpu" if backend == "tpu" else "cpu")
 
 
+def is_hopper() -> bool:
+  """Whether the default device is an NVIDIA Hopper GPU (compute capability 9.x)."""
+  dev = jax.devices()[0]
+  return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
+
+
 def default_config(platform: str, e: int, vd: int) -> Config:
   """Tile choices per platform, which also fixes the recurrent kernels' structure (``Config``).
 
@@ -68,7 +74,7 @@ def default_config(platform: str, e: int, vd: int) -> Config:
   if platform not in PLATFORMS:
     raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
   if platform == "gpu":
-    return Config("gpu", block_v=16 if e >= 8 else 32, bwd_block_v=32)
+    return Config("gpu", block_v=16 if e >= 8 else 32, bwd_block_v=32, mosaic_gpu=is_hopper())
   if platform == "tpu":
     return Config("tpu", block_v=vd, bwd_block_v=vd)
   return Config("cpu", block_v=16, bwd_block_v=16)
@@ -114,6 +120,19 @@ _BWD_RULE = ("b h n c d, b h n c d, b h n c v, b h n c e, b h n c e, b h n c one
              "b h e d v")
 
 
+def _state_kernels(cfg, q, v, k2):
+  """The state-passing kernels to run: ``mosaic`` (Hopper wgmma) where ``cfg.mosaic_gpu`` asks
+  and the sizes allow, else ``recurrent`` (Triton / TPU / interpret), as (forward, backward)
+  functions of ``recurrent.forward``'s operands."""
+  c, d = q.shape[-2:]
+  if cfg.mosaic_gpu and mosaic.supported(d, v.shape[-1], c, k2.shape[-1], q.dtype) is None:
+    interpret = cfg.platform == "cpu"
+    return (functools.partial(mosaic.forward, interpret=interpret),
+            functools.partial(mosaic.backward, interpret=interpret))
+  return (functools.partial(recurrent.forward, cfg=cfg),
+          functools.partial(recurrent.backward, cfg=cfg))
+
+
 def _forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
   """Forward kernels on (B, H, NC, C, X) operands and h0 (B, H, E, D, V).
 
@@ -123,8 +142,8 @@ def _forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
   b, h = q.shape[:2]
   q, k, v, k2, q2, g, beta, h0 = map(_merge, (q, k, v, k2, q2, g, beta, h0))
   gcc, gcr, a, p = chunk_prep(q, k, k2, _rows(k2), q2, g, _rows(g), beta, erase=erase, cfg=cfg)
-  o, u, states, ht = recurrent.forward(q, k, v, k2, q2, gcc, beta, a, p, h0, scale=scale,
-                                       erase=erase, cfg=cfg)
+  forward = _state_kernels(cfg, q, v, k2)[0]
+  o, u, states, ht = forward(q, k, v, k2, q2, gcc, beta, a, p, h0, scale=scale, erase=erase)
   return tuple(_split(x, b, h) for x in (o, ht, gcc, gcr, a, p, u, states))
 
 
@@ -135,8 +154,9 @@ def _backward(scale, erase, cfg, q, k, v, k2, q2, beta, gcc, gcr, a, p, u, state
   dtypes = (q.dtype, k.dtype, v.dtype, k2.dtype, q2.dtype, beta.dtype)
   q, k, v, k2, q2, beta, gcc, gcr, a, p, u, states, do, dht = map(
       _merge, (q, k, v, k2, q2, beta, gcc, gcr, a, p, u, states, do, dht))
-  du, dstates, dh0 = recurrent.backward(q, k, do.astype(q.dtype), k2, q2, gcc, beta, a, p,
-                                        dht.astype(F32), scale=scale, erase=erase, cfg=cfg)
+  backward = _state_kernels(cfg, q, do, k2)[1]
+  du, dstates, dh0 = backward(q, k, do.astype(q.dtype), k2, q2, gcc, beta, a, p, dht.astype(F32),
+                              scale=scale, erase=erase)
   dq, dk, dv, dk2c, dk2r, dq2, dgcc, dgcr, dbeta = bwd_kernels.chunk_backward(
       q, k, v, do, u, du, states, dstates, k2, _rows(k2), q2, gcc, gcr, beta, a, scale=scale,
       erase=erase, cfg=cfg)
@@ -154,18 +174,27 @@ _backward_sharded = partition.batch_head_partitioned(_backward, n_static=3, rule
                                                      replicated=_REPLICATED)
 
 
+def _sharded(cfg):
+  """The custom-partitioned forward and backward, or the plain functions when the kernels run as
+  host callbacks (Mosaic GPU interpret mode on a CPU), which custom_partitioning cannot lower.
+  On one device the two compile to the same program."""
+  if cfg.mosaic_gpu and cfg.platform == "cpu":
+    return _forward, _backward
+  return _forward_sharded, _backward_sharded
+
+
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _core(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
-  return _forward_sharded(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)[:2]
+  return _sharded(cfg)[0](scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)[:2]
 
 
 def _core_fwd(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
-  o, ht, *res = _forward_sharded(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)
+  o, ht, *res = _sharded(cfg)[0](scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)
   return (o, ht), (q, k, v, k2, q2, beta, *res)
 
 
 def _core_bwd(scale, erase, cfg, saved, cotangents):
-  return _backward_sharded(scale, erase, cfg, *saved, *cotangents)
+  return _sharded(cfg)[1](scale, erase, cfg, *saved, *cotangents)
 
 
 _core.defvjp(_core_fwd, _core_bwd)

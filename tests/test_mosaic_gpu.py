@@ -1,0 +1,112 @@
+"""Mosaic GPU (Hopper) state-passing kernels (``triadic.pallas.mosaic``) against the Triton-structured
+``recurrent.forward`` / ``recurrent.backward`` run in Pallas interpret mode.
+
+The Mosaic GPU kernels run under Mosaic GPU interpret mode on this CPU (simulated SMEM, TMA copies,
+barriers, wgmma). Inputs are built as ``ops._forward`` builds them: chunked bf16 q, k, v, float32
+k2, q2, beta, then ``chunk_prep`` for gc, A, P; h0 and dht nonzero.
+Error bound (relative RMS, ||a - b|| / ||b||): 1e-2 for every output. Both sides use bf16 operands
+with float32 accumulation but round differently (the Triton kernel scales K by the per-row factors
+before the bf16 cast, the Mosaic kernel scales the float32 product after), so they are not
+bit-equal; measured errors are ~1e-5..3e-3.
+A second test lowers both kernels for "cuda" (Mosaic GPU lowering and layout checks, no GPU).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tests.test_triadic_pallas import make_inputs
+from tests.util import rel_rms
+from triadic.pallas import mosaic, recurrent
+from triadic.pallas.chunk_prep import chunk_prep
+from triadic.pallas.common import Config
+from triadic.pallas.ops import _chunks
+
+BOUND = 1e-2
+SCALE = 0.125
+
+pytestmark = pytest.mark.skipif(not mosaic.interpret_available(),
+                                reason="Mosaic GPU interpret mode unavailable in this JAX")
+
+
+def build(b, t, h, d, vdim, e, c, erase, seed=0):
+  """Kernel operands as ops._forward makes them: (q, k, v, k2, q2, gcc, beta, A, P, h0), do, dht
+  (do in q's dtype, as ops._backward passes it)."""
+  args, do, ds = make_inputs(seed, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.bfloat16)
+  nc = -(-t // c)
+  merge = lambda x: x.reshape(b * h, *x.shape[2:])
+  q, k, v = (merge(_chunks(x, nc, c)) for x in args[:3])
+  k2, q2, g, beta = (merge(_chunks(x.astype(jnp.float32), nc, c)) for x in args[3:7])
+  h0, dht = merge(args[7]), merge(ds)
+  do = merge(_chunks(do, nc, c)).astype(q.dtype)
+  rows = lambda x: jnp.swapaxes(x, -1, -2)
+  gcc, _, a, p = chunk_prep(q, k, k2, rows(k2), q2, g, rows(g), beta, erase=erase, cfg=CPU)
+  return (q, k, v, k2, q2, gcc, beta, a, p, h0), do, dht
+
+
+CPU = Config("cpu", block_v=16, bwd_block_v=16)
+
+CASES = [
+    # b, t, h, v, e, block_v, erase   (D = 64, C = 64; NC = 3 for t = 150)
+    pytest.param(1, 150, 2, 32, 1, 32, True, id="E1-BV32-erase"),
+    pytest.param(2, 150, 1, 64, 3, 32, True, id="E3-BV32-erase"),
+    pytest.param(1, 150, 2, 32, 4, 16, False, id="E4-BV16-noerase"),
+    pytest.param(1, 150, 2, 32, 8, 16, True, id="E8-BV16-erase"),
+    pytest.param(1, 150, 2, 32, 8, 32, False, id="E8-BV32-noerase"),
+]
+
+
+@pytest.mark.parametrize("b,t,h,vdim,e,bv,erase", CASES)
+def test_forward_and_backward_match_recurrent(b, t, h, vdim, e, bv, erase):
+  d, c = 64, 64
+  fargs, do, dht = build(b, t, h, d, vdim, e, c, erase)
+  assert fargs[0].shape[1] >= 3 and fargs[0].shape[0] >= 2
+  kw = dict(scale=SCALE, erase=erase)
+  got = jax.jit(functools.partial(mosaic.forward, block_v=bv, interpret=True, **kw))(*fargs)
+  want = recurrent.forward(*fargs, cfg=CPU, **kw)
+  for name, x, y in zip(("o", "U", "states", "final state"), got, want):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+  bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
+  got = jax.jit(functools.partial(mosaic.backward, block_v=bv, interpret=True, **kw))(*bargs)
+  want = recurrent.backward(*bargs, cfg=CPU, **kw)
+  for name, x, y in zip(("dU", "dstates", "dh0"), got, want):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+
+
+@pytest.mark.parametrize("d,vdim,e,erase", [(64, 64, 8, True), (128, 128, 8, True),
+                                            (128, 64, 2, False), (64, 32, 3, True)])
+def test_kernels_lower_for_cuda(d, vdim, e, erase):
+  """Both kernels pass the Mosaic GPU lowering (layout inference, wgmma/TMA checks, SMEM size)
+  for the default block_v; nothing runs."""
+  bh, nc, c = 2, 4, 64
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  f32 = functools.partial(spec, dt=jnp.float32)
+  common = [f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, 1),
+            f32(bh, nc, c, c), f32(bh, nc, c, c)]
+  fwd = jax.jit(functools.partial(mosaic.forward, scale=SCALE, erase=erase))
+  text = fwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
+                   f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_forward_mgpu" in text
+  bwd = jax.jit(functools.partial(mosaic.backward, scale=SCALE, erase=erase))
+  text = bwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
+                   f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_backward_states_mgpu" in text
+
+
+def test_supported():
+  assert mosaic.supported(64, 64, 64, 8, jnp.bfloat16) is None
+  assert mosaic.supported(128, 128, 64, 8, jnp.bfloat16) is None
+  assert "bfloat16" in mosaic.supported(64, 64, 64, 8, jnp.float32)
+  assert "chunk size" in mosaic.supported(64, 64, 32, 8, jnp.bfloat16)
+  assert mosaic.supported(128, 128, 64, 8, jnp.bfloat16, block_v=32) is not None  # 2 WGs needed
+  assert mosaic.supported(64, 48, 64, 1, jnp.bfloat16) is not None
+  with pytest.raises(ValueError, match="bfloat16"):
+    x = jnp.zeros((1, 1, 64, 64), jnp.float32)
+    mosaic.forward(x, x, x, *(jnp.zeros((1, 1, 64, 1)),) * 4, jnp.zeros((1, 1, 64, 64)),
+                   jnp.zeros((1, 1, 64, 64)), jnp.zeros((1, 1, 64, 64)), scale=1.0, erase=True)

@@ -1,0 +1,498 @@
+"""Hopper (Mosaic GPU) state-passing kernels: drop-in replacements for ``recurrent.forward`` and
+``recurrent.backward`` (same operands, same outputs), for bf16 inputs.
+
+Why this structure (issue #7). The Triton kernel keeps E separate D x BV float32 state tiles and
+does 3E small matmuls (N = BV = 16..32) per chunk, so E = 8 costs ~7x E = 1. Here one program
+(grid (B*H, V / BV), one warpgroup) holds all E slices of its D x BV state tile side by side as
+ONE D x (E*BV) float32 array in the WGMMA register layout, "S_cat" (column block e = S_e[:, value
+block]). Every E-dependent matmul is then one wgmma with N = E*BV (128 or 256 at E = 8), and
+E = 1 vs E = 8 differ mostly in the width of those wgmmas. Per chunk (C = 64 tokens), with the
+per-row factors fe = beta k2 a, fq = q2 a, fw = k2 b (a = exp(gc), b = exp(gc_C - gc)) and
+lam = exp(gc_C) precomputed in plain JAX (O(T E), ``_factors``):
+
+  forward   R = K S_cat,  Y = Q S_cat                            (C x D) @ (D x E*BV)
+            rhs = beta V - sum_e diag(fe_e) R[:, e]              (beta V without erase)
+            U = A rhs;  o = scale (sum_e diag(fq_e) Y[:, e] + P U)
+            S_cat <- lam_cat * S_cat + K^T [diag(fw_e) U]_e      (D x C) @ (C x E*BV)
+  backward  dU = scale P^T dO + sum_e diag(fw_e) (K dS_cat)[:, e]
+            dS_cat <- lam_cat * dS_cat + Q^T [scale diag(fq_e) dO]_e - K^T [diag(fe_e) A^T dU]_e
+
+How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lowering accept):
+
+* Every wgmma operand is in SMEM (the interpreter takes no register operand), bf16, f32
+  accumulation, the accumulator a scoped ``plgpu.ACC``. Both operands of one wgmma must share a
+  swizzle (a lowering rule): K, Q and S_cat use the swizzle of an E*BV-wide bf16 row ("swizzle N");
+  A, P, rhs, U, K^T, Q^T and the [.]_e operands use the swizzle of a BV-wide row ("swizzle V"),
+  so that the [.]_e operands are written one BV-wide column block at a time, each block a whole
+  column of SMEM tiles.
+* No transposed SMEM operand: the interpreter cannot apply ``plgpu.transpose_ref``. K^T, Q^T, A^T
+  and P^T therefore come pre-transposed from plain JAX (and A, P are cast to bf16 there, as
+  ``recurrent.mm`` casts them anyway). On hardware ``transpose_ref`` would save reading K (and Q in
+  the backward) twice; that is the first thing to change once this runs on an H200.
+* The e-reduction (sum over column blocks) is done in registers: static column slices of the
+  WGMMA-layout accumulator (BV a multiple of 8), each scaled by a row vector (layout WGMMA row,
+  i.e. ``Layout.WGMMA.reduce(1)``) broadcast along the columns. lam is a per-column vector
+  (``Layout.WGMMA.reduce(0)``) repeated BV times per block.
+* The state update: on hardware, ``pl.run_state`` with ``plgpu.ACC.init(lam * S)`` accumulates
+  K^T W into the carried state's own registers. The interpreter runs no ``run_state`` and no store
+  into an accumulator, so interpret mode computes K^T W in a fresh accumulator and adds it (same
+  values). Likewise ``plgpu.layout_cast`` is skipped in interpret mode (it has no CPU rule).
+* One warpgroup, synchronous: each chunk's inputs are TMA-copied gmem -> SMEM (one barrier per
+  copy) at the top of the chunk, outputs leave by TMA smem -> gmem; no double buffering and no
+  warp specialisation yet (SMEM at D = 64, E*BV = 256 is ~170 KiB in the loop, so double-buffering
+  the inputs needs the K^T copies gone first). Ordering rules kept by hand (the interpreter does
+  not check them): ``commit_smem`` (fence + warpgroup barrier) after every register -> SMEM store
+  that a wgmma or TMA reads; ``wait_smem_to_gmem(0, wait_read_only=True)`` (also a warpgroup
+  barrier) before the per-chunk output buffers are rewritten; every register read of a chunk's
+  input buffers (factors, lam, V / dO) happens before the chunk's last ``commit_smem``, so the next
+  chunk's TMA cannot overwrite data another warp is still reading.
+* SMEM scopes: the chunk loop's buffers live in one ``run_scoped``; the (D, E*BV) float32 buffer
+  for the initial / final state in separate scopes before and after it (together they exceed the
+  227 KiB at D = 64, E*BV = 256).
+* Registers: the state is D * E * BV / 128 float32 registers per thread, plus a C x E*BV
+  accumulator while R or Y is reduced. ``default_block_v`` keeps (D + C) * E * BV <= 192 * 128
+  (BV = 32 below E = 4 at D = 64...). D = 128 with E * BV = 256 would need the state split over
+  two warpgroups (M = D = 2 x 64); not done yet (``supported`` says so).
+* The initial / final state is moved once per program in the "cat" layout (BH, V/BV, D, E*BV),
+  rearranged in plain JAX (state-sized, once); the per-chunk states are written directly in
+  recurrent.py's (BH, NC, E, D, V) layout from an (E, D, BV) SMEM buffer.
+* float32 inputs are not supported (use the Triton path): wgmma on float32 would be TF32.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+F32 = jnp.float32
+BF16 = jnp.bfloat16
+BLOCK_VS = (16, 32, 64)
+MAX_N = 256                 # wgmma N limit: E * BV
+REG_BUDGET = 192 * 128      # (D + C) * E * BV: default block_v choice (state + one C x E*BV acc)
+STATE_BUDGET = 128 * 128    # D * E * BV: hard limit, the state alone at 128 registers a thread
+
+
+def _interpret_params(interpret):
+  """``interpret=True`` means Mosaic GPU interpret mode (simulated SMEM, TMA, barriers)."""
+  if interpret is True:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
+    return InterpretGPUParams()
+  return interpret
+
+
+def interpret_available() -> bool:
+  try:
+    from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams  # noqa: F401
+  except ImportError:
+    return False
+  return True
+
+
+def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None) -> str | None:
+  """Why these kernels cannot take these sizes, or None if they can."""
+  if jnp.dtype(dtype) != jnp.dtype(BF16):
+    return f"the Mosaic GPU kernels take bfloat16 inputs only (use the Triton path), got {dtype}"
+  if c != 64:
+    return f"the Mosaic GPU kernels need chunk size 64, got {c}"
+  if d % 64 or d > 128:
+    return f"the Mosaic GPU kernels need D in (64, 128), got {d}"
+  bv = block_v or default_block_v(d, vd, c, e)
+  if bv is None:
+    return f"no value block for D={d}, V={vd}, E={e} fits one warpgroup's registers"
+  if bv not in BLOCK_VS or vd % bv:
+    return f"V={vd} must be a multiple of block_v={bv} in {BLOCK_VS}"
+  if e * bv > MAX_N:
+    return f"E * block_v must be <= {MAX_N}, got {e} * {bv}"
+  if (e * bv) % 32:
+    return f"E * block_v must be a multiple of 32 (a warpgroup-wide load of lam), got {e} * {bv}"
+  if d * e * bv > STATE_BUDGET:
+    return (f"D * E * block_v = {d * e * bv} > {STATE_BUDGET}: the state would not fit one "
+            "warpgroup's registers (two warpgroups not implemented)")
+  return None
+
+
+def default_block_v(d: int, vd: int, c: int, e: int) -> int | None:
+  """The widest BV in (32, 16) dividing V with E * BV <= 256, a multiple of 32, and the state plus
+  one C x E*BV accumulator within REG_BUDGET floats (the rest of the register file for temps)."""
+  for bv in (32, 16):
+    if (vd % bv == 0 and e * bv <= MAX_N and (e * bv) % 32 == 0
+        and (d + c) * e * bv <= REG_BUDGET):
+      return bv
+  return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Plain-JAX preparation (O(T E) work, plus transposed / bf16 copies of K, Q, A, P).
+
+
+def _factors(gcc, k2c, q2c, beta_c):
+  """Per-row factors as (BH, NC, 3E + 1, C) float32 rows [fe (E), fq (E), fw (E), beta] and the
+  per-chunk decay lam (BH, NC, E)."""
+  a = jnp.exp(gcc)
+  gl = gcc[:, :, -1:, :]
+  b = jnp.exp(gl - gcc)
+  beta = beta_c.astype(F32)
+  fe = beta * k2c * a
+  fq = q2c * a
+  fw = k2c * b
+  rows = jnp.concatenate([fe, fq, fw, beta], axis=-1)          # (BH, NC, C, 3E + 1)
+  return jnp.swapaxes(rows, -1, -2), jnp.exp(gl[:, :, 0, :])
+
+
+def _lam_cat(lam, bv):
+  """(BH, NC, E) -> (BH, NC, E * BV): lam_e repeated over its column block."""
+  return jnp.repeat(lam, bv, axis=-1)
+
+
+def _to_cat(x, bv):
+  """(BH, E, D, V) -> (BH, V / BV, D, E * BV): column block e of value block j is x[:, e, :, j]."""
+  bh, e, d, vd = x.shape
+  x = x.reshape(bh, e, d, vd // bv, bv)
+  return jnp.transpose(x, (0, 3, 2, 1, 4)).reshape(bh, vd // bv, d, e * bv)
+
+
+def _from_cat(x, e):
+  bh, nv, d, n = x.shape
+  bv = n // e
+  x = x.reshape(bh, nv, d, e, bv)
+  return jnp.transpose(x, (0, 3, 2, 1, 4)).reshape(bh, e, d, nv * bv)
+
+
+def _t(x):
+  return jnp.swapaxes(x, -1, -2)
+
+
+# ------------------------------------------------------------------------------------------------
+# Kernel helpers.
+
+
+def _smem(shape, dtype, swizzle=None):
+  if swizzle is None:
+    return plgpu.SMEM(shape, dtype)
+  elems = swizzle // jnp.dtype(dtype).itemsize
+  return plgpu.SMEM(shape, dtype, transforms=(plgpu.TilingTransform((8, elems)),
+                                              plgpu.SwizzleTransform(swizzle)))
+
+
+def _swizzle(cols, dtype=BF16):
+  return plgpu.find_swizzle(cols * jnp.dtype(dtype).itemsize * 8)
+
+
+class _Ops:
+  """Layout casts, matmuls and row / column broadcasts, with the interpret-mode substitutes."""
+
+  def __init__(self, interpret):
+    self.interpret = bool(interpret)
+
+  def cast(self, x, layout):
+    return x if self.interpret else plgpu.layout_cast(x, layout)
+
+  def acc(self, x):
+    return self.cast(x, plgpu.Layout.WGMMA)
+
+  def rowvec(self, ref, idx, cols):
+    """Row factor ref[idx] (length M) broadcast to (M, cols) in the WGMMA layout."""
+    vec = self.cast(ref[idx], plgpu.Layout.WGMMA.reduce(1))
+    return lax.broadcast_in_dim(vec, (vec.shape[0], cols), [0])
+
+  def colvec(self, ref, rows):
+    """Column factor ref[...] (length N) broadcast to (rows, N) in the WGMMA layout."""
+    vec = self.cast(ref[...], plgpu.Layout.WGMMA.reduce(0))
+    return lax.broadcast_in_dim(vec, (rows, vec.shape[0]), [1])
+
+  def mm(self, a_ref, b_ref):
+    """a @ b, float32 accumulation, both operands SMEM refs."""
+    m, n = a_ref.shape[0], b_ref.shape[1]
+
+    def body(acc):
+      plgpu.wgmma(acc, a_ref, b_ref)
+      return acc[...]
+
+    return pl.run_scoped(body, plgpu.ACC((m, n), F32))
+
+  def mm_add(self, init, pairs):
+    """init + sum of a @ b over (a_ref, b_ref) pairs. On hardware the wgmmas accumulate into
+    init's registers (``run_state`` with ``ACC.init``); the interpreter has neither, so there a
+    fresh accumulator is added."""
+    if self.interpret:
+      m, n = init.shape
+
+      def body(acc):
+        for a_ref, b_ref in pairs:
+          plgpu.wgmma(acc, a_ref, b_ref)
+        return acc[...]
+
+      return init + pl.run_scoped(body, plgpu.ACC((m, n), F32))
+
+    def body(acc):
+      for a_ref, b_ref in pairs:
+        plgpu.wgmma(acc, a_ref, b_ref)
+
+    return pl.run_state(body)(plgpu.ACC.init(self.acc(init)))
+
+
+def _load(pairs, bars):
+  """Start the TMA copies (src gmem ref, dst smem ref), one barrier each."""
+  for slot, (src, dst) in enumerate(pairs):
+    plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
+
+
+def _wait(n, bars):
+  for slot in range(n):
+    plgpu.barrier_wait(bars.at[slot])
+
+
+def _store_blocks(x, ref, e_dim, bv, dtype):
+  """ref[e] = x[:, e-th column block] for each e (ref (E, rows, BV))."""
+  for e in range(e_dim):
+    ref[e] = x[:, e * bv:(e + 1) * bv].astype(dtype)
+
+
+def _load_cat(ops, src, cat, barrier):
+  """The carried (D, E*BV) float32 state from gmem, through a scoped SMEM buffer."""
+  def body(cat_s):
+    plgpu.copy_gmem_to_smem(src, cat_s, barrier)
+    plgpu.barrier_wait(barrier)
+    return ops.acc(cat_s[...])
+  return pl.run_scoped(body, cat)
+
+
+def _store_cat(x, dst, cat):
+  def body(cat_s):
+    cat_s[...] = x
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(cat_s, dst)
+    plgpu.wait_smem_to_gmem(0)
+  pl.run_scoped(body, cat)
+
+
+def _chunk_loop(chunk, nc, init, scratch):
+  """fori_loop over the chunks inside one SMEM scope (``scratch``), which is released before the
+  final state's buffer is allocated (the two do not fit together at D * E * BV = 64 * 256)."""
+  def body(*refs):
+    out = lax.fori_loop(0, nc, lambda n, s: chunk(n, s, *refs), init)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return out
+  return pl.run_scoped(body, *scratch)
+
+
+def _compiler_params():
+  return plgpu.CompilerParams()
+
+
+# ------------------------------------------------------------------------------------------------
+# Forward.
+
+
+def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
+                    o_g, u_g, st_g, ht_g, bars, *, scratch, cat, nc, e_dim, bv, scale, erase,
+                    interpret):
+  ops = _Ops(interpret)
+  i, j = lax.axis_index("bh"), lax.axis_index("v")
+  cols = pl.ds(j * bv, bv)
+  fe, fq, fw, fbeta = 0, e_dim, 2 * e_dim, 3 * e_dim
+  state0 = _load_cat(ops, h0_g.at[i, j], cat, bars.at[8])
+
+  def chunk(n, s, q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s, sb_s, w_s, rb_s, ub_s, o_s, u_s,
+            st_s):
+    d = q_s.shape[1]
+    _load([(q_g.at[i, n], q_s), (k_g.at[i, n], k_s), (kt_g.at[i, n], kt_s),
+           (v_g.at[i, n, :, cols], v_s), (a_g.at[i, n], a_s), (p_g.at[i, n], p_s),
+           (f_g.at[i, n], f_s), (lam_g.at[i, n], lam_s)], bars)
+    # The chunk-start state: the bf16 wgmma operand and the per-chunk output. The previous
+    # chunk's TMA stores must have read o_s, u_s, st_s before they are overwritten.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    sb_s[...] = s.astype(BF16)
+    _store_blocks(s, st_s, e_dim, bv, st_s.dtype)
+    plgpu.commit_smem()
+    for e in range(e_dim):
+      plgpu.copy_smem_to_gmem(st_s.at[e], st_g.at[i, n, e, :, cols])
+    _wait(8, bars)
+    # lam * S now: every thread's SMEM reads of this chunk's inputs must precede the last
+    # commit_smem (a warpgroup barrier) before the next chunk's TMA overwrites them.
+    decayed = ops.colvec(lam_s, d) * s
+
+    rhs = ops.rowvec(f_s, fbeta, bv) * ops.acc(v_s[...].astype(F32))
+    if erase:
+      r = ops.mm(k_s, sb_s)
+      for e in range(e_dim):
+        rhs = rhs - ops.rowvec(f_s, fe + e, bv) * r[:, e * bv:(e + 1) * bv]
+      rb_s[...] = rhs.astype(BF16)
+      plgpu.commit_smem()
+      u = ops.mm(a_s, rb_s)
+    else:
+      u = rhs
+    u_s[...] = u
+    ub_s[...] = u.astype(BF16)
+    for e in range(e_dim):
+      w_s[:, e * bv:(e + 1) * bv] = (ops.rowvec(f_s, fw + e, bv) * u).astype(BF16)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
+
+    y = ops.mm(q_s, sb_s)
+    out = ops.mm(p_s, ub_s)
+    for e in range(e_dim):
+      out = out + ops.rowvec(f_s, fq + e, bv) * y[:, e * bv:(e + 1) * bv]
+    o_s[...] = (scale * out).astype(o_s.dtype)
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(o_s, o_g.at[i, n, :, cols])
+
+    return ops.mm_add(decayed, [(kt_s, w_s)])
+
+  state = _chunk_loop(chunk, nc, state0, scratch)
+  _store_cat(state, ht_g.at[i, j], cat)
+
+
+def forward(q, k, v, k2c, q2c, gcc, beta_c, a, p, h0, *, scale, erase, block_v=None,
+            interpret=False):
+  """Chunk loop forward (``recurrent.forward`` without ``cfg``). Returns o (BH,NC,C,V) in q's
+  dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
+  (BH,E,D,V) float32."""
+  bh, nc, c, d = q.shape
+  vd, e_dim = v.shape[-1], k2c.shape[-1]
+  bv = block_v or default_block_v(d, vd, c, e_dim)
+  reason = supported(d, vd, c, e_dim, q.dtype, bv)
+  if reason:
+    raise ValueError(reason)
+  n_cat = e_dim * bv
+  f, lam = _factors(gcc, k2c, q2c, beta_c)
+  ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, _lam_cat(lam, bv),
+         _to_cat(h0.astype(F32), bv))
+  sw_n, sw_v = _swizzle(n_cat), _swizzle(bv)
+  scratch = [
+      _smem((c, d), BF16, sw_n),          # q
+      _smem((c, d), BF16, sw_n),          # k
+      _smem((d, c), BF16, sw_v),          # k^T
+      _smem((c, bv), BF16, sw_v),         # v block
+      _smem((c, c), BF16, sw_v),          # A
+      _smem((c, c), BF16, sw_v),          # P
+      _smem((3 * e_dim + 1, c), F32),     # row factors
+      _smem((n_cat,), F32),               # lam_cat
+      _smem((d, n_cat), BF16, sw_n),      # S_cat (bf16 operand)
+      _smem((c, n_cat), BF16, sw_v),      # W = [diag(fw_e) U]_e
+      _smem((c, bv), BF16, sw_v),         # rhs (bf16 operand)
+      _smem((c, bv), BF16, sw_v),         # U (bf16 operand)
+      _smem((c, bv), q.dtype, sw_v),      # o
+      _smem((c, bv), F32, _swizzle(bv, F32)),             # U
+      _smem((e_dim, d, bv), q.dtype, sw_v),               # chunk-start state
+  ]
+  cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # initial / final state (cat layout)
+  kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
+                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
+  o, u, states, ht = plgpu.kernel(
+      kernel,
+      out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype),
+                jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
+                jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
+                jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
+      scratch_types=[plgpu.Barrier(num_barriers=9)], grid=(bh, vd // bv), grid_names=("bh", "v"),
+      compiler_params=_compiler_params(),
+      interpret=_interpret_params(interpret), kernel_name="triadic_forward_mgpu",
+  )(*ins)
+  return o, u, states, _from_cat(ht, e_dim)
+
+
+# ------------------------------------------------------------------------------------------------
+# Backward state pass.
+
+
+def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
+                     du_g, dst_g, dh0_g, bars, *, scratch, cat, nc, e_dim, bv, scale, erase,
+                     interpret):
+  ops = _Ops(interpret)
+  i, j = lax.axis_index("bh"), lax.axis_index("v")
+  cols = pl.ds(j * bv, bv)
+  fe, fq, fw = 0, e_dim, 2 * e_dim
+  dstate0 = _load_cat(ops, dht_g.at[i, j], cat, bars.at[8])
+
+  def chunk(step, ds, k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s, sb_s, x_s, z_s, ub_s, u_s,
+            st_s):
+    n = nc - 1 - step
+    d = k_s.shape[1]
+    _load([(k_g.at[i, n], k_s), (kt_g.at[i, n], kt_s), (qt_g.at[i, n], qt_s),
+           (do_g.at[i, n, :, cols], do_s), (at_g.at[i, n], at_s), (pt_g.at[i, n], pt_s),
+           (f_g.at[i, n], f_s), (lam_g.at[i, n], lam_s)], bars)
+    # The chunk-end state gradient: bf16 wgmma operand and per-chunk output.
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    sb_s[...] = ds.astype(BF16)
+    _store_blocks(ds, st_s, e_dim, bv, st_s.dtype)
+    plgpu.commit_smem()
+    for e in range(e_dim):
+      plgpu.copy_smem_to_gmem(st_s.at[e], dst_g.at[i, n, e, :, cols])
+    _wait(8, bars)
+    decayed = ops.colvec(lam_s, d) * ds   # before the last commit_smem, as in the forward
+
+    r = ops.mm(k_s, sb_s)
+    du = scale * ops.mm(pt_s, do_s)
+    for e in range(e_dim):
+      du = du + ops.rowvec(f_s, fw + e, bv) * r[:, e * bv:(e + 1) * bv]
+    u_s[...] = du
+    do = ops.acc(do_s[...].astype(F32))
+    for e in range(e_dim):
+      x_s[:, e * bv:(e + 1) * bv] = (scale * ops.rowvec(f_s, fq + e, bv) * do).astype(BF16)
+    pairs = [(qt_s, x_s)]
+    if erase:
+      ub_s[...] = du.astype(BF16)
+      plgpu.commit_smem()
+      drhs = ops.mm(at_s, ub_s)
+      for e in range(e_dim):
+        z_s[:, e * bv:(e + 1) * bv] = (-ops.rowvec(f_s, fe + e, bv) * drhs).astype(BF16)
+      pairs.append((kt_s, z_s))
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(u_s, du_g.at[i, n, :, cols])
+    return ops.mm_add(decayed, pairs)
+
+  dstate = _chunk_loop(chunk, nc, dstate0, scratch)
+  _store_cat(dstate, dh0_g.at[i, j], cat)
+
+
+def backward(q, k, do, k2c, q2c, gcc, beta_c, a, p, dht, *, scale, erase, block_v=None,
+             interpret=False):
+  """Reverse chunk loop (``recurrent.backward`` without ``cfg``). Returns dU (BH,NC,C,V) float32,
+  chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
+  (BH,E,D,V) float32."""
+  bh, nc, c, d = q.shape
+  vd, e_dim = do.shape[-1], k2c.shape[-1]
+  bv = block_v or default_block_v(d, vd, c, e_dim)
+  reason = supported(d, vd, c, e_dim, q.dtype, bv)
+  if reason:
+    raise ValueError(reason)
+  n_cat = e_dim * bv
+  f, lam = _factors(gcc, k2c, q2c, beta_c)
+  ins = (k, _t(k), _t(q), do.astype(q.dtype), _t(a).astype(BF16), _t(p).astype(BF16), f,
+         _lam_cat(lam, bv), _to_cat(dht.astype(F32), bv))
+  sw_n, sw_v = _swizzle(n_cat), _swizzle(bv)
+  scratch = [
+      _smem((c, d), BF16, sw_n),          # k
+      _smem((d, c), BF16, sw_v),          # k^T
+      _smem((d, c), BF16, sw_v),          # q^T
+      _smem((c, bv), BF16, sw_v),         # dO block
+      _smem((c, c), BF16, sw_v),          # A^T
+      _smem((c, c), BF16, sw_v),          # P^T
+      _smem((3 * e_dim + 1, c), F32),     # row factors
+      _smem((n_cat,), F32),               # lam_cat
+      _smem((d, n_cat), BF16, sw_n),      # dS_cat (bf16 operand)
+      _smem((c, n_cat), BF16, sw_v),      # X = [scale diag(fq_e) dO]_e
+      _smem((c, n_cat), BF16, sw_v),      # Z = [-diag(fe_e) A^T dU]_e
+      _smem((c, bv), BF16, sw_v),         # dU (bf16 operand)
+      _smem((c, bv), F32, _swizzle(bv, F32)),             # dU
+      _smem((e_dim, d, bv), q.dtype, sw_v),               # chunk-end state gradient
+  ]
+  cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # dht / dh0 (cat layout)
+  kernel = functools.partial(_backward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
+                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
+  du, dstates, dh0 = plgpu.kernel(
+      kernel,
+      out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
+                jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
+                jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
+      scratch_types=[plgpu.Barrier(num_barriers=9)], grid=(bh, vd // bv), grid_names=("bh", "v"),
+      compiler_params=_compiler_params(),
+      interpret=_interpret_params(interpret), kernel_name="triadic_backward_states_mgpu",
+  )(*ins)
+  return du, dstates, _from_cat(dh0, e_dim)
