@@ -8,6 +8,12 @@ impl achieves against the matmul FLOP count of the chunked form (``chunked_flops
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py                 # the full table (GPU)
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --check         # GPU correctness first
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --t 16384 --e 1 8
+  PYTHONPATH=. python3 benchmarks/triadic_kernels.py --stages --t 16384 --e 1 8   # per kernel
+
+On Hopper, "pallas" runs the Mosaic GPU state-passing kernels (``Config.mosaic_gpu``) and a
+"pallas-triton" column the same op with the Triton ones; ``--mosaic-backward`` also switches the
+pallas column to the Mosaic GPU chunk-parallel backward (``Config.mosaic_gpu_backward``), and
+``--stages`` prints a row for each.
 
 Needs only jax (no grain / ml_collections), so it runs on the bare GPU machine.
 """
@@ -27,7 +33,6 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
-import numpy as np  # noqa: E402
 
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
 from tests.util import rel_rms as rel  # noqa: E402
@@ -55,15 +60,17 @@ def timeit(fn, args, reps):
   return 1e3 * statistics.median(times)
 
 
-def triadic_fns(impl, mosaic_gpu=None):
+def triadic_fns(impl, mosaic_gpu=None, mosaic_gpu_backward=False):
   """jitted forward and forward+backward of ``impl``; for "pallas", ``mosaic_gpu`` True/False
-  forces the Hopper (Mosaic GPU) or the Triton state-passing kernels (None: the default)."""
-  if mosaic_gpu is None:
+  forces the Hopper (Mosaic GPU) or the Triton state-passing kernels (None: the default), and
+  ``mosaic_gpu_backward`` the Mosaic chunk-parallel backward."""
+  if mosaic_gpu is None and not mosaic_gpu_backward:
     run = lambda *a: triadic_gdn(*a, impl=impl, chunk_size=64)[0]
   else:
     def run(q, k, v, k2, q2, g, beta):
-      cfg = dataclasses.replace(pops.default_config("gpu", k2.shape[-1], v.shape[-1]),
-                                mosaic_gpu=mosaic_gpu)
+      cfg = pops.default_config("gpu", k2.shape[-1], v.shape[-1])
+      cfg = dataclasses.replace(cfg, mosaic_gpu=cfg.mosaic_gpu if mosaic_gpu is None else mosaic_gpu,
+                                mosaic_gpu_backward=mosaic_gpu_backward)
       h0 = jnp.zeros((q.shape[0], q.shape[2], k2.shape[-1], q.shape[-1], v.shape[-1]),
                      jnp.float32)
       return pops.triadic_pallas(q, k, v, k2, q2, g, beta, scale=q.shape[-1] ** -0.5,
@@ -121,7 +128,6 @@ def stages(t, e_list, reps, variants=False):
   """Time each Pallas stage alone (bf16, H = 16, D = V = 128): the Triton kernels (with
   ``variants``, also a few other tile configurations) and, on Hopper, the Mosaic GPU
   state-passing kernels ("mgpu") in their place."""
-  from triadic.pallas import backward as bwd_kernels
   from triadic.pallas.chunk_prep import chunk_prep
   b, h, d, vd, c = SHAPES.get(t, 1), 16, 128, 128, 64
   nc = t // c
@@ -141,6 +147,7 @@ def stages(t, e_list, reps, variants=False):
         {"bwd_block_v": 64}, {"bwd_num_warps": 4})] if variants else [])
     if pops.is_hopper():
       configs.append(dataclasses.replace(base, mosaic_gpu=True))
+      configs.append(dataclasses.replace(base, mosaic_gpu=True, mosaic_gpu_backward=True))
     for cfg in configs:
       pre = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))
       prep_args = (q, k, k2, rows(k2), q2, g, rows(g), beta)
@@ -152,13 +159,14 @@ def stages(t, e_list, reps, variants=False):
       bst = jax.jit(functools.partial(state_bwd, scale=0.1, erase=True))
       bst_args = (q, k, do, k2, q2, gcc, beta, a, p, h0)
       du, dst, _ = bst(*bst_args)
-      cbw = jax.jit(functools.partial(bwd_kernels.chunk_backward, scale=0.1, erase=True, cfg=cfg))
+      cbw = jax.jit(functools.partial(pops._chunk_backward(cfg, q, v, k2), scale=0.1, erase=True))
       cbw_args = (q, k, v, do, u, du, st, dst, k2, rows(k2), q2, gcc, gcr, beta, a)
       ms = [timeit(f, xs, reps) for f, xs in ((pre, prep_args), (fwd, fwd_args),
                                               (bst, bst_args), (cbw, cbw_args))]
       label = (f"bv{cfg.block_v} w{cfg.num_warps} s{cfg.num_stages} "
                f"bwd_bv{cfg.bwd_block_v} bwd_w{cfg.bwd_num_warps}")
       label = "mgpu state kernels, " + label if cfg.mosaic_gpu else label
+      label = "mgpu chunk backward, " + label if cfg.mosaic_gpu_backward else label
       print(f"| {e} | {label} | " + " | ".join(f"{x:.2f}" for x in ms) + " |")
       sys.stdout.flush()
 
@@ -170,6 +178,9 @@ def main():
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--check", action="store_true", help="correctness table, then exit")
   parser.add_argument("--no-chunked", action="store_true", help="skip the chunked JAX column")
+  parser.add_argument("--mosaic-backward", action="store_true",
+                      help="the pallas column with the Mosaic GPU chunk-parallel backward too "
+                           "(Config.mosaic_gpu_backward; off by default)")
   parser.add_argument("--no-triton", action="store_true",
                       help="on Hopper, skip the pallas-triton column (Triton state kernels)")
   parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0, 1, 2)")
@@ -190,7 +201,9 @@ def main():
   hopper = pops.is_hopper()
   if hopper:
     print("# pallas: Mosaic GPU (wgmma) state-passing kernels where they take the sizes; "
-          "pallas-triton: the same op with the Triton state-passing kernels")
+          "pallas-triton: the same op with the Triton state-passing kernels"
+          + ("; pallas also with the Mosaic GPU chunk-parallel backward" if args.mosaic_backward
+             else ""))
   print("| B | T | E | pallas fwd | pallas f+b | f+b vs E=1 | pallas-triton fwd | pallas-triton f+b "
         "| chunked fwd | chunked f+b | cudnn fwd | cudnn f+b "
         "| chunked/pallas f+b | cudnn/pallas f+b | pallas TFLOP/s fwd / f+b "
@@ -209,7 +222,7 @@ def main():
     e1 = None
     for e in args.e:
       xs = inputs(key, b, t, h, d, vd, e, jnp.bfloat16)
-      pf, pfb = triadic_fns("pallas")
+      pf, pfb = triadic_fns("pallas", mosaic_gpu_backward=args.mosaic_backward)
       pal = (timeit(pf, xs, args.reps), timeit(pfb, xs, args.reps))
       e1 = pal[1] if e == 1 else e1
       tri = (float("nan"), float("nan"))

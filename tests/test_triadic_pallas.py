@@ -161,22 +161,25 @@ def test_tpu_structure_under_tpu_interpret_mode():
     assert rel_rms(x, y) < 1e-6, f"{name}: rel RMS {rel_rms(x, y):.2e}"
 
 
-@pytest.mark.parametrize("b,t,h,d,vdim,e,erase,decay", [
-    pytest.param(1, 150, 2, 64, 32, 3, True, 1.0, id="E3-T150-V32"),
-    pytest.param(2, 100, 1, 64, 64, 8, False, 20.0, id="E8-noerase-strong-decay"),
+@pytest.mark.parametrize("b,t,h,d,vdim,e,erase,decay,chunk_bwd", [
+    pytest.param(1, 150, 2, 64, 32, 3, True, 1.0, False, id="E3-T150-V32"),
+    pytest.param(2, 100, 1, 64, 64, 8, False, 20.0, False, id="E8-noerase-strong-decay"),
+    pytest.param(1, 150, 2, 64, 32, 2, True, 1.0, True, id="E2-T150-V32-mgpu-chunk-backward"),
 ])
-def test_mosaic_gpu_state_kernels_match_scan(b, t, h, d, vdim, e, erase, decay):
-  """The whole op with the Hopper (Mosaic GPU, wgmma) state-passing kernels, run in Mosaic GPU
-  interpret mode inside ``triadic_pallas`` (custom_vjp + custom_partitioning): output, final state
-  and every gradient against the scan, bf16, with the Triton structure's bounds. The kernels take
-  C = 64 and D in (64, 128) only; E = 3 is padded to 4 by the op."""
-  mosaic = pytest.importorskip("triadic.pallas.mosaic")
+def test_mosaic_gpu_kernels_match_scan(b, t, h, d, vdim, e, erase, decay, chunk_bwd):
+  """The whole op with the Hopper (Mosaic GPU, wgmma) state-passing kernels (and, with
+  ``chunk_bwd``, the Mosaic chunk-parallel backward), run in Mosaic GPU interpret mode inside
+  ``triadic_pallas``'s custom_vjp: output, final state and every gradient against the scan, bf16,
+  with the Triton structure's bounds. The kernels take C = 64 and D in (64, 128) only; E = 3 is
+  padded to 4 by the op."""
+  from triadic.pallas import mosaic, mosaic_backward
   if not mosaic.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this JAX")
-  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True)
-  assert pops._state_kernels(cfg, jnp.zeros((1, 1, 64, d), jnp.bfloat16),
-                             jnp.zeros((1, 1, 64, vdim)), jnp.zeros((1, 1, 64, 4)))[0].func \
-      is mosaic.forward
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=chunk_bwd)
+  q, v, k2 = (jnp.zeros((1, 1, 64, n), dt) for n, dt in ((d, jnp.bfloat16), (vdim, jnp.bfloat16),
+                                                         (4, jnp.float32)))
+  assert pops._state_kernels(cfg, q, v, k2)[0].func is mosaic.forward
+  assert (pops._chunk_backward(cfg, q, v, k2).func is mosaic_backward.chunk_backward) == chunk_bwd
   check_against_scan(b, t, h, d, vdim, e, 64, erase, decay, jnp.bfloat16, config=cfg)
 
 
@@ -219,13 +222,15 @@ def test_kernels_lower(platform, target, dtype):
 
 
 def test_hopper_path_lowers_for_cuda():
-  """With ``mosaic_gpu=True`` (the default on Hopper) the whole op, forward and backward, lowers for
-  CUDA with the Mosaic GPU state-passing kernels in place of the Triton ones (bf16, C = 64)."""
+  """With ``mosaic_gpu=True`` (the default on Hopper) and ``mosaic_gpu_backward=True`` the whole
+  op, forward and backward, lowers for CUDA with the Mosaic GPU kernels in place of the Triton
+  state-passing kernels and chunk-parallel backward (bf16, C = 64)."""
   b, t, h, d, vdim, e = 1, 200, 2, 64, 64, 8
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
   args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vdim), spec(b, t, h, e),
           spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, vdim, dt=jnp.float32)]
-  cfg = dataclasses.replace(pops.default_config("gpu", e, vdim), mosaic_gpu=True)
+  cfg = dataclasses.replace(pops.default_config("gpu", e, vdim), mosaic_gpu=True,
+                            mosaic_gpu_backward=True)
 
   def loss(*a):
     o, s = triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7], erase=True, chunk_size=64,
@@ -235,7 +240,7 @@ def test_hopper_path_lowers_for_cuda():
   text = jax.jit(jax.grad(loss, argnums=tuple(range(8)))).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
   for kernel in ("triadic_chunk_prep", "triadic_forward_mgpu", "triadic_backward_states_mgpu",
-                 "triadic_chunk_backward"):
+                 "triadic_chunk_backward_mgpu", "triadic_chunk_backward_tail"):
     assert kernel in text, kernel
 
 

@@ -28,17 +28,24 @@ from triadic.pallas.chunk_prep import decay_masks
 from triadic.pallas.common import F32, call, col, colsum, last, masks, mm, row, rowsum, total
 
 
+def decays(gcc, e_dim, c):
+  """Per slice e: a_e = exp(gc_e) (C, 1), the chunk-end gc_Ce (1, 1), b_e = exp(gc_Ce - gc_e)."""
+  a = [jnp.exp(col(gcc, e)) for e in range(e_dim)]
+  gl = [last(gcc, e, c) for e in range(e_dim)]
+  b = [jnp.exp(gl[e] - col(gcc, e)) for e in range(e_dim)]
+  return a, gl, b
+
+
 def _chunk_backward_kernel(q_ref, k_ref, v_ref, do_ref, u_ref, du_ref, s_ref, ds_ref,
                            k2c, k2r, q2c, gcc, gcr, beta_ref, a_ref,
                            dq_ref, dk_ref, dv_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref,
                            dgcr_ref, dbeta_ref, *, c, e_dim, vd, bv, scale, erase, dtype,
                            precision):
+  outs = (dq_ref, dk_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref, dgcr_ref, dbeta_ref)
   q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
   beta = beta_ref[...].astype(F32)
   amat = a_ref[...]
-  a = [jnp.exp(col(gcc, e)) for e in range(e_dim)]
-  gl = [last(gcc, e, c) for e in range(e_dim)]
-  b = [jnp.exp(gl[e] - col(gcc, e)) for e in range(e_dim)]
+  a, _, b = decays(gcc, e_dim, c)
   z_col = jnp.zeros((c, 1), F32)
 
   def vblock(cols, carry):
@@ -80,7 +87,20 @@ def _chunk_backward_kernel(q_ref, k_ref, v_ref, do_ref, u_ref, du_ref, s_ref, ds
     carry = jax.lax.fori_loop(0, vd // bv, lambda j, cr: vblock(pl.ds(j * bv, bv), cr), carry)
   dq, dk, da, dp, dbeta, dcoef, dqcoef, dkcoef, dlam = carry
 
-  # Chunk-local part: the masks M, M' and the UT transform.
+  chunk_local(q, k, dq, dk, dp, da if erase else None, dbeta, dcoef, dqcoef, dkcoef, dlam,
+              k2c, k2r, q2c, gcc, gcr, beta, amat, outs, c=c, e_dim=e_dim, erase=erase,
+              dtype=dtype, precision=precision)
+
+
+def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc,
+                gcr, beta, amat, outs, *, c, e_dim, erase, dtype, precision):
+  """The chunk-local part of the backward, after the value axis: the masks M, M' and the UT
+  transform, then the outputs. Takes the value-contracted partials (dq, dk (C, D); dp, da (C, C),
+  da None without erase; dbeta (C, 1); per slice e the row coefficients dcoef, dqcoef, dkcoef
+  (C, 1) and dlam (1, 1)) and writes ``outs`` = (dq, dk, dk2 column, dk2 row, dq2, d gc column,
+  d gc row, dbeta) refs. Shared with the Hopper path's tail kernel (``mosaic_backward.py``)."""
+  dq_ref, dk_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref, dgcr_ref, dbeta_ref = outs
+  a, gl, b = decays(gcc, e_dim, c)
   causal, strict, _, _ = masks(c)
   is_last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
   gt = [col(gcc, e) for e in range(e_dim)]

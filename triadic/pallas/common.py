@@ -50,6 +50,9 @@ class Config:
   (``mosaic.py``, their own block_v) wherever ``mosaic.supported`` takes the sizes (bf16, C = 64,
   ...), the Triton ones elsewhere. On by default on Hopper GPUs; on "cpu" it selects Mosaic GPU
   interpret mode (how the tests run them).
+  mosaic_gpu_backward: also run the chunk-parallel backward's E-dependent part as a Mosaic GPU
+  kernel (``mosaic_backward.py``). Off by default: tested in interpret mode and lowered for CUDA,
+  not yet run on a GPU.
   """
   platform: str
   block_v: int
@@ -59,13 +62,14 @@ class Config:
   bwd_num_warps: int = 8
   interpret: bool | pltpu.InterpretParams = False
   mosaic_gpu: bool = False
+  mosaic_gpu_backward: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
       raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
     if self.platform == "cpu" and not self.interpret:
       object.__setattr__(self, "interpret", True)
-    if self.mosaic_gpu and self.platform == "tpu":
+    if (self.mosaic_gpu or self.mosaic_gpu_backward) and self.platform == "tpu":
       raise ValueError("mosaic_gpu=True needs platform 'gpu' (or 'cpu' to interpret), got 'tpu'")
 
   @property

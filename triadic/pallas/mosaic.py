@@ -253,6 +253,22 @@ def _store_blocks(x, ref, e_dim, bv, dtype):
     ref[e] = x[:, e * bv:(e + 1) * bv].astype(dtype)
 
 
+def _begin_chunk(loads, bars, carry, carry_s, out_s, out_at):
+  """Start a chunk: issue its input copies, publish the carried (D, E*BV) state as the chunk's
+  bf16 wgmma operand (``carry_s``) and as its per-chunk output (``out_s`` -> ``out_at(e)`` for
+  each slice e), then wait for the inputs. The previous chunk's TMA stores must have read the
+  output buffers before they are overwritten."""
+  _load(loads, bars)
+  plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  carry_s[...] = carry.astype(BF16)
+  e_dim, _, bv = out_s.shape
+  _store_blocks(carry, out_s, e_dim, bv, out_s.dtype)
+  plgpu.commit_smem()
+  for e in range(e_dim):
+    plgpu.copy_smem_to_gmem(out_s.at[e], out_at(e))
+  _wait(len(loads), bars)
+
+
 def _load_cat(ops, src, cat, barrier):
   """The carried (D, E*BV) float32 state from gmem, through a scoped SMEM buffer."""
   def body(cat_s):
@@ -301,18 +317,11 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
   def chunk(n, s, q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s, sb_s, w_s, rb_s, ub_s, o_s, u_s,
             st_s):
     d = q_s.shape[1]
-    _load([(q_g.at[i, n], q_s), (k_g.at[i, n], k_s), (kt_g.at[i, n], kt_s),
-           (v_g.at[i, n, :, cols], v_s), (a_g.at[i, n], a_s), (p_g.at[i, n], p_s),
-           (f_g.at[i, n], f_s), (lam_g.at[i, n], lam_s)], bars)
-    # The chunk-start state: the bf16 wgmma operand and the per-chunk output. The previous
-    # chunk's TMA stores must have read o_s, u_s, st_s before they are overwritten.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    sb_s[...] = s.astype(BF16)
-    _store_blocks(s, st_s, e_dim, bv, st_s.dtype)
-    plgpu.commit_smem()
-    for e in range(e_dim):
-      plgpu.copy_smem_to_gmem(st_s.at[e], st_g.at[i, n, e, :, cols])
-    _wait(8, bars)
+    # The chunk-start state: the bf16 wgmma operand and the per-chunk output.
+    _begin_chunk([(q_g.at[i, n], q_s), (k_g.at[i, n], k_s), (kt_g.at[i, n], kt_s),
+                  (v_g.at[i, n, :, cols], v_s), (a_g.at[i, n], a_s), (p_g.at[i, n], p_s),
+                  (f_g.at[i, n], f_s), (lam_g.at[i, n], lam_s)], bars,
+                 s, sb_s, st_s, lambda e: st_g.at[i, n, e, :, cols])
     # lam * S now: every thread's SMEM reads of this chunk's inputs must precede the last
     # commit_smem (a warpgroup barrier) before the next chunk's TMA overwrites them.
     decayed = ops.colvec(lam_s, d) * s
@@ -414,17 +423,11 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
             st_s):
     n = nc - 1 - step
     d = k_s.shape[1]
-    _load([(k_g.at[i, n], k_s), (kt_g.at[i, n], kt_s), (qt_g.at[i, n], qt_s),
-           (do_g.at[i, n, :, cols], do_s), (at_g.at[i, n], at_s), (pt_g.at[i, n], pt_s),
-           (f_g.at[i, n], f_s), (lam_g.at[i, n], lam_s)], bars)
     # The chunk-end state gradient: bf16 wgmma operand and per-chunk output.
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    sb_s[...] = ds.astype(BF16)
-    _store_blocks(ds, st_s, e_dim, bv, st_s.dtype)
-    plgpu.commit_smem()
-    for e in range(e_dim):
-      plgpu.copy_smem_to_gmem(st_s.at[e], dst_g.at[i, n, e, :, cols])
-    _wait(8, bars)
+    _begin_chunk([(k_g.at[i, n], k_s), (kt_g.at[i, n], kt_s), (qt_g.at[i, n], qt_s),
+                  (do_g.at[i, n, :, cols], do_s), (at_g.at[i, n], at_s), (pt_g.at[i, n], pt_s),
+                  (f_g.at[i, n], f_s), (lam_g.at[i, n], lam_s)], bars,
+                 ds, sb_s, st_s, lambda e: dst_g.at[i, n, e, :, cols])
     decayed = ops.colvec(lam_s, d) * ds   # before the last commit_smem, as in the forward
 
     r = ops.mm(k_s, sb_s)

@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 
 from triadic.pallas import backward as bwd_kernels
-from triadic.pallas import mosaic, partition, recurrent
+from triadic.pallas import mosaic, mosaic_backward, partition, recurrent
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import F32, PLATFORMS, Config
 
@@ -133,6 +133,16 @@ def _state_kernels(cfg, q, v, k2):
           functools.partial(recurrent.backward, cfg=cfg))
 
 
+def _chunk_backward(cfg, q, v, k2):
+  """The chunk-parallel backward to run: ``mosaic_backward`` where ``cfg.mosaic_gpu_backward``
+  asks and the sizes allow, else ``backward.chunk_backward``."""
+  c, d = q.shape[-2:]
+  if (cfg.mosaic_gpu_backward
+      and mosaic_backward.supported(d, v.shape[-1], c, k2.shape[-1], q.dtype) is None):
+    return functools.partial(mosaic_backward.chunk_backward, interpret=cfg.platform == "cpu")
+  return functools.partial(bwd_kernels.chunk_backward, cfg=cfg)
+
+
 def _forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
   """Forward kernels on (B, H, NC, C, X) operands and h0 (B, H, E, D, V).
 
@@ -157,9 +167,9 @@ def _backward(scale, erase, cfg, q, k, v, k2, q2, beta, gcc, gcr, a, p, u, state
   backward = _state_kernels(cfg, q, do, k2)[1]
   du, dstates, dh0 = backward(q, k, do.astype(q.dtype), k2, q2, gcc, beta, a, p, dht.astype(F32),
                               scale=scale, erase=erase)
-  dq, dk, dv, dk2c, dk2r, dq2, dgcc, dgcr, dbeta = bwd_kernels.chunk_backward(
+  dq, dk, dv, dk2c, dk2r, dq2, dgcc, dgcr, dbeta = _chunk_backward(cfg, q, v, k2)(
       q, k, v, do, u, du, states, dstates, k2, _rows(k2), q2, gcc, gcr, beta, a, scale=scale,
-      erase=erase, cfg=cfg)
+      erase=erase)
   dgc = dgcc + _rows(dgcr)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dgc, 2), axis=2), 2)  # gc is a cumsum over the chunk axis
   dk2 = dk2c + _rows(dk2r)
@@ -178,7 +188,7 @@ def _sharded(cfg):
   """The custom-partitioned forward and backward, or the plain functions when the kernels run as
   host callbacks (Mosaic GPU interpret mode on a CPU), which custom_partitioning cannot lower.
   On one device the two compile to the same program."""
-  if cfg.mosaic_gpu and cfg.platform == "cpu":
+  if (cfg.mosaic_gpu or cfg.mosaic_gpu_backward) and cfg.platform == "cpu":
     return _forward, _backward
   return _forward_sharded, _backward_sharded
 

@@ -1,0 +1,117 @@
+"""Mosaic GPU chunk-parallel backward (``triadic.pallas.mosaic_backward``) against the Triton
+structured ``backward.chunk_backward``, both in interpret mode on this CPU.
+
+Inputs are built as ``ops._backward`` sees them: chunked bf16 q, k, v, do, float32 k2, q2, beta,
+``chunk_prep`` for gc, A, P, then ``recurrent.forward`` / ``recurrent.backward`` (Pallas interpret
+mode) for realistic U, chunk-start states, dU and chunk-end state gradients. The Mosaic value
+kernel runs in Mosaic GPU interpret mode (simulated SMEM, TMA, barriers, wgmma), its tail in
+Pallas interpret mode.
+Error bound (relative RMS, ||a - b|| / ||b||): 1e-2 for every output, 2e-2 for dk2 and dgc's
+column parts (they collect the row sums, which the two kernels form from differently rounded bf16
+products: rowsum((K S_e) * dX) here, rowsum(K * (dX S_e^T)) in Triton). Measured over the cases:
+dv 0 (same computation), dq 3.6e-5..4.9e-4, dk 1.8e-3..2.4e-3, dk2c 4.6e-4..4.6e-3,
+dgcc 5.5e-4..4.7e-3, dk2r / dq2c / dgcr / dbeta <= 6e-6.
+A second test lowers the whole function for "cuda" (Mosaic GPU lowering: layout inference,
+wgmma / TMA operand checks, the SMEM limit) and the Triton tail; nothing runs.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from tests.test_triadic_pallas import make_inputs
+from tests.util import rel_rms
+from triadic.pallas import backward, mosaic, mosaic_backward, recurrent
+from triadic.pallas.chunk_prep import chunk_prep
+from triadic.pallas.common import Config
+from triadic.pallas.ops import _chunks
+
+SCALE = 0.125
+CPU = Config("cpu", block_v=16, bwd_block_v=16)
+NAMES = ("dq", "dk", "dv", "dk2c", "dk2r", "dq2c", "dgcc", "dgcr", "dbeta")
+BOUNDS = dict.fromkeys(NAMES, 1e-2) | {"dk2c": 2e-2, "dgcc": 2e-2}
+
+pytestmark = pytest.mark.skipif(not mosaic.interpret_available(),
+                                reason="Mosaic GPU interpret mode unavailable in this JAX")
+
+
+def backward_operands(b, t, h, d, vdim, e, erase, decay, c=64, seed=0):
+  """``chunk_backward``'s operands as ``ops._backward`` passes them."""
+  args, do, ds = make_inputs(seed, b, t, h, d, vdim, e, decay=decay, dtype=jnp.bfloat16)
+  nc = -(-t // c)
+  merge = lambda x: x.reshape(b * h, *x.shape[2:])
+  rows = lambda x: jnp.swapaxes(x, -1, -2)
+  q, k, v = (merge(_chunks(x, nc, c)) for x in args[:3])
+  k2, q2, g, beta = (merge(_chunks(x.astype(jnp.float32), nc, c)) for x in args[3:7])
+  h0, dht = merge(args[7]), merge(ds)
+  do = merge(_chunks(do, nc, c)).astype(q.dtype)
+  gcc, gcr, a, p = chunk_prep(q, k, k2, rows(k2), q2, g, rows(g), beta, erase=erase, cfg=CPU)
+  kw = dict(scale=SCALE, erase=erase, cfg=CPU)
+  _, u, states, _ = recurrent.forward(q, k, v, k2, q2, gcc, beta, a, p, h0, **kw)
+  du, dstates, _ = recurrent.backward(q, k, do, k2, q2, gcc, beta, a, p, dht, **kw)
+  return (q, k, v, do, u, du, states, dstates, k2, rows(k2), q2, gcc, gcr, beta, a)
+
+
+CASES = [
+    # b, t, h, v, e, block_v (None: default), erase, decay   (D = 64, C = 64; NC = 3)
+    pytest.param(1, 150, 2, 32, 1, None, True, 1.0, id="E1-erase"),
+    pytest.param(2, 150, 1, 64, 3, None, False, 1.0, id="E3-noerase"),
+    pytest.param(1, 150, 2, 32, 4, 16, True, 20.0, id="E4-BV16-erase-strong-decay"),
+    pytest.param(1, 150, 2, 32, 8, None, True, 1.0, id="E8-erase"),
+    pytest.param(1, 150, 2, 32, 8, None, False, 1.0, id="E8-noerase"),
+]
+
+
+@pytest.mark.parametrize("b,t,h,vdim,e,bv,erase,decay", CASES)
+def test_matches_triton_structure(b, t, h, vdim, e, bv, erase, decay):
+  args = backward_operands(b, t, h, 64, vdim, e, erase, decay)
+  assert args[0].shape[0] >= 2 and args[0].shape[1] >= 3
+  want = backward.chunk_backward(*args, scale=SCALE, erase=erase, cfg=CPU)
+  got = jax.jit(functools.partial(mosaic_backward.chunk_backward, scale=SCALE, erase=erase,
+                                  block_v=bv, interpret=True))(*args)
+  errs = {}
+  for name, x, y in zip(NAMES, got, want):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    errs[name] = rel_rms(x, y)
+  bad = {k: f"{v:.2e}" for k, v in errs.items() if not v < BOUNDS[k]}
+  assert not bad, f"rel RMS over bound: {bad} (all: {errs})"
+
+
+@pytest.mark.parametrize("d,vdim,e,erase", [(128, 128, 8, True), (64, 64, 3, False)])
+def test_lowers_for_cuda(d, vdim, e, erase):
+  """The Mosaic GPU kernel (with the hardware's transpose_ref operands) and the Triton tail lower
+  for "cuda" at the default block_v; nothing runs."""
+  bh, nc, c = 2, 4, 64
+  bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  args = (bf(bh, nc, c, d), bf(bh, nc, c, d), bf(bh, nc, c, vdim), bf(bh, nc, c, vdim),
+          f32(bh, nc, c, vdim), f32(bh, nc, c, vdim), bf(bh, nc, e, d, vdim),
+          bf(bh, nc, e, d, vdim), f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, e),
+          f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, 1), f32(bh, nc, c, c))
+  fn = jax.jit(functools.partial(mosaic_backward.chunk_backward, scale=SCALE, erase=erase))
+  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_chunk_backward_mgpu" in text
+  assert "triadic_chunk_backward_tail" in text
+
+
+def test_supported():
+  sup = mosaic_backward.supported
+  assert sup(64, 64, 64, 8, jnp.bfloat16) is None
+  assert sup(128, 128, 64, 8, jnp.bfloat16) is None
+  assert sup(128, 128, 64, 1, jnp.bfloat16) is None
+  assert mosaic_backward.default_block_v(128, 128, 64, 8) == 16
+  assert "bfloat16" in sup(64, 64, 64, 8, jnp.float32)
+  assert "chunk size" in sup(64, 64, 32, 8, jnp.bfloat16)
+  assert "D in" in sup(32, 64, 64, 1, jnp.bfloat16)
+  assert "SMEM" in sup(128, 128, 64, 8, jnp.bfloat16, block_v=32)
+  assert "divides V=40" in sup(64, 40, 64, 1, jnp.bfloat16)
+  assert "multiple" in sup(64, 40, 64, 1, jnp.bfloat16, block_v=16)
+  with pytest.raises(ValueError, match="bfloat16"):
+    x = jnp.zeros((1, 1, 64, 64), jnp.float32)
+    mosaic_backward.chunk_backward(x, x, x, x, x, x, jnp.zeros((1, 1, 1, 64, 64)),
+                                   jnp.zeros((1, 1, 1, 64, 64)), *(jnp.zeros((1, 1, 64, 1)),) * 5,
+                                   jnp.zeros((1, 1, 64, 1)), x, scale=1.0, erase=True)

@@ -1,0 +1,440 @@
+"""Hopper (Mosaic GPU) chunk-parallel backward: a drop-in for ``backward.chunk_backward`` (same
+operands and outputs, minus ``cfg``), for bf16 inputs.
+
+Why (issue #7). On the H200 (B=2, T=16384, H=16, D=V=128, bf16) forward+backward of the whole op
+took 12.5 ms at E=1 and 42.1 ms at E=8 with the Mosaic state kernels; by difference the Triton
+``chunk_backward`` is ~8.6 ms at E=1 and ~30 ms at E=8, ~70% of the time and most of the
+E-scaling: it walks value blocks and, inside, e with 4 small matmuls per e (N or K = 32). Here the
+E-dependent work is a few wide wgmmas per value block, with the E slices of the D x BV state tile
+side by side as ONE D x (E*BV) bf16 SMEM operand, "S_cat" (column block e = S_e[:, value block]),
+and dS_cat likewise (the idiom of ``mosaic.py``). With c_e = k2_e a_e, fq_e = q2_e a_e,
+fw_e = k2_e b_e (a = exp(gc), b = exp(gc_C - gc)), drhs = A^T dU and dX = beta drhs, per value
+block:
+
+  R = K S_cat       X = V - sum_e diag(c_e) R_e          dcoef_e  -= rowsum(R_e * dX)   (erase)
+  Y = Q S_cat                                            dqcoef_e += scale rowsum(Y_e * dO)
+  Z = K dS_cat                                           dkcoef_e += rowsum(Z_e * U)
+  dk += [-diag(c_e) dX]_e S_cat^T + [diag(fw_e) U]_e dS_cat^T      (C x E*BV)(E*BV x D)
+  dq += [scale diag(fq_e) dO]_e S_cat^T
+  dlam_e += <dS_e, S_e>
+
+(the Triton code's rowsum(k * (dx S_e^T)) equals rowsum((K S_e) * dx), etc.). R, Y, Z are wgmmas
+with N = a "piece" of the E*BV columns (64 at D = 128, up to 128 at D = 64, whole slices), so the
+live C x piece accumulator stays small next to the dq, dk accumulators; the dq / dk products are
+single wgmmas with K = E*BV (a wgmma is issued in K-steps of 16 anyway, so this is as wide as it
+gets). What is split where (this is the brief's "fallback" structure, chosen for the time box):
+
+* plain JAX before (E-independent, O(T V C)): drhs = A^T dU (bf16 operands, f32 accumulation, as
+  the Triton kernel), dv = beta drhs, the per-row factor rows [c, fq, fw, beta] (O(T E)).
+* the Mosaic GPU kernel ``triadic_chunk_backward_mgpu`` (grid (B*H, NC), one warpgroup, loop over
+  value blocks): everything above that touches S or dS. Outputs: dq and dk partials (C x D f32),
+  X (C x V f32, erase only), the row-sum coefficients as one (C, 32) f32 matrix (columns
+  [dcoef_e, dqcoef_e, dkcoef_e]), and dlam as per-row partial sums (D, 8) (summed over D in JAX).
+* a Pallas (Triton on GPU, interpret on CPU) "tail" kernel ``triadic_chunk_backward_tail``
+  (grid (B*H, NC)), E-independent except elementwise: dbeta's X part rowsum(drhs X),
+  dA = dU (beta X)^T, dP = scale dO U^T (whole V, one matmul each), then the chunk-local part,
+  ``backward.chunk_local`` (shared with the Triton kernel: masks M, M', dL = -A^T dA A^T with ``f32_precision`` (TF32x3 on
+  GPU, so the UT-gradient precision is exactly the Triton path's), dk2, dq2, dgc row and column
+  parts). Moving that into the Mosaic kernel (iota masks, colsum = reduce over axis 0) is the
+  natural next step once the kernel runs on hardware; it would save one HBM round trip of
+  dq, dk, X and the factors (~0.3 ms at the benchmark shape, est.).
+
+How the Mosaic kernel is built (idioms from ``mosaic.py``, imported: ``_smem``, ``_swizzle``,
+``_Ops``, ``_interpret_params``):
+
+* Every wgmma operand is SMEM bf16 with one swizzle for all of them, that of a BV-wide bf16 row
+  ("swizzle V": 32 / 64 / 128 B for BV = 16 / 32 / 64), so that S_cat, dS_cat and the
+  [.]_e operands W1 = [-c dX], W2 = [fw U], W3 = [scale fq dO] are written from registers one
+  BV-wide column block (a whole column of SMEM tiles) at a time.
+* The states arrive per value block by E TMAs (one (D, BV) box per slice: a single (E, D, BV)
+  box would need more than the 5 strided dimensions a TMA allows) of ``states`` (resp.
+  ``dstates``) into an (E, D, BV) staging buffer and are copied to their S_cat column blocks through
+  registers (a TMA cannot write a column block of a tiled buffer; the states stay in the forward's
+  (BH, NC, E, D, V) layout, so no state-sized transposes happen in HBM). One staging buffer:
+  S first, then dS is TMA-loaded into it while R, Y and the dq / dk-from-S wgmmas run.
+* The transposed operands S_cat^T, dS_cat^T (B of the dq / dk products, the K-major "transposed B"
+  of every attention kernel): on hardware ``plgpu.transpose_ref`` of S_cat; the interpreter cannot
+  apply a transposed ref, so in interpret mode the same register copy also writes explicit
+  (E*BV, D) transposes (extra SMEM that exists in interpret mode only). The hardware path of these
+  two operands is therefore checked only by the CUDA lowering test, not numerically on CPU.
+* dq, dk accumulate across the value loop in two scoped ``plgpu.ACC`` (C x D f32) accumulators;
+  the row sums are accumulated as a (C, 32) matrix (column picked by an iota one-hot, ``where``),
+  dlam as a (D, 8) matrix: no 1-D loop carries, no cross-warp reductions (row sums only).
+* Ordering (synchronous, one warpgroup, as ``mosaic.py``): ``commit_smem`` after every register
+  -> SMEM store that a wgmma or TMA reads; every register read of a value block's TMA'd inputs
+  (staging, V, dO, U, drhs) happens before a ``commit_smem`` (a warpgroup barrier) that precedes
+  the TMA which overwrites them; ``wait_smem_to_gmem(0, wait_read_only=True)`` before X's output
+  buffer is rewritten. Outputs dq, dk, coef, dlam leave from a second SMEM scope after the loop's
+  scope is released.
+* Budgets (hardware buffers, ``smem_bytes``): at D = 128, E = 8, BV = 16: K, Q 32 KiB, staging
+  32, S_cat + dS_cat 64, W1..W3 48, V/dO/U/drhs/X blocks 16, factors 6: ~198 KiB (limit 227).
+  ``default_block_v`` takes the widest BV in (64, 32, 16) dividing V with E*BV <= 256 whose SMEM
+  fits 220 KiB (V = 128): D = 128: BV 64 (E = 1), 32 (E = 2, 4; 211 KiB at E = 4), 16 (E = 8);
+  D = 64: 64 (E <= 2), 32 (E = 4), 16 (E = 8). Registers per thread (f32): dq + dk 2*D*C/128
+  (128 at D = 128) + one C x piece accumulator (32 at D = 128, <= 64 at D = 64) + coef (16) + dlam
+  (8) + value-block temps (~40): under 255 without the carried state the state kernels hold.
+* float32 inputs are not supported (wgmma on float32 would be TF32; use the Triton path).
+
+What the interpreter cannot check: the transpose_ref operands (above), swizzle / tiling
+correctness of the register <-> SMEM copies, register pressure (spills), the real SMEM limit
+(``smem_bytes`` is an estimate; the CUDA lowering test checks the allocation), and races that
+the ordering rules above are meant to exclude. First on hardware: run
+``tests/test_mosaic_gpu_backward.py`` with ``interpret=False`` comparisons against the Triton
+``backward.chunk_backward`` (same bounds), then time it at B=2, T=16384, H=16, D=V=128, E=1/8;
+then (performance) double-buffer the per-value-block TMA loads (or run 2 CTAs per SM at
+BV = 16), and try BV = 32 at E = 8 with W1/W3 sharing a buffer.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from triadic.pallas.backward import chunk_local
+from triadic.pallas.common import F32, Config, call, col, last, mm, rowsum
+from triadic.pallas.mosaic import _Ops, _interpret_params, _smem, _swizzle
+
+BF16 = jnp.bfloat16
+BLOCK_VS = (64, 32, 16)
+MAX_N = 256                   # E * BV
+SMEM_LIMIT = 220 * 1024       # of the 227 KiB a block may have (reduction scratch etc.)
+COEF_W = 32                   # columns of the row-sum matrix: [dcoef, dqcoef, dkcoef] (3E <= 32)
+LAM_W = 8                     # columns of the dlam matrix (E <= 8)
+MAX_E = 8
+
+
+def piece_width(d: int, e: int, bv: int) -> int:
+  """Columns of S_cat per R / Y / Z wgmma: whole slices, at most 64 (D = 128) or 128 (D = 64)."""
+  cap = 64 if d > 64 else 128
+  g = max(x for x in range(1, e + 1) if e % x == 0 and x * bv <= max(cap, bv))
+  return g * bv
+
+
+def smem_bytes(d: int, vd: int, c: int, e: int, bv: int, erase: bool = True) -> int:
+  """SMEM of the kernel's value-loop scope on hardware (the output scope is smaller)."""
+  n = e * bv
+  return (2 * c * d * 2                 # K, Q
+          + e * d * bv * 2              # staging (E, D, BV)
+          + 2 * d * n * 2               # S_cat, dS_cat
+          + (3 if erase else 2) * c * n * 2   # W1, W2, W3
+          + c * bv * (2 + 2 + 4 + 4 + 4)      # V, dO, U, drhs, X blocks
+          + (3 * e + 1) * c * 4)        # factor rows
+
+
+def default_block_v(d: int, vd: int, c: int, e: int) -> int | None:
+  for bv in BLOCK_VS:
+    if vd % bv == 0 and e * bv <= MAX_N and smem_bytes(d, vd, c, e, bv) <= SMEM_LIMIT:
+      return bv
+  return None
+
+
+def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None) -> str | None:
+  """Why this kernel cannot take these sizes, or None if it can."""
+  if jnp.dtype(dtype) != jnp.dtype(BF16):
+    return (f"the Mosaic GPU backward takes bfloat16 inputs only (wgmma on float32 would be "
+            f"TF32; use the Triton path), got {dtype}")
+  if c != 64:
+    return f"the Mosaic GPU backward needs chunk size 64, got {c}"
+  if d not in (64, 128):
+    return f"the Mosaic GPU backward needs D in (64, 128), got {d}"
+  if e > MAX_E:
+    return f"the Mosaic GPU backward takes E <= {MAX_E}, got {e}"
+  bv = block_v or default_block_v(d, vd, c, e)
+  if bv is None:
+    return f"no value block in {BLOCK_VS} divides V={vd} and fits SMEM at D={d}, E={e}"
+  if bv not in BLOCK_VS or vd % bv:
+    return f"V={vd} must be a multiple of block_v={bv} in {BLOCK_VS}"
+  if e * bv > MAX_N:
+    return f"E * block_v must be <= {MAX_N}, got {e} * {bv}"
+  if smem_bytes(d, vd, c, e, bv) > SMEM_LIMIT:
+    return (f"SMEM {smem_bytes(d, vd, c, e, bv)} B > {SMEM_LIMIT} B at D={d}, E={e}, "
+            f"block_v={bv}")
+  return None
+
+
+# ------------------------------------------------------------------------------------------------
+# Plain-JAX preparation (E-independent or O(T E)).
+
+
+def _factor_rows(gcc, k2c, q2c, beta_c):
+  """(BH, NC, 3E + 1, C) float32 rows [c = k2 a (E), fq = q2 a (E), fw = k2 b (E), beta]."""
+  a = jnp.exp(gcc)
+  b = jnp.exp(gcc[:, :, -1:, :] - gcc)
+  rows = jnp.concatenate([k2c * a, q2c * a, k2c * b, beta_c.astype(F32)], axis=-1)
+  return jnp.swapaxes(rows, -1, -2)
+
+
+def _drhs(a, du, erase):
+  """A^T dU with bf16 operands and float32 accumulation (as the Triton kernel's ``mm``)."""
+  if not erase:
+    return du.astype(F32)
+  return jnp.einsum("...st,...sv->...tv", a.astype(BF16), du.astype(BF16),
+                    preferred_element_type=F32)
+
+
+# ------------------------------------------------------------------------------------------------
+# The Mosaic GPU kernel: everything that touches S or dS.
+
+
+def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch, outs, c, d,
+                  e_dim, bv, nv, piece, scale, erase, interpret):
+  if erase:
+    x_g, dq_g, dk_g, coef_g, lam_g, bars = rest
+  else:
+    x_g = None
+    dq_g, dk_g, coef_g, lam_g, bars = rest
+  ops = _Ops(interpret)
+  i, n = lax.axis_index("bh"), lax.axis_index("n")
+  fc, fq, fw, fb = 0, e_dim, 2 * e_dim, 3 * e_dim
+  n_cat = e_dim * bv
+  per_piece = piece // bv
+
+  def onehot_add(acc, vec, column):
+    """acc + vec placed in column ``column`` (acc (rows, W) WGMMA layout, vec a row sum)."""
+    rows, width = acc.shape
+    idx = ops.acc(lax.broadcasted_iota(jnp.int32, (rows, width), 1))
+    return acc + jnp.where(idx == column, lax.broadcast_in_dim(vec, (rows, width), [0]), 0.0)
+
+  def main(dq_acc, dk_acc, q_s, k_s, f_s, stg, s_cat, ds_cat, w2, w3, v_s, do_s, u_s, dr_s,
+           *extra):
+    extra = list(extra)
+    w1 = extra.pop(0) if erase else None
+    x_s = extra.pop(0) if erase else None
+    if interpret:
+      st_s, dst_s = extra
+      s_t, ds_t = st_s, dst_s
+    else:
+      s_t, ds_t = plgpu.transpose_ref(s_cat, (1, 0)), plgpu.transpose_ref(ds_cat, (1, 0))
+    for slot, (src, dst) in enumerate([(q_g.at[i, n], q_s), (k_g.at[i, n], k_s),
+                                       (f_g.at[i, n], f_s)]):
+      plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
+    for slot in range(3):
+      plgpu.barrier_wait(bars.at[slot])
+    rowf = lambda idx: ops.rowvec(f_s, idx, bv)
+
+    def vblock(j, carry):
+      coef, lam = carry
+      cols = pl.ds(j * bv, bv)
+      # One TMA per slice (a (E, D, BV) box would need more than 5 strided dimensions).
+      loads = [(v_g.at[i, n, :, cols], v_s), (do_g.at[i, n, :, cols], do_s),
+               (u_g.at[i, n, :, cols], u_s), (dr_g.at[i, n, :, cols], dr_s)]
+      loads += [(s_g.at[i, n, e, :, cols], stg.at[e]) for e in range(e_dim)]
+      for slot, (src, dst) in enumerate(loads):
+        plgpu.copy_gmem_to_smem(src, dst, bars.at[3 + slot])
+      for slot in range(len(loads)):
+        plgpu.barrier_wait(bars.at[3 + slot])
+      # S_cat (and its transpose in interpret mode) from the staging buffer.
+      for e in range(e_dim):
+        blk = slice(e * bv, (e + 1) * bv)
+        se = ops.acc(stg[e].astype(F32))
+        s_cat[:, blk] = se.astype(BF16)
+        if interpret:
+          s_t[blk, :] = se.T.astype(BF16)
+      do = ops.acc(do_s[...].astype(F32))
+      u = ops.acc(u_s[...])
+      dr = ops.acc(dr_s[...])
+      dx = rowf(fb) * dr
+      x = ops.acc(v_s[...].astype(F32)) if erase else None
+      for e in range(e_dim):
+        blk = slice(e * bv, (e + 1) * bv)
+        w3[:, blk] = (scale * rowf(fq + e) * do).astype(BF16)
+        w2[:, blk] = (rowf(fw + e) * u).astype(BF16)
+        if erase:
+          w1[:, blk] = (-rowf(fc + e) * dx).astype(BF16)
+      plgpu.commit_smem()
+      # The staging buffer has been read by every thread (commit_smem is a warpgroup barrier):
+      # dS goes into it while the S-side products run.
+      for e in range(e_dim):
+        plgpu.copy_gmem_to_smem(ds_g.at[i, n, e, :, cols], stg.at[e], bars.at[7 + e])
+      for h in range(n_cat // piece):
+        pc = slice(h * piece, (h + 1) * piece)
+        if erase:
+          r = ops.mm(k_s, s_cat.at[:, pc])
+          for g in range(per_piece):
+            e = h * per_piece + g
+            re = r[:, g * bv:(g + 1) * bv]
+            x = x - rowf(fc + e) * re
+            coef = onehot_add(coef, -jnp.sum(re * dx, axis=1), e)
+        y = ops.mm(q_s, s_cat.at[:, pc])
+        for g in range(per_piece):
+          e = h * per_piece + g
+          coef = onehot_add(coef, scale * jnp.sum(y[:, g * bv:(g + 1) * bv] * do, axis=1),
+                            e_dim + e)
+      plgpu.wgmma(dq_acc, w3, s_t)
+      if erase:
+        plgpu.wgmma(dk_acc, w1, s_t)
+        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous block's X store
+        x_s[...] = x
+      for e in range(e_dim):
+        plgpu.barrier_wait(bars.at[7 + e])
+      for e in range(e_dim):
+        blk = slice(e * bv, (e + 1) * bv)
+        dse = ops.acc(stg[e].astype(F32))
+        ds_cat[:, blk] = dse.astype(BF16)
+        if interpret:
+          ds_t[blk, :] = dse.T.astype(BF16)
+        se = ops.acc(s_cat[:, blk].astype(F32))
+        lam = onehot_add(lam, jnp.sum(dse * se, axis=1), e)
+      plgpu.commit_smem()
+      if erase:
+        plgpu.copy_smem_to_gmem(x_s, x_g.at[i, n, :, cols])
+      for h in range(n_cat // piece):
+        pc = slice(h * piece, (h + 1) * piece)
+        z = ops.mm(k_s, ds_cat.at[:, pc])
+        for g in range(per_piece):
+          e = h * per_piece + g
+          coef = onehot_add(coef, jnp.sum(z[:, g * bv:(g + 1) * bv] * u, axis=1),
+                            2 * e_dim + e)
+      plgpu.wgmma(dk_acc, w2, ds_t)
+      return coef, lam
+
+    init = (ops.acc(jnp.zeros((c, COEF_W), F32)), ops.acc(jnp.zeros((d, LAM_W), F32)))
+    out = lax.fori_loop(0, nv, vblock, init)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    return out
+
+  def with_accs(dq_acc, dk_acc):
+    coef, lam = pl.run_scoped(functools.partial(main, dq_acc, dk_acc), *scratch)
+    return dq_acc[...], dk_acc[...], coef, lam
+
+  dq, dk, coef, lam = pl.run_scoped(with_accs, plgpu.ACC((c, d), F32), plgpu.ACC((c, d), F32))
+
+  def store(dq_s, dk_s, coef_s, lam_s):
+    dq_s[...] = dq
+    dk_s[...] = dk
+    coef_s[...] = coef
+    lam_s[...] = lam
+    plgpu.commit_smem()
+    for src, dst in ((dq_s, dq_g), (dk_s, dk_g), (coef_s, coef_g), (lam_s, lam_g)):
+      plgpu.copy_smem_to_gmem(src, dst.at[i, n])
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(store, *outs)
+
+
+def value_pass(q, k, v, do, u, drhs, states, dstates, f, *, scale, erase, block_v,
+               interpret=False):
+  """The Mosaic GPU kernel. Returns X (erase only, else None), dq and dk partials (BH,NC,C,D),
+  the row-sum matrix (BH,NC,C,32) and the dlam row partials (BH,NC,D,8), all float32."""
+  bh, nc, c, d = q.shape
+  vd, e_dim = v.shape[-1], states.shape[2]
+  bv = block_v
+  n_cat = e_dim * bv
+  sw = _swizzle(bv)
+  scratch = [
+      _smem((c, d), BF16, sw),                      # q
+      _smem((c, d), BF16, sw),                      # k
+      _smem((3 * e_dim + 1, c), F32),               # factor rows
+      _smem((e_dim, d, bv), BF16, sw),              # staging: S, then dS
+      _smem((d, n_cat), BF16, sw),                  # S_cat
+      _smem((d, n_cat), BF16, sw),                  # dS_cat
+      _smem((c, n_cat), BF16, sw),                  # W2 = [fw U]_e
+      _smem((c, n_cat), BF16, sw),                  # W3 = [scale fq dO]_e
+      _smem((c, bv), BF16, sw),                     # V block
+      _smem((c, bv), BF16, sw),                     # dO block
+      _smem((c, bv), F32, _swizzle(bv, F32)),       # U block
+      _smem((c, bv), F32, _swizzle(bv, F32)),       # drhs block
+  ]
+  if erase:
+    scratch += [_smem((c, n_cat), BF16, sw),        # W1 = [-c dX]_e
+                _smem((c, bv), F32, _swizzle(bv, F32))]   # X block
+  if interpret:                                     # explicit S_cat^T, dS_cat^T (interpreter)
+    scratch += [_smem((n_cat, d), BF16, sw), _smem((n_cat, d), BF16, sw)]
+  outs = [_smem((c, d), F32, _swizzle(d, F32)), _smem((c, d), F32, _swizzle(d, F32)),
+          _smem((c, COEF_W), F32, _swizzle(COEF_W, F32)),
+          _smem((d, LAM_W), F32, _swizzle(LAM_W, F32))]
+  out_type = ([jax.ShapeDtypeStruct((bh, nc, c, vd), F32)] if erase else []) + [
+      jax.ShapeDtypeStruct((bh, nc, c, d), F32), jax.ShapeDtypeStruct((bh, nc, c, d), F32),
+      jax.ShapeDtypeStruct((bh, nc, c, COEF_W), F32),
+      jax.ShapeDtypeStruct((bh, nc, d, LAM_W), F32)]
+  kernel = functools.partial(
+      _value_kernel, scratch=scratch, outs=outs, c=c, d=d, e_dim=e_dim, bv=bv, nv=vd // bv,
+      piece=piece_width(d, e_dim, bv), scale=scale, erase=erase, interpret=bool(interpret))
+  res = plgpu.kernel(
+      kernel, out_type=out_type, scratch_types=[plgpu.Barrier(num_barriers=7 + e_dim)],
+      grid=(bh, nc), grid_names=("bh", "n"), compiler_params=plgpu.CompilerParams(),
+      interpret=_interpret_params(interpret), kernel_name="triadic_chunk_backward_mgpu",
+  )(q, k, v, do, u, drhs, states, dstates, f)
+  return (res[0] if erase else None), *res[-4:]
+
+
+# ------------------------------------------------------------------------------------------------
+# The tail: E-independent products over the whole V and the chunk-local part of backward.py.
+
+
+def _tail_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref, dkp_ref, coef_ref,
+                 lam_ref, k2c, k2r, q2c, gcc, gcr, beta_ref, a_ref,
+                 dq_ref, dk_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref, dgcr_ref, dbeta_ref, *,
+                 c, e_dim, scale, erase, dtype, precision):
+  q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+  beta = beta_ref[...].astype(F32)
+  x = x_ref[...].astype(F32)
+  dbeta = rowsum(dr_ref[...] * x)
+  dp = scale * mm(do_ref[...], u_ref[...], dtype, tb=True)
+  da = mm(du_ref[...], beta * x, dtype, tb=True) if erase else None
+  dcoef = [col(coef_ref, e) for e in range(e_dim)]
+  dqcoef = [col(coef_ref, e_dim + e) for e in range(e_dim)]
+  dkcoef = [col(coef_ref, 2 * e_dim + e) for e in range(e_dim)]
+  dlam = [last(lam_ref, e, 1) for e in range(e_dim)]
+  outs = (dq_ref, dk_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref, dgcr_ref, dbeta_ref)
+  chunk_local(q, k, dqp_ref[...], dkp_ref[...], dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam,
+              k2c, k2r, q2c, gcc, gcr, beta, a_ref[...], outs, c=c, e_dim=e_dim, erase=erase,
+              dtype=dtype, precision=precision)
+
+
+def _tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,
+          scale, erase, cfg):
+  bh, nc, c, d = q.shape
+  vd, e_dim = x.shape[-1], k2c.shape[-1]
+  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
+  shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
+  kernel = functools.partial(_tail_kernel, c=c, e_dim=e_dim, scale=scale, erase=erase,
+                             dtype=q.dtype, precision=cfg.f32_precision)
+  return call(
+      kernel, cfg=cfg, grid=(bh, nc),
+      in_specs=[spec(c, d), spec(c, d), spec(c, vd), spec(c, vd), spec(c, vd), spec(c, vd),
+                spec(c, vd), spec(c, d), spec(c, d), spec(c, COEF_W), spec(1, lam.shape[-1]),
+                spec(c, e_dim), spec(e_dim, c), spec(c, e_dim), spec(c, e_dim), spec(e_dim, c),
+                spec(c, 1), spec(c, c)],
+      out_specs=[spec(c, d), spec(c, d), spec(c, e_dim), spec(e_dim, c), spec(c, e_dim),
+                 spec(c, e_dim), spec(e_dim, c), spec(c, 1)],
+      out_shape=[shape(c, d), shape(c, d), shape(c, e_dim), shape(e_dim, c), shape(c, e_dim),
+                 shape(c, e_dim), shape(e_dim, c), shape(c, 1)],
+      semantics=("parallel", "parallel"), name="triadic_chunk_backward_tail",
+      num_warps=cfg.bwd_num_warps,
+  )(q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a)
+
+
+def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,
+                   scale, erase, block_v=None, interpret=False):
+  """``backward.chunk_backward`` on Hopper: same operands (layout (BH, NC, ...)), same outputs:
+  float32 dq, dk (BH,NC,C,D), dv (BH,NC,C,V), dk2 column and row parts ((C,E), (E,C)), dq2 (C,E),
+  d gc column and row parts, dbeta (C,1). ``interpret=True``: Mosaic GPU interpret mode for the
+  value kernel and Pallas interpret mode for the tail (CPU tests)."""
+  bh, nc, c, d = q.shape
+  vd, e_dim = v.shape[-1], k2c.shape[-1]
+  bv = block_v or default_block_v(d, vd, c, e_dim)
+  reason = supported(d, vd, c, e_dim, q.dtype, bv)
+  if reason:
+    raise ValueError(reason)
+  beta = beta_c.astype(F32)
+  drhs = _drhs(a, du, erase)
+  dv = beta * drhs
+  f = _factor_rows(gcc, k2c, q2c, beta_c)
+  x, dqp, dkp, coef, lam = value_pass(
+      q, k, v.astype(q.dtype), do.astype(q.dtype), u.astype(F32), drhs, states.astype(q.dtype),
+      dstates.astype(q.dtype), f, scale=scale, erase=erase, block_v=bv, interpret=interpret)
+  if x is None:
+    x = v.astype(F32)
+  lam = jnp.sum(lam, axis=2, keepdims=True)            # (BH, NC, 1, 8): sum of the D rows
+  cfg = (Config("cpu", block_v=16, bwd_block_v=16) if interpret
+         else Config("gpu", block_v=32, bwd_block_v=32))
+  dq, dk, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta = _tail(
+      q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a,
+      scale=scale, erase=erase, cfg=cfg)
+  return dq, dk, dv, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta
