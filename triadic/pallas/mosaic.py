@@ -93,21 +93,32 @@ def interpret_available() -> bool:
   return True
 
 
-def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None) -> str | None:
-  """Why these kernels cannot take these sizes, or None if they can."""
+def sizes_reason(d: int, vd: int, c: int, e: int, dtype, bv: int | None, block_vs,
+                 what: str) -> str | None:
+  """The checks every Mosaic GPU kernel here shares (dtype, chunk, D, value block, wgmma N), or
+  None. ``what`` names the kernel in the message."""
   if jnp.dtype(dtype) != jnp.dtype(BF16):
-    return f"the Mosaic GPU kernels take bfloat16 inputs only (use the Triton path), got {dtype}"
+    return (f"{what} take bfloat16 inputs only (wgmma on float32 would be TF32; use the Triton "
+            f"path), got {dtype}")
   if c != 64:
-    return f"the Mosaic GPU kernels need chunk size 64, got {c}"
-  if d % 64 or d > 128:
-    return f"the Mosaic GPU kernels need D in (64, 128), got {d}"
-  bv = block_v or default_block_v(d, vd, c, e)
+    return f"{what} need chunk size 64, got {c}"
+  if d not in (64, 128):
+    return f"{what} need D in (64, 128), got {d}"
   if bv is None:
-    return f"no value block for D={d}, V={vd}, E={e} fits one warpgroup's registers"
-  if bv not in BLOCK_VS or vd % bv:
-    return f"V={vd} must be a multiple of block_v={bv} in {BLOCK_VS}"
+    return f"{what}: no value block in {block_vs} divides V={vd} and fits on chip at D={d}, E={e}"
+  if bv not in block_vs or vd % bv:
+    return f"V={vd} must be a multiple of block_v={bv} in {block_vs}"
   if e * bv > MAX_N:
     return f"E * block_v must be <= {MAX_N}, got {e} * {bv}"
+  return None
+
+
+def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None) -> str | None:
+  """Why these kernels cannot take these sizes, or None if they can."""
+  bv = block_v or default_block_v(d, vd, c, e)
+  reason = sizes_reason(d, vd, c, e, dtype, bv, BLOCK_VS, "the Mosaic GPU state kernels")
+  if reason:
+    return reason
   if (e * bv) % 32:
     return f"E * block_v must be a multiple of 32 (a warpgroup-wide load of lam), got {e} * {bv}"
   if d * e * bv > STATE_BUDGET:
@@ -165,6 +176,18 @@ def _from_cat(x, e):
 
 def _t(x):
   return jnp.swapaxes(x, -1, -2)
+
+
+def _prologue(q, vd, k2c, q2c, gcc, beta_c, block_v):
+  """Shapes, the checked value block and the row factors: (bh, nc, c, d, e, bv, f, lam_cat)."""
+  bh, nc, c, d = q.shape
+  e_dim = k2c.shape[-1]
+  bv = block_v or default_block_v(d, vd, c, e_dim)
+  reason = supported(d, vd, c, e_dim, q.dtype, bv)
+  if reason:
+    raise ValueError(reason)
+  f, lam = _factors(gcc, k2c, q2c, beta_c)
+  return bh, nc, c, d, e_dim, bv, f, _lam_cat(lam, bv)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -362,16 +385,10 @@ def forward(q, k, v, k2c, q2c, gcc, beta_c, a, p, h0, *, scale, erase, block_v=N
   """Chunk loop forward (``recurrent.forward`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32."""
-  bh, nc, c, d = q.shape
-  vd, e_dim = v.shape[-1], k2c.shape[-1]
-  bv = block_v or default_block_v(d, vd, c, e_dim)
-  reason = supported(d, vd, c, e_dim, q.dtype, bv)
-  if reason:
-    raise ValueError(reason)
+  vd = v.shape[-1]
+  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2c, q2c, gcc, beta_c, block_v)
   n_cat = e_dim * bv
-  f, lam = _factors(gcc, k2c, q2c, beta_c)
-  ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, _lam_cat(lam, bv),
-         _to_cat(h0.astype(F32), bv))
+  ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, lam_cat, _to_cat(h0.astype(F32), bv))
   sw_n, sw_v = _swizzle(n_cat), _swizzle(bv)
   scratch = [
       _smem((c, d), BF16, sw_n),          # q
@@ -459,16 +476,11 @@ def backward(q, k, do, k2c, q2c, gcc, beta_c, a, p, dht, *, scale, erase, block_
   """Reverse chunk loop (``recurrent.backward`` without ``cfg``). Returns dU (BH,NC,C,V) float32,
   chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
   (BH,E,D,V) float32."""
-  bh, nc, c, d = q.shape
-  vd, e_dim = do.shape[-1], k2c.shape[-1]
-  bv = block_v or default_block_v(d, vd, c, e_dim)
-  reason = supported(d, vd, c, e_dim, q.dtype, bv)
-  if reason:
-    raise ValueError(reason)
+  vd = do.shape[-1]
+  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2c, q2c, gcc, beta_c, block_v)
   n_cat = e_dim * bv
-  f, lam = _factors(gcc, k2c, q2c, beta_c)
   ins = (k, _t(k), _t(q), do.astype(q.dtype), _t(a).astype(BF16), _t(p).astype(BF16), f,
-         _lam_cat(lam, bv), _to_cat(dht.astype(F32), bv))
+         lam_cat, _to_cat(dht.astype(F32), bv))
   sw_n, sw_v = _swizzle(n_cat), _swizzle(bv)
   scratch = [
       _smem((c, d), BF16, sw_n),          # k

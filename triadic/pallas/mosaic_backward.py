@@ -97,11 +97,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from triadic.pallas.backward import chunk_local
 from triadic.pallas.common import F32, Config, call, col, last, mm, rowsum
-from triadic.pallas.mosaic import _Ops, _interpret_params, _smem, _swizzle
+from triadic.pallas.mosaic import MAX_N, _Ops, _interpret_params, _smem, _swizzle, sizes_reason
 
 BF16 = jnp.bfloat16
 BLOCK_VS = (64, 32, 16)
-MAX_N = 256                   # E * BV
+
 SMEM_LIMIT = 220 * 1024       # of the 227 KiB a block may have (reduction scratch etc.)
 COEF_W = 32                   # columns of the row-sum matrix: [dcoef, dqcoef, dkcoef] (3E <= 32)
 LAM_W = 8                     # columns of the dlam matrix (E <= 8)
@@ -135,22 +135,12 @@ def default_block_v(d: int, vd: int, c: int, e: int) -> int | None:
 
 def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None) -> str | None:
   """Why this kernel cannot take these sizes, or None if it can."""
-  if jnp.dtype(dtype) != jnp.dtype(BF16):
-    return (f"the Mosaic GPU backward takes bfloat16 inputs only (wgmma on float32 would be "
-            f"TF32; use the Triton path), got {dtype}")
-  if c != 64:
-    return f"the Mosaic GPU backward needs chunk size 64, got {c}"
-  if d not in (64, 128):
-    return f"the Mosaic GPU backward needs D in (64, 128), got {d}"
   if e > MAX_E:
     return f"the Mosaic GPU backward takes E <= {MAX_E}, got {e}"
   bv = block_v or default_block_v(d, vd, c, e)
-  if bv is None:
-    return f"no value block in {BLOCK_VS} divides V={vd} and fits SMEM at D={d}, E={e}"
-  if bv not in BLOCK_VS or vd % bv:
-    return f"V={vd} must be a multiple of block_v={bv} in {BLOCK_VS}"
-  if e * bv > MAX_N:
-    return f"E * block_v must be <= {MAX_N}, got {e} * {bv}"
+  reason = sizes_reason(d, vd, c, e, dtype, bv, BLOCK_VS, "the Mosaic GPU backward")
+  if reason:
+    return reason
   if smem_bytes(d, vd, c, e, bv) > SMEM_LIMIT:
     return (f"SMEM {smem_bytes(d, vd, c, e, bv)} B > {SMEM_LIMIT} B at D={d}, E={e}, "
             f"block_v={bv}")
