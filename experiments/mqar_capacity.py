@@ -56,6 +56,26 @@ def _crossing_text(c: float, pairs: list[int]) -> str:
   return f"> {pairs[-1]}" if math.isinf(c) else (f"< {pairs[0]}" if c == 0 else f"{c:.0f}")
 
 
+def plot(pairs: list[int], per_seed: dict[int, list[list[float]]]) -> Figure:
+  """Accuracy against pairs, one colour per E: the mean over seeds (thick) and each seed (thin),
+  so that a seed stuck at chance shows as its own line instead of pulling a band down."""
+  fig = Figure(figsize=(6.5, 4.2))
+  ax = fig.subplots()
+  for e in sorted(per_seed):
+    accs = np.asarray(per_seed[e])
+    line, = ax.plot(pairs, accs.mean(axis=0), "o-", lw=2, label=f"E={e} (mean of {len(accs)})")
+    if len(accs) > 1:
+      for a in accs:
+        ax.plot(pairs, a, "-", color=line.get_color(), lw=0.8, alpha=0.45)
+  ax.axhline(0.5, color="gray", lw=0.8, ls="--")
+  ax.set_xscale("log", base=2)
+  ax.set(xlabel="key-value pairs", ylabel="accuracy",
+         ylim=(-0.03, 1.05), title="MQAR accuracy by E (2 layers, 4 heads, d=16); thin: seeds")
+  ax.grid(alpha=0.3)
+  ax.legend(fontsize=8)
+  return fig
+
+
 def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
   by_e: dict[int, list[dict]] = {}
   params = {}
@@ -68,8 +88,6 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
   pairs = sorted({int(k) for res in by_e.values() for k in res[0]["accuracy_by_num_pairs"]})
   base = params.get(1, min(params.values()))
   summary, rows = {}, []
-  fig = Figure(figsize=(6.5, 4.2))
-  ax = fig.subplots()
   for e in sorted(by_e):
     accs = np.array([[res["accuracy_by_num_pairs"][str(p)] for p in pairs] for res in by_e[e]])
     cross = [crossing(pairs, list(a)) for a in accs]
@@ -81,16 +99,8 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
     rows.append([str(e), f"{params[e] / base:.3f}",
                  *[common.fmt(m, s) for m, s in zip(mean, spread)],
                  " / ".join(_crossing_text(c, pairs) for c in cross)])
-    ax.plot(pairs, mean, "o-", label=f"E={e}")
-    if len(accs) > 1:
-      ax.fill_between(pairs, accs.min(axis=0), accs.max(axis=0), alpha=0.2)
-  ax.axhline(0.5, color="gray", lw=0.8, ls="--")
-  ax.set_xscale("log", base=2)
-  ax.set(xlabel="key-value pairs", ylabel="accuracy",
-         ylim=(-0.03, 1.05), title="MQAR accuracy by E (2 layers, 4 heads, d=16)")
-  ax.grid(alpha=0.3)
-  ax.legend(fontsize=8)
-  common.save(fig, "mqar_capacity.png")
+  common.save(plot(pairs, {e: summary[e]["accuracy_per_seed"] for e in summary}),
+              "mqar_capacity.png")
   common.write_json("mqar_capacity.json", {"pairs": pairs, "by_e": summary})
   header = ["E", "non-emb. params vs E=1", *[str(p) for p in pairs], "pairs at 50% (per seed)"]
   return (common.markdown_table(header, rows) + "\n\n" + common.steps_note(results))
