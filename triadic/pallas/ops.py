@@ -11,6 +11,12 @@ beta = k2 = q2 = 0 and g = 0, so they leave the state alone); the kernels see (B
 D and V are zero-padded to a power of two (Triton tensors are powers of two; zero rows/columns of
 the state stay zero), E likewise.
 The platform is the default backend's: Triton on GPU, Mosaic on TPU, ``interpret=True`` on CPU.
+On Hopper GPUs the two state-passing kernels are Mosaic GPU (wgmma) kernels instead
+(``mosaic.py``, ``Config.mosaic_gpu``, on by default there for the sizes it takes: bf16, C = 64,
+D in (64, 128)), and with ``Config.mosaic_gpu_backward`` so is the chunk-parallel backward's
+E-dependent part (``mosaic_backward.py``; off until it has run on a GPU). Everything else stays
+Triton. The tests run both in Mosaic GPU interpret mode on the CPU, where the kernels are host
+callbacks and the op skips its custom_partitioning wrapper (``_sharded``).
 The platform also fixes the state-passing kernels' structure (``recurrent.py``): on Triton one
 program per value block loops over whole-sequence blocks (blocks are pointers); on Mosaic TPU the
 chunks are a sequential grid axis, every block one chunk, the state in VMEM scratch (blocks are
