@@ -259,14 +259,14 @@ class _Ops:
     return pl.run_state(body)(plgpu.ACC.init(self.acc(init)))
 
 
-def _load(pairs, bars):
-  """Start the TMA copies (src gmem ref, dst smem ref), one barrier each."""
-  for slot, (src, dst) in enumerate(pairs):
+def _load(pairs, bars, first=0):
+  """Start the TMA copies (src gmem ref, dst smem ref), one barrier each from slot ``first``."""
+  for slot, (src, dst) in enumerate(pairs, first):
     plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
 
 
-def _wait(n, bars):
-  for slot in range(n):
+def _wait(n, bars, first=0):
+  for slot in range(first, first + n):
     plgpu.barrier_wait(bars.at[slot])
 
 

@@ -97,7 +97,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from triadic.pallas.backward import chunk_local
 from triadic.pallas.common import F32, Config, call, col, last, mm, rowsum
-from triadic.pallas.mosaic import MAX_N, _Ops, _interpret_params, _smem, _swizzle, sizes_reason
+from triadic.pallas.mosaic import (MAX_N, _Ops, _interpret_params, _load, _smem, _swizzle, _wait,
+                                   sizes_reason)
 
 BF16 = jnp.bfloat16
 BLOCK_VS = (64, 32, 16)
@@ -200,12 +201,30 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
       s_t, ds_t = st_s, dst_s
     else:
       s_t, ds_t = plgpu.transpose_ref(s_cat, (1, 0)), plgpu.transpose_ref(ds_cat, (1, 0))
-    for slot, (src, dst) in enumerate([(q_g.at[i, n], q_s), (k_g.at[i, n], k_s),
-                                       (f_g.at[i, n], f_s)]):
-      plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
-    for slot in range(3):
-      plgpu.barrier_wait(bars.at[slot])
+    _load([(q_g.at[i, n], q_s), (k_g.at[i, n], k_s), (f_g.at[i, n], f_s)], bars)
+    _wait(3, bars)
     rowf = lambda idx: ops.rowvec(f_s, idx, bv)
+
+    def to_cat(cat, cat_t):
+      """The staged (E, D, BV) slices into their column blocks of ``cat`` (and of its explicit
+      transpose ``cat_t`` in interpret mode); returns the float32 slices."""
+      slices = []
+      for e in range(e_dim):
+        blk = slice(e * bv, (e + 1) * bv)
+        x = ops.acc(stg[e].astype(F32))
+        cat[:, blk] = x.astype(BF16)
+        if interpret:
+          cat_t[blk, :] = x.T.astype(BF16)
+        slices.append(x)
+      return slices
+
+    def per_slice(lhs, cat):
+      """(e, (lhs @ cat)[:, column block e]) for every e, the product taken ``piece`` columns at
+      a time so that only a C x piece accumulator is live."""
+      for h in range(n_cat // piece):
+        prod = ops.mm(lhs, cat.at[:, h * piece:(h + 1) * piece])
+        for g in range(per_piece):
+          yield h * per_piece + g, prod[:, g * bv:(g + 1) * bv]
 
     def vblock(j, carry):
       coef, lam = carry
@@ -214,17 +233,9 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
       loads = [(v_g.at[i, n, :, cols], v_s), (do_g.at[i, n, :, cols], do_s),
                (u_g.at[i, n, :, cols], u_s), (dr_g.at[i, n, :, cols], dr_s)]
       loads += [(s_g.at[i, n, e, :, cols], stg.at[e]) for e in range(e_dim)]
-      for slot, (src, dst) in enumerate(loads):
-        plgpu.copy_gmem_to_smem(src, dst, bars.at[3 + slot])
-      for slot in range(len(loads)):
-        plgpu.barrier_wait(bars.at[3 + slot])
-      # S_cat (and its transpose in interpret mode) from the staging buffer.
-      for e in range(e_dim):
-        blk = slice(e * bv, (e + 1) * bv)
-        se = ops.acc(stg[e].astype(F32))
-        s_cat[:, blk] = se.astype(BF16)
-        if interpret:
-          s_t[blk, :] = se.T.astype(BF16)
+      _load(loads, bars, first=3)
+      _wait(len(loads), bars, first=3)
+      to_cat(s_cat, s_t)
       do = ops.acc(do_s[...].astype(F32))
       u = ops.acc(u_s[...])
       dr = ops.acc(dr_s[...])
@@ -239,47 +250,27 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
       plgpu.commit_smem()
       # The staging buffer has been read by every thread (commit_smem is a warpgroup barrier):
       # dS goes into it while the S-side products run.
-      for e in range(e_dim):
-        plgpu.copy_gmem_to_smem(ds_g.at[i, n, e, :, cols], stg.at[e], bars.at[7 + e])
-      for h in range(n_cat // piece):
-        pc = slice(h * piece, (h + 1) * piece)
-        if erase:
-          r = ops.mm(k_s, s_cat.at[:, pc])
-          for g in range(per_piece):
-            e = h * per_piece + g
-            re = r[:, g * bv:(g + 1) * bv]
-            x = x - rowf(fc + e) * re
-            coef = onehot_add(coef, -jnp.sum(re * dx, axis=1), e)
-        y = ops.mm(q_s, s_cat.at[:, pc])
-        for g in range(per_piece):
-          e = h * per_piece + g
-          coef = onehot_add(coef, scale * jnp.sum(y[:, g * bv:(g + 1) * bv] * do, axis=1),
-                            e_dim + e)
+      _load([(ds_g.at[i, n, e, :, cols], stg.at[e]) for e in range(e_dim)], bars, first=7)
+      if erase:
+        for e, re in per_slice(k_s, s_cat):
+          x = x - rowf(fc + e) * re
+          coef = onehot_add(coef, -jnp.sum(re * dx, axis=1), e)
+      for e, ye in per_slice(q_s, s_cat):
+        coef = onehot_add(coef, scale * jnp.sum(ye * do, axis=1), e_dim + e)
       plgpu.wgmma(dq_acc, w3, s_t)
       if erase:
         plgpu.wgmma(dk_acc, w1, s_t)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous block's X store
         x_s[...] = x
-      for e in range(e_dim):
-        plgpu.barrier_wait(bars.at[7 + e])
-      for e in range(e_dim):
-        blk = slice(e * bv, (e + 1) * bv)
-        dse = ops.acc(stg[e].astype(F32))
-        ds_cat[:, blk] = dse.astype(BF16)
-        if interpret:
-          ds_t[blk, :] = dse.T.astype(BF16)
-        se = ops.acc(s_cat[:, blk].astype(F32))
+      _wait(e_dim, bars, first=7)
+      for e, dse in enumerate(to_cat(ds_cat, ds_t)):
+        se = ops.acc(s_cat[:, e * bv:(e + 1) * bv].astype(F32))
         lam = onehot_add(lam, jnp.sum(dse * se, axis=1), e)
       plgpu.commit_smem()
       if erase:
         plgpu.copy_smem_to_gmem(x_s, x_g.at[i, n, :, cols])
-      for h in range(n_cat // piece):
-        pc = slice(h * piece, (h + 1) * piece)
-        z = ops.mm(k_s, ds_cat.at[:, pc])
-        for g in range(per_piece):
-          e = h * per_piece + g
-          coef = onehot_add(coef, jnp.sum(z[:, g * bv:(g + 1) * bv] * u, axis=1),
-                            2 * e_dim + e)
+      for e, ze in per_slice(k_s, ds_cat):
+        coef = onehot_add(coef, jnp.sum(ze * u, axis=1), 2 * e_dim + e)
       plgpu.wgmma(dk_acc, w2, ds_t)
       return coef, lam
 
