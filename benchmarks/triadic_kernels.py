@@ -10,10 +10,11 @@ impl achieves against the matmul FLOP count of the chunked form (``chunked_flops
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --t 16384 --e 1 8
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --stages --t 16384 --e 1 8   # per kernel
 
-On Hopper, "pallas" runs the Mosaic GPU state-passing kernels (``Config.mosaic_gpu``) and a
-"pallas-triton" column the same op with the Triton ones; ``--mosaic-backward`` also switches the
-pallas column to the Mosaic GPU chunk-parallel backward (``Config.mosaic_gpu_backward``), and
-``--stages`` prints a row for each.
+On Hopper, "pallas" runs the Mosaic GPU kernels (the state-passing kernels, ``Config.mosaic_gpu``,
+and the chunk-parallel backward's E-dependent part, ``Config.mosaic_gpu_backward``) and a
+"pallas-triton" column the same op with the Triton kernels only (the path of other GPUs);
+``--stages`` prints a row for each step between them. The stage table also measures this device's
+matmul and HBM ceilings in the same run and gives each stage's achieved TFLOP/s.
 
 Needs only jax (no grain / ml_collections), so it runs on the bare GPU machine.
 """
@@ -49,6 +50,34 @@ def chunked_flops(b, t, h, d, vd, e, c=64):
   return b * t * h * (4 * c * d + 4 * c * vd + 6 * e * d * vd)
 
 
+def stage_flops(b, t, h, d, vd, e, c=64):
+  """Matmul FLOPs of each Pallas stage (prep, forward, backward states, chunk backward), counted
+  as 2 m n k per product, per token and head:
+
+  prep            K K^T, Q K^T                                       4 C D
+  forward         K S, Q S, K^T W (E slices);  A rhs, P U             6 E D V + 4 C V
+  backward states K dS, Q^T dO, K^T (A^T dU) (E slices);  P^T dO, A^T dU   6 E D V + 4 C V
+  chunk backward  K S, Q S, K dS, dk (2 products), dq (E slices);    12 E D V
+                  A^T dU, dU rhs^T, dO U^T;  K K^T, Q K^T, dP K, dP^T Q, dL K, dL^T K;
+                  A^T dA A^T                                          + 6 C V + 12 C D + 4 C^2
+  Elementwise work (the C x C x E decay masks, the UT forward substitution) is not counted."""
+  n = b * t * h
+  return (n * 4 * c * d, n * (6 * e * d * vd + 4 * c * vd), n * (6 * e * d * vd + 4 * c * vd),
+          n * (12 * e * d * vd + 6 * c * vd + 12 * c * d + 4 * c * c))
+
+
+def ceilings(reps):
+  """This device's bf16 matmul TFLOP/s (8192^3, f32 accumulation) and HBM GB/s (2 GiB f32 scaled
+  copy: one read, one write), measured now, the reference for each stage's achieved rate."""
+  n = 8192
+  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
+  mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(x.dtype))
+  tflops = 2 * n ** 3 / (timeit(mm, (a, a), reps) * 1e-3) / 1e12
+  x = jnp.ones((512, 1024, 1024), jnp.float32)
+  gbs = 2 * x.nbytes / (timeit(jax.jit(lambda y: y * 1.5), (x,), reps) * 1e-3) / 1e9
+  return tflops, gbs
+
+
 def timeit(fn, args, reps):
   out = fn(*args)
   jax.block_until_ready(out)
@@ -60,17 +89,19 @@ def timeit(fn, args, reps):
   return 1e3 * statistics.median(times)
 
 
-def triadic_fns(impl, mosaic_gpu=None, mosaic_gpu_backward=False):
-  """jitted forward and forward+backward of ``impl``; for "pallas", ``mosaic_gpu`` True/False
-  forces the Hopper (Mosaic GPU) or the Triton state-passing kernels (None: the default), and
-  ``mosaic_gpu_backward`` the Mosaic chunk-parallel backward."""
-  if mosaic_gpu is None and not mosaic_gpu_backward:
+def triadic_fns(impl, mosaic_gpu=None, mosaic_gpu_backward=None):
+  """jitted forward and forward+backward of ``impl``; for "pallas", ``mosaic_gpu`` and
+  ``mosaic_gpu_backward`` True/False force the Hopper (Mosaic GPU) or the Triton state-passing
+  kernels and chunk-parallel backward (None: the device's default)."""
+  if mosaic_gpu is None and mosaic_gpu_backward is None:
     run = lambda *a: triadic_gdn(*a, impl=impl, chunk_size=64)[0]
   else:
     def run(q, k, v, k2, q2, g, beta):
       cfg = pops.default_config("gpu", k2.shape[-1], v.shape[-1])
-      cfg = dataclasses.replace(cfg, mosaic_gpu=cfg.mosaic_gpu if mosaic_gpu is None else mosaic_gpu,
-                                mosaic_gpu_backward=mosaic_gpu_backward)
+      pick = lambda x, default: default if x is None else x
+      cfg = dataclasses.replace(cfg, mosaic_gpu=pick(mosaic_gpu, cfg.mosaic_gpu),
+                                mosaic_gpu_backward=pick(mosaic_gpu_backward,
+                                                         cfg.mosaic_gpu_backward))
       h0 = jnp.zeros((q.shape[0], q.shape[2], k2.shape[-1], q.shape[-1], v.shape[-1]),
                      jnp.float32)
       return pops.triadic_pallas(q, k, v, k2, q2, g, beta, scale=q.shape[-1] ** -0.5,
@@ -95,14 +126,19 @@ def attention_fns():
 
 
 def check(only=None):
-  """Relative RMS error of pallas against scan (float32) and chunked (bf16) on this machine."""
+  """Relative RMS error of pallas (the device's default kernels: Mosaic GPU on Hopper for bf16)
+  against scan (float32) and chunked (bf16) on this machine."""
   names = "o state dq dk dv dk2 dq2 dg dbeta dh0".split()
   print("| case | " + " | ".join(names) + " |")
   print("|" + "---|" * (len(names) + 1))
   cases = [("f32 scan B1 T300 H2 D64 V64 E3", (1, 300, 2, 64, 64, 3), jnp.float32, "scan", True),
            ("f32 scan sGLA E2", (1, 200, 2, 32, 48, 2), jnp.float32, "scan", False),
            ("bf16 vs chunked B1 T2048 H4 D128 E8", (1, 2048, 4, 128, 128, 8), jnp.bfloat16,
-            "chunked", True)]
+            "chunked", True),
+           ("bf16 vs chunked B2 T1000 H2 D64 V128 E3", (2, 1000, 2, 64, 128, 3), jnp.bfloat16,
+            "chunked", True),
+           ("bf16 vs chunked sGLA B1 T777 H3 D128 E4", (1, 777, 3, 128, 128, 4), jnp.bfloat16,
+            "chunked", False)]
   for i, (label, (b, t, h, d, vd, e), dtype, ref, erase) in enumerate(cases):
     if only and i not in only:
       continue
@@ -124,15 +160,21 @@ def check(only=None):
   sys.stdout.flush()
 
 
-def stages(t, e_list, reps, variants=False):
+def stages(t, e_list, reps, variants=False, only_default=False):
   """Time each Pallas stage alone (bf16, H = 16, D = V = 128): the Triton kernels (with
   ``variants``, also a few other tile configurations) and, on Hopper, the Mosaic GPU
-  state-passing kernels ("mgpu") in their place."""
+  state-passing kernels ("mgpu") in their place. ``only_default``: on Hopper, only the
+  default (all Mosaic GPU) row and the Mosaic chunk backward's parts."""
   from triadic.pallas.chunk_prep import chunk_prep
   b, h, d, vd, c = SHAPES.get(t, 1), 16, 128, 128, 64
   nc = t // c
-  print("| E | config | prep | forward | backward states | chunk backward |")
-  print("|---|---|---|---|---|---|")
+  peak, hbm = ceilings(reps)
+  print(f"# ceilings measured now: bf16 matmul {peak:.0f} TFLOP/s, HBM {hbm:.0f} GB/s; "
+        f"B={b} T={t} H={h} D=V={d}; each cell: ms (TFLOP/s of the counted matmuls, "
+        "``stage_flops``)")
+  print("| E | config | prep | forward | backward states | chunk backward | total |")
+  print("|---|---|---|---|---|---|---|")
+  parts = []
   for e in e_list:
     q, k, v, k2, q2, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
     ch = lambda x, dt: pops._chunks(x.astype(dt), nc, c).reshape(b * h, nc, c, -1)
@@ -141,13 +183,14 @@ def stages(t, e_list, reps, variants=False):
     rows = lambda x: jnp.swapaxes(x, -1, -2)
     h0 = jnp.zeros((b * h, e, d, vd), jnp.float32)
     base = pops.default_config("gpu", e, vd)
-    base = dataclasses.replace(base, mosaic_gpu=False)
+    base = dataclasses.replace(base, mosaic_gpu=False, mosaic_gpu_backward=False)
     configs = [base] + ([dataclasses.replace(base, **kw) for kw in (
         {"num_stages": 1}, {"num_stages": 3}, {"block_v": 64}, {"num_warps": 8},
         {"bwd_block_v": 64}, {"bwd_num_warps": 4})] if variants else [])
     if pops.is_hopper():
-      configs.append(dataclasses.replace(base, mosaic_gpu=True))
-      configs.append(dataclasses.replace(base, mosaic_gpu=True, mosaic_gpu_backward=True))
+      mgpu = [dataclasses.replace(base, mosaic_gpu=True),
+              dataclasses.replace(base, mosaic_gpu=True, mosaic_gpu_backward=True)]
+      configs = mgpu[1:] if only_default else configs + mgpu
     for cfg in configs:
       pre = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))
       prep_args = (q, k, k2, rows(k2), q2, g, rows(g), beta)
@@ -167,8 +210,49 @@ def stages(t, e_list, reps, variants=False):
                f"bwd_bv{cfg.bwd_block_v} bwd_w{cfg.bwd_num_warps}")
       label = "mgpu state kernels, " + label if cfg.mosaic_gpu else label
       label = "mgpu chunk backward, " + label if cfg.mosaic_gpu_backward else label
-      print(f"| {e} | {label} | " + " | ".join(f"{x:.2f}" for x in ms) + " |")
+      fl = stage_flops(b, t, h, d, vd, e, c)
+      cells = [f"{x:.2f} ({f / (x * 1e-3) / 1e12:.0f})" for x, f in zip(ms, fl)]
+      cells.append(f"{sum(ms):.2f} ({sum(fl) / (sum(ms) * 1e-3) / 1e12:.0f})")
+      print(f"| {e} | {label} | " + " | ".join(cells) + " |")
       sys.stdout.flush()
+      if cfg.mosaic_gpu_backward:
+        parts.append((e, mosaic_backward_parts(cbw_args, reps)))
+  if parts:
+    print("\nThe Mosaic chunk backward by part (ms): plain-JAX prologue (A^T dU, factor rows), "
+          "the Mosaic value kernel (default block_v and staging buffers; and with one staging "
+          "buffer), the Triton tail")
+    print("| E | value kernel config | prologue | value kernel | value kernel, 1 stage | tail |")
+    print("|---|---|---|---|---|---|")
+    for e, cells in parts:
+      print(f"| {e} | " + " | ".join(cells) + " |")
+
+
+def mosaic_backward_parts(cbw_args, reps):
+  """Table cells: the times of the parts of ``mosaic_backward.chunk_backward`` (erase=True,
+  scale 0.1)."""
+  from triadic.pallas import mosaic_backward as mb
+  q, k, v, do, u, du, st, dst, k2c, k2r, q2c, gcc, gcr, beta_c, a = cbw_args
+  bh, nc, c, d = q.shape
+  bv = mb.default_block_v(d, v.shape[-1], c, k2c.shape[-1])
+  pro = jax.jit(lambda a, du, gcc, k2c, q2c, beta_c: (
+      mb._drhs(a, du, True), mb._factor_rows(gcc, k2c, q2c, beta_c)))
+  pro_args = (a, du, gcc, k2c, q2c, beta_c)
+  drhs, f = pro(*pro_args)
+  val = jax.jit(functools.partial(mb.value_pass, scale=0.1, erase=True, block_v=bv))
+  val_args = (q, k, v, do, u, drhs, st, dst, f)
+  x, dqp, dkp, coef, lam = val(*val_args)
+  one = float("nan")  # the value kernel with one staging buffer (where the default has two)
+  if mb.default_stages(d, v.shape[-1], c, k2c.shape[-1], bv) == 2:
+    one = timeit(jax.jit(functools.partial(mb.value_pass, scale=0.1, erase=True, block_v=bv,
+                                           stages=1)), val_args, reps)
+  lam = jnp.sum(lam, axis=2, keepdims=True)
+  cfg = pops.Config("gpu", block_v=32, bwd_block_v=32)
+  tail = jax.jit(functools.partial(mb._tail, scale=0.1, erase=True, cfg=cfg))
+  tail_args = (q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a)
+  pro_ms, val_ms, tail_ms = [timeit(fn, xs, reps) for fn, xs in (
+      (pro, pro_args), (val, val_args), (tail, tail_args))]
+  stages = mb.default_stages(d, v.shape[-1], c, k2c.shape[-1], bv)
+  return [f"bv{bv} {stages} st", f"{pro_ms:.2f}", f"{val_ms:.2f}", f"{one:.2f}", f"{tail_ms:.2f}"]
 
 
 def main():
@@ -178,13 +262,12 @@ def main():
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--check", action="store_true", help="correctness table, then exit")
   parser.add_argument("--no-chunked", action="store_true", help="skip the chunked JAX column")
-  parser.add_argument("--mosaic-backward", action="store_true",
-                      help="the pallas column with the Mosaic GPU chunk-parallel backward too "
-                           "(Config.mosaic_gpu_backward; off by default)")
   parser.add_argument("--no-triton", action="store_true",
-                      help="on Hopper, skip the pallas-triton column (Triton state kernels)")
-  parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0, 1, 2)")
+                      help="on Hopper, skip the pallas-triton column (Triton kernels only)")
+  parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0..4)")
   parser.add_argument("--stages", action="store_true", help="per-kernel times, then exit")
+  parser.add_argument("--only-default", action="store_true",
+                      help="with --stages on Hopper: only the default row and the parts table")
   parser.add_argument("--variants", action="store_true",
                       help="with --stages: also other Triton tile configurations")
   args = parser.parse_args()
@@ -195,16 +278,15 @@ def main():
     check(args.cases)
     return
   if args.stages:
-    stages(args.t[0], args.e, args.reps, args.variants)
+    stages(args.t[0], args.e, args.reps, args.variants, args.only_default)
     return
   h, d, vd = 16, 128, 128
   hopper = pops.is_hopper()
   if hopper:
-    print("# pallas: Mosaic GPU (wgmma) state-passing kernels where they take the sizes; "
-          "pallas-triton: the same op with the Triton state-passing kernels"
-          + ("; pallas also with the Mosaic GPU chunk-parallel backward" if args.mosaic_backward
-             else ""))
-  print("| B | T | E | pallas fwd | pallas f+b | f+b vs E=1 | pallas-triton fwd | pallas-triton f+b "
+    print("# pallas: Mosaic GPU (wgmma) state-passing kernels and chunk-parallel backward where "
+          "they take the sizes; pallas-triton: the same op with the Triton kernels only")
+  print("| B | T | E | pallas fwd | pallas f+b | f+b vs E=1 | pallas-triton fwd "
+        "| pallas-triton f+b "
         "| chunked fwd | chunked f+b | cudnn fwd | cudnn f+b "
         "| chunked/pallas f+b | cudnn/pallas f+b | pallas TFLOP/s fwd / f+b "
         "| chunked TFLOP/s fwd / f+b |")
@@ -222,12 +304,12 @@ def main():
     e1 = None
     for e in args.e:
       xs = inputs(key, b, t, h, d, vd, e, jnp.bfloat16)
-      pf, pfb = triadic_fns("pallas", mosaic_gpu_backward=args.mosaic_backward)
+      pf, pfb = triadic_fns("pallas")
       pal = (timeit(pf, xs, args.reps), timeit(pfb, xs, args.reps))
       e1 = pal[1] if e == 1 else e1
       tri = (float("nan"), float("nan"))
       if hopper and not args.no_triton:
-        tf_, tfb = triadic_fns("pallas", mosaic_gpu=False)
+        tf_, tfb = triadic_fns("pallas", mosaic_gpu=False, mosaic_gpu_backward=False)
         tri = (timeit(tf_, xs, args.reps), timeit(tfb, xs, args.reps))
       if args.no_chunked:
         chk = (float("nan"), float("nan"))
@@ -237,7 +319,8 @@ def main():
       fl = chunked_flops(b, t, h, d, vd, e)
       tf = lambda ms, mult: mult * fl / (ms * 1e-3) / 1e12
       vs1 = f"{pal[1] / e1:.2f}x" if e1 else "-"
-      print(f"| {b} | {t} | {e} | {pal[0]:.2f} | {pal[1]:.2f} | {vs1} | {tri[0]:.2f} | {tri[1]:.2f} "
+      print(f"| {b} | {t} | {e} | {pal[0]:.2f} | {pal[1]:.2f} | {vs1} "
+            f"| {tri[0]:.2f} | {tri[1]:.2f} "
             f"| {chk[0]:.2f} | {chk[1]:.2f} "
             f"| {att[0]:.2f} | {att[1]:.2f} | {chk[1] / pal[1]:.2f}x | {att[1] / pal[1]:.2f}x "
             f"| {tf(pal[0], 1):.0f} / {tf(pal[1], 3):.0f} "

@@ -33,7 +33,7 @@ import numpy as np
 
 PAD = 0  # padding token (weight 0) and MQAR's empty slots before random_non_queries fills them
 NEEDLE = 1  # NIAH: opens a needle "NEEDLE key... value..."
-QUERY = 2  # NIAH: opens the final query "QUERY key..." whose continuation is the value
+QUERY = 2  # NIAH: opens a closing query "QUERY key..." whose continuation is the value
 NIAH_SPECIAL = 3  # NIAH tokens below this are the markers above
 
 # Example streams: training and every evaluation setting draw from disjoint random streams.
@@ -76,7 +76,13 @@ def default_config(name: str) -> ml_collections.ConfigDict:
     c.name = "niah"
     c.vocab_size = 256
     c.seq_len = 128
-    c.train_min_len = 32  # training lengths are uniform in [train_min_len, seq_len]
+    c.train_min_len = 32  # training lengths lie in [train_min_len, seq_len]
+    # "uniform" or "log_uniform" over [train_min_len, seq_len]: log-uniform spends more of the
+    # training examples on short contexts, a built-in curriculum.
+    c.train_lengths = "uniform"
+    # Training examples end with this many queries of distinct needles (the first one the needle
+    # at the drawn depth), each value scored: more signal per example. Evaluation always asks one.
+    c.train_num_queries = 1
     c.key_len = 2  # tokens per needle key
     c.value_len = 2  # tokens per needle value (the answer)
     c.num_needles = 4  # the queried needle plus num_needles - 1 distractors
@@ -165,15 +171,19 @@ def niah_layout(vocab_size: int) -> tuple[range, range, range]:
 
 
 def check_niah(vocab_size: int, length: int, key_len: int, value_len: int, num_needles: int,
-               where: str = "") -> None:
-  """ValueError unless the needles and the query fit in a context of ``length`` tokens."""
+               where: str = "", num_queries: int = 1) -> None:
+  """ValueError unless the needles and the queries fit in a context of ``length`` tokens."""
+  if num_needles >= 1 and not 1 <= num_queries <= num_needles:
+    raise ValueError(f"{where or 'NIAH'}: num_queries={num_queries} must be in [1, "
+                     f"num_needles={num_needles}] (each query asks a distinct needle)")
   needle_len = 1 + key_len + value_len
-  # The haystack (all but the query) holds the needles; with distractors it keeps one needle's
+  # The haystack (all but the queries) holds the needles; with distractors it keeps one needle's
   # length spare, so they always fit on the two sides of the queried needle, wherever it is.
-  need = needle_len * (num_needles + 1 + (num_needles > 1))
+  need = needle_len * (num_needles + num_queries + (num_needles > 1))
   if min(key_len, value_len, num_needles) < 1 or length + 1 < need:
+    queries = "the query" if num_queries == 1 else f"{num_queries} queries"
     raise ValueError(f"{where or 'NIAH'}: length={length} cannot hold {num_needles} needles and "
-                     f"the query of key_len={key_len}, value_len={value_len} (needs length >= "
+                     f"{queries} of key_len={key_len}, value_len={value_len} (needs length >= "
                      f"{need - 1}; all counts >= 1)")
   _, keys, _ = niah_layout(vocab_size)
   if len(keys) < 2 or len(keys) ** key_len < num_needles:
@@ -183,22 +193,25 @@ def check_niah(vocab_size: int, length: int, key_len: int, value_len: int, num_n
 
 def niah_example(rng: np.random.Generator, *, vocab_size: int, length: int, depth: float,
                  key_len: int = 2, value_len: int = 2, num_needles: int = 4,
-                 seq_len: int | None = None) -> dict:
+                 seq_len: int | None = None, num_queries: int = 1) -> dict:
   """One needle-in-a-haystack example of ``length`` input tokens (padded to ``seq_len``).
 
   Random filler tokens hold ``num_needles`` needles ``NEEDLE k_1..k_K v_1..v_V`` with distinct
   keys; the queried one starts at fraction ``depth`` of the haystack (0: first token, 1: right
-  before the query), the distractors at random free places. The sequence ends with
-  ``QUERY k_1..k_K v_1..v_V`` of the queried needle: the V positions that predict its value
-  carry weight 1.
+  before the queries), the distractors at random free places. The sequence ends with
+  ``num_queries`` queries ``QUERY k_1..k_K v_1..v_V`` back to back, each of a distinct needle:
+  first the one at ``depth``, then (num_queries > 1, for training) distractors in random order.
+  The V positions that predict each query's value carry weight 1; the haystack is shorter by
+  the extra queries, the input stays ``length`` tokens. With ``num_queries=1`` the random draws
+  are those of the single-query generator, so its examples do not depend on the argument.
   """
   if not 0.0 <= depth <= 1.0:
     raise ValueError(f"depth must be in [0, 1]; got {depth}")
-  check_niah(vocab_size, length, key_len, value_len, num_needles)
+  check_niah(vocab_size, length, key_len, value_len, num_needles, num_queries=num_queries)
   filler, key_range, value_range = niah_layout(vocab_size)
   n = length + 1  # tokens, inputs are the first `length`
   needle_len = 1 + key_len + value_len
-  hay = n - needle_len  # the query (same size as a needle) closes the sequence
+  hay = n - num_queries * needle_len  # the queries (each the size of a needle) close it
   tokens = rng.integers(filler.start, filler.stop, size=n)
   codes = rng.choice(len(key_range) ** key_len, size=num_needles, replace=False)
   keys = np.stack(np.unravel_index(codes, (len(key_range),) * key_len), -1) + key_range.start
@@ -211,9 +224,14 @@ def niah_example(rng: np.random.Generator, *, vocab_size: int, length: int, dept
             *(start + needle_len + _spread(rng, right, m - m_left, needle_len))]
   for s, key, value in zip(starts, keys, values):
     tokens[s:s + needle_len] = [NEEDLE, *key, *value]
-  tokens[hay:] = [QUERY, *keys[0], *values[0]]
+  # Drawn last and only for extra queries, so single-query examples keep their random stream.
+  asked = [0, *(rng.choice(np.arange(1, num_needles), size=num_queries - 1, replace=False)
+                if num_queries > 1 else ())]
   weights = np.zeros(length, np.float32)
-  weights[n - 1 - value_len:] = 1.0  # positions whose next token is a value token
+  for j, i in enumerate(asked):
+    q = hay + j * needle_len
+    tokens[q:q + needle_len] = [QUERY, *keys[i], *values[i]]
+    weights[q + key_len:q + needle_len - 1] = 1.0  # positions whose next token is a value token
   return _example(tokens, weights, seq_len=seq_len)
 
 
@@ -285,8 +303,31 @@ def _check_train_config(c: ml_collections.ConfigDict) -> None:
     if not 1 <= c.train_min_len <= c.seq_len:
       raise ValueError(f"data.train_min_len must be in [1, seq_len={c.seq_len}]; "
                        f"got {c.train_min_len}")
+    if c.train_lengths not in _TRAIN_LENGTHS:
+      raise ValueError(f"data.train_lengths must be one of {', '.join(map(repr, _TRAIN_LENGTHS))}; "
+                       f"got {c.train_lengths!r}")
+    q = c.train_num_queries
+    if not isinstance(q, (int, np.integer)) or isinstance(q, bool) or not 1 <= q <= c.num_needles:
+      raise ValueError(f"data.train_num_queries must be an int in [1, num_needles="
+                       f"{c.num_needles}] (each query asks a distinct needle); got {q!r}")
     check_niah(c.vocab_size, c.train_min_len, c.key_len, c.value_len, c.num_needles,
-               "data.train_min_len")
+               f"data.train_min_len (with data.train_num_queries={q})", num_queries=q)
+
+
+_TRAIN_LENGTHS = ("uniform", "log_uniform")  # the values of data.train_lengths
+
+
+def _train_length(c: ml_collections.ConfigDict, rng: np.random.Generator) -> int:
+  """A NIAH training length in [train_min_len, seq_len], drawn as ``data.train_lengths`` says.
+
+  "uniform": every length equally likely. "log_uniform": floor(exp(u)) with u uniform in
+  [log(train_min_len), log(seq_len + 1)), i.e. P(length = k) proportional to log(1 + 1 / k):
+  a continuous log-uniform rounded down, median about sqrt(train_min_len * (seq_len + 1)).
+  """
+  lo, hi = c.train_min_len, c.seq_len
+  if c.train_lengths == "log_uniform":
+    return min(int(np.exp(rng.uniform(np.log(lo), np.log(hi + 1)))), hi)
+  return int(rng.integers(lo, hi + 1))
 
 
 def _train_example(c: ml_collections.ConfigDict, seed: int, index: int) -> dict:
@@ -298,10 +339,10 @@ def _train_example(c: ml_collections.ConfigDict, seed: int, index: int) -> dict:
     ex = mqar_example(rng, vocab_size=c.vocab_size, seq_len=s, num_pairs=k, power_a=c.power_a,
                       random_non_queries=c.random_non_queries)
     return {name: _pad(x, c.seq_len) for name, x in ex.items()}
-  length = int(rng.integers(c.train_min_len, c.seq_len + 1))
+  length = _train_length(c, rng)
   return niah_example(rng, vocab_size=c.vocab_size, length=length, depth=float(rng.random()),
                       key_len=c.key_len, value_len=c.value_len, num_needles=c.num_needles,
-                      seq_len=c.seq_len)
+                      seq_len=c.seq_len, num_queries=c.train_num_queries)
 
 
 def _pad(x: np.ndarray, n: int) -> np.ndarray:

@@ -1,5 +1,7 @@
 """lm.data: generators give the right answers, iterators are sharded, seeded and resumable."""
 
+import zlib
+
 import numpy as np
 import orbax.checkpoint as ocp
 import pytest
@@ -86,6 +88,128 @@ def test_niah_rejects_a_context_too_short_for_its_needles():
                       num_needles=4)
   with pytest.raises(ValueError, match="depth"):
     data.niah_example(np.random.default_rng(0), vocab_size=64, length=64, depth=1.5)
+
+
+@pytest.mark.parametrize("num_needles,num_queries,depth", [(4, 4, 0.0), (4, 2, 0.5),
+                                                             (3, 3, 1.0), (5, 3, 0.3)])
+def test_niah_queries_ask_distinct_needles_and_each_answer_is_scored(num_needles, num_queries,
+                                                                     depth):
+  kl, vl, length = 2, 3, 90
+  nl = 1 + kl + vl
+  hay = length + 1 - num_queries * nl  # the queries close the sequence, back to back
+  second = set()
+  for seed in range(12):
+    ex = data.niah_example(np.random.default_rng(seed), vocab_size=64, length=length,
+                           depth=depth, key_len=kl, value_len=vl, num_needles=num_needles,
+                           seq_len=100, num_queries=num_queries)
+    x, y, w = ex["inputs"], ex["targets"], ex["weights"]
+    assert len(x) == 100 and (x[length:] == data.PAD).all() and (w[length:] == 0).all()
+    tokens = np.append(x[:length], y[length - 1])
+    starts = np.flatnonzero(tokens[:hay] == data.NEEDLE)
+    assert len(starts) == num_needles
+    needles = {tuple(tokens[s + 1:s + 1 + kl]): (s, tuple(tokens[s + 1 + kl:s + nl]))
+               for s in starts}
+    assert len(needles) == num_needles  # distinct keys
+    queries = hay + nl * np.arange(num_queries)
+    assert (tokens[queries] == data.QUERY).all() and (tokens[:hay] != data.QUERY).all()
+    asked = [tuple(tokens[q + 1:q + 1 + kl]) for q in queries]
+    assert len(set(asked)) == num_queries  # distinct needles
+    for q, key in zip(queries, asked):
+      assert tuple(tokens[q + 1 + kl:q + nl]) == needles[key][1]  # the needle's own value
+    assert needles[asked[0]][0] == round(depth * (hay - nl))  # the first is the one at depth
+    if num_queries > 1:
+      second.add(sorted(starts).index(needles[asked[1]][0]))
+    # Weight 1 exactly where the next token is a query's value token, and nowhere else.
+    answer = [q + kl + t for q in queries for t in range(vl)]
+    np.testing.assert_array_equal(np.flatnonzero(w), answer)
+    assert w.sum() == num_queries * vl and (w[answer] == 1).all()
+    np.testing.assert_array_equal(y[answer], tokens[np.array(answer) + 1])
+  if num_queries > 1:
+    assert len(second) > 1  # the extra queries are drawn, not always the same distractor
+
+
+def _digest(ex):
+  return zlib.crc32(b"".join(ex[k].tobytes() for k in ("inputs", "targets", "weights")))
+
+
+def test_niah_single_query_examples_are_those_of_the_single_query_generator():
+  # Expectations computed by the generator before it took num_queries: evaluation sets and the
+  # default (uniform-length, one-query) training stream must not change.
+  kwargs = dict(vocab_size=64, length=30, depth=0.5, key_len=2, value_len=2, num_needles=2)
+  ex = data.niah_example(np.random.default_rng(7), **kwargs)
+  assert ex["inputs"].tolist() == [21, 15, 16, 20, 14, 18, 19, 7, 4, 9, 1, 34, 23, 59, 59, 19,
+                                   5, 18, 5, 12, 19, 1, 33, 26, 57, 56, 2, 34, 23, 59]
+  assert ex["targets"][-1] == 59 and np.flatnonzero(ex["weights"]).tolist() == [28, 29]
+  same = data.niah_example(np.random.default_rng(7), num_queries=1, **kwargs)
+  for k in ex:
+    np.testing.assert_array_equal(same[k], ex[k])
+  c = data.default_config("niah")
+  assert c.train_lengths == "uniform" and c.train_num_queries == 1
+  assert [_digest(data._train_example(c, 0, i)) for i in range(3)] == [1353305025, 3083090880,
+                                                                       2251908503]
+  c.num_eval_examples = 4
+  assert [_digest(data.niah_eval_set(c, i, j)) for i, j in [(0, 0), (2, 3)]] == [3535736109,
+                                                                                 3976506904]
+
+
+def test_niah_rejects_too_many_queries():
+  with pytest.raises(ValueError, match="num_queries=5"):
+    data.check_niah(64, 200, 2, 2, 4, num_queries=5)
+  with pytest.raises(ValueError, match="num_queries=0"):
+    data.niah_example(np.random.default_rng(0), vocab_size=64, length=64, depth=0.5,
+                      num_queries=0)
+  # 4 needles of 5 tokens: one query fits in 35 inputs, three do not (they need 39).
+  data.check_niah(64, 35, 2, 2, 4, num_queries=1)
+  with pytest.raises(ValueError, match=r"here: length=35 cannot hold 4 needles and 3 queries"):
+    data.check_niah(64, 35, 2, 2, 4, "here", num_queries=3)
+  with pytest.raises(ValueError, match="length=35"):
+    data.niah_example(np.random.default_rng(0), vocab_size=64, length=35, depth=0.5,
+                      num_queries=3)
+  data.niah_example(np.random.default_rng(0), vocab_size=64, length=39, depth=1.0, num_queries=3)
+
+
+def _niah_lengths(c, n=400):
+  """The real (unpadded) lengths of the first n training examples: one past the last answer."""
+  return np.array([np.flatnonzero(data._train_example(c, 0, i)["weights"])[-1] + 1
+                   for i in range(n)])
+
+
+def test_niah_log_uniform_training_lengths_favour_short_contexts():
+  c = data.default_config("niah")
+  c.update(seq_len=256, train_min_len=32)
+  uniform = _niah_lengths(c)
+  c.train_lengths = "log_uniform"
+  log_uniform = _niah_lengths(c)
+  for lengths in (uniform, log_uniform):
+    assert lengths.min() >= 32 and lengths.max() <= 256
+  assert abs(np.median(uniform) - 144) < 20
+  # Log-uniform's median is about sqrt(32 * 257) = 91, well below uniform's 144.
+  assert abs(np.median(log_uniform) - 91) < 15 and np.median(log_uniform) < 0.75 * 144
+  assert log_uniform.min() < 40 and log_uniform.max() > 220  # it still spans the range
+
+
+def test_niah_training_with_several_queries_scores_each():
+  c = data.default_config("niah")
+  c.update(train_num_queries=3, train_min_len=48)  # three queries need 39 tokens at least
+  batch = next(_iterator(c, batch=16))
+  assert (batch["weights"].sum(axis=1) == 3 * c.value_len).all()
+  assert batch["inputs"].shape == (16, c.seq_len)
+  queries = (batch["inputs"] == data.QUERY).sum(axis=1)
+  assert (queries == 3).all()
+
+
+@pytest.mark.parametrize("overrides,match", [
+    (dict(train_lengths="cosine"), "data.train_lengths must be one of 'uniform', 'log_uniform'"),
+    (dict(train_num_queries=0), r"data.train_num_queries must be an int in \[1, num_needles=4\]"),
+    (dict(train_num_queries=5), "data.train_num_queries"),
+    (dict(train_num_queries=-1), "data.train_num_queries"),
+    (dict(train_num_queries=4, train_min_len=40), r"data.train_min_len \(with data.train_num"),
+])
+def test_bad_niah_training_fields_name_the_field(overrides, match):
+  c = data.default_config("niah")
+  c.update(overrides)
+  with pytest.raises(ValueError, match=match):
+    _iterator(c)
 
 
 @pytest.mark.parametrize("name", ["mqar", "niah", "text"])

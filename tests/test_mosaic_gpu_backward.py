@@ -57,22 +57,30 @@ def backward_operands(b, t, h, d, vdim, e, erase, decay, c=64, seed=0):
 
 
 CASES = [
-    # b, t, h, v, e, block_v (None: default), erase, decay   (D = 64, C = 64; NC = 3)
-    pytest.param(1, 150, 2, 32, 1, None, True, 1.0, id="E1-erase"),
-    pytest.param(2, 150, 1, 64, 3, None, False, 1.0, id="E3-noerase"),
-    pytest.param(1, 150, 2, 32, 4, 16, True, 20.0, id="E4-BV16-erase-strong-decay"),
-    pytest.param(1, 150, 2, 32, 8, None, True, 1.0, id="E8-erase"),
-    pytest.param(1, 150, 2, 32, 8, None, False, 1.0, id="E8-noerase"),
+    # b, t, h, v, e, block_v (None: default), erase, decay, stages (None: default), d
+    # (C = 64; NC = 3). The defaults at D = 64 take two staging buffers (``default_stages``).
+    pytest.param(1, 150, 2, 32, 1, None, True, 1.0, None, 64, id="E1-erase"),
+    pytest.param(2, 150, 1, 64, 3, None, False, 1.0, None, 64, id="E3-noerase"),
+    pytest.param(1, 150, 2, 32, 4, 16, True, 20.0, None, 64, id="E4-BV16-erase-strong-decay"),
+    pytest.param(1, 150, 2, 32, 8, None, True, 1.0, None, 64, id="E8-erase"),
+    pytest.param(1, 150, 2, 32, 8, None, False, 1.0, None, 64, id="E8-noerase"),
+    # One staging buffer (S, then dS in it): the path of D = 128, E = 8 and of a forced wider BV.
+    pytest.param(1, 150, 2, 32, 8, None, True, 1.0, 1, 64, id="E8-erase-1stage"),
+    pytest.param(2, 150, 1, 64, 3, None, False, 1.0, 1, 64, id="E3-noerase-1stage"),
+    # D = 128, E = 4: the new default (BV = 16, two staging buffers) and the old one (BV = 32,
+    # one staging buffer, the only one that fits at that BV).
+    pytest.param(1, 150, 2, 64, 4, None, True, 1.0, None, 128, id="D128-E4-default"),
+    pytest.param(1, 150, 2, 64, 4, 32, True, 1.0, None, 128, id="D128-E4-BV32-1stage"),
 ]
 
 
-@pytest.mark.parametrize("b,t,h,vdim,e,bv,erase,decay", CASES)
-def test_matches_triton_structure(b, t, h, vdim, e, bv, erase, decay):
-  args = backward_operands(b, t, h, 64, vdim, e, erase, decay)
+@pytest.mark.parametrize("b,t,h,vdim,e,bv,erase,decay,stages,d", CASES)
+def test_matches_triton_structure(b, t, h, vdim, e, bv, erase, decay, stages, d):
+  args = backward_operands(b, t, h, d, vdim, e, erase, decay)
   assert args[0].shape[0] >= 2 and args[0].shape[1] >= 3
   want = backward.chunk_backward(*args, scale=SCALE, erase=erase, cfg=CPU)
   got = jax.jit(functools.partial(mosaic_backward.chunk_backward, scale=SCALE, erase=erase,
-                                  block_v=bv, interpret=True))(*args)
+                                  block_v=bv, stages=stages, interpret=True))(*args)
   errs = {}
   for name, x, y in zip(NAMES, got, want):
     assert x.shape == y.shape and x.dtype == y.dtype, name
@@ -81,10 +89,17 @@ def test_matches_triton_structure(b, t, h, vdim, e, bv, erase, decay):
   assert not bad, f"rel RMS over bound: {bad} (all: {errs})"
 
 
-@pytest.mark.parametrize("d,vdim,e,erase", [(128, 128, 8, True), (64, 64, 3, False)])
-def test_lowers_for_cuda(d, vdim, e, erase):
+@pytest.mark.parametrize("d,vdim,e,erase,bv,stages", [
+    (128, 128, 8, True, None, None),     # BV 16, one staging buffer (201 KiB)
+    (64, 64, 3, False, None, None),      # BV 32, two
+    (128, 128, 1, True, None, None),     # BV 64, two (187 KiB)
+    (128, 128, 4, True, None, None),     # BV 16, two (142 KiB)
+    (128, 128, 4, True, 32, None),       # BV 32, one (214 KiB)
+    (128, 128, 2, True, 32, 2),          # BV 32, two (156 KiB)
+])
+def test_lowers_for_cuda(d, vdim, e, erase, bv, stages):
   """The Mosaic GPU kernel (with the hardware's transpose_ref operands) and the Triton tail lower
-  for "cuda" at the default block_v; nothing runs."""
+  for "cuda" (which checks the SMEM allocation against 227 KiB); nothing runs."""
   bh, nc, c = 2, 4, 64
   bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
@@ -92,7 +107,8 @@ def test_lowers_for_cuda(d, vdim, e, erase):
           f32(bh, nc, c, vdim), f32(bh, nc, c, vdim), bf(bh, nc, e, d, vdim),
           bf(bh, nc, e, d, vdim), f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, e),
           f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, 1), f32(bh, nc, c, c))
-  fn = jax.jit(functools.partial(mosaic_backward.chunk_backward, scale=SCALE, erase=erase))
+  fn = jax.jit(functools.partial(mosaic_backward.chunk_backward, scale=SCALE, erase=erase,
+                                 block_v=bv, stages=stages))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_chunk_backward_mgpu" in text
   assert "triadic_chunk_backward_tail" in text
@@ -104,6 +120,17 @@ def test_supported():
   assert sup(128, 128, 64, 8, jnp.bfloat16) is None
   assert sup(128, 128, 64, 1, jnp.bfloat16) is None
   assert mosaic_backward.default_block_v(128, 128, 64, 8) == 16
+  # (D, E) -> default (BV, stages) at V = 128.
+  want = {(128, 1): (64, 2), (128, 2): (32, 2), (128, 4): (16, 2), (128, 8): (16, 1),
+          (64, 1): (64, 2), (64, 2): (64, 2), (64, 4): (32, 2), (64, 8): (16, 2)}
+  for (d, e), (bv, st) in want.items():
+    assert mosaic_backward.default_block_v(d, 128, 64, e) == bv, (d, e)
+    assert mosaic_backward.default_stages(d, 128, 64, e, bv) == st, (d, e)
+    assert mosaic_backward.smem_bytes(d, 128, 64, e, bv, stages=st) <= mosaic_backward.SMEM_LIMIT
+  assert "SMEM" in sup(128, 128, 64, 8, jnp.bfloat16, block_v=16, stages=2)
+  assert sup(128, 128, 64, 4, jnp.bfloat16, block_v=32) is None      # one staging buffer
+  assert "SMEM" in sup(128, 128, 64, 4, jnp.bfloat16, block_v=32, stages=2)
+  assert "stages" in sup(128, 128, 64, 4, jnp.bfloat16, stages=3)
   assert "bfloat16" in sup(64, 64, 64, 8, jnp.float32)
   assert "chunk size" in sup(64, 64, 32, 8, jnp.bfloat16)
   assert "D in" in sup(32, 64, 64, 1, jnp.bfloat16)

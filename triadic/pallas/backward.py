@@ -103,38 +103,35 @@ def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2c, k
   a, gl, b = decays(gcc, e_dim, c)
   causal, strict, _, _ = masks(c)
   is_last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
-  gt = [col(gcc, e) for e in range(e_dim)]
-  dec = [decay_masks(gt[e], row(gcr, e), causal) for e in range(e_dim)]
-  qk = mm(q, k, dtype, tb=True)
+  # Order: everything the per-slice loop needs first (dM' = dP * QK^T, dM = dL * beta * KK^T),
+  # then one loop over e that builds slice e's decay mask exp(gc_t - gc_s), accumulates M and
+  # M' and writes slice e's gradients, then what needs the whole M and M'. So one C x C decay
+  # mask is live at a time instead of E of them (register pressure: the H200 profile of the
+  # Mosaic backward's tail, which runs this code, was 3.4 ms at E = 1 and 10.9 ms at E = 4,
+  # B=2 T=16384, benchmarks/RESULTS.md).
   dp = jnp.where(causal, dp, 0.0)
-  mq = sum(col(q2c, e) * row(k2r, e) * dec[e] for e in range(e_dim))
-  dqk = dp * mq
-  dmq = dp * qk
-  dq = dq + mm(dqk, k, dtype)
-  dk = dk + mm(dqk, q, dtype, ta=True)
+  dmq = dp * mm(q, k, dtype, tb=True)
   if erase:
     kk = mm(k, k, dtype, tb=True)
-    m = sum(col(k2c, e) * row(k2r, e) * dec[e] for e in range(e_dim))
     da = jnp.where(causal, da, 0.0)
     dl = jnp.where(strict, -mm(mm(amat, da, F32, ta=True, precision=precision), amat, F32, tb=True,
                                     precision=precision), 0.0)
-    dkk = dl * beta * m
-    dm = dl * beta * kk
-    dbeta = dbeta + rowsum(dl * kk * m)
-    dk = dk + mm(dkk, k, dtype) + mm(dkk, k, dtype, ta=True)
-  dq_ref[...] = dq
-  dk_ref[...] = dk
-  dbeta_ref[...] = dbeta
-
+    dlkk = dl * kk
+    dm = dlkk * beta
+  mq = jnp.zeros((c, c), F32)
+  m = jnp.zeros((c, c), F32)
   for e in range(e_dim):
     k2t, k2s, q2t = col(k2c, e), row(k2r, e), col(q2c, e)
-    wq = dmq * dec[e]                      # d M'_ts / d(q2_t k2_s), times dM'
+    dec = decay_masks(col(gcc, e), row(gcr, e), causal)
+    mq = mq + q2t * k2s * dec
+    wq = dmq * dec                         # d M'_ts / d(q2_t k2_s), times dM'
     dq2 = rowsum(wq * k2s) + dqcoef[e] * a[e]
     dk2_row = colsum(wq * q2t)
     dgm = wq * q2t * k2s                   # gradient through exp(gc_t - gc_s)
     dk2_col = dkcoef[e] * b[e]
     if erase:
-      wk = dm * dec[e]
+      m = m + k2t * k2s * dec
+      wk = dm * dec
       dk2_col = dk2_col + rowsum(wk * k2s) + dcoef[e] * a[e]
       dk2_row = dk2_row + colsum(wk * k2t)
       dgm = dgm + wk * k2t * k2s
@@ -148,6 +145,17 @@ def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2c, k
     dk2r_ref[pl.ds(e, 1), :] = dk2_row
     dgcc_ref[:, pl.ds(e, 1)] = dg_col
     dgcr_ref[pl.ds(e, 1), :] = -colsum(dgm)
+
+  dqk = dp * mq
+  dq = dq + mm(dqk, k, dtype)
+  dk = dk + mm(dqk, q, dtype, ta=True)
+  if erase:
+    dkk = dl * beta * m
+    dbeta = dbeta + rowsum(dlkk * m)
+    dk = dk + mm(dkk, k, dtype) + mm(dkk, k, dtype, ta=True)
+  dq_ref[...] = dq
+  dk_ref[...] = dk
+  dbeta_ref[...] = dbeta
 
 
 def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,

@@ -51,8 +51,8 @@ class Config:
   ...), the Triton ones elsewhere. On by default on Hopper GPUs; on "cpu" it selects Mosaic GPU
   interpret mode (how the tests run them).
   mosaic_gpu_backward: also run the chunk-parallel backward's E-dependent part as a Mosaic GPU
-  kernel (``mosaic_backward.py``). Off by default: tested in interpret mode and lowered for CUDA,
-  not yet run on a GPU.
+  kernel (``mosaic_backward.py``), where ``mosaic_backward.supported`` takes the sizes. On by
+  default on Hopper GPUs (checked there against the chunked form, benchmarks/RESULTS.md).
   """
   platform: str
   block_v: int

@@ -50,8 +50,34 @@ How the Mosaic kernel is built (idioms from ``mosaic.py``, imported: ``_smem``, 
   box would need more than the 5 strided dimensions a TMA allows) of ``states`` (resp.
   ``dstates``) into an (E, D, BV) staging buffer and are copied to their S_cat column blocks through
   registers (a TMA cannot write a column block of a tiled buffer; the states stay in the forward's
-  (BH, NC, E, D, V) layout, so no state-sized transposes happen in HBM). One staging buffer:
-  S first, then dS is TMA-loaded into it while R, Y and the dq / dk-from-S wgmmas run.
+  (BH, NC, E, D, V) layout, so no state-sized transposes happen in HBM).
+* Load pipeline (the kernel is latency-bound: one CTA per SM, nothing else resident to hide a
+  TMA's latency; the bf16 state slices are only ~0.7 GB at the benchmark shape, E = 4). Every
+  per-value-block copy is started one step ahead of its use, into the buffer that has just been
+  consumed, so that each wait finds its data (mostly) landed. Per value block j:
+
+    wait V/dO/U/drhs_j, S_j; S_j -> S_cat; V/dO/U/drhs_j -> registers; write W1..W3
+    commit_smem                     (every thread is done with V/dO/U/drhs_j and staging S)
+    start V/dO/U/drhs_{j+1}; stages == 2: start S_{j+1} -> staging S;
+                             stages == 1: start dS_j -> the (one) staging buffer
+    R, Y products, dq += W3 S_cat^T, dk += W1 S_cat^T
+    wait dS_j; dS_j -> dS_cat; dlam
+    commit_smem                     (every thread is done with staging dS)
+    stages == 2: start dS_{j+1} -> staging dS;  stages == 1: start S_{j+1} -> staging
+    Z products, dk += W2 dS_cat^T
+
+  (block 0's copies, and with two stages its dS too, start in the prologue with q, k and the
+  factors; the "next" copies are under ``pl.when(j + 1 < nv)``, so no copy is in flight when the
+  loop's SMEM scope ends). With two staging buffers ("stages = 2": one for S, one for dS; the
+  role, not the block parity, picks the buffer, which is the same thing here as each is used once
+  per block) every state copy has a whole value block of compute to land; with one (S, then dS,
+  in it: the original layout), dS_j overlaps the S-side products and S_{j+1} the dS-side ones.
+  The V / dO / U / drhs blocks are single-buffered but still a block ahead: they are read into
+  registers right at the top of the block. ``default_stages`` takes 2 wherever it fits.
+  Why this and not 2 CTAs per SM: at D = 128 K, Q (32 KiB) and the output scope (dq, dk f32,
+  76 KiB) alone leave little of a 113 KiB half-SM; only E = 1 at BV = 32 (111 KiB with two
+  stages) and E = 2 at BV = 16 (96 KiB) would fit two CTAs, with N = E*BV = 32. That is a
+  ``block_v`` choice away (no code change) for whoever wants to time it against the defaults.
 * The transposed operands S_cat^T, dS_cat^T (B of the dq / dk products, the K-major "transposed B"
   of every attention kernel): on hardware ``plgpu.transpose_ref`` of S_cat; the interpreter cannot
   apply a transposed ref, so in interpret mode the same register copy also writes explicit
@@ -60,17 +86,37 @@ How the Mosaic kernel is built (idioms from ``mosaic.py``, imported: ``_smem``, 
 * dq, dk accumulate across the value loop in two scoped ``plgpu.ACC`` (C x D f32) accumulators;
   the row sums are accumulated as a (C, 32) matrix (column picked by an iota one-hot, ``where``),
   dlam as a (D, 8) matrix: no 1-D loop carries, no cross-warp reductions (row sums only).
-* Ordering (synchronous, one warpgroup, as ``mosaic.py``): ``commit_smem`` after every register
-  -> SMEM store that a wgmma or TMA reads; every register read of a value block's TMA'd inputs
-  (staging, V, dO, U, drhs) happens before a ``commit_smem`` (a warpgroup barrier) that precedes
-  the TMA which overwrites them; ``wait_smem_to_gmem(0, wait_read_only=True)`` before X's output
-  buffer is rewritten. Outputs dq, dk, coef, dlam leave from a second SMEM scope after the loop's
-  scope is released.
+* Ordering (one warpgroup, as ``mosaic.py``): ``commit_smem`` after every register -> SMEM store
+  that a wgmma or TMA reads; every register read of a TMA'd input buffer (staging S / dS, V, dO,
+  U, drhs) happens before a ``commit_smem`` (a warpgroup barrier) that precedes the (prefetch)
+  TMA which overwrites it (see the pipeline above); each barrier has at most one copy in flight
+  and is waited in issue order (q, k, f: 0..2; blocks 3..6; S slices 7..; dS slices 7 + E..);
+  ``wait_smem_to_gmem(0, wait_read_only=True)`` before X's output buffer is rewritten;
+  ``wgmma_wait(0)`` before W1..W3 are rewritten (the previous block's last wgmma, dk += W2
+  dS_cat^T, is otherwise not waited for before that point; with synchronous loads the TMA wait
+  hid this, with prefetched loads it would not). S_cat and dS_cat are rewritten only after an
+  accumulator read (``ops.mm``), which waits for every wgmma in flight. Outputs dq, dk, coef,
+  dlam leave from a second SMEM scope after the loop's scope is released.
 * Budgets (hardware buffers, ``smem_bytes``): at D = 128, E = 8, BV = 16: K, Q 32 KiB, staging
-  32, S_cat + dS_cat 64, W1..W3 48, V/dO/U/drhs/X blocks 16, factors 6: ~198 KiB (limit 227).
-  ``default_block_v`` takes the widest BV in (64, 32, 16) dividing V with E*BV <= 256 whose SMEM
-  fits 220 KiB (V = 128): D = 128: BV 64 (E = 1), 32 (E = 2, 4; 211 KiB at E = 4), 16 (E = 8);
-  D = 64: 64 (E <= 2), 32 (E = 4), 16 (E = 8). Registers per thread (f32): dq + dk 2*D*C/128
+  32 per stage, S_cat + dS_cat 64, W1..W3 48, V/dO/U/drhs/X blocks 16, factors 6: ~198 KiB with
+  one stage, ~230 KiB with two (over the 227 KiB limit). ``default_block_v`` takes the widest BV
+  in (64, 32, 16) dividing V with E*BV <= 256 whose SMEM with two staging buffers fits 220 KiB,
+  else the widest that fits with one. KiB per (D, E), estimate (the CUDA lowering's allocation,
+  which adds barriers and alignment, or the output scope's 76 KiB at D = 128 where larger), with
+  the default marked *:
+
+    D = 128  E=1: BV64 2st 185.0 (187.1)*   BV64 1st 169.0 (171.1)   BV32 2st 109.0 (111.1)
+             E=2: BV32 2st 153.8 (156.1)*   BV64 2st 273.8 (over)    BV32 1st 137.8 (140.1)
+             E=4: BV16 2st 139.2 (142.1)*   BV32 2st 243.2 (over)    BV32 1st 211.2 (214.1)
+             E=8: BV16 1st 198.2 (201.2)*   BV16 2st 230.2 (233.2 over)
+    D = 64   E=1: BV64 2st 137.0 (139.1)*   E=2: BV64 2st 193.8 (196.1)*
+             E=4: BV32 2st 163.2 (166.1)*   E=8: BV16 2st 150.2 (153.2)*
+
+  So the new defaults keep E*BV >= 64 everywhere; at D = 128 only E = 4 changes (BV 32 -> 16, two
+  stages: N of the dq / dk products 128 -> 64, the R / Y / Z pieces stay 64 wide) and E = 8
+  keeps one stage (prefetched all the same). ``block_v=32`` at D = 128, E = 4 is the old layout
+  with the prefetches (one stage, 211 KiB); which of the two is faster is for the H200 to say.
+  Registers per thread (f32): dq + dk 2*D*C/128
   (128 at D = 128) + one C x piece accumulator (32 at D = 128, <= 64 at D = 64) + coef (16) + dlam
   (8) + value-block temps (~40): under 255 without the carried state the state kernels hold.
 * float32 inputs are not supported (wgmma on float32 would be TF32; use the Triton path).
@@ -80,9 +126,10 @@ correctness of the register <-> SMEM copies, register pressure (spills), the rea
 (``smem_bytes`` is an estimate; the CUDA lowering test checks the allocation), and races that
 the ordering rules above are meant to exclude. First on hardware: run
 ``tests/test_mosaic_gpu_backward.py`` with ``interpret=False`` comparisons against the Triton
-``backward.chunk_backward`` (same bounds), then time it at B=2, T=16384, H=16, D=V=128, E=1/8;
-then (performance) double-buffer the per-value-block TMA loads (or run 2 CTAs per SM at
-BV = 16), and try BV = 32 at E = 8 with W1/W3 sharing a buffer.
+``backward.chunk_backward`` (same bounds), then time it at B=2, T=16384, H=16, D=V=128, E=1/8
+(done: correct, 5.21 / 6.85 / 14.68 ms at E = 1 / 2 / 4 for the whole backward before the load
+pipeline). Next: time the pipeline (defaults vs ``block_v=32`` at E = 4, ``stages=1`` vs 2), and
+fit two stages at E = 8 (W1 / W3 sharing a buffer would save 16 KiB: 214 KiB).
 """
 
 from __future__ import annotations
@@ -116,25 +163,42 @@ def piece_width(d: int, e: int, bv: int) -> int:
   return g * bv
 
 
-def smem_bytes(d: int, vd: int, c: int, e: int, bv: int, erase: bool = True) -> int:
-  """SMEM of the kernel's value-loop scope on hardware (the output scope is smaller)."""
+def smem_bytes(d: int, vd: int, c: int, e: int, bv: int, erase: bool = True,
+               stages: int = 2) -> int:
+  """SMEM of the kernel's value-loop scope on hardware (the output scope is smaller).
+  ``stages``: state staging buffers (2: one for S, one for dS, each prefetched a value block
+  ahead; 1: S and dS share one)."""
   n = e * bv
   return (2 * c * d * 2                 # K, Q
-          + e * d * bv * 2              # staging (E, D, BV)
+          + stages * e * d * bv * 2     # staging (E, D, BV), one or two
           + 2 * d * n * 2               # S_cat, dS_cat
           + (3 if erase else 2) * c * n * 2   # W1, W2, W3
           + c * bv * (2 + 2 + 4 + 4 + 4)      # V, dO, U, drhs, X blocks
           + (3 * e + 1) * c * 4)        # factor rows
 
 
+def fits(d: int, vd: int, c: int, e: int, bv: int, stages: int) -> bool:
+  return smem_bytes(d, vd, c, e, bv, stages=stages) <= SMEM_LIMIT
+
+
 def default_block_v(d: int, vd: int, c: int, e: int) -> int | None:
-  for bv in BLOCK_VS:
-    if vd % bv == 0 and e * bv <= MAX_N and smem_bytes(d, vd, c, e, bv) <= SMEM_LIMIT:
-      return bv
+  """The widest BV in (64, 32, 16) dividing V with E*BV <= 256 that fits with two staging
+  buffers, else the widest that fits with one (see ``default_stages``)."""
+  ok = [bv for bv in BLOCK_VS if vd % bv == 0 and e * bv <= MAX_N]
+  for stages in (2, 1):
+    for bv in ok:
+      if fits(d, vd, c, e, bv, stages):
+        return bv
   return None
 
 
-def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None) -> str | None:
+def default_stages(d: int, vd: int, c: int, e: int, bv: int) -> int:
+  """2 (separate S and dS staging buffers) where that fits SMEM_LIMIT, else 1."""
+  return 2 if fits(d, vd, c, e, bv, 2) else 1
+
+
+def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None,
+              stages: int | None = None) -> str | None:
   """Why this kernel cannot take these sizes, or None if it can."""
   if e > MAX_E:
     return f"the Mosaic GPU backward takes E <= {MAX_E}, got {e}"
@@ -142,9 +206,12 @@ def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None
   reason = sizes_reason(d, vd, c, e, dtype, bv, BLOCK_VS, "the Mosaic GPU backward")
   if reason:
     return reason
-  if smem_bytes(d, vd, c, e, bv) > SMEM_LIMIT:
-    return (f"SMEM {smem_bytes(d, vd, c, e, bv)} B > {SMEM_LIMIT} B at D={d}, E={e}, "
-            f"block_v={bv}")
+  if stages not in (None, 1, 2):
+    return f"stages must be 1 or 2, got {stages}"
+  st = stages or 1
+  if smem_bytes(d, vd, c, e, bv, stages=st) > SMEM_LIMIT:
+    return (f"SMEM {smem_bytes(d, vd, c, e, bv, stages=st)} B > {SMEM_LIMIT} B at D={d}, E={e}, "
+            f"block_v={bv}, stages={st}")
   return None
 
 
@@ -173,7 +240,7 @@ def _drhs(a, du, erase):
 
 
 def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch, outs, c, d,
-                  e_dim, bv, nv, piece, scale, erase, interpret):
+                  e_dim, bv, nv, piece, stages, scale, erase, interpret):
   if erase:
     x_g, dq_g, dk_g, coef_g, lam_g, bars = rest
   else:
@@ -184,6 +251,9 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
   fc, fq, fw, fb = 0, e_dim, 2 * e_dim, 3 * e_dim
   n_cat = e_dim * bv
   per_piece = piece // bv
+  # Barriers: 0..2 q, k, factors; 3..6 the V, dO, U, drhs blocks; BAR_S.. the E S slices;
+  # BAR_DS.. the E dS slices (each barrier: one copy in flight at a time, waited in issue order).
+  bar_s, bar_ds = 7, 7 + e_dim
 
   def onehot_add(acc, vec, column):
     """acc + vec placed in column ``column`` (acc (rows, W) WGMMA layout, vec a row sum)."""
@@ -191,9 +261,10 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
     idx = ops.acc(lax.broadcasted_iota(jnp.int32, (rows, width), 1))
     return acc + jnp.where(idx == column, lax.broadcast_in_dim(vec, (rows, width), [0]), 0.0)
 
-  def main(dq_acc, dk_acc, q_s, k_s, f_s, stg, s_cat, ds_cat, w2, w3, v_s, do_s, u_s, dr_s,
+  def main(dq_acc, dk_acc, q_s, k_s, f_s, stg_s, s_cat, ds_cat, w2, w3, v_s, do_s, u_s, dr_s,
            *extra):
     extra = list(extra)
+    stg_ds = extra.pop(0) if stages == 2 else stg_s
     w1 = extra.pop(0) if erase else None
     x_s = extra.pop(0) if erase else None
     if interpret:
@@ -201,11 +272,27 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
       s_t, ds_t = st_s, dst_s
     else:
       s_t, ds_t = plgpu.transpose_ref(s_cat, (1, 0)), plgpu.transpose_ref(ds_cat, (1, 0))
-    _load([(q_g.at[i, n], q_s), (k_g.at[i, n], k_s), (f_g.at[i, n], f_s)], bars)
-    _wait(3, bars)
     rowf = lambda idx: ops.rowvec(f_s, idx, bv)
 
-    def to_cat(cat, cat_t):
+    # The per-value-block copies, started one step ahead of their use (see the docstring).
+    def load_blocks(j):
+      cols = pl.ds(j * bv, bv)
+      _load([(v_g.at[i, n, :, cols], v_s), (do_g.at[i, n, :, cols], do_s),
+             (u_g.at[i, n, :, cols], u_s), (dr_g.at[i, n, :, cols], dr_s)], bars, first=3)
+
+    def load_state(src, stg, first, j):
+      # One TMA per slice (a (E, D, BV) box would need more than 5 strided dimensions).
+      cols = pl.ds(j * bv, bv)
+      _load([(src.at[i, n, e, :, cols], stg.at[e]) for e in range(e_dim)], bars, first=first)
+
+    _load([(q_g.at[i, n], q_s), (k_g.at[i, n], k_s), (f_g.at[i, n], f_s)], bars)
+    load_blocks(0)
+    load_state(s_g, stg_s, bar_s, 0)
+    if stages == 2:
+      load_state(ds_g, stg_ds, bar_ds, 0)
+    _wait(3, bars)
+
+    def to_cat(stg, cat, cat_t):
       """The staged (E, D, BV) slices into their column blocks of ``cat`` (and of its explicit
       transpose ``cat_t`` in interpret mode); returns the float32 slices."""
       slices = []
@@ -229,18 +316,18 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
     def vblock(j, carry):
       coef, lam = carry
       cols = pl.ds(j * bv, bv)
-      # One TMA per slice (a (E, D, BV) box would need more than 5 strided dimensions).
-      loads = [(v_g.at[i, n, :, cols], v_s), (do_g.at[i, n, :, cols], do_s),
-               (u_g.at[i, n, :, cols], u_s), (dr_g.at[i, n, :, cols], dr_s)]
-      loads += [(s_g.at[i, n, e, :, cols], stg.at[e]) for e in range(e_dim)]
-      _load(loads, bars, first=3)
-      _wait(len(loads), bars, first=3)
-      to_cat(s_cat, s_t)
+      has_next = j + 1 < nv
+      _wait(4, bars, first=3)
+      _wait(e_dim, bars, first=bar_s)
+      to_cat(stg_s, s_cat, s_t)
       do = ops.acc(do_s[...].astype(F32))
       u = ops.acc(u_s[...])
       dr = ops.acc(dr_s[...])
       dx = rowf(fb) * dr
       x = ops.acc(v_s[...].astype(F32)) if erase else None
+      # The previous block's last wgmma (dk += W2 dS_cat^T) may still read W2: wait before the
+      # W buffers are rewritten (the other wgmmas were waited by a later accumulator read).
+      plgpu.wgmma_wait(0)
       for e in range(e_dim):
         blk = slice(e * bv, (e + 1) * bv)
         w3[:, blk] = (scale * rowf(fq + e) * do).astype(BF16)
@@ -248,9 +335,19 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
         if erase:
           w1[:, blk] = (-rowf(fc + e) * dx).astype(BF16)
       plgpu.commit_smem()
-      # The staging buffer has been read by every thread (commit_smem is a warpgroup barrier):
-      # dS goes into it while the S-side products run.
-      _load([(ds_g.at[i, n, e, :, cols], stg.at[e]) for e in range(e_dim)], bars, first=7)
+      # Every thread has read the S staging buffer and the V, dO, U, drhs blocks (commit_smem is
+      # a warpgroup barrier): the next block's copies go into them while this block computes.
+      # With one staging buffer, this block's dS goes into it now and the next S after dS has
+      # been read.
+      if stages == 1:
+        load_state(ds_g, stg_ds, bar_ds, j)
+
+      @pl.when(has_next)
+      def _():
+        load_blocks(j + 1)
+        if stages == 2:
+          load_state(s_g, stg_s, bar_s, j + 1)
+
       if erase:
         for e, re in per_slice(k_s, s_cat):
           x = x - rowf(fc + e) * re
@@ -262,11 +359,19 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
         plgpu.wgmma(dk_acc, w1, s_t)
         plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the previous block's X store
         x_s[...] = x
-      _wait(e_dim, bars, first=7)
-      for e, dse in enumerate(to_cat(ds_cat, ds_t)):
+      _wait(e_dim, bars, first=bar_ds)
+      for e, dse in enumerate(to_cat(stg_ds, ds_cat, ds_t)):
         se = ops.acc(s_cat[:, e * bv:(e + 1) * bv].astype(F32))
         lam = onehot_add(lam, jnp.sum(dse * se, axis=1), e)
       plgpu.commit_smem()
+      # Every thread has read the dS staging buffer.
+      @pl.when(has_next)
+      def _():
+        if stages == 2:
+          load_state(ds_g, stg_ds, bar_ds, j + 1)
+        else:
+          load_state(s_g, stg_s, bar_s, j + 1)
+
       if erase:
         plgpu.copy_smem_to_gmem(x_s, x_g.at[i, n, :, cols])
       for e, ze in per_slice(k_s, ds_cat):
@@ -298,20 +403,22 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
   pl.run_scoped(store, *outs)
 
 
-def value_pass(q, k, v, do, u, drhs, states, dstates, f, *, scale, erase, block_v,
+def value_pass(q, k, v, do, u, drhs, states, dstates, f, *, scale, erase, block_v, stages=None,
                interpret=False):
   """The Mosaic GPU kernel. Returns X (erase only, else None), dq and dk partials (BH,NC,C,D),
-  the row-sum matrix (BH,NC,C,32) and the dlam row partials (BH,NC,D,8), all float32."""
+  the row-sum matrix (BH,NC,C,32) and the dlam row partials (BH,NC,D,8), all float32.
+  ``stages``: state staging buffers (1 or 2; None: ``default_stages``)."""
   bh, nc, c, d = q.shape
   vd, e_dim = v.shape[-1], states.shape[2]
   bv = block_v
+  stages = stages or default_stages(d, vd, c, e_dim, bv)
   n_cat = e_dim * bv
   sw = _swizzle(bv)
   scratch = [
       _smem((c, d), BF16, sw),                      # q
       _smem((c, d), BF16, sw),                      # k
       _smem((3 * e_dim + 1, c), F32),               # factor rows
-      _smem((e_dim, d, bv), BF16, sw),              # staging: S, then dS
+      _smem((e_dim, d, bv), BF16, sw),              # staging: S (and dS if stages == 1)
       _smem((d, n_cat), BF16, sw),                  # S_cat
       _smem((d, n_cat), BF16, sw),                  # dS_cat
       _smem((c, n_cat), BF16, sw),                  # W2 = [fw U]_e
@@ -321,6 +428,8 @@ def value_pass(q, k, v, do, u, drhs, states, dstates, f, *, scale, erase, block_
       _smem((c, bv), F32, _swizzle(bv, F32)),       # U block
       _smem((c, bv), F32, _swizzle(bv, F32)),       # drhs block
   ]
+  if stages == 2:
+    scratch += [_smem((e_dim, d, bv), BF16, sw)]    # staging: dS
   if erase:
     scratch += [_smem((c, n_cat), BF16, sw),        # W1 = [-c dX]_e
                 _smem((c, bv), F32, _swizzle(bv, F32))]   # X block
@@ -335,9 +444,10 @@ def value_pass(q, k, v, do, u, drhs, states, dstates, f, *, scale, erase, block_
       jax.ShapeDtypeStruct((bh, nc, d, LAM_W), F32)]
   kernel = functools.partial(
       _value_kernel, scratch=scratch, outs=outs, c=c, d=d, e_dim=e_dim, bv=bv, nv=vd // bv,
-      piece=piece_width(d, e_dim, bv), scale=scale, erase=erase, interpret=bool(interpret))
+      piece=piece_width(d, e_dim, bv), stages=stages, scale=scale, erase=erase,
+      interpret=bool(interpret))
   res = plgpu.kernel(
-      kernel, out_type=out_type, scratch_types=[plgpu.Barrier(num_barriers=7 + e_dim)],
+      kernel, out_type=out_type, scratch_types=[plgpu.Barrier(num_barriers=7 + 2 * e_dim)],
       grid=(bh, nc), grid_names=("bh", "n"), compiler_params=plgpu.CompilerParams(),
       interpret=_interpret_params(interpret), kernel_name="triadic_chunk_backward_mgpu",
   )(q, k, v, do, u, drhs, states, dstates, f)
@@ -392,7 +502,7 @@ def _tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr
 
 
 def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,
-                   scale, erase, block_v=None, interpret=False):
+                   scale, erase, block_v=None, stages=None, interpret=False):
   """``backward.chunk_backward`` on Hopper: same operands (layout (BH, NC, ...)), same outputs:
   float32 dq, dk (BH,NC,C,D), dv (BH,NC,C,V), dk2 column and row parts ((C,E), (E,C)), dq2 (C,E),
   d gc column and row parts, dbeta (C,1). ``interpret=True``: Mosaic GPU interpret mode for the
@@ -400,7 +510,7 @@ def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr,
   bh, nc, c, d = q.shape
   vd, e_dim = v.shape[-1], k2c.shape[-1]
   bv = block_v or default_block_v(d, vd, c, e_dim)
-  reason = supported(d, vd, c, e_dim, q.dtype, bv)
+  reason = supported(d, vd, c, e_dim, q.dtype, bv, stages)
   if reason:
     raise ValueError(reason)
   beta = beta_c.astype(F32)
@@ -409,7 +519,8 @@ def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr,
   f = _factor_rows(gcc, k2c, q2c, beta_c)
   x, dqp, dkp, coef, lam = value_pass(
       q, k, v.astype(q.dtype), do.astype(q.dtype), u.astype(F32), drhs, states.astype(q.dtype),
-      dstates.astype(q.dtype), f, scale=scale, erase=erase, block_v=bv, interpret=interpret)
+      dstates.astype(q.dtype), f, scale=scale, erase=erase, block_v=bv, stages=stages,
+      interpret=interpret)
   if x is None:
     x = v.astype(F32)
   lam = jnp.sum(lam, axis=2, keepdims=True)            # (BH, NC, 1, 8): sum of the D rows
