@@ -200,10 +200,10 @@ def test_niah_training_with_several_queries_scores_each():
 
 @pytest.mark.parametrize("overrides,match", [
     (dict(train_lengths="cosine"), "data.train_lengths must be one of 'uniform', 'log_uniform'"),
-    (dict(train_num_queries=0), r"data.train_num_queries must be an int in \[1, num_needles=4\]"),
-    (dict(train_num_queries=5), "data.train_num_queries"),
+    (dict(train_num_queries=0), r"data.train_num_queries must be an int in \[1, 3\]"),
+    (dict(train_num_queries=4), "answered by elimination"),
     (dict(train_num_queries=-1), "data.train_num_queries"),
-    (dict(train_num_queries=4, train_min_len=40), r"data.train_min_len \(with data.train_num"),
+    (dict(train_num_queries=3, train_min_len=38), r"data.train_min_len \(with data.train_num"),
 ])
 def test_bad_niah_training_fields_name_the_field(overrides, match):
   c = data.default_config("niah")
