@@ -89,11 +89,12 @@ def timeit(fn, args, reps):
   return 1e3 * statistics.median(times)
 
 
-def triadic_fns(impl, mosaic_gpu=None, mosaic_gpu_backward=None):
+def triadic_fns(impl, mosaic_gpu=None, mosaic_gpu_backward=None, xla_slice_grads=False):
   """jitted forward and forward+backward of ``impl``; for "pallas", ``mosaic_gpu`` and
   ``mosaic_gpu_backward`` True/False force the Hopper (Mosaic GPU) or the Triton state-passing
-  kernels and chunk-parallel backward (None: the device's default)."""
-  if mosaic_gpu is None and mosaic_gpu_backward is None:
+  kernels and chunk-parallel backward (None: the device's default); ``xla_slice_grads`` sets
+  that ``Config`` field."""
+  if mosaic_gpu is None and mosaic_gpu_backward is None and not xla_slice_grads:
     run = lambda *a: triadic_gdn(*a, impl=impl, chunk_size=64)[0]
   else:
     def run(q, k, v, k2, q2, g, beta):
@@ -101,7 +102,8 @@ def triadic_fns(impl, mosaic_gpu=None, mosaic_gpu_backward=None):
       pick = lambda x, default: default if x is None else x
       cfg = dataclasses.replace(cfg, mosaic_gpu=pick(mosaic_gpu, cfg.mosaic_gpu),
                                 mosaic_gpu_backward=pick(mosaic_gpu_backward,
-                                                         cfg.mosaic_gpu_backward))
+                                                         cfg.mosaic_gpu_backward),
+                                xla_slice_grads=xla_slice_grads)
       h0 = jnp.zeros((q.shape[0], q.shape[2], k2.shape[-1], q.shape[-1], v.shape[-1]),
                      jnp.float32)
       return pops.triadic_pallas(q, k, v, k2, q2, g, beta, scale=q.shape[-1] ** -0.5,
@@ -125,9 +127,10 @@ def attention_fns():
   return jax.jit(run), jax.jit(fwd_bwd)
 
 
-def check(only=None):
-  """Relative RMS error of pallas (the device's default kernels: Mosaic GPU on Hopper for bf16)
-  against scan (float32) and chunked (bf16) on this machine."""
+def check(only=None, xla_slice_grads=False):
+  """Relative RMS error of pallas (the device's default kernels: Mosaic GPU on Hopper for bf16;
+  with ``xla_slice_grads``, that ``Config`` field on) against scan (float32) and chunked (bf16)
+  on this machine."""
   names = "o state dq dk dv dk2 dq2 dg dbeta dh0".split()
   print("| case | " + " | ".join(names) + " |")
   print("|" + "---|" * (len(names) + 1))
@@ -151,6 +154,11 @@ def check(only=None):
     def grads(impl):
       f = lambda *a: triadic_gdn(*a[:7], initial_state=a[7], erase=erase, impl=impl,
                                  chunk_size=64)
+      if impl == "pallas" and xla_slice_grads:
+        cfg = pops.default_config(pops.default_platform(), pops._pow2(e), vd)
+        cfg = dataclasses.replace(cfg, xla_slice_grads=True)
+        f = lambda *a: pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7],
+                                           erase=erase, chunk_size=64, config=cfg)
       (o, s), pull = jax.vjp(f, *args, h0)
       return [o, s] + list(pull((do, dh)))
 
@@ -189,7 +197,9 @@ def stages(t, e_list, reps, variants=False, only_default=False):
         {"bwd_block_v": 64}, {"bwd_num_warps": 4})] if variants else [])
     if pops.is_hopper():
       mgpu = [dataclasses.replace(base, mosaic_gpu=True),
-              dataclasses.replace(base, mosaic_gpu=True, mosaic_gpu_backward=True)]
+              dataclasses.replace(base, mosaic_gpu=True, mosaic_gpu_backward=True),
+              dataclasses.replace(base, mosaic_gpu=True, mosaic_gpu_backward=True,
+                                  xla_slice_grads=True)]
       configs = mgpu[1:] if only_default else configs + mgpu
     for cfg in configs:
       pre = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))
@@ -210,12 +220,13 @@ def stages(t, e_list, reps, variants=False, only_default=False):
                f"bwd_bv{cfg.bwd_block_v} bwd_w{cfg.bwd_num_warps}")
       label = "mgpu state kernels, " + label if cfg.mosaic_gpu else label
       label = "mgpu chunk backward, " + label if cfg.mosaic_gpu_backward else label
+      label = "XLA slice grads, " + label if cfg.xla_slice_grads else label
       fl = stage_flops(b, t, h, d, vd, e, c)
       cells = [f"{x:.2f} ({f / (x * 1e-3) / 1e12:.0f})" for x, f in zip(ms, fl)]
       cells.append(f"{sum(ms):.2f} ({sum(fl) / (sum(ms) * 1e-3) / 1e12:.0f})")
       print(f"| {e} | {label} | " + " | ".join(cells) + " |")
       sys.stdout.flush()
-      if cfg.mosaic_gpu_backward:
+      if cfg.mosaic_gpu_backward and not cfg.xla_slice_grads:
         parts.append((e, mosaic_backward_parts(cbw_args, reps)))
   if parts:
     print("\nThe Mosaic chunk backward by part (ms): plain-JAX prologue (A^T dU, factor rows), "
@@ -266,8 +277,11 @@ def main():
                       help="on Hopper, skip the pallas-triton column (Triton kernels only)")
   parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0..4)")
   parser.add_argument("--stages", action="store_true", help="per-kernel times, then exit")
+  parser.add_argument("--xla-slice-grads", action="store_true",
+                      help="--check and the table's pallas column with Config.xla_slice_grads")
   parser.add_argument("--only-default", action="store_true",
-                      help="with --stages on Hopper: only the default row and the parts table")
+                      help="with --stages on Hopper: only the default row, the xla_slice_grads "
+                           "row and the parts table")
   parser.add_argument("--variants", action="store_true",
                       help="with --stages: also other Triton tile configurations")
   args = parser.parse_args()
@@ -275,7 +289,7 @@ def main():
   print(f"# {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
         f"{datetime.datetime.now():%Y-%m-%d %H:%M}")
   if args.check:
-    check(args.cases)
+    check(args.cases, args.xla_slice_grads)
     return
   if args.stages:
     stages(args.t[0], args.e, args.reps, args.variants, args.only_default)
@@ -304,7 +318,8 @@ def main():
     e1 = None
     for e in args.e:
       xs = inputs(key, b, t, h, d, vd, e, jnp.bfloat16)
-      pf, pfb = triadic_fns("pallas")
+      pf, pfb = (triadic_fns("pallas", xla_slice_grads=True) if args.xla_slice_grads
+                 else triadic_fns("pallas"))
       pal = (timeit(pf, xs, args.reps), timeit(pfb, xs, args.reps))
       e1 = pal[1] if e == 1 else e1
       tri = (float("nan"), float("nan"))

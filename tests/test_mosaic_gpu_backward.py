@@ -13,19 +13,32 @@ dv 0 (same computation), dq 3.6e-5..4.9e-4, dk 1.8e-3..2.4e-3, dk2c 4.6e-4..4.6e
 dgcc 5.5e-4..4.7e-3, dk2r / dq2c / dgcr / dbeta <= 6e-6.
 A second test lowers the whole function for "cuda" (Mosaic GPU lowering: layout inference,
 wgmma / TMA operand checks, the SMEM limit) and the Triton tail; nothing runs.
+
+``xla_slice_grads=True`` (the per-slice work in plain JAX, ``slice_grads.py``, around the
+E-independent tail kernel ``_tail_ut``) is checked three ways: the whole function against the
+Triton structure with the same bounds (strong decay included: g down to -20 per token, mean -5
+or -10, which only the masking before exp keeps finite; and weak decay, mean -0.01, where the
+chunk-end term dlam exp(gc_C) is not negligible), its tail against the in-kernel tail on
+the same value-kernel outputs (1e-5: the two differ by float32 reassociation only), and the whole
+op against the scan; and it lowers for "cuda". Measured (E4 strong / weak decay, E8, E3 no-erase
+strong decay): against the flag off, dq, dk, dk2, dq2, dbeta are bit-equal and d gc differs by
+2e-9..1.5e-7; against the Triton structure the errors are those of the flag off (dk <= 2.5e-3).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from tests.test_triadic_pallas import make_inputs
+from tests.test_triadic_pallas import check_against_scan, make_inputs
 from tests.util import rel_rms
 from triadic.pallas import backward, mosaic, mosaic_backward, recurrent
+from triadic.pallas import ops as pops
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import Config
 from triadic.pallas.ops import _chunks
@@ -142,3 +155,122 @@ def test_supported():
     mosaic_backward.chunk_backward(x, x, x, x, x, x, jnp.zeros((1, 1, 1, 64, 64)),
                                    jnp.zeros((1, 1, 1, 64, 64)), *(jnp.zeros((1, 1, 64, 1)),) * 5,
                                    jnp.zeros((1, 1, 64, 1)), x, scale=1.0, erase=True)
+
+
+XLA_CASES = [
+    # b, t, h, v, e, erase, decay (g = -decay * U(0, 1) per token), d; C = 64, NC = 3.
+    pytest.param(1, 150, 2, 32, 1, True, 1.0, 64, id="E1-erase"),
+    pytest.param(2, 150, 1, 64, 3, False, 1.0, 64, id="E3-noerase"),
+    pytest.param(1, 150, 2, 32, 4, True, 20.0, 64, id="E4-erase-strong-decay"),
+    pytest.param(2, 150, 1, 32, 3, False, 10.0, 64, id="E3-noerase-strong-decay"),
+    pytest.param(1, 150, 2, 32, 8, True, 1.0, 64, id="E8-erase"),
+    pytest.param(1, 150, 2, 32, 8, False, 1.0, 64, id="E8-noerase"),
+    pytest.param(1, 150, 2, 64, 4, True, 10.0, 128, id="D128-E4-erase-strong-decay"),
+    # Weak decay: only here is exp(gc_C) of a whole chunk far from 0, so that the chunk-end
+    # term dlam exp(gc_C) of d gc counts (at decay 1, exp(gc_C) ~ e^-32).
+    pytest.param(1, 150, 2, 32, 4, True, 0.02, 64, id="E4-erase-weak-decay"),
+    pytest.param(2, 150, 1, 32, 3, False, 0.02, 64, id="E3-noerase-weak-decay"),
+]
+
+
+def check_outputs(got, want, bounds, names=NAMES):
+  """Shapes, dtypes, finiteness and relative RMS of every output against ``bounds``."""
+  errs = {}
+  for name, x, y in zip(names, got, want, strict=True):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert np.all(np.isfinite(np.asarray(x))), name
+    errs[name] = rel_rms(x, y)
+  bad = {k: f"{v:.2e}" for k, v in errs.items() if not v < bounds[k]}
+  assert not bad, f"rel RMS over bound: {bad} (all: {errs})"
+
+
+@pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d", XLA_CASES)
+def test_xla_slice_grads_matches_triton_structure(b, t, h, vdim, e, erase, decay, d):
+  """``xla_slice_grads=True``: every output against the Triton structure, the bounds above."""
+  args = backward_operands(b, t, h, d, vdim, e, erase, decay)
+  want = backward.chunk_backward(*args, scale=SCALE, erase=erase, cfg=CPU)
+  got = jax.jit(functools.partial(mosaic_backward.chunk_backward, scale=SCALE, erase=erase,
+                                  interpret=True, xla_slice_grads=True))(*args)
+  check_outputs(got, want, BOUNDS)
+
+
+@pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d", [
+    XLA_CASES[i] for i in (1, 2, 3, 4, 7, 8)])
+def test_xla_slice_grads_tail_matches_kernel_tail(b, t, h, vdim, e, erase, decay, d):
+  """The plain-JAX per-slice tail against ``_tail`` (``backward.chunk_local``) on the same value
+  kernel outputs: the same sums up to float32 reassociation, so 1e-5 on every output (a term
+  dropped or mis-signed anywhere in ``slice_grads`` shows up far above that)."""
+  (q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr, beta_c, a) = (
+      backward_operands(b, t, h, d, vdim, e, erase, decay))
+  # ``mosaic_backward.chunk_backward`` up to its tail.
+  bf, f32 = q.dtype, jnp.float32
+  drhs = mosaic_backward._drhs(a, du, erase)
+  f = mosaic_backward._factor_rows(gcc, k2c, q2c, beta_c)
+  x, dqp, dkp, coef, lam = mosaic_backward.value_pass(
+      q, k, v.astype(bf), do.astype(bf), u.astype(f32), drhs, states.astype(bf),
+      dstates.astype(bf), f, scale=SCALE, erase=erase,
+      block_v=mosaic_backward.default_block_v(d, vdim, q.shape[2], e), interpret=True)
+  x = v.astype(f32) if x is None else x
+  lam = jnp.sum(lam, axis=2, keepdims=True)
+  tail_args = (q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a)
+  tail = lambda flag: jax.jit(functools.partial(
+      mosaic_backward.tail, scale=SCALE, erase=erase, cfg=CPU, xla_slice_grads=flag))(*tail_args)
+  names = [n for n in NAMES if n != "dv"]
+  want, got = tail(False), tail(True)
+  assert len(got) == len(want) == len(names)
+  check_outputs(got, want, dict.fromkeys(NAMES, 1e-5), names)
+
+
+@pytest.mark.parametrize("d,vdim,e,erase", [(128, 128, 8, True), (64, 64, 3, False),
+                                            (128, 128, 1, True)])
+def test_xla_slice_grads_lowers_for_cuda(d, vdim, e, erase):
+  """With ``xla_slice_grads`` the Mosaic GPU kernel and the E-independent Triton tail lower for
+  "cuda", and the in-kernel tail is gone."""
+  bh, nc, c = 2, 4, 64
+  bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  args = (bf(bh, nc, c, d), bf(bh, nc, c, d), bf(bh, nc, c, vdim), bf(bh, nc, c, vdim),
+          f32(bh, nc, c, vdim), f32(bh, nc, c, vdim), bf(bh, nc, e, d, vdim),
+          bf(bh, nc, e, d, vdim), f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, e),
+          f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, 1), f32(bh, nc, c, c))
+  fn = jax.jit(functools.partial(mosaic_backward.chunk_backward, scale=SCALE, erase=erase,
+                                 xla_slice_grads=True))
+  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_chunk_backward_mgpu" in text
+  assert "triadic_chunk_backward_tail_ut" in text
+  assert text.count("triadic_chunk_backward_tail") == text.count("triadic_chunk_backward_tail_ut")
+
+
+def test_xla_slice_grads_whole_op_matches_scan():
+  """The whole op (Mosaic state kernels and chunk backward with ``xla_slice_grads``, interpret
+  mode, inside ``triadic_pallas``'s custom_vjp) against the scan, bf16 bounds of
+  ``test_triadic_pallas``; E = 3 is padded to 4 by the op."""
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
+               xla_slice_grads=True)
+  q, v, k2 = (jnp.zeros((1, 1, 64, n), dt) for n, dt in ((64, jnp.bfloat16), (32, jnp.bfloat16),
+                                                         (4, jnp.float32)))
+  fn = pops._chunk_backward(cfg, q, v, k2)
+  assert fn.func is mosaic_backward.chunk_backward and fn.keywords["xla_slice_grads"]
+  check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 1.0, jnp.bfloat16, config=cfg)
+
+
+def test_xla_slice_grads_hopper_op_lowers_for_cuda():
+  """The whole op, forward and backward, with the Hopper defaults and ``xla_slice_grads``, lowers
+  for CUDA (bf16, C = 64)."""
+  b, t, h, d, vdim, e = 1, 200, 2, 64, 64, 4
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vdim), spec(b, t, h, e),
+          spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, vdim, dt=jnp.float32)]
+  cfg = dataclasses.replace(pops.default_config("gpu", e, vdim), mosaic_gpu=True,
+                            mosaic_gpu_backward=True, xla_slice_grads=True)
+
+  def loss(*a):
+    o, s = pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7], erase=True,
+                               chunk_size=64, config=cfg)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+  text = jax.jit(jax.grad(loss, argnums=tuple(range(8)))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  for kernel in ("triadic_forward_mgpu", "triadic_backward_states_mgpu",
+                 "triadic_chunk_backward_mgpu", "triadic_chunk_backward_tail_ut"):
+    assert kernel in text, kernel

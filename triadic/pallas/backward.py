@@ -92,32 +92,57 @@ def _chunk_backward_kernel(q_ref, k_ref, v_ref, do_ref, u_ref, du_ref, s_ref, ds
               dtype=dtype, precision=precision)
 
 
+def ut_before(q, k, dp, da, beta, amat, *, c, erase, dtype, precision):
+  """The E-independent products the per-slice mask gradients need: dM' = dP * (Q K^T) with dP
+  causal, and (erase) the UT transform's dL = -A^T dA A^T (strictly lower, ``precision``),
+  dL * (K K^T) and dM = dL * beta * (K K^T). Returns (dp, dmq, dl, dlkk, dm); the last three None
+  without erase."""
+  causal, strict, _, _ = masks(c)
+  dp = jnp.where(causal, dp, 0.0)
+  dmq = dp * mm(q, k, dtype, tb=True)
+  if not erase:
+    return dp, dmq, None, None, None
+  kk = mm(k, k, dtype, tb=True)
+  da = jnp.where(causal, da, 0.0)
+  dl = jnp.where(strict, -mm(mm(amat, da, F32, ta=True, precision=precision), amat, F32, tb=True,
+                                  precision=precision), 0.0)
+  dlkk = dl * kk
+  return dp, dmq, dl, dlkk, dlkk * beta
+
+
+def ut_after(q, k, dq, dk, dbeta, dp, dl, dlkk, mq, m, beta, *, erase, dtype):
+  """dq, dk and dbeta given the whole M' (mq) and M (m): the read P = (Q K^T) * M' and the UT
+  transform's L = beta (K K^T) * M, through dP and dL (``ut_before``)."""
+  dqk = dp * mq
+  dq = dq + mm(dqk, k, dtype)
+  dk = dk + mm(dqk, q, dtype, ta=True)
+  if erase:
+    dkk = dl * beta * m
+    dbeta = dbeta + rowsum(dlkk * m)
+    dk = dk + mm(dkk, k, dtype) + mm(dkk, k, dtype, ta=True)
+  return dq, dk, dbeta
+
+
 def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc,
                 gcr, beta, amat, outs, *, c, e_dim, erase, dtype, precision):
   """The chunk-local part of the backward, after the value axis: the masks M, M' and the UT
   transform, then the outputs. Takes the value-contracted partials (dq, dk (C, D); dp, da (C, C),
   da None without erase; dbeta (C, 1); per slice e the row coefficients dcoef, dqcoef, dkcoef
   (C, 1) and dlam (1, 1)) and writes ``outs`` = (dq, dk, dk2 column, dk2 row, dq2, d gc column,
-  d gc row, dbeta) refs. Shared with the Hopper path's tail kernel (``mosaic_backward.py``)."""
+  d gc row, dbeta) refs. Shared with the Hopper path's tail kernel (``mosaic_backward.py``).
+
+  Order: what the per-slice loop needs first (``ut_before``), then one loop over e that builds
+  slice e's decay mask exp(gc_t - gc_s), accumulates M and M' and writes slice e's gradients,
+  then what needs the whole M and M' (``ut_after``). So one C x C decay mask is live at a time
+  instead of E of them (register pressure: on the H200 the Mosaic backward's tail, which runs
+  this code, took 3.4 ms at E = 1 and 10.9 ms at E = 4, B=2 T=16384, benchmarks/RESULTS.md).
+  """
   dq_ref, dk_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref, dgcr_ref, dbeta_ref = outs
   a, gl, b = decays(gcc, e_dim, c)
-  causal, strict, _, _ = masks(c)
+  causal, _, _, _ = masks(c)
   is_last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
-  # Order: everything the per-slice loop needs first (dM' = dP * QK^T, dM = dL * beta * KK^T),
-  # then one loop over e that builds slice e's decay mask exp(gc_t - gc_s), accumulates M and
-  # M' and writes slice e's gradients, then what needs the whole M and M'. So one C x C decay
-  # mask is live at a time instead of E of them (register pressure: the H200 profile of the
-  # Mosaic backward's tail, which runs this code, was 3.4 ms at E = 1 and 10.9 ms at E = 4,
-  # B=2 T=16384, benchmarks/RESULTS.md).
-  dp = jnp.where(causal, dp, 0.0)
-  dmq = dp * mm(q, k, dtype, tb=True)
-  if erase:
-    kk = mm(k, k, dtype, tb=True)
-    da = jnp.where(causal, da, 0.0)
-    dl = jnp.where(strict, -mm(mm(amat, da, F32, ta=True, precision=precision), amat, F32, tb=True,
-                                    precision=precision), 0.0)
-    dlkk = dl * kk
-    dm = dlkk * beta
+  dp, dmq, dl, dlkk, dm = ut_before(q, k, dp, da, beta, amat, c=c, erase=erase, dtype=dtype,
+                                    precision=precision)
   mq = jnp.zeros((c, c), F32)
   m = jnp.zeros((c, c), F32)
   for e in range(e_dim):
@@ -146,13 +171,8 @@ def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2c, k
     dgcc_ref[:, pl.ds(e, 1)] = dg_col
     dgcr_ref[pl.ds(e, 1), :] = -colsum(dgm)
 
-  dqk = dp * mq
-  dq = dq + mm(dqk, k, dtype)
-  dk = dk + mm(dqk, q, dtype, ta=True)
-  if erase:
-    dkk = dl * beta * m
-    dbeta = dbeta + rowsum(dlkk * m)
-    dk = dk + mm(dkk, k, dtype) + mm(dkk, k, dtype, ta=True)
+  dq, dk, dbeta = ut_after(q, k, dq, dk, dbeta, dp, dl, dlkk, mq, m, beta, erase=erase,
+                           dtype=dtype)
   dq_ref[...] = dq
   dk_ref[...] = dk
   dbeta_ref[...] = dbeta

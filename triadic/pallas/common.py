@@ -53,6 +53,12 @@ class Config:
   mosaic_gpu_backward: also run the chunk-parallel backward's E-dependent part as a Mosaic GPU
   kernel (``mosaic_backward.py``), where ``mosaic_backward.supported`` takes the sizes. On by
   default on Hopper GPUs (checked there against the chunked form, benchmarks/RESULTS.md).
+  xla_slice_grads: with ``mosaic_gpu_backward``, run that backward's per-slice elementwise work
+  (the C x C decay masks exp(gc_t - gc_s) of every slice, M, M', and the dk2, dq2, d gc they
+  give) as plain JAX over all chunks at once (``slice_grads.py``), around an E-independent Pallas
+  tail kernel, instead of inside the tail kernel per chunk, which on the H200 grew from 3.4 ms at
+  E = 1 to 10.9 ms at E = 4 (B=2 T=16384). Off by default until timed there against the
+  in-kernel tail.
   """
   platform: str
   block_v: int
@@ -63,6 +69,7 @@ class Config:
   interpret: bool | pltpu.InterpretParams = False
   mosaic_gpu: bool = False
   mosaic_gpu_backward: bool = False
+  xla_slice_grads: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:

@@ -33,11 +33,22 @@ gets). What is split where (this is the brief's "fallback" structure, chosen for
 * a Pallas (Triton on GPU, interpret on CPU) "tail" kernel ``triadic_chunk_backward_tail``
   (grid (B*H, NC)), E-independent except elementwise: dbeta's X part rowsum(drhs X),
   dA = dU (beta X)^T, dP = scale dO U^T (whole V, one matmul each), then the chunk-local part,
-  ``backward.chunk_local`` (shared with the Triton kernel: masks M, M', dL = -A^T dA A^T with ``f32_precision`` (TF32x3 on
-  GPU, so the UT-gradient precision is exactly the Triton path's), dk2, dq2, dgc row and column
-  parts). Moving that into the Mosaic kernel (iota masks, colsum = reduce over axis 0) is the
-  natural next step once the kernel runs on hardware; it would save one HBM round trip of
-  dq, dk, X and the factors (~0.3 ms at the benchmark shape, est.).
+  ``backward.chunk_local`` (shared with the Triton kernel: masks M, M', dL = -A^T dA A^T with
+  ``f32_precision`` (TF32x3 on GPU, so the UT-gradient precision is exactly the Triton path's),
+  dk2, dq2, dgc row and column parts). Moving that into the Mosaic kernel (iota masks,
+  colsum = reduce over axis 0) would save one HBM round trip of dq, dk, X and the factors
+  (~0.3 ms at the benchmark shape, est.).
+* or, with ``Config.xla_slice_grads`` (``chunk_backward(..., xla_slice_grads=True)``), the tail's
+  per-slice elementwise work (decay masks exp(gc_t - gc_s), M, M', dk2, dq2, d gc) in plain JAX
+  over all chunks at once (``slice_grads.py``), around an E-independent Pallas tail
+  ``triadic_chunk_backward_tail_ut`` (``_tail_ut``: the products above, then
+  ``backward.ut_before`` / ``ut_after``, the E-independent part of ``chunk_local``) that takes
+  M, M' and outputs dM' = dP * (Q K^T) and dM = dL * beta * (K K^T) (float32 C x C each). Why:
+  the in-kernel tail took 3.44 ms at E = 1 and 10.90 ms at E = 4 on the H200 (B=2 T=16384), its
+  E-dependent part being elementwise C x C work per slice, which XLA can fuse into reductions
+  over all chunks at once (expected to beat a Triton program per chunk; not yet timed). Costs
+  four C x C float32 matrices per chunk through HBM (M, M' in, dM', dM out; 134 MB each at the
+  benchmark shape) and the exponentials three times. Off by default until timed.
 
 How the Mosaic kernel is built (idioms from ``mosaic.py``, imported: ``_smem``, ``_swizzle``,
 ``_Ops``, ``_interpret_params``):
@@ -142,7 +153,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from triadic.pallas.backward import chunk_local
+from triadic.pallas import slice_grads
+from triadic.pallas.backward import chunk_local, ut_after, ut_before
 from triadic.pallas.common import F32, Config, call, col, last, mm, rowsum
 from triadic.pallas.mosaic import (MAX_N, _Ops, _interpret_params, _load, _smem, _swizzle, _wait,
                                    sizes_reason)
@@ -501,12 +513,91 @@ def _tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr
   )(q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a)
 
 
+# ------------------------------------------------------------------------------------------------
+# The E-independent tail (``Config.xla_slice_grads``): M and M' come in from plain JAX
+# (``slice_grads.decay_masks``), dM' and dM go out to plain JAX (``slice_grads.slice_grads``).
+
+
+def _tail_ut_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref, dkp_ref, mq_ref,
+                    *rest, c, scale, erase, dtype, precision):
+  if erase:
+    m_ref, beta_ref, a_ref, dq_ref, dk_ref, dbeta_ref, dmq_ref, dm_ref = rest
+  else:
+    beta_ref, a_ref, dq_ref, dk_ref, dbeta_ref, dmq_ref = rest
+  q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+  beta = beta_ref[...].astype(F32)
+  x = x_ref[...].astype(F32)
+  dbeta = rowsum(dr_ref[...] * x)
+  dp = scale * mm(do_ref[...], u_ref[...], dtype, tb=True)
+  da = mm(du_ref[...], beta * x, dtype, tb=True) if erase else None
+  dp, dmq, dl, dlkk, dm = ut_before(q, k, dp, da, beta, a_ref[...], c=c, erase=erase,
+                                    dtype=dtype, precision=precision)
+  dq, dk, dbeta = ut_after(q, k, dqp_ref[...], dkp_ref[...], dbeta, dp, dl, dlkk, mq_ref[...],
+                           m_ref[...] if erase else None, beta, erase=erase, dtype=dtype)
+  dq_ref[...] = dq
+  dk_ref[...] = dk
+  dbeta_ref[...] = dbeta
+  dmq_ref[...] = dmq
+  if erase:
+    dm_ref[...] = dm
+
+
+def _tail_ut(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_c, a, *, scale, erase, cfg):
+  """The E-independent tail kernel ``triadic_chunk_backward_tail_ut``: ``_tail``'s products over
+  the whole V (dbeta's X part, dA, dP), then ``backward.ut_before`` / ``ut_after`` with M' and M
+  (None without erase) given.
+  Returns float32 dq, dk (BH,NC,C,D), dbeta (C,1), dM' (C,C) and dM (C,C; erase only, else
+  None)."""
+  bh, nc, c, d = q.shape
+  vd = x.shape[-1]
+  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
+  shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
+  kernel = functools.partial(_tail_ut_kernel, c=c, scale=scale, erase=erase, dtype=q.dtype,
+                             precision=cfg.f32_precision)
+  n_mm = 2 if erase else 1
+  res = call(
+      kernel, cfg=cfg, grid=(bh, nc),
+      in_specs=[spec(c, d), spec(c, d), spec(c, vd), spec(c, vd), spec(c, vd), spec(c, vd),
+                spec(c, vd), spec(c, d), spec(c, d)] + [spec(c, c)] * n_mm
+               + [spec(c, 1), spec(c, c)],
+      out_specs=[spec(c, d), spec(c, d), spec(c, 1)] + [spec(c, c)] * n_mm,
+      out_shape=[shape(c, d), shape(c, d), shape(c, 1)] + [shape(c, c)] * n_mm,
+      semantics=("parallel", "parallel"), name="triadic_chunk_backward_tail_ut",
+      num_warps=cfg.bwd_num_warps,
+  )(q, k, x, do, u, du, drhs, dqp, dkp, mq, *((m,) if erase else ()), beta_c, a)
+  return (*res, None) if not erase else tuple(res)
+
+
+def tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,
+         scale, erase, cfg, xla_slice_grads=False):
+  """Everything after the value kernel (``lam`` already summed to (BH,NC,1,8)): the Pallas
+  ``_tail`` (``backward.chunk_local`` per chunk), or with ``xla_slice_grads`` plain JAX M, M'
+  (``slice_grads.decay_masks``), the E-independent ``_tail_ut`` and the per-slice gradients in
+  plain JAX (``slice_grads.slice_grads``). Returns dq, dk, dk2 column, dk2 row, dq2, d gc column,
+  d gc row, dbeta, as ``_tail``."""
+  if not xla_slice_grads:
+    return _tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c,
+                 a, scale=scale, erase=erase, cfg=cfg)
+  e_dim = k2c.shape[-1]
+  m, mq = slice_grads.decay_masks(k2c, k2r, q2c, gcc, gcr, erase=erase)
+  dq, dk, dbeta, dmq, dm = _tail_ut(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_c, a,
+                                    scale=scale, erase=erase, cfg=cfg)
+  dcoef, dqcoef, dkcoef = (coef[..., j * e_dim:(j + 1) * e_dim] for j in range(3))
+  dlam = lam[..., 0, :e_dim]
+  dk2c, dk2r, dq2c, dgcc, dgcr = slice_grads.slice_grads(
+      dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc, gcr, erase=erase)
+  return dq, dk, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta
+
+
 def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,
-                   scale, erase, block_v=None, stages=None, interpret=False):
+                   scale, erase, block_v=None, stages=None, interpret=False,
+                   xla_slice_grads=False):
   """``backward.chunk_backward`` on Hopper: same operands (layout (BH, NC, ...)), same outputs:
   float32 dq, dk (BH,NC,C,D), dv (BH,NC,C,V), dk2 column and row parts ((C,E), (E,C)), dq2 (C,E),
   d gc column and row parts, dbeta (C,1). ``interpret=True``: Mosaic GPU interpret mode for the
-  value kernel and Pallas interpret mode for the tail (CPU tests)."""
+  value kernel and Pallas interpret mode for the tail (CPU tests). ``xla_slice_grads``: the
+  tail's per-slice elementwise work in plain JAX around an E-independent kernel (``tail``,
+  ``Config.xla_slice_grads``)."""
   bh, nc, c, d = q.shape
   vd, e_dim = v.shape[-1], k2c.shape[-1]
   bv = block_v or default_block_v(d, vd, c, e_dim)
@@ -526,7 +617,7 @@ def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr,
   lam = jnp.sum(lam, axis=2, keepdims=True)            # (BH, NC, 1, 8): sum of the D rows
   cfg = (Config("cpu", block_v=16, bwd_block_v=16) if interpret
          else Config("gpu", block_v=32, bwd_block_v=32))
-  dq, dk, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta = _tail(
+  dq, dk, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta = tail(
       q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a,
-      scale=scale, erase=erase, cfg=cfg)
+      scale=scale, erase=erase, cfg=cfg, xla_slice_grads=xla_slice_grads)
   return dq, dk, dv, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta

@@ -144,11 +144,13 @@ def _state_kernels(cfg, q, v, k2):
 
 def _chunk_backward(cfg, q, v, k2):
   """The chunk-parallel backward to run: ``mosaic_backward`` where ``cfg.mosaic_gpu_backward``
-  asks and the sizes allow, else ``backward.chunk_backward``."""
+  asks and the sizes allow (with ``cfg.xla_slice_grads`` passed on), else
+  ``backward.chunk_backward``."""
   c, d = q.shape[-2:]
   if (cfg.mosaic_gpu_backward
       and mosaic_backward.supported(d, v.shape[-1], c, k2.shape[-1], q.dtype) is None):
-    return functools.partial(mosaic_backward.chunk_backward, interpret=cfg.platform == "cpu")
+    return functools.partial(mosaic_backward.chunk_backward, interpret=cfg.platform == "cpu",
+                             xla_slice_grads=cfg.xla_slice_grads)
   return functools.partial(bwd_kernels.chunk_backward, cfg=cfg)
 
 

@@ -1,0 +1,126 @@
+"""The chunk backward's per-slice elementwise work as plain JAX (``Config.xla_slice_grads``).
+
+Why. In the Hopper chunk backward (``mosaic_backward.py``) the Pallas tail kernel runs
+``backward.chunk_local``, whose E-dependent part is elementwise C x C work per slice e: the decay
+mask exp(gc_te - gc_se) (s <= t), products with k2, q2 and the incoming gradients, row and column
+sums. A Triton program per chunk does that badly (H200, B=2 T=16384 H=16 D=V=128: the tail took
+3.44 ms at E = 1 and 10.90 ms at E = 4, benchmarks/RESULTS.md), while XLA fuses an elementwise
+expression into its reductions over all chunks at once. So with the flag on, the tail kernel is
+E-independent (``mosaic_backward._tail_ut``) and the functions here run around it:
+
+  before:  ``decay_masks``: M_ts = sum_e k2_te k2_se D_ets, M'_ts = sum_e q2_te k2_se D_ets,
+           D_ets = exp(gc_te - gc_se) for s <= t, else 0 (masked before exp, as
+           ``chunk_prep.decay_masks``: nothing overflows for any g <= 0)
+  kernel:  the UT-transform gradient, dq and dk from M and M', and the two C x C matrices every
+           slice needs: dM' = dP * (Q K^T) and dM = dL * beta * (K K^T) (erase only)
+  after:   ``slice_grads``: what ``chunk_local``'s loop over e writes, for all chunks and slices.
+
+Per slice e, with W'_ts = dM'_ts D_ets and W_ts = dM_ts D_ets (W only with erase), the loop of
+``chunk_local`` computes (a = exp(gc), b = exp(gc_C - gc), coefficients from the value kernel):
+
+  dq2_t     = sum_s W'_ts k2_s + dqcoef_t a_t
+  dk2 col_t = dkcoef_t b_t [+ sum_s W_ts k2_s + dcoef_t a_t]
+  dk2 row_s = sum_t W'_ts q2_t [+ sum_t W_ts k2_t]
+  dG_ts     = W'_ts q2_t k2_s [+ W_ts k2_t k2_s]                (through exp(gc_t - gc_s))
+  dgc col_t = sum_s dG_ts + dqcoef_t q2_t a_t - dkcoef_t k2_t b_t [+ dcoef_t k2_t a_t]
+              (+ at t = C-1: sum_t dkcoef_t k2_t b_t + dlam exp(gc_C))
+  dgc row_s = -sum_t dG_ts
+
+Here the four C x C reductions rq = sum_s W' k2_s, rk = sum_s W k2_s, cq = sum_t W' q2_t,
+ck = sum_t W k2_t are the only ones taken: sum_s dG_ts = q2_t rq_t + k2_t rk_t and
+sum_t dG_ts = k2_s (cq_s + ck_s) = k2_s dk2 row_s (the same sums, the common factor taken out;
+float32 rounding differs from the kernel's by reassociation only).
+
+Layout: as the kernels, (BH, NC, C, E) columns and (BH, NC, E, C) rows. Shaped for XLA's fusion
+(untimed; the choice is for the H200 to confirm): M and M' are an unrolled sum over e of
+elementwise (BH, NC, C, C) terms, one loop fusion with no reduction; each per-slice sum is over the
+minor axis of a (BH, NC, E, C, C) broadcast expression with its own decay mask, the t-sums on
+the transposed (E, C_s, C_t) mask, so that each reduction fuses its exponentials instead of
+sharing one materialised mask (E x C x C float32 per chunk in HBM) with a reduction of another
+shape. The exponentials are then taken three times per (e, t, s) instead of once (five if XLA
+does not fuse the two reductions of each orientation as siblings).
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+
+
+def _cols(x):
+  """(BH, NC, C, E) -> (BH, NC, E, C, 1): slice e's per-token values along the second-minor axis."""
+  return jnp.swapaxes(x, -1, -2)[..., :, :, None]
+
+
+def _rows(x):
+  """(BH, NC, E, C) -> (BH, NC, E, 1, C): slice e's per-token values along the minor axis."""
+  return x[..., :, None, :]
+
+
+def _lower(c):
+  """(C, C) s <= t with t the row index (``common.masks``' causal)."""
+  return jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]
+
+
+def decay(gcc, gcr, *, transpose=False):
+  """D_ets = exp(gc_te - gc_se) where s <= t, else 0, as a (BH, NC, E, C_t, C_s) expression, or
+  with ``transpose`` as (BH, NC, E, C_s, C_t) (same values: gc_t from gcc, gc_s from gcr, as
+  ``chunk_local``). Masked before exp (``chunk_prep.decay_masks``): nothing overflows for any
+  g <= 0."""
+  if transpose:
+    causal = _lower(gcc.shape[-2]).T
+    diff = _rows(jnp.swapaxes(gcc, -1, -2)) - gcr[..., :, :, None]
+  else:
+    causal = _lower(gcc.shape[-2])
+    diff = _cols(gcc) - _rows(gcr)
+  return jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+
+
+def decay_masks(k2c, k2r, q2c, gcc, gcr, *, erase):
+  """M and M' of every chunk, (BH, NC, C, C) float32 each (M is None without erase): the masks
+  of ``chunk_prep`` / ``chunk_local``, as one elementwise sum over the slices each."""
+  e_dim = gcc.shape[-1]
+  m = mq = 0.0
+  for e in range(e_dim):
+    dec = decay(gcc[..., e:e + 1], gcr[..., e:e + 1, :])[..., 0, :, :]
+    k2s = k2r[..., e:e + 1, :]
+    mq = mq + q2c[..., e:e + 1] * k2s * dec
+    if erase:
+      m = m + k2c[..., e:e + 1] * k2s * dec
+  return (m if erase else None), mq
+
+
+def slice_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc, gcr, *, erase):
+  """The per-slice gradients of ``backward.chunk_local``'s loop over e, for all chunks at once.
+
+  dmq = dM' (BH, NC, C, C), dm = dM (None without erase); the value kernel's row coefficients
+  dcoef (unused without erase), dqcoef, dkcoef (BH, NC, C, E) and dlam (BH, NC, E); k2, q2, gc
+  in the kernels' column (C, E) and row (E, C) layouts. Returns float32 dk2 column (C, E), dk2
+  row (E, C), dq2 (C, E), d gc column (C, E) and d gc row (E, C) parts, each (BH, NC, ...)."""
+  c = gcc.shape[-2]
+  rows = lambda x: jnp.swapaxes(x, -1, -2)
+  # Per-token factors along the minor axis: s of (E, C_t, C_s), t of the transposed (E, C_s, C_t).
+  k2_minor, q2_minor = _rows(k2r), _rows(rows(q2c))
+  # rq_et = sum_s W'_ts k2_s, cq_es = sum_t W'_ts q2_t
+  rq = jnp.sum(dmq[:, :, None] * decay(gcc, gcr) * k2_minor, axis=-1)
+  cq = jnp.sum(rows(dmq)[:, :, None] * decay(gcc, gcr, transpose=True) * q2_minor, axis=-1)
+  a = jnp.exp(gcc)
+  gl = gcc[..., c - 1:, :]                             # (BH, NC, 1, E)
+  b = jnp.exp(gl - gcc)
+  dq2 = rows(rq) + dqcoef * a
+  dk2c = dkcoef * b
+  dk2r = cq
+  dgm_row = q2c * rows(rq)                             # sum_s dG_ts, (C, E)
+  if erase:
+    # rk_et = sum_s W_ts k2_s, ck_es = sum_t W_ts k2_t
+    rk = jnp.sum(dm[:, :, None] * decay(gcc, gcr) * k2_minor, axis=-1)
+    ck = jnp.sum(rows(dm)[:, :, None] * decay(gcc, gcr, transpose=True) * k2_minor, axis=-1)
+    dk2c = dk2c + rows(rk) + dcoef * a
+    dk2r = dk2r + ck
+    dgm_row = dgm_row + k2c * rows(rk)
+  dgcc = dgm_row + dqcoef * q2c * a - dkcoef * k2c * b
+  if erase:
+    dgcc = dgcc + dcoef * k2c * a
+  dgl = jnp.sum(dkcoef * k2c * b, axis=-2) + dlam * jnp.exp(gl[..., 0, :])   # (BH, NC, E)
+  dgcc = dgcc.at[..., c - 1, :].add(dgl)
+  dgcr = -(k2r * dk2r)                                 # -sum_t dG_ts = -k2_s dk2 row_s
+  return dk2c, dk2r, dq2, dgcc, dgcr
