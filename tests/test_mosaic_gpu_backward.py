@@ -102,6 +102,16 @@ def test_matches_triton_structure(b, t, h, vdim, e, bv, erase, decay, stages, d)
   assert not bad, f"rel RMS over bound: {bad} (all: {errs})"
 
 
+def _abstract_operands(d, vdim, e, bh=2, nc=4, c=64):
+  """Shapes and dtypes of ``chunk_backward``'s operands, for the lowering tests."""
+  bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
+  return (bf(bh, nc, c, d), bf(bh, nc, c, d), bf(bh, nc, c, vdim), bf(bh, nc, c, vdim),
+          f32(bh, nc, c, vdim), f32(bh, nc, c, vdim), bf(bh, nc, e, d, vdim),
+          bf(bh, nc, e, d, vdim), f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, e),
+          f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, 1), f32(bh, nc, c, c))
+
+
 @pytest.mark.parametrize("d,vdim,e,erase,bv,stages", [
     (128, 128, 8, True, None, None),     # BV 16, one staging buffer (201 KiB)
     (64, 64, 3, False, None, None),      # BV 32, two
@@ -113,13 +123,7 @@ def test_matches_triton_structure(b, t, h, vdim, e, bv, erase, decay, stages, d)
 def test_lowers_for_cuda(d, vdim, e, erase, bv, stages):
   """The Mosaic GPU kernel (with the hardware's transpose_ref operands) and the Triton tail lower
   for "cuda" (which checks the SMEM allocation against 227 KiB); nothing runs."""
-  bh, nc, c = 2, 4, 64
-  bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
-  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  args = (bf(bh, nc, c, d), bf(bh, nc, c, d), bf(bh, nc, c, vdim), bf(bh, nc, c, vdim),
-          f32(bh, nc, c, vdim), f32(bh, nc, c, vdim), bf(bh, nc, e, d, vdim),
-          bf(bh, nc, e, d, vdim), f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, e),
-          f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, 1), f32(bh, nc, c, c))
+  args = _abstract_operands(d, vdim, e)
   fn = jax.jit(functools.partial(mosaic_backward.chunk_backward, scale=SCALE, erase=erase,
                                  block_v=bv, stages=stages))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -226,13 +230,7 @@ def test_xla_slice_grads_tail_matches_kernel_tail(b, t, h, vdim, e, erase, decay
 def test_xla_slice_grads_lowers_for_cuda(d, vdim, e, erase):
   """With ``xla_slice_grads`` the Mosaic GPU kernel and the E-independent Triton tail lower for
   "cuda", and the in-kernel tail is gone."""
-  bh, nc, c = 2, 4, 64
-  bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
-  f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
-  args = (bf(bh, nc, c, d), bf(bh, nc, c, d), bf(bh, nc, c, vdim), bf(bh, nc, c, vdim),
-          f32(bh, nc, c, vdim), f32(bh, nc, c, vdim), bf(bh, nc, e, d, vdim),
-          bf(bh, nc, e, d, vdim), f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, e),
-          f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, 1), f32(bh, nc, c, c))
+  args = _abstract_operands(d, vdim, e)
   fn = jax.jit(functools.partial(mosaic_backward.chunk_backward, scale=SCALE, erase=erase,
                                  xla_slice_grads=True))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -470,16 +470,25 @@ def value_pass(q, k, v, do, u, drhs, states, dstates, f, *, scale, erase, block_
 # The tail: E-independent products over the whole V and the chunk-local part of backward.py.
 
 
-def _tail_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref, dkp_ref, coef_ref,
-                 lam_ref, k2c, k2r, q2c, gcc, gcr, beta_ref, a_ref,
-                 dq_ref, dk_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref, dgcr_ref, dbeta_ref, *,
-                 c, e_dim, scale, erase, dtype, precision):
+def _tail_products(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, beta_ref, *, scale,
+                   erase, dtype):
+  """What both tail kernels start with: q, k, beta as float32, dbeta's X part rowsum(drhs X),
+  dP = scale dO U^T and (erase) dA = dU (beta X)^T, the products over the whole V."""
   q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
   beta = beta_ref[...].astype(F32)
   x = x_ref[...].astype(F32)
   dbeta = rowsum(dr_ref[...] * x)
   dp = scale * mm(do_ref[...], u_ref[...], dtype, tb=True)
   da = mm(du_ref[...], beta * x, dtype, tb=True) if erase else None
+  return q, k, beta, dbeta, dp, da
+
+
+def _tail_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref, dkp_ref, coef_ref,
+                 lam_ref, k2c, k2r, q2c, gcc, gcr, beta_ref, a_ref,
+                 dq_ref, dk_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref, dgcr_ref, dbeta_ref, *,
+                 c, e_dim, scale, erase, dtype, precision):
+  q, k, beta, dbeta, dp, da = _tail_products(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref,
+                                              beta_ref, scale=scale, erase=erase, dtype=dtype)
   dcoef = [col(coef_ref, e) for e in range(e_dim)]
   dqcoef = [col(coef_ref, e_dim + e) for e in range(e_dim)]
   dkcoef = [col(coef_ref, 2 * e_dim + e) for e in range(e_dim)]
@@ -524,12 +533,8 @@ def _tail_ut_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref,
     m_ref, beta_ref, a_ref, dq_ref, dk_ref, dbeta_ref, dmq_ref, dm_ref = rest
   else:
     beta_ref, a_ref, dq_ref, dk_ref, dbeta_ref, dmq_ref = rest
-  q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
-  beta = beta_ref[...].astype(F32)
-  x = x_ref[...].astype(F32)
-  dbeta = rowsum(dr_ref[...] * x)
-  dp = scale * mm(do_ref[...], u_ref[...], dtype, tb=True)
-  da = mm(du_ref[...], beta * x, dtype, tb=True) if erase else None
+  q, k, beta, dbeta, dp, da = _tail_products(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref,
+                                              beta_ref, scale=scale, erase=erase, dtype=dtype)
   dp, dmq, dl, dlkk, dm = ut_before(q, k, dp, da, beta, a_ref[...], c=c, erase=erase,
                                     dtype=dtype, precision=precision)
   dq, dk, dbeta = ut_after(q, k, dqp_ref[...], dkp_ref[...], dbeta, dp, dl, dlkk, mq_ref[...],
