@@ -168,7 +168,6 @@ XLA_CASES = [
     pytest.param(1, 150, 2, 32, 4, True, 20.0, 64, id="E4-erase-strong-decay"),
     pytest.param(2, 150, 1, 32, 3, False, 10.0, 64, id="E3-noerase-strong-decay"),
     pytest.param(1, 150, 2, 32, 8, True, 1.0, 64, id="E8-erase"),
-    pytest.param(1, 150, 2, 32, 8, False, 1.0, 64, id="E8-noerase"),
     pytest.param(1, 150, 2, 64, 4, True, 10.0, 128, id="D128-E4-erase-strong-decay"),
     # Weak decay: only here is exp(gc_C) of a whole chunk far from 0, so that the chunk-end
     # term dlam exp(gc_C) of d gc counts (at decay 1, exp(gc_C) ~ e^-32).
@@ -199,7 +198,7 @@ def test_xla_slice_grads_matches_triton_structure(b, t, h, vdim, e, erase, decay
 
 
 @pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d", [
-    XLA_CASES[i] for i in (1, 2, 3, 4, 7, 8)])
+    XLA_CASES[i] for i in (1, 2, 3, 4, 6, 7)])
 def test_xla_slice_grads_tail_matches_kernel_tail(b, t, h, vdim, e, erase, decay, d):
   """The plain-JAX per-slice tail against ``_tail`` (``backward.chunk_local``) on the same value
   kernel outputs: the same sums up to float32 reassociation, so 1e-5 on every output (a term
