@@ -89,6 +89,13 @@ def timeit(fn, args, reps):
   return 1e3 * statistics.median(times)
 
 
+def pallas_config(e, vd, **fields):
+  """This device's default kernel config at E (padded to a power of two) and V, with ``fields``
+  replaced; a field given as None keeps its default."""
+  cfg = pops.default_config(pops.default_platform(), pops._pow2(e), vd)
+  return dataclasses.replace(cfg, **{k: x for k, x in fields.items() if x is not None})
+
+
 def triadic_fns(impl, mosaic_gpu=None, mosaic_gpu_backward=None, xla_slice_grads=False):
   """jitted forward and forward+backward of ``impl``; for "pallas", ``mosaic_gpu`` and
   ``mosaic_gpu_backward`` True/False force the Hopper (Mosaic GPU) or the Triton state-passing
@@ -98,12 +105,9 @@ def triadic_fns(impl, mosaic_gpu=None, mosaic_gpu_backward=None, xla_slice_grads
     run = lambda *a: triadic_gdn(*a, impl=impl, chunk_size=64)[0]
   else:
     def run(q, k, v, k2, q2, g, beta):
-      cfg = pops.default_config("gpu", k2.shape[-1], v.shape[-1])
-      pick = lambda x, default: default if x is None else x
-      cfg = dataclasses.replace(cfg, mosaic_gpu=pick(mosaic_gpu, cfg.mosaic_gpu),
-                                mosaic_gpu_backward=pick(mosaic_gpu_backward,
-                                                         cfg.mosaic_gpu_backward),
-                                xla_slice_grads=xla_slice_grads)
+      cfg = pallas_config(k2.shape[-1], v.shape[-1], mosaic_gpu=mosaic_gpu,
+                          mosaic_gpu_backward=mosaic_gpu_backward,
+                          xla_slice_grads=xla_slice_grads)
       h0 = jnp.zeros((q.shape[0], q.shape[2], k2.shape[-1], q.shape[-1], v.shape[-1]),
                      jnp.float32)
       return pops.triadic_pallas(q, k, v, k2, q2, g, beta, scale=q.shape[-1] ** -0.5,
@@ -155,8 +159,7 @@ def check(only=None, xla_slice_grads=False):
       f = lambda *a: triadic_gdn(*a[:7], initial_state=a[7], erase=erase, impl=impl,
                                  chunk_size=64)
       if impl == "pallas" and xla_slice_grads:
-        cfg = pops.default_config(pops.default_platform(), pops._pow2(e), vd)
-        cfg = dataclasses.replace(cfg, xla_slice_grads=True)
+        cfg = pallas_config(e, vd, xla_slice_grads=True)
         f = lambda *a: pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7],
                                            erase=erase, chunk_size=64, config=cfg)
       (o, s), pull = jax.vjp(f, *args, h0)
@@ -245,6 +248,7 @@ def mosaic_backward_parts(cbw_args, reps):
   q, k, v, do, u, du, st, dst, k2c, k2r, q2c, gcc, gcr, beta_c, a = cbw_args
   bh, nc, c, d = q.shape
   bv = mb.default_block_v(d, v.shape[-1], c, k2c.shape[-1])
+  n_stages = mb.default_stages(d, v.shape[-1], c, k2c.shape[-1], bv)
   pro = jax.jit(lambda a, du, gcc, k2c, q2c, beta_c: (
       mb._drhs(a, du, True), mb._factor_rows(gcc, k2c, q2c, beta_c)))
   pro_args = (a, du, gcc, k2c, q2c, beta_c)
@@ -253,17 +257,15 @@ def mosaic_backward_parts(cbw_args, reps):
   val_args = (q, k, v, do, u, drhs, st, dst, f)
   x, dqp, dkp, coef, lam = val(*val_args)
   one = float("nan")  # the value kernel with one staging buffer (where the default has two)
-  if mb.default_stages(d, v.shape[-1], c, k2c.shape[-1], bv) == 2:
+  if n_stages == 2:
     one = timeit(jax.jit(functools.partial(mb.value_pass, scale=0.1, erase=True, block_v=bv,
                                            stages=1)), val_args, reps)
   lam = jnp.sum(lam, axis=2, keepdims=True)
-  cfg = pops.Config("gpu", block_v=32, bwd_block_v=32)
-  tail = jax.jit(functools.partial(mb._tail, scale=0.1, erase=True, cfg=cfg))
+  tail = jax.jit(functools.partial(mb._tail, scale=0.1, erase=True, cfg=mb.tail_config(False)))
   tail_args = (q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a)
   pro_ms, val_ms, tail_ms = [timeit(fn, xs, reps) for fn, xs in (
       (pro, pro_args), (val, val_args), (tail, tail_args))]
-  stages = mb.default_stages(d, v.shape[-1], c, k2c.shape[-1], bv)
-  return [f"bv{bv} {stages} st", f"{pro_ms:.2f}", f"{val_ms:.2f}", f"{one:.2f}", f"{tail_ms:.2f}"]
+  return [f"bv{bv} {n_stages} st", f"{pro_ms:.2f}", f"{val_ms:.2f}", f"{one:.2f}", f"{tail_ms:.2f}"]
 
 
 def main():

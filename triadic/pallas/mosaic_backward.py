@@ -573,6 +573,12 @@ def _tail_ut(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_c, a, *, scale, era
   return (*res, None) if not erase else tuple(res)
 
 
+def tail_config(interpret: bool) -> Config:
+  """The tail kernels' Pallas config: Triton on the GPU, interpret mode on the CPU."""
+  return (Config("cpu", block_v=16, bwd_block_v=16) if interpret
+          else Config("gpu", block_v=32, bwd_block_v=32))
+
+
 def tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,
          scale, erase, cfg, xla_slice_grads=False):
   """Everything after the value kernel (``lam`` already summed to (BH,NC,1,8)): the Pallas
@@ -620,9 +626,7 @@ def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr,
   if x is None:
     x = v.astype(F32)
   lam = jnp.sum(lam, axis=2, keepdims=True)            # (BH, NC, 1, 8): sum of the D rows
-  cfg = (Config("cpu", block_v=16, bwd_block_v=16) if interpret
-         else Config("gpu", block_v=32, bwd_block_v=32))
   dq, dk, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta = tail(
       q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a,
-      scale=scale, erase=erase, cfg=cfg, xla_slice_grads=xla_slice_grads)
+      scale=scale, erase=erase, cfg=tail_config(interpret), xla_slice_grads=xla_slice_grads)
   return dq, dk, dv, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta
