@@ -280,7 +280,7 @@ def main():
   parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0..4)")
   parser.add_argument("--stages", action="store_true", help="per-kernel times, then exit")
   parser.add_argument("--xla-slice-grads", action="store_true",
-                      help="--check and the table's pallas column with Config.xla_slice_grads")
+                      help="--check with Config.xla_slice_grads; the table gains its f+b column")
   parser.add_argument("--only-default", action="store_true",
                       help="with --stages on Hopper: only the default row, the xla_slice_grads "
                            "row and the parts table")
@@ -305,8 +305,9 @@ def main():
         "| pallas-triton f+b "
         "| chunked fwd | chunked f+b | cudnn fwd | cudnn f+b "
         "| chunked/pallas f+b | cudnn/pallas f+b | pallas TFLOP/s fwd / f+b "
-        "| chunked TFLOP/s fwd / f+b |")
-  print("|" + "---|" * 16)
+        "| chunked TFLOP/s fwd / f+b |"
+        + (" xla-slice-grads f+b | its f+b vs E=1 |" if args.xla_slice_grads else ""))
+  print("|" + "---|" * (18 if args.xla_slice_grads else 16))
   for t in args.t:
     b = SHAPES.get(t, max(1, 32768 // t))
     key = jax.random.PRNGKey(0)
@@ -317,13 +318,18 @@ def main():
     except Exception as err:  # cuDNN missing or shape refused: report, do not stop the table
       print(f"# cudnn attention failed at T={t}: {type(err).__name__}: {err}"[:300])
       att = (float("nan"), float("nan"))
-    e1 = None
+    e1 = xe1 = None
     for e in args.e:
       xs = inputs(key, b, t, h, d, vd, e, jnp.bfloat16)
-      pf, pfb = (triadic_fns("pallas", xla_slice_grads=True) if args.xla_slice_grads
-                 else triadic_fns("pallas"))
+      pf, pfb = triadic_fns("pallas")
       pal = (timeit(pf, xs, args.reps), timeit(pfb, xs, args.reps))
       e1 = pal[1] if e == 1 else e1
+      xsg = ""
+      if args.xla_slice_grads:  # the same op with Config.xla_slice_grads, side by side
+        _, xfb = triadic_fns("pallas", xla_slice_grads=True)
+        xms = timeit(xfb, xs, args.reps)
+        xe1 = xms if e == 1 else xe1
+        xsg = f" | {xms:.2f} | " + (f"{xms / xe1:.2f}x" if xe1 else "-")
       tri = (float("nan"), float("nan"))
       if hopper and not args.no_triton:
         tf_, tfb = triadic_fns("pallas", mosaic_gpu=False, mosaic_gpu_backward=False)
@@ -341,7 +347,7 @@ def main():
             f"| {chk[0]:.2f} | {chk[1]:.2f} "
             f"| {att[0]:.2f} | {att[1]:.2f} | {chk[1] / pal[1]:.2f}x | {att[1] / pal[1]:.2f}x "
             f"| {tf(pal[0], 1):.0f} / {tf(pal[1], 3):.0f} "
-            f"| {tf(chk[0], 1):.0f} / {tf(chk[1], 3):.0f} |")
+            f"| {tf(chk[0], 1):.0f} / {tf(chk[1], 3):.0f}{xsg} |")
       sys.stdout.flush()
 
 
