@@ -15,11 +15,11 @@ A second test lowers the whole function for "cuda" (Mosaic GPU lowering: layout 
 wgmma / TMA operand checks, the SMEM limit) and the Triton tail; nothing runs.
 
 ``xla_slice_grads=True`` (the per-slice work in plain JAX, ``slice_grads.py``, around the
-E-independent tail kernel ``_tail_ut``) is checked three ways: the whole function against the
-Triton structure with the same bounds (strong decay included: g down to -20 per token, mean -5
-or -10, which only the masking before exp keeps finite; and weak decay, mean -0.01, where the
-chunk-end term dlam exp(gc_C) is not negligible), its tail against the in-kernel tail on
-the same value-kernel outputs (1e-5: the two differ by float32 reassociation only), and the whole
+E-independent tail kernel ``_tail_ut``) is checked three ways: its tail against the in-kernel
+tail on the same inputs, every case (1e-5: the two differ by float32 reassociation only; strong
+decay included: g down to -20 per token, mean -5 or -10, which only the masking before exp keeps
+finite; and weak decay, mean -0.01, where the chunk-end term dlam exp(gc_C) is not negligible),
+the whole function against the Triton structure with the same bounds (two cases), and the whole
 op against the scan; and it lowers for "cuda". Measured (E4 strong / weak decay, E8, E3 no-erase
 strong decay): against the flag off, dq, dk, dk2, dq2, dbeta are bit-equal and d gc differs by
 2e-9..1.5e-7; against the Triton structure the errors are those of the flag off (dk <= 2.5e-3).
@@ -75,9 +75,9 @@ CASES = [
     pytest.param(1, 150, 2, 32, 1, None, True, 1.0, None, 64, id="E1-erase"),
     pytest.param(2, 150, 1, 64, 3, None, False, 1.0, None, 64, id="E3-noerase"),
     pytest.param(1, 150, 2, 32, 4, 16, True, 20.0, None, 64, id="E4-BV16-erase-strong-decay"),
-    pytest.param(1, 150, 2, 32, 8, None, True, 1.0, None, 64, id="E8-erase"),
     pytest.param(1, 150, 2, 32, 8, None, False, 1.0, None, 64, id="E8-noerase"),
     # One staging buffer (S, then dS in it): the path of D = 128, E = 8 and of a forced wider BV.
+    # (E = 8 with erase runs here only: two staging buffers with erase run at E = 1 and 4.)
     pytest.param(1, 150, 2, 32, 8, None, True, 1.0, 1, 64, id="E8-erase-1stage"),
     pytest.param(2, 150, 1, 64, 3, None, False, 1.0, 1, 64, id="E3-noerase-1stage"),
     # D = 128, E = 4: the new default (BV = 16, two staging buffers) and the old one (BV = 32,
@@ -187,9 +187,12 @@ def check_outputs(got, want, bounds, names=NAMES):
   assert not bad, f"rel RMS over bound: {bad} (all: {errs})"
 
 
-@pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d", XLA_CASES)
+@pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d", [XLA_CASES[i] for i in (2, 7)])
 def test_xla_slice_grads_matches_triton_structure(b, t, h, vdim, e, erase, decay, d):
-  """``xla_slice_grads=True``: every output against the Triton structure, the bounds above."""
+  """``xla_slice_grads=True``: every output against the Triton structure, the bounds above. Two
+  cases (strong decay with erase, weak decay without): the value kernel is the same as with the
+  flag off (``test_matches_triton_structure``) and the tail is checked against the in-kernel
+  tail on every case of XLA_CASES below."""
   args = backward_operands(b, t, h, d, vdim, e, erase, decay)
   want = backward.chunk_backward(*args, scale=SCALE, erase=erase, cfg=CPU)
   got = jax.jit(functools.partial(mosaic_backward.chunk_backward, scale=SCALE, erase=erase,
@@ -197,24 +200,24 @@ def test_xla_slice_grads_matches_triton_structure(b, t, h, vdim, e, erase, decay
   check_outputs(got, want, BOUNDS)
 
 
-@pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d", [
-    XLA_CASES[i] for i in (1, 2, 3, 4, 6, 7)])
+@pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d", XLA_CASES)
 def test_xla_slice_grads_tail_matches_kernel_tail(b, t, h, vdim, e, erase, decay, d):
-  """The plain-JAX per-slice tail against ``_tail`` (``backward.chunk_local``) on the same value
-  kernel outputs: the same sums up to float32 reassociation, so 1e-5 on every output (a term
-  dropped or mis-signed anywhere in ``slice_grads`` shows up far above that)."""
+  """The plain-JAX per-slice tail against ``_tail`` (``backward.chunk_local``) on the same
+  inputs: the same sums up to float32 reassociation, so 1e-5 on every output (a term dropped or
+  mis-signed anywhere in ``slice_grads`` shows up far above that). Both tails are functions of
+  the value kernel's outputs, which are random here (the value kernel has its own tests; running
+  it in Mosaic GPU interpret mode is most of this file's time); q, k, U, dU, gc, A are real."""
   (q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr, beta_c, a) = (
       backward_operands(b, t, h, d, vdim, e, erase, decay))
-  # ``mosaic_backward.chunk_backward`` up to its tail.
-  bf, f32 = q.dtype, jnp.float32
+  f32 = jnp.float32
   drhs = mosaic_backward._drhs(a, du, erase)
-  f = mosaic_backward._factor_rows(gcc, k2c, q2c, beta_c)
-  x, dqp, dkp, coef, lam = mosaic_backward.value_pass(
-      q, k, v.astype(bf), do.astype(bf), u.astype(f32), drhs, states.astype(bf),
-      dstates.astype(bf), f, scale=SCALE, erase=erase,
-      block_v=mosaic_backward.default_block_v(d, vdim, q.shape[2], e), interpret=True)
-  x = v.astype(f32) if x is None else x
-  lam = jnp.sum(lam, axis=2, keepdims=True)
+  keys = jax.random.split(jax.random.PRNGKey(e), 5)
+  bh, nc, c = q.shape[:3]
+  normal = lambda key, *shape: jax.random.normal(key, (bh, nc, *shape), f32)
+  x = normal(keys[0], c, vdim) if erase else v.astype(f32)
+  dqp, dkp = normal(keys[1], c, d), normal(keys[2], c, d)
+  coef = normal(keys[3], c, mosaic_backward.COEF_W)
+  lam = normal(keys[4], 1, mosaic_backward.LAM_W)
   tail_args = (q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a)
   tail = lambda flag: jax.jit(functools.partial(
       mosaic_backward.tail, scale=SCALE, erase=erase, cfg=CPU, xla_slice_grads=flag))(*tail_args)

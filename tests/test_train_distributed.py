@@ -27,8 +27,8 @@ SCRIPT = textwrap.dedent("""
 
 
 def run(tmp_path, name, *, devices=1, data=1, tensor=1, coordinator="", process_id=0, wait=True):
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-             XLA_FLAGS=f"--xla_force_host_platform_device_count={devices}")
+  flags = f"{os.environ.get('XLA_FLAGS', '')} --xla_force_host_platform_device_count={devices}"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=flags.strip())
   code = SCRIPT.format(coordinator=coordinator, process_id=process_id, data=data, tensor=tensor,
                        workdir=str(tmp_path / name))
   proc = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env, text=True,
