@@ -2,6 +2,12 @@
 
     python benchmarks/triadic_ops.py                        # the issue's CPU case and a small sweep
     python benchmarks/triadic_ops.py --T 2048,8192 --E 1,4,8 --B 1 --H 4 --D 64
+    python benchmarks/triadic_ops.py --impls chunked,chunked_sub --E 1,4,8,16  # the two mask forms
+
+"chunked_sub" is the chunked op with the masks by sub-chunks of 16 (``triadic.chunked.
+sub_chunk_masks``: matmuls across sub-chunks) instead of by their elementwise definition
+(``chunk_masks``, C^2 E exponentials a chunk); any impl after the first gets a ratio column
+against it.
 
 Prints one table with the times of both impls side by side, their ratio, and each impl's
 relative-RMS distance from the tests' float64 NumPy oracle on the same inputs (at the smallest T),
@@ -24,6 +30,21 @@ import numpy as np  # noqa: E402
 from benchmarks.common import machine, triadic_inputs  # noqa: E402
 from tests.triadic_reference import triadic_reference  # noqa: E402
 from triadic import triadic_gdn  # noqa: E402
+from triadic.chunked import triadic_chunked  # noqa: E402
+
+
+def op(impl, chunk):
+  """(q, k, v, k2, q2, g, beta) -> o of ``impl``: an impl of ``triadic_gdn``, or "chunked_sub"."""
+  if impl != "chunked_sub":
+    return lambda *x: triadic_gdn(*x, impl=impl, chunk_size=chunk)[0]
+
+  def run(q, k, v, k2, q2, g, beta):
+    b, _, h, d = q.shape
+    h0 = jnp.zeros((b, h, k2.shape[-1], d, v.shape[-1]), jnp.float32)
+    return triadic_chunked(q, k, v, k2, q2, g, beta, scale=d ** -0.5, initial_state=h0,
+                           erase=True, chunk_size=chunk, sub_chunk=16)[0].astype(q.dtype)
+
+  return run
 
 
 def timed(fn, args, reps):
@@ -54,7 +75,8 @@ def main():
   print(f"machine: {machine()}")
   print(f"B={a.B} H={a.H} D={a.D} V={a.V} chunk={a.chunk} dtype={a.dtype}; times in ms (best of {a.reps})")
   head = f"{'T':>6} {'E':>3} " + " ".join(f"{i + ' fwd':>12} {i + ' f+b':>12}" for i in impls)
-  head += "".join(f" {'scan/' + i + ' f+b':>16}" for i in impls if i != "scan") + f" {'rel-RMS vs f64':>22}"
+  base = impls[0]
+  head += "".join(f" {base + '/' + i + ' f+b':>16}" for i in impls[1:]) + f" {'rel-RMS vs f64':>22}"
   print(head)
   smallest = min(int(x) for x in a.T.split(","))
   for t in (int(x) for x in a.T.split(",")):
@@ -63,16 +85,15 @@ def main():
       row, fb, errs = f"{t:>6} {e:>3} ", {}, []
       ref = triadic_reference(*args)[0] if t == smallest else None
       for impl in impls:
-        fwd = jax.jit(lambda *x, impl=impl: triadic_gdn(*x, impl=impl, chunk_size=a.chunk)[0])
-        loss = lambda *x, impl=impl: jnp.sum(triadic_gdn(*x, impl=impl, chunk_size=a.chunk)[0]
-                                             .astype(jnp.float32) ** 2)
+        fwd = jax.jit(op(impl, a.chunk))
+        loss = lambda *x, f=op(impl, a.chunk): jnp.sum(f(*x).astype(jnp.float32) ** 2)
         fwdbwd = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))
         tf, fb[impl] = timed(fwd, args, a.reps), timed(fwdbwd, args, a.reps)
         row += f"{tf:>12.2f} {fb[impl]:>12.2f} "
         if ref is not None:
           out = np.asarray(fwd(*args), np.float64)
           errs.append(f"{impl}={np.linalg.norm(out - ref) / np.linalg.norm(ref):.1e}")
-      row += "".join(f"{fb['scan'] / fb[i]:>16.1f}x" for i in impls if i != "scan" and "scan" in fb)
+      row += "".join(f"{fb[base] / fb[i]:>16.2f}x" for i in impls[1:])
       print(row + "  " + " ".join(errs), flush=True)
 
 

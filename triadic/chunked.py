@@ -46,7 +46,8 @@ def chunk_masks(gc: jax.Array, k2: jax.Array, q2: jax.Array):
   """Decay-weighted second-key masks of a chunk: (M, M'), each (..., C, C), zero above the diagonal.
 
   gc, k2, q2: (..., C, E). The upper triangle is masked before the exponential (double `where`),
-  so its positive differences never overflow and never poison the gradient.
+  so its positive differences never overflow and never poison the gradient. This is the
+  definition, elementwise over (C, C, E); ``sub_chunk_masks`` computes the same numbers.
   """
   c = gc.shape[-2]
   causal = jnp.tril(jnp.ones((c, c), bool))[..., None]  # (t, s, 1)
@@ -55,6 +56,55 @@ def chunk_masks(gc: jax.Array, k2: jax.Array, q2: jax.Array):
   m = jnp.einsum("...te,...se,...tse->...ts", k2, k2, decay)
   mq = jnp.einsum("...te,...se,...tse->...ts", q2, k2, decay)
   return m, mq
+
+
+SUB_CHUNK = 16  # sub-chunk of ``sub_chunk_masks``: elementwise inside, matmuls across
+
+
+def sub_chunk_masks(gc: jax.Array, k2: jax.Array, q2: jax.Array, sub: int = SUB_CHUNK):
+  """``chunk_masks`` by secondary chunking (GLA's trick, as FLA's KDA does for per-channel decay).
+
+  Cut the chunk into sub-chunks of ``sub`` tokens. Within a sub-chunk (the diagonal blocks) the
+  masks are the elementwise definition. Across, for t in sub-chunk i >= 1 and s before it, the
+  decay factorises through the anchor n_i = i * sub - 1 (the token just before sub-chunk i), with
+  s <= n_i < t, so both exponents are <= 0 (no overflow for any g <= 0):
+
+    exp(gc_te - gc_se) = exp(gc_te - gc_{n_i} e) exp(gc_{n_i} e - gc_se)
+    M[i, :i*sub] = (k2 * exp(gc - gc_{n_i}))_i  @  (k2 * exp(gc_{n_i} - gc))[:i*sub]^T
+
+  a matmul contracting over E. So a chunk costs C * sub * E exponentials plus (C / sub) C E ones
+  for the factors, instead of C^2 E, and the backward (autodiff) is matmuls too, with nothing of
+  size C^2 E kept for it. Falls back to the definition when C is not a multiple of ``sub`` or is
+  at most ``sub``. Agrees with ``chunk_masks`` to float32 rounding (tests: strong and weak decay,
+  forward and gradients).
+
+  Not the default of ``triadic_chunked``: on the 2-core CPU, forward+backward of the whole op
+  ranged from 0.85x to 1.4x the definition's speed over E = 1..16 (benchmarks/RESULTS.md), since
+  the state matmuls dominate there. It is here as the tested form of the factorisation that a
+  kernel would use to turn the per-slice C x C elementwise work of the masks and their gradients
+  (the Hopper tail's bottleneck, issue 7) into matmuls with K or N = E.
+  """
+  c, e = gc.shape[-2:]
+  if c % sub or c <= sub:
+    return chunk_masks(gc, k2, q2)
+  nb, lead = c // sub, gc.shape[:-2]
+  blocks = lambda x: x.reshape(*lead, nb, sub, e)
+  gb, k2b, q2b = blocks(gc), blocks(k2), blocks(q2)
+  m_diag, mq_diag = chunk_masks(gb, k2b, q2b)                     # (..., nb, sub, sub)
+  anchor = gc[..., sub - 1:c - 1:sub, :]                          # (..., nb - 1, E): n_1, n_2, ..
+  rows = jnp.exp(gb[..., 1:, :, :] - anchor[..., :, None, :])     # (..., nb - 1, sub, E), t > n_i
+  before = jnp.arange(c)[None, :, None] < sub * jnp.arange(1, nb)[:, None, None]  # s <= n_i
+  diff = anchor[..., :, None, :] - gc[..., None, :, :]            # (..., nb - 1, C, E)
+  cols = k2[..., None, :, :] * jnp.where(before, jnp.exp(jnp.where(before, diff, 0.0)), 0.0)
+  off_m = jnp.einsum("...ite,...ise->...its", k2b[..., 1:, :, :] * rows, cols)
+  off_mq = jnp.einsum("...ite,...ise->...its", q2b[..., 1:, :, :] * rows, cols)
+
+  def assemble(diag, off):  # diagonal blocks in place, then the rows of sub-chunks 1.. get off
+    eye = jnp.eye(nb, dtype=diag.dtype)
+    full = jnp.einsum("...its,ij->...itjs", diag, eye).reshape(*lead, nb, sub, c)
+    return full.at[..., 1:, :, :].add(off).reshape(*lead, c, c)
+
+  return assemble(m_diag, off_m), assemble(mq_diag, off_mq)
 
 
 _BASE = 16  # diagonal blocks inverted by row substitution; larger blocks are merged by matmuls
@@ -124,8 +174,12 @@ def joint(k2w: jax.Array, k: jax.Array) -> jax.Array:
 
 
 def triadic_chunked(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: jax.Array,
-                    erase: bool, chunk_size: int):
-  """Chunk-parallel triadic gated delta rule. Shapes and result as ``triadic.triadic_gdn``."""
+                    erase: bool, chunk_size: int, sub_chunk: int | None = None):
+  """Chunk-parallel triadic gated delta rule. Shapes and result as ``triadic.triadic_gdn``.
+
+  sub_chunk: None (``triadic_gdn``'s choice): the masks by their elementwise definition
+  (``chunk_masks``); an int: by ``sub_chunk_masks`` with sub-chunks of that many tokens (the same
+  numbers; on the CPU no faster at these sizes, benchmarks/RESULTS.md)."""
   b, t, h, d = q.shape
   vdim, e = v.shape[-1], k2.shape[-1]
   c = max(1, min(chunk_size, t))
@@ -135,7 +189,7 @@ def triadic_chunked(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: ja
   beta = to_chunks(beta, n, c)
 
   gc = jnp.cumsum(g, axis=-2)  # (B, H, n, C, E), chunk-local, non-increasing, <= 0
-  m, mq = chunk_masks(gc, k2, q2)
+  m, mq = chunk_masks(gc, k2, q2) if sub_chunk is None else sub_chunk_masks(gc, k2, q2, sub_chunk)
   # Inter-chunk factors: every exponent is <= 0.
   w_read = joint(k2 * jnp.exp(gc), k)  # (.., C, E*D) reads S0 at token t (after its decay)
   q_read = joint(q2 * jnp.exp(gc), q)  # (.., C, E*D) query of S0
