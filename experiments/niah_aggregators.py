@@ -6,10 +6,25 @@ the segment length (the config's / 4 .. x 2, every aggregator) and merlin's d_r 
 
 ``--sweeps`` picks parts: main (aggregators at the config's segment length, every seed), segment, d_r (seed 0).
 Writes docs/figures/niah_*.png and niah_aggregators.json, and prints the markdown tables.
+
+``--curriculum`` trains every model on easier versions of the task first (``STAGES``, in the order
+given), each stage starting from the last one's checkpoint (``init_from``, fresh optimizer), and
+then on the config's own task, which is what the tables report; a table of the accuracy after each
+stage comes with them. Each stage has the config's step budget (``--stage_steps``: another).
+The GPU-sized recipe of docs/results.md ("For the next GPU session": 4 needles, then 8, then the
+config's 8 needles at up to 1024 tokens), and its CPU-sized check (the CPU config asked for 8
+needles, 4 first):
+
+  python -m experiments.niah_aggregators --workdir runs/papers --parallel 10 --seeds 2 \
+      --sweeps main --curriculum n4_len128,n8_len128 --stage_steps 750
+  python -m experiments.niah_aggregators --workdir runs/cpu_curriculum --parallel 2 --seeds 1 \
+      --niah_config configs/niah.py:cpu --sweeps main --curriculum n4_len128 \
+      --set config.data.num_needles=8 --set config.data.train_min_len=64
 """
 
 from __future__ import annotations
 
+import dataclasses
 import importlib.util
 import os
 
@@ -28,6 +43,21 @@ SWEEPS = flags.DEFINE_list("sweeps", ["main", "segment", "d_r"], "Parts to run."
 SEGMENT_SWEEP = flags.DEFINE_list("segments", [], "Segment lengths swept (default: the config's "
                                   "segment_len / 4, / 2, x 1, x 2; the paper's 64..512 at 256).")
 DR_SWEEP = flags.DEFINE_list("d_rs", [str(r) for r in D_RS], "d_r values swept.")
+# Easier versions of the task (data overrides only, so the model, its segments and max_segments
+# stay those of the config and every stage's checkpoint loads into the next). One query per
+# example: asking every needle teaches answering the last by elimination (docs/results.md).
+STAGES = {
+    "n4_len128": ("config.data.num_needles=4", "config.data.seq_len=128",
+                  "config.data.train_min_len=32", "config.data.train_lengths=uniform",
+                  "config.data.train_num_queries=1"),
+    "n8_len128": ("config.data.num_needles=8", "config.data.seq_len=128",
+                  "config.data.train_min_len=64", "config.data.train_lengths=uniform",
+                  "config.data.train_num_queries=1"),
+}
+CURRICULUM = flags.DEFINE_list("curriculum", [], "Stages trained before the config's task, in "
+                               f"order, each from the last's checkpoint: any of {list(STAGES)}.")
+STAGE_STEPS = flags.DEFINE_integer("stage_steps", None, "Training steps of each curriculum stage "
+                                   "(default: the config's).")
 
 
 def _config():
@@ -65,6 +95,27 @@ def _run(agg: str, seg: int | None = None, d_r: int = 16, seed: int = 0) -> swee
                           "d_r": 0 if agg == "single" else d_r, "seed": seed})
 
 
+def curriculum(r: sweep.Run) -> list[sweep.Run]:
+  """``r`` after the ``--curriculum`` stages: one run per stage (its data overrides after ``r``'s,
+  so they win over ``--set``; group["stage"] names it), each from the previous one's checkpoint,
+  then ``r``'s own task from the last stage's, under a name of its own. Just [r] without
+  stages."""
+  unknown = [x for x in CURRICULUM.value if x not in STAGES]
+  if unknown:
+    raise ValueError(f"--curriculum: unknown stage(s) {unknown}; known: {list(STAGES)}")
+  steps = () if STAGE_STEPS.value is None else (f"config.train.num_steps={STAGE_STEPS.value}",)
+  out, prev = [], None
+  for i, stage in enumerate(CURRICULUM.value):
+    out.append(sweep.Run(f"{r.name}_stage{i}_{stage}", r.config,
+                         r.overrides + tuple(f"--{x}" for x in (*STAGES[stage], *steps)),
+                         after=prev, group={**r.group, "stage": stage}))
+    prev = out[-1].name
+  if prev is None:
+    return [r]
+  return out + [dataclasses.replace(r, name=f"{r.name}_after_{'_'.join(CURRICULUM.value)}",
+                                    after=prev)]
+
+
 def runs() -> list[sweep.Run]:
   out = []
   if "main" in SWEEPS.value:
@@ -74,6 +125,7 @@ def runs() -> list[sweep.Run]:
     out += [_run(a, seg) for seg in segments() if seg != default for a in AGGREGATORS]
   if "d_r" in SWEEPS.value:
     out += [_run("merlin", d_r=r) for r in D_RS if r != 16 and str(r) in DR_SWEEP.value]
+  out = [x for r in out for x in curriculum(r)]
   return list({r.name: r for r in out}.values())
 
 
@@ -83,6 +135,8 @@ def _label(agg: str) -> str:
 
 def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
   got = [(r.group, results[r.name]) for r in all_runs if results[r.name]]
+  staged = [(g, res) for g, res in got if "stage" in g]   # curriculum stages, reported apart
+  got = [(g, res) for g, res in got if "stage" not in g]
   if not got:
     raise RuntimeError("no run of the sweep has a result")
   first = got[0][1]
@@ -130,6 +184,8 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
       ["model", *[str(n) for n in lengths], "all"], rows_len))
   sections.append("By needle depth (mean over lengths):\n\n" + common.markdown_table(
       ["model", *[f"{d:.2f}" for d in depths]], rows_depth))
+  if staged:
+    sections.append(_stage_table(staged, got, main, segment, summary))
 
   # Segment-length sweep (seed 0) and d_r sweep.
   for key, values, fixed, name in (("seg", sorted(set(segments()) | {segment}), {"d_r": 16},
@@ -164,6 +220,23 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
         ["aggregator", *[str(v) for v in values]], table))
   common.write_json("niah_aggregators.json", {"lengths": lengths, "depths": depths, **summary})
   return "\n\n".join(sections) + "\n\n" + common.steps_note(results)
+
+
+def _stage_table(staged, final, models, segment, summary) -> str:
+  """Overall accuracy (mean ± half the range over seeds) after each curriculum stage and after
+  the config's own task, per model at the config's segment length and d_r 16. Each stage's
+  evaluation is the config's (the same lengths and depths; its own number of needles)."""
+  stages = list(dict.fromkeys(g["stage"] for g, _ in staged))
+  main_cell = lambda g, a: g["agg"] == a and g["seg"] in (0, segment) and g["d_r"] in (0, 16)
+  rows = []
+  for a in models:
+    per = [[float(np.mean(res["accuracy_grid"])) for g, res in staged
+            if main_cell(g, a) and g["stage"] == st] for st in stages]
+    per.append([float(np.mean(res["accuracy_grid"])) for g, res in final if main_cell(g, a)])
+    summary.setdefault(a, {})["curriculum_overall"] = dict(zip([*stages, "final"], per))
+    rows.append([_label(a), *[common.fmt(*common.mean_spread(x)) for x in per]])
+  return ("After each curriculum stage (all cells; each stage evaluated on its own task):\n\n"
+          + common.markdown_table(["model", *stages, "the config's task"], rows))
 
 
 def main(argv):

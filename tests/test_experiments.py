@@ -76,3 +76,37 @@ def test_upgrade_report_recovered_fraction(parsed_flags):
   assert "| 0.60 | 0.30 | 0.50 / 0.50 |" in text
   summary = json.loads((parsed_flags / "out" / "upgrade.json").read_text())
   assert summary["triadic"]["recovered"] == pytest.approx([0.5, 0.5])
+
+
+def test_niah_curriculum_chains_stages_and_reports_them(parsed_flags):
+  fv = flags.FLAGS
+  fv.unparse_flags()
+  fv(["test", f"--workdir={parsed_flags / 'runs'}", f"--out={parsed_flags / 'out'}", "--seeds=1",
+      "--niah_config=configs/niah.py:cpu", "--sweeps=main", "--curriculum=n4_len128,n8_len128",
+      "--set=config.data.num_needles=16", "--stage_steps=7"])
+  runs = niah_aggregators.runs()
+  by_name = {r.name: r for r in runs}
+  assert len(by_name) == len(runs) == 5 * 3  # five models, two stages and the task each
+  finals = [r for r in runs if "stage" not in r.group]
+  assert len(finals) == 5
+  for final in finals:
+    stage1 = by_name[final.after]
+    stage0 = by_name[stage1.after]
+    assert stage0.after is None and final.name.endswith("_after_n4_len128_n8_len128")
+    assert (stage0.group["stage"], stage1.group["stage"]) == ("n4_len128", "n8_len128")
+    # The stage's data overrides come after --set, so they win; the task keeps --set's.
+    stage = tuple(f"--{x}" for x in niah_aggregators.STAGES["n4_len128"])
+    assert stage0.overrides[-6:] == (*stage, "--config.train.num_steps=7")
+    assert final.overrides[-1] == "--config.data.num_needles=16"
+    assert stage0.overrides[:len(final.overrides)] == final.overrides
+  acc = {"n4_len128": 0.8, "n8_len128": 0.6}
+  results = {r.name: {"task": "niah", "step": 10, "lengths": [64], "depths": [0.0, 1.0],
+                      "accuracy_grid": [[acc.get(r.group.get("stage"), 0.4)]] * 2}
+             for r in runs}
+  text = niah_aggregators.report(results, runs)
+  assert "| merlin | 0.40 | 0.40 |" in text                # the main tables: the final runs
+  assert "| model | n4_len128 | n8_len128 | the config's task |" in text
+  assert "| meanpool | 0.80 | 0.60 | 0.40 |" in text
+  fv(["test", f"--workdir={parsed_flags / 'runs'}", "--curriculum=n4_len128,easy"])
+  with pytest.raises(ValueError, match="unknown stage.*easy"):
+    niah_aggregators.runs()
