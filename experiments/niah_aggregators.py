@@ -16,7 +16,8 @@ config's 8 needles at up to 1024 tokens), and its CPU-sized check (the CPU confi
 needles, 4 first):
 
   python -m experiments.niah_aggregators --workdir runs/papers --parallel 10 --seeds 2 \
-      --sweeps main --curriculum n4_len128,n8_len128 --stage_steps 750
+      --sweeps main --curriculum n4_len128,n8_len128 --stage_steps 500 \
+      --set config.train.num_steps=1000 --deadline_s 520
   python -m experiments.niah_aggregators --workdir runs/cpu_curriculum --parallel 2 --seeds 1 \
       --niah_config configs/niah.py:cpu --sweeps main --curriculum n4_len128 \
       --set config.data.num_needles=8 --set config.data.train_min_len=64
