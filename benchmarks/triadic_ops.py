@@ -85,8 +85,9 @@ def main():
       row, fb, errs = f"{t:>6} {e:>3} ", {}, []
       ref = triadic_reference(*args)[0] if t == smallest else None
       for impl in impls:
-        fwd = jax.jit(op(impl, a.chunk))
-        loss = lambda *x, f=op(impl, a.chunk): jnp.sum(f(*x).astype(jnp.float32) ** 2)
+        f = op(impl, a.chunk)
+        fwd = jax.jit(f)
+        loss = lambda *x, f=f: jnp.sum(f(*x).astype(jnp.float32) ** 2)
         fwdbwd = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))
         tf, fb[impl] = timed(fwd, args, a.reps), timed(fwdbwd, args, a.reps)
         row += f"{tf:>12.2f} {fb[impl]:>12.2f} "

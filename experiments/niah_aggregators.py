@@ -134,6 +134,12 @@ def _label(agg: str) -> str:
   return "single-state GDN" if agg == "single" else agg
 
 
+def _main_cell(g: dict, agg: str, segment: int) -> bool:
+  """Whether a run's group belongs to model ``agg`` of the main comparison: the config's
+  segment length and d_r 16 (the single-state model has neither)."""
+  return g["agg"] == agg and g["seg"] in (0, segment) and g["d_r"] in (0, 16)
+
+
 def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
   got = [(r.group, results[r.name]) for r in all_runs if results[r.name]]
   staged = [(g, res) for g, res in got if "stage" in g]   # curriculum stages, reported apart
@@ -150,15 +156,14 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
 
   # Main comparison: accuracy by length and by depth, mean over seeds.
   main = [a for a in ("single", *AGGREGATORS)
-          if cells(lambda g, a=a: g["agg"] == a and g["seg"] in (0, segment) and g["d_r"] in (0, 16))]
+          if cells(lambda g, a=a: _main_cell(g, a, segment))]
   rows_len, rows_depth = [], []
   fig = Figure(figsize=(6.5, 4.2))
   ax = fig.subplots()
   hfig = Figure(figsize=(3.2 * len(main), 3.0))
   hax = hfig.subplots(1, len(main), squeeze=False)[0]
   for i, a in enumerate(main):
-    grids = np.stack(cells(lambda g, a=a: g["agg"] == a and g["seg"] in (0, segment)
-                           and g["d_r"] in (0, 16)))
+    grids = np.stack(cells(lambda g, a=a: _main_cell(g, a, segment)))
     by_len, by_depth, overall = grids.mean(1), grids.mean(2), grids.mean((1, 2))
     summary[a] = {"grid_mean": grids.mean(0).tolist(), "overall_per_seed": overall.tolist(),
                   "by_length_per_seed": by_len.tolist(), "by_depth_per_seed": by_depth.tolist()}
@@ -228,12 +233,11 @@ def _stage_table(staged, final, models, segment, summary) -> str:
   the config's own task, per model at the config's segment length and d_r 16. Each stage's
   evaluation is the config's (the same lengths and depths; its own number of needles)."""
   stages = list(dict.fromkeys(g["stage"] for g, _ in staged))
-  main_cell = lambda g, a: g["agg"] == a and g["seg"] in (0, segment) and g["d_r"] in (0, 16)
   rows = []
   for a in models:
     per = [[float(np.mean(res["accuracy_grid"])) for g, res in staged
-            if main_cell(g, a) and g["stage"] == st] for st in stages]
-    per.append([float(np.mean(res["accuracy_grid"])) for g, res in final if main_cell(g, a)])
+            if _main_cell(g, a, segment) and g["stage"] == st] for st in stages]
+    per.append([float(np.mean(res["accuracy_grid"])) for g, res in final if _main_cell(g, a, segment)])
     summary.setdefault(a, {})["curriculum_overall"] = dict(zip([*stages, "final"], per))
     rows.append([_label(a), *[common.fmt(*common.mean_spread(x)) for x in per]])
   return ("After each curriculum stage (all cells; each stage evaluated on its own task):\n\n"
