@@ -1,22 +1,24 @@
-"""Triadic kernels: Pallas vs chunked JAX vs causal attention (cuDNN), forward and forward+backward.
+"""Triadic kernels: Pallas vs chunked JAX vs causal attention (cuDNN) vs the public GDN kernels.
 
-Issue 6's setting: bf16, H = 16, D = V = 128, 32768 tokens per batch (B=8 at T=4096, B=2 at 16384,
-B=1 at 65536), E in {1, 2, 4, 8}, chunk 64. Prints one table: milliseconds (median of --reps timed
-calls after a warm-up), the pallas/chunked and attention/pallas ratios, and the TFLOP/s each triadic
-impl achieves against the matmul FLOP count of the chunked form (``chunked_flops``).
+The setting: bf16, H = 16, D = V = 128, 32768 tokens per batch (B=8 at T=4096, B=2 at 16384, B=1 at
+65536), E in {1, 2, 4, 8}, chunk 64. The op table gives milliseconds (median of --reps timed calls
+after a warm-up) for forward and forward+backward, the ratio to our E = 1, and the ratio to the
+fastest of FLA's Triton chunk GDN and FlashQLA (``benchmarks/peers.py``), timed in the same process
+on the E = 1 slice of the same inputs when torch and those packages import (else reported missing).
 
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py                 # the full table (GPU)
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --check         # GPU correctness first
-  PYTHONPATH=. python3 benchmarks/triadic_kernels.py --t 16384 --e 1 8
+  PYTHONPATH=. python3 benchmarks/triadic_kernels.py --t 16384 --e 1 8 --no-chunked --no-triton
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --stages --t 16384 --e 1 8   # per kernel
 
 On Hopper, "pallas" runs the Mosaic GPU kernels (the state-passing kernels, ``Config.mosaic_gpu``,
 and the chunk-parallel backward's E-dependent part, ``Config.mosaic_gpu_backward``) and a
-"pallas-triton" column the same op with the Triton kernels only (the path of other GPUs);
-``--stages`` prints a row for each step between them. The stage table also measures this device's
-matmul and HBM ceilings in the same run and gives each stage's achieved TFLOP/s.
+"pallas-triton" column the same op with the Triton kernels only (the path of other GPUs).
+``--stages`` times each stage alone with this device's matmul and HBM ceilings measured in the
+same run (each stage's achieved TFLOP/s of counted matmuls), and the chunk backward by part.
 
-Needs only jax (no grain / ml_collections), so it runs on the bare GPU machine.
+Needs only jax (no grain / ml_collections) for our kernels, so it runs on the bare GPU machine;
+the peers need torch plus flash-linear-attention / flash-qla (``../shared/device/wheels.sh``).
 """
 
 from __future__ import annotations
@@ -31,10 +33,13 @@ import sys
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The PyTorch peers share the GPU with JAX in this process: JAX must not take 75% of it up front.
+os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from benchmarks import peers  # noqa: E402
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
 from tests.util import rel_rms as rel  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
@@ -96,18 +101,15 @@ def pallas_config(e, vd, **fields):
   return dataclasses.replace(cfg, **{k: x for k, x in fields.items() if x is not None})
 
 
-def triadic_fns(impl, mosaic_gpu=None, mosaic_gpu_backward=None, xla_slice_grads=False):
-  """jitted forward and forward+backward of ``impl``; for "pallas", ``mosaic_gpu`` and
-  ``mosaic_gpu_backward`` True/False force the Hopper (Mosaic GPU) or the Triton state-passing
-  kernels and chunk-parallel backward (None: the device's default); ``xla_slice_grads`` sets
-  that ``Config`` field."""
-  if mosaic_gpu is None and mosaic_gpu_backward is None and not xla_slice_grads:
+def triadic_fns(impl, **config):
+  """jitted forward and forward+backward of ``impl``; for "pallas", ``config`` replaces fields of
+  the device's default kernel ``Config`` (e.g. ``mosaic_gpu=False, mosaic_gpu_backward=False``
+  for the Triton kernels on Hopper, ``value_slices=2``)."""
+  if not config:
     run = lambda *a: triadic_gdn(*a, impl=impl, chunk_size=64)[0]
   else:
     def run(q, k, v, k2, q2, g, beta):
-      cfg = pallas_config(k2.shape[-1], v.shape[-1], mosaic_gpu=mosaic_gpu,
-                          mosaic_gpu_backward=mosaic_gpu_backward,
-                          xla_slice_grads=xla_slice_grads)
+      cfg = pallas_config(k2.shape[-1], v.shape[-1], **config)
       h0 = jnp.zeros((q.shape[0], q.shape[2], k2.shape[-1], q.shape[-1], v.shape[-1]),
                      jnp.float32)
       return pops.triadic_pallas(q, k, v, k2, q2, g, beta, scale=q.shape[-1] ** -0.5,
@@ -131,10 +133,10 @@ def attention_fns():
   return jax.jit(run), jax.jit(fwd_bwd)
 
 
-def check(only=None, xla_slice_grads=False):
+def check(only=None, value_slices=None):
   """Relative RMS error of pallas (the device's default kernels: Mosaic GPU on Hopper for bf16;
-  with ``xla_slice_grads``, that ``Config`` field on) against scan (float32) and chunked (bf16)
-  on this machine."""
+  ``value_slices`` overrides that ``Config`` field) against scan (float32) and chunked (bf16) on
+  this machine."""
   names = "o state dq dk dv dk2 dq2 dg dbeta dh0".split()
   print("| case | " + " | ".join(names) + " |")
   print("|" + "---|" * (len(names) + 1))
@@ -158,8 +160,8 @@ def check(only=None, xla_slice_grads=False):
     def grads(impl):
       f = lambda *a: triadic_gdn(*a[:7], initial_state=a[7], erase=erase, impl=impl,
                                  chunk_size=64)
-      if impl == "pallas" and xla_slice_grads:
-        cfg = pallas_config(e, vd, xla_slice_grads=True)
+      if impl == "pallas" and value_slices:
+        cfg = pallas_config(e, vd, value_slices=value_slices)
         f = lambda *a: pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7],
                                            erase=erase, chunk_size=64, config=cfg)
       (o, s), pull = jax.vjp(f, *args, h0)
@@ -171,11 +173,12 @@ def check(only=None, xla_slice_grads=False):
   sys.stdout.flush()
 
 
-def stages(t, e_list, reps, variants=False, only_default=False):
-  """Time each Pallas stage alone (bf16, H = 16, D = V = 128): the Triton kernels (with
-  ``variants``, also a few other tile configurations) and, on Hopper, the Mosaic GPU
-  state-passing kernels ("mgpu") in their place. ``only_default``: on Hopper, only the
-  default (all Mosaic GPU) row and the Mosaic chunk backward's parts."""
+def stages(t, e_list, reps, variants=False, slices=()):
+  """Time each Pallas stage alone (bf16, H = 16, D = V = 128). On Hopper: the default kernels (all
+  Mosaic GPU where they take the sizes) and, for each of ``slices`` that differs from the
+  default, the Mosaic chunk backward with that many slices per value-kernel pass; with
+  ``variants``, also the Triton kernels and a few of their tile configurations. Elsewhere: the
+  Triton kernels (and their variants)."""
   from triadic.pallas.chunk_prep import chunk_prep
   b, h, d, vd, c = SHAPES.get(t, 1), 16, 128, 128, 64
   nc = t // c
@@ -193,20 +196,22 @@ def stages(t, e_list, reps, variants=False, only_default=False):
     k2, q2, g, beta = (ch(x, jnp.float32) for x in (k2, q2, g, beta))
     rows = lambda x: jnp.swapaxes(x, -1, -2)
     h0 = jnp.zeros((b * h, e, d, vd), jnp.float32)
-    base = pops.default_config("gpu", e, vd)
-    base = dataclasses.replace(base, mosaic_gpu=False, mosaic_gpu_backward=False)
-    configs = [base] + ([dataclasses.replace(base, **kw) for kw in (
-        {"num_stages": 1}, {"num_stages": 3}, {"block_v": 64}, {"num_warps": 8},
-        {"bwd_block_v": 64}, {"bwd_num_warps": 4})] if variants else [])
-    if pops.is_hopper():
-      mgpu = [dataclasses.replace(base, mosaic_gpu=True),
-              dataclasses.replace(base, mosaic_gpu=True, mosaic_gpu_backward=True),
-              dataclasses.replace(base, mosaic_gpu=True, mosaic_gpu_backward=True,
-                                  xla_slice_grads=True)]
-      configs = mgpu[1:] if only_default else configs + mgpu
+    default = pops.default_config("gpu", e, vd)
+    triton = dataclasses.replace(default, mosaic_gpu=False, mosaic_gpu_backward=False)
+    configs = [default]
+    if default.mosaic_gpu_backward:
+      from triadic.pallas import mosaic_backward as mb
+      own = mb.default_value_slices(d, vd, c, e)
+      configs += [dataclasses.replace(default, value_slices=g) for g in slices
+                  if g != own and e % g == 0 and mb.supported(d, vd, c, e, jnp.bfloat16,
+                                                               value_slices=g) is None]
+    if variants or not default.mosaic_gpu:
+      configs += [triton] + ([dataclasses.replace(triton, **kw) for kw in (
+          {"num_stages": 1}, {"num_stages": 3}, {"block_v": 64}, {"num_warps": 8},
+          {"bwd_block_v": 64}, {"bwd_num_warps": 4})] if variants else [])
     for cfg in configs:
       pre = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))
-      prep_args = (q, k, k2, rows(k2), q2, g, rows(g), beta)
+      prep_args = (q, k, k2, q2, g, beta)
       gcc, gcr, a, p = pre(*prep_args)
       state_fwd, state_bwd = pops._state_kernels(cfg, q, v, k2)
       fwd = jax.jit(functools.partial(state_fwd, scale=0.1, erase=True))
@@ -223,49 +228,78 @@ def stages(t, e_list, reps, variants=False, only_default=False):
                f"bwd_bv{cfg.bwd_block_v} bwd_w{cfg.bwd_num_warps}")
       label = "mgpu state kernels, " + label if cfg.mosaic_gpu else label
       label = "mgpu chunk backward, " + label if cfg.mosaic_gpu_backward else label
-      label = "XLA slice grads, " + label if cfg.xla_slice_grads else label
+      label = f"value_slices {cfg.value_slices}, " + label if cfg.value_slices else label
       fl = stage_flops(b, t, h, d, vd, e, c)
       cells = [f"{x:.2f} ({f / (x * 1e-3) / 1e12:.0f})" for x, f in zip(ms, fl)]
       cells.append(f"{sum(ms):.2f} ({sum(fl) / (sum(ms) * 1e-3) / 1e12:.0f})")
       print(f"| {e} | {label} | " + " | ".join(cells) + " |")
       sys.stdout.flush()
-      if cfg.mosaic_gpu_backward and not cfg.xla_slice_grads:
-        parts.append((e, mosaic_backward_parts(cbw_args, reps)))
+      if cfg.mosaic_gpu_backward:
+        parts.append((e, mosaic_backward_parts(cbw_args, reps, cfg.value_slices)))
   if parts:
     print("\nThe Mosaic chunk backward by part (ms): plain-JAX prologue (A^T dU, factor rows), "
-          "the Mosaic value kernel (default block_v and staging buffers; and with one staging "
-          "buffer), the Triton tail")
-    print("| E | value kernel config | prologue | value kernel | value kernel, 1 stage | tail |")
-    print("|---|---|---|---|---|---|")
+          "the Mosaic value kernel (all its passes), the tail (masks M, M' in plain JAX, the "
+          "E-independent tail kernel, the mask gradients in plain JAX)")
+    print("| E | value kernel config | prologue | value kernel | masks | tail kernel "
+          "| mask grads |")
+    print("|---|---|---|---|---|---|---|")
     for e, cells in parts:
       print(f"| {e} | " + " | ".join(cells) + " |")
 
 
-def mosaic_backward_parts(cbw_args, reps):
+def mosaic_backward_parts(cbw_args, reps, value_slices=None):
   """Table cells: the times of the parts of ``mosaic_backward.chunk_backward`` (erase=True,
   scale 0.1)."""
+  from triadic.pallas import masks
   from triadic.pallas import mosaic_backward as mb
   q, k, v, do, u, du, st, dst, k2c, k2r, q2c, gcc, gcr, beta_c, a = cbw_args
   bh, nc, c, d = q.shape
-  bv = mb.default_block_v(d, v.shape[-1], c, k2c.shape[-1])
-  n_stages = mb.default_stages(d, v.shape[-1], c, k2c.shape[-1], bv)
+  e_dim = k2c.shape[-1]
+  size = value_slices or mb.default_value_slices(d, v.shape[-1], c, e_dim)
+  bv = mb.default_block_v(d, v.shape[-1], c, size)
+  n_stages = mb.default_stages(d, v.shape[-1], c, size, bv)
   pro = jax.jit(lambda a, du, gcc, k2c, q2c, beta_c: (
       mb._drhs(a, du, True), mb._factor_rows(gcc, k2c, q2c, beta_c)))
-  pro_args = (a, du, gcc, k2c, q2c, beta_c)
-  drhs, f = pro(*pro_args)
-  val = jax.jit(functools.partial(mb.value_pass, scale=0.1, erase=True, block_v=bv))
-  val_args = (q, k, v, do, u, drhs, st, dst, f)
-  x, dqp, dkp, coef, lam = val(*val_args)
-  one = float("nan")  # the value kernel with one staging buffer (where the default has two)
-  if n_stages == 2:
-    one = timeit(jax.jit(functools.partial(mb.value_pass, scale=0.1, erase=True, block_v=bv,
-                                           stages=1)), val_args, reps)
-  lam = jnp.sum(lam, axis=2, keepdims=True)
-  tail = jax.jit(functools.partial(mb._tail, scale=0.1, erase=True, cfg=mb.tail_config(False)))
-  tail_args = (q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a)
-  pro_ms, val_ms, tail_ms = [timeit(fn, xs, reps) for fn, xs in (
-      (pro, pro_args), (val, val_args), (tail, tail_args))]
-  return [f"bv{bv} {n_stages} st", f"{pro_ms:.2f}", f"{val_ms:.2f}", f"{one:.2f}", f"{tail_ms:.2f}"]
+  drhs, _ = pro(a, du, gcc, k2c, q2c, beta_c)
+
+  def value(q, k, v, do, u, drhs, st, dst, gcc, k2c, q2c, beta_c):
+    outs = []
+    for e0 in range(0, e_dim, size):
+      grp = slice(e0, e0 + size)
+      f = mb._factor_rows(gcc[..., grp], k2c[..., grp], q2c[..., grp], beta_c)
+      outs.append(mb.value_pass(q, k, v, do, u, drhs, st, dst, f, scale=0.1, erase=True,
+                                block_v=bv, e_offset=e0))
+    return outs
+
+  val = jax.jit(value)
+  val_args = (q, k, v, do, u, drhs, st, dst, gcc, k2c, q2c, beta_c)
+  x, dqp, dkp, coef, _ = val(*val_args)[0]
+  msk = jax.jit(functools.partial(masks.decay_masks, erase=True))
+  msk_args = (k2c, k2r, q2c, gcc, gcr)
+  m, mq = msk(*msk_args)
+  tk = jax.jit(functools.partial(mb._tail_ut, scale=0.1, erase=True, cfg=mb.tail_config(False)))
+  tk_args = (q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_c, a)
+  _, _, _, dmq, dm = tk(*tk_args)
+  cols = coef[..., :e_dim] if size == e_dim else jnp.zeros_like(k2c)
+  mg = jax.jit(functools.partial(masks.mask_grads, erase=True))
+  mg_args = (dmq, dm, cols, cols, cols, jnp.zeros_like(k2c[..., 0, :]), k2c, k2r, q2c, gcc, gcr)
+  times = [timeit(fn, xs, reps) for fn, xs in ((pro, (a, du, gcc, k2c, q2c, beta_c)),
+                                               (val, val_args), (msk, msk_args), (tk, tk_args),
+                                               (mg, mg_args))]
+  return [f"{e_dim // size} x {size} slices, bv{bv} {n_stages} st"] + [f"{x:.2f}" for x in times]
+
+
+def peer_table(t, b, h, d, vd, names, reps):
+  """Time the PyTorch peers on E = 1 inputs of this shape, print one line each, and return the
+  fastest forward and forward+backward (ms; nan where no peer ran)."""
+  q, k, v, _, _, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, 1, jnp.bfloat16)
+  res = peers.time_gdn_peers(q, k, v, g[..., 0], beta, reps, names) if names else {}
+  for name, r in res.items():
+    cell = f"{r[0]:.2f} / {r[1]:.2f} ms" if isinstance(r, tuple) else f"missing ({r})"
+    print(f"# peer {name} chunk GDN B={b} T={t}: fwd / f+b {cell}")
+  times = [r for r in res.values() if isinstance(r, tuple)]
+  nan = float("nan")
+  return (min((x[0] for x in times), default=nan), min((x[1] for x in times), default=nan))
 
 
 def main():
@@ -279,11 +313,13 @@ def main():
                       help="on Hopper, skip the pallas-triton column (Triton kernels only)")
   parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0..4)")
   parser.add_argument("--stages", action="store_true", help="per-kernel times, then exit")
-  parser.add_argument("--xla-slice-grads", action="store_true",
-                      help="--check with Config.xla_slice_grads; the table gains its f+b column")
-  parser.add_argument("--only-default", action="store_true",
-                      help="with --stages on Hopper: only the default row, the xla_slice_grads "
-                           "row and the parts table")
+  parser.add_argument("--value-slices", type=int, nargs="*", default=[],
+                      help="Hopper: slices per pass of the chunk backward's value kernel to time "
+                           "beside the default (--stages: rows; the op table: f+b columns; "
+                           "--check: the first one)")
+  parser.add_argument("--peers", nargs="*", default=list(peers.PEERS),
+                      help="PyTorch GDN kernels timed on the same inputs (E = 1 slices of ours); "
+                           "missing packages are reported and skipped; none: --peers")
   parser.add_argument("--variants", action="store_true",
                       help="with --stages: also other Triton tile configurations")
   args = parser.parse_args()
@@ -291,23 +327,34 @@ def main():
   print(f"# {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
         f"{datetime.datetime.now():%Y-%m-%d %H:%M}")
   if args.check:
-    check(args.cases, args.xla_slice_grads)
+    check(args.cases, (args.value_slices or [None])[0])
     return
   if args.stages:
-    stages(args.t[0], args.e, args.reps, args.variants, args.only_default)
+    stages(args.t[0], args.e, args.reps, args.variants, args.value_slices)
     return
+  op_table(args)
+
+
+def op_table(args):
+  """The whole op, forward and forward+backward, at every (T, E): pallas (the device's defaults;
+  with --value-slices also those chunk-backward variants' f+b), on Hopper the Triton-only kernels,
+  the chunked JAX form, cuDNN attention, and the PyTorch peers on the E = 1 slice of the same
+  inputs, with the ratios to the fastest peer."""
   h, d, vd = 16, 128, 128
   hopper = pops.is_hopper()
+  nan = float("nan")
   if hopper:
     print("# pallas: Mosaic GPU (wgmma) state-passing kernels and chunk-parallel backward where "
           "they take the sizes; pallas-triton: the same op with the Triton kernels only")
-  print("| B | T | E | pallas fwd | pallas f+b | f+b vs E=1 | pallas-triton fwd "
-        "| pallas-triton f+b "
-        "| chunked fwd | chunked f+b | cudnn fwd | cudnn f+b "
-        "| chunked/pallas f+b | cudnn/pallas f+b | pallas TFLOP/s fwd / f+b "
-        "| chunked TFLOP/s fwd / f+b |"
-        + (" xla-slice-grads f+b | its f+b vs E=1 |" if args.xla_slice_grads else ""))
-  print("|" + "---|" * (18 if args.xla_slice_grads else 16))
+  extra = "".join(f" value_slices {g} f+b |" for g in args.value_slices)
+  cols = ("B | T | E | pallas fwd | pallas f+b | f+b vs E=1 |" + extra
+          + " pallas-triton fwd | pallas-triton f+b | chunked fwd | chunked f+b | cudnn fwd"
+          " | cudnn f+b | best peer fwd | best peer f+b | fwd vs peer | f+b vs peer"
+          " | pallas TFLOP/s fwd / f+b")
+  for e in args.e:
+    print("\n".join("# " + line for line in str(pops.explain(d, vd, e, 64, jnp.bfloat16)).splitlines()))
+  print("| " + cols + " |")
+  print("|" + "---|" * (cols.count("|") + 1))
   for t in args.t:
     b = SHAPES.get(t, max(1, 32768 // t))
     key = jax.random.PRNGKey(0)
@@ -317,37 +364,34 @@ def main():
       att = (timeit(att_fwd, (qa, ka, va), args.reps), timeit(att_fb, (qa, ka, va), args.reps))
     except Exception as err:  # cuDNN missing or shape refused: report, do not stop the table
       print(f"# cudnn attention failed at T={t}: {type(err).__name__}: {err}"[:300])
-      att = (float("nan"), float("nan"))
-    e1 = xe1 = None
+      att = (nan, nan)
+    best = peer_table(t, b, h, d, vd, args.peers, args.reps)
+    e1 = None
     for e in args.e:
       xs = inputs(key, b, t, h, d, vd, e, jnp.bfloat16)
       pf, pfb = triadic_fns("pallas")
       pal = (timeit(pf, xs, args.reps), timeit(pfb, xs, args.reps))
       e1 = pal[1] if e == 1 else e1
-      xsg = ""
-      if args.xla_slice_grads:  # the same op with Config.xla_slice_grads, side by side
-        _, xfb = triadic_fns("pallas", xla_slice_grads=True)
-        xms = timeit(xfb, xs, args.reps)
-        xe1 = xms if e == 1 else xe1
-        xsg = f" | {xms:.2f} | " + (f"{xms / xe1:.2f}x" if xe1 else "-")
-      tri = (float("nan"), float("nan"))
+      variants = []
+      for g in args.value_slices:
+        variants.append(timeit(triadic_fns("pallas", value_slices=g)[1], xs, args.reps)
+                        if e % g == 0 else nan)
+      tri = (nan, nan)
       if hopper and not args.no_triton:
         tf_, tfb = triadic_fns("pallas", mosaic_gpu=False, mosaic_gpu_backward=False)
         tri = (timeit(tf_, xs, args.reps), timeit(tfb, xs, args.reps))
-      if args.no_chunked:
-        chk = (float("nan"), float("nan"))
-      else:
+      chk = (nan, nan)
+      if not args.no_chunked:
         cf, cfb = triadic_fns("chunked")
         chk = (timeit(cf, xs, args.reps), timeit(cfb, xs, args.reps))
       fl = chunked_flops(b, t, h, d, vd, e)
       tf = lambda ms, mult: mult * fl / (ms * 1e-3) / 1e12
       vs1 = f"{pal[1] / e1:.2f}x" if e1 else "-"
-      print(f"| {b} | {t} | {e} | {pal[0]:.2f} | {pal[1]:.2f} | {vs1} "
-            f"| {tri[0]:.2f} | {tri[1]:.2f} "
-            f"| {chk[0]:.2f} | {chk[1]:.2f} "
-            f"| {att[0]:.2f} | {att[1]:.2f} | {chk[1] / pal[1]:.2f}x | {att[1] / pal[1]:.2f}x "
-            f"| {tf(pal[0], 1):.0f} / {tf(pal[1], 3):.0f} "
-            f"| {tf(chk[0], 1):.0f} / {tf(chk[1], 3):.0f}{xsg} |")
+      cells = ([b, t, e, f"{pal[0]:.2f}", f"{pal[1]:.2f}", vs1] + [f"{x:.2f}" for x in variants]
+               + [f"{x:.2f}" for x in (*tri, *chk, *att, *best)]
+               + [f"{pal[0] / best[0]:.2f}x", f"{pal[1] / best[1]:.2f}x",
+                  f"{tf(pal[0], 1):.0f} / {tf(pal[1], 3):.0f}"])
+      print("| " + " | ".join(str(x) for x in cells) + " |")
       sys.stdout.flush()
 
 

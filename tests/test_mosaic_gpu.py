@@ -43,8 +43,7 @@ def build(b, t, h, d, vdim, e, c, erase, seed=0):
   k2, q2, g, beta = (merge(_chunks(x.astype(jnp.float32), nc, c)) for x in args[3:7])
   h0, dht = merge(args[7]), merge(ds)
   do = merge(_chunks(do, nc, c)).astype(q.dtype)
-  rows = lambda x: jnp.swapaxes(x, -1, -2)
-  gcc, _, a, p = chunk_prep(q, k, k2, rows(k2), q2, g, rows(g), beta, erase=erase, cfg=CPU)
+  gcc, _, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=CPU)
   return (q, k, v, k2, q2, gcc, beta, a, p, h0), do, dht
 
 

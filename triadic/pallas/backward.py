@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from triadic.pallas.chunk_prep import decay_masks
-from triadic.pallas.common import F32, call, col, colsum, last, masks, mm, row, rowsum, total
+from triadic.pallas.common import (F32, call, col, colsum, decay_mask, last, masks, mm, row,
+                                   rowsum, total)
 
 
 def decays(gcc, e_dim, c):
@@ -147,7 +147,7 @@ def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2c, k
   m = jnp.zeros((c, c), F32)
   for e in range(e_dim):
     k2t, k2s, q2t = col(k2c, e), row(k2r, e), col(q2c, e)
-    dec = decay_masks(col(gcc, e), row(gcr, e), causal)
+    dec = decay_mask(col(gcc, e), row(gcr, e), causal)
     mq = mq + q2t * k2s * dec
     wq = dmq * dec                         # d M'_ts / d(q2_t k2_s), times dM'
     dq2 = rowsum(wq * k2s) + dqcoef[e] * a[e]

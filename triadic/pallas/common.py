@@ -52,13 +52,9 @@ class Config:
   interpret mode (how the tests run them).
   mosaic_gpu_backward: also run the chunk-parallel backward's E-dependent part as a Mosaic GPU
   kernel (``mosaic_backward.py``), where ``mosaic_backward.supported`` takes the sizes. On by
-  default on Hopper GPUs (checked there against the chunked form, benchmarks/RESULTS.md).
-  xla_slice_grads: with ``mosaic_gpu_backward``, run that backward's per-slice elementwise work
-  (the C x C decay masks exp(gc_t - gc_s) of every slice, M, M', and the dk2, dq2, d gc they
-  give) as plain JAX over all chunks at once (``slice_grads.py``), around an E-independent Pallas
-  tail kernel, instead of inside the tail kernel per chunk, which on the H200 grew from 3.4 ms at
-  E = 1 to 10.9 ms at E = 4 (B=2 T=16384). Off by default until timed there against the
-  in-kernel tail.
+  default on Hopper GPUs.
+  value_slices: with ``mosaic_gpu_backward``, slices per pass of that backward's value kernel
+  (None: ``mosaic_backward.default_value_slices``, the most that keep its load pipeline).
   """
   platform: str
   block_v: int
@@ -69,7 +65,7 @@ class Config:
   interpret: bool | pltpu.InterpretParams = False
   mosaic_gpu: bool = False
   mosaic_gpu_backward: bool = False
-  xla_slice_grads: bool = False
+  value_slices: int | None = None
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -137,6 +133,12 @@ def masks(c):
   t = jax.lax.broadcasted_iota(jnp.int32, (c, c), 0)
   s = jax.lax.broadcasted_iota(jnp.int32, (c, c), 1)
   return s <= t, s < t, t, s
+
+
+def decay_mask(gt, gs, causal):
+  """exp(gc_t - gc_s) where s <= t, else 0: gt (C, 1), gs (1, C). Masked before ``exp``, so
+  nothing overflows for any g <= 0."""
+  return jnp.where(causal, jnp.exp(jnp.where(causal, gt - gs, 0.0)), 0.0)
 
 
 def col(ref, e, *lead):

@@ -99,7 +99,7 @@ def sizes_reason(d: int, vd: int, c: int, e: int, dtype, bv: int | None, block_v
   None. ``what`` names the kernel in the message."""
   if jnp.dtype(dtype) != jnp.dtype(BF16):
     return (f"{what} take bfloat16 inputs only (wgmma on float32 would be TF32; use the Triton "
-            f"path), got {dtype}")
+            f"path), got {jnp.dtype(dtype).name}")
   if c != 64:
     return f"{what} need chunk size 64, got {c}"
   if d not in (64, 128):

@@ -153,9 +153,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from triadic.pallas import slice_grads
-from triadic.pallas.backward import chunk_local, ut_after, ut_before
-from triadic.pallas.common import F32, Config, call, col, last, mm, rowsum
+from triadic.pallas import masks
+from triadic.pallas.backward import ut_after, ut_before
+from triadic.pallas.common import F32, Config, call, mm, rowsum
 from triadic.pallas.mosaic import (MAX_N, _Ops, _interpret_params, _load, _smem, _swizzle, _wait,
                                    sizes_reason)
 
@@ -210,20 +210,23 @@ def default_stages(d: int, vd: int, c: int, e: int, bv: int) -> int:
 
 
 def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None,
-              stages: int | None = None) -> str | None:
-  """Why this kernel cannot take these sizes, or None if it can."""
-  if e > MAX_E:
-    return f"the Mosaic GPU backward takes E <= {MAX_E}, got {e}"
-  bv = block_v or default_block_v(d, vd, c, e)
-  reason = sizes_reason(d, vd, c, e, dtype, bv, BLOCK_VS, "the Mosaic GPU backward")
+              stages: int | None = None, value_slices: int | None = None) -> str | None:
+  """Why this kernel cannot take these sizes, or None if it can. ``value_slices`` (default
+  ``default_value_slices``) slices per pass of the value kernel: the SMEM and wgmma limits apply
+  to one pass."""
+  size = value_slices or default_value_slices(d, vd, c, e)
+  if size > MAX_E or e % size:
+    return f"value_slices must divide E = {e} and be <= {MAX_E}, got {size}"
+  bv = block_v or default_block_v(d, vd, c, size)
+  reason = sizes_reason(d, vd, c, size, dtype, bv, BLOCK_VS, "the Mosaic GPU backward")
   if reason:
     return reason
   if stages not in (None, 1, 2):
     return f"stages must be 1 or 2, got {stages}"
   st = stages or 1
-  if smem_bytes(d, vd, c, e, bv, stages=st) > SMEM_LIMIT:
-    return (f"SMEM {smem_bytes(d, vd, c, e, bv, stages=st)} B > {SMEM_LIMIT} B at D={d}, E={e}, "
-            f"block_v={bv}, stages={st}")
+  if smem_bytes(d, vd, c, size, bv, stages=st) > SMEM_LIMIT:
+    return (f"SMEM {smem_bytes(d, vd, c, size, bv, stages=st)} B > {SMEM_LIMIT} B at D={d}, "
+            f"{size} slices per pass, block_v={bv}, stages={st}")
   return None
 
 
@@ -252,7 +255,7 @@ def _drhs(a, du, erase):
 
 
 def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch, outs, c, d,
-                  e_dim, bv, nv, piece, stages, scale, erase, interpret):
+                  e_dim, e_offset, bv, nv, piece, stages, scale, erase, interpret):
   if erase:
     x_g, dq_g, dk_g, coef_g, lam_g, bars = rest
   else:
@@ -295,7 +298,8 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
     def load_state(src, stg, first, j):
       # One TMA per slice (a (E, D, BV) box would need more than 5 strided dimensions).
       cols = pl.ds(j * bv, bv)
-      _load([(src.at[i, n, e, :, cols], stg.at[e]) for e in range(e_dim)], bars, first=first)
+      _load([(src.at[i, n, e_offset + e, :, cols], stg.at[e]) for e in range(e_dim)], bars,
+            first=first)
 
     _load([(q_g.at[i, n], q_s), (k_g.at[i, n], k_s), (f_g.at[i, n], f_s)], bars)
     load_blocks(0)
@@ -416,12 +420,15 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
 
 
 def value_pass(q, k, v, do, u, drhs, states, dstates, f, *, scale, erase, block_v, stages=None,
-               interpret=False):
-  """The Mosaic GPU kernel. Returns X (erase only, else None), dq and dk partials (BH,NC,C,D),
-  the row-sum matrix (BH,NC,C,32) and the dlam row partials (BH,NC,D,8), all float32.
-  ``stages``: state staging buffers (1 or 2; None: ``default_stages``)."""
+               e_offset=0, interpret=False):
+  """The Mosaic GPU kernel over the slices e_offset .. e_offset + G - 1 of ``states`` and
+  ``dstates`` (BH, NC, E, D, V), G given by the factor rows ``f`` (BH, NC, 3G + 1, C) of those
+  slices. Returns X_G = V - sum over those slices (erase only, else None), dq and dk partials
+  (BH,NC,C,D), the row-sum matrix (BH,NC,C,32; columns [dcoef, dqcoef, dkcoef] of the G slices)
+  and the dlam row partials (BH,NC,D,8), all float32. ``stages``: state staging buffers (1 or 2;
+  None: ``default_stages``)."""
   bh, nc, c, d = q.shape
-  vd, e_dim = v.shape[-1], states.shape[2]
+  vd, e_dim = v.shape[-1], (f.shape[2] - 1) // 3
   bv = block_v
   stages = stages or default_stages(d, vd, c, e_dim, bv)
   n_cat = e_dim * bv
@@ -455,7 +462,8 @@ def value_pass(q, k, v, do, u, drhs, states, dstates, f, *, scale, erase, block_
       jax.ShapeDtypeStruct((bh, nc, c, COEF_W), F32),
       jax.ShapeDtypeStruct((bh, nc, d, LAM_W), F32)]
   kernel = functools.partial(
-      _value_kernel, scratch=scratch, outs=outs, c=c, d=d, e_dim=e_dim, bv=bv, nv=vd // bv,
+      _value_kernel, scratch=scratch, outs=outs, c=c, d=d, e_dim=e_dim, e_offset=e_offset, bv=bv,
+      nv=vd // bv,
       piece=piece_width(d, e_dim, bv), stages=stages, scale=scale, erase=erase,
       interpret=bool(interpret))
   res = plgpu.kernel(
@@ -467,7 +475,9 @@ def value_pass(q, k, v, do, u, drhs, states, dstates, f, *, scale, erase, block_
 
 
 # ------------------------------------------------------------------------------------------------
-# The tail: E-independent products over the whole V and the chunk-local part of backward.py.
+# The tail: E-independent products over the whole V, the UT-transform gradient and dM', dM; the
+# masks M, M' come in from plain JAX (``masks.decay_masks``) and dM', dM go out to plain JAX
+# (``masks.mask_grads``), which turns them into dk2, dq2 and d gc.
 
 
 def _tail_products(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, beta_ref, *, scale,
@@ -481,50 +491,6 @@ def _tail_products(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, beta_ref,
   dp = scale * mm(do_ref[...], u_ref[...], dtype, tb=True)
   da = mm(du_ref[...], beta * x, dtype, tb=True) if erase else None
   return q, k, beta, dbeta, dp, da
-
-
-def _tail_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref, dkp_ref, coef_ref,
-                 lam_ref, k2c, k2r, q2c, gcc, gcr, beta_ref, a_ref,
-                 dq_ref, dk_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref, dgcr_ref, dbeta_ref, *,
-                 c, e_dim, scale, erase, dtype, precision):
-  q, k, beta, dbeta, dp, da = _tail_products(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref,
-                                              beta_ref, scale=scale, erase=erase, dtype=dtype)
-  dcoef = [col(coef_ref, e) for e in range(e_dim)]
-  dqcoef = [col(coef_ref, e_dim + e) for e in range(e_dim)]
-  dkcoef = [col(coef_ref, 2 * e_dim + e) for e in range(e_dim)]
-  dlam = [last(lam_ref, e, 1) for e in range(e_dim)]
-  outs = (dq_ref, dk_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref, dgcr_ref, dbeta_ref)
-  chunk_local(q, k, dqp_ref[...], dkp_ref[...], dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam,
-              k2c, k2r, q2c, gcc, gcr, beta, a_ref[...], outs, c=c, e_dim=e_dim, erase=erase,
-              dtype=dtype, precision=precision)
-
-
-def _tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,
-          scale, erase, cfg):
-  bh, nc, c, d = q.shape
-  vd, e_dim = x.shape[-1], k2c.shape[-1]
-  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
-  shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
-  kernel = functools.partial(_tail_kernel, c=c, e_dim=e_dim, scale=scale, erase=erase,
-                             dtype=q.dtype, precision=cfg.f32_precision)
-  return call(
-      kernel, cfg=cfg, grid=(bh, nc),
-      in_specs=[spec(c, d), spec(c, d), spec(c, vd), spec(c, vd), spec(c, vd), spec(c, vd),
-                spec(c, vd), spec(c, d), spec(c, d), spec(c, COEF_W), spec(1, lam.shape[-1]),
-                spec(c, e_dim), spec(e_dim, c), spec(c, e_dim), spec(c, e_dim), spec(e_dim, c),
-                spec(c, 1), spec(c, c)],
-      out_specs=[spec(c, d), spec(c, d), spec(c, e_dim), spec(e_dim, c), spec(c, e_dim),
-                 spec(c, e_dim), spec(e_dim, c), spec(c, 1)],
-      out_shape=[shape(c, d), shape(c, d), shape(c, e_dim), shape(e_dim, c), shape(c, e_dim),
-                 shape(c, e_dim), shape(e_dim, c), shape(c, 1)],
-      semantics=("parallel", "parallel"), name="triadic_chunk_backward_tail",
-      num_warps=cfg.bwd_num_warps,
-  )(q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a)
-
-
-# ------------------------------------------------------------------------------------------------
-# The E-independent tail (``Config.xla_slice_grads``): M and M' come in from plain JAX
-# (``slice_grads.decay_masks``), dM' and dM go out to plain JAX (``slice_grads.slice_grads``).
 
 
 def _tail_ut_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref, dkp_ref, mq_ref,
@@ -579,54 +545,73 @@ def tail_config(interpret: bool) -> Config:
           else Config("gpu", block_v=32, bwd_block_v=32))
 
 
-def tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,
-         scale, erase, cfg, xla_slice_grads=False):
-  """Everything after the value kernel (``lam`` already summed to (BH,NC,1,8)): the Pallas
-  ``_tail`` (``backward.chunk_local`` per chunk), or with ``xla_slice_grads`` plain JAX M, M'
-  (``slice_grads.decay_masks``), the E-independent ``_tail_ut`` and the per-slice gradients in
-  plain JAX (``slice_grads.slice_grads``). Returns dq, dk, dk2 column, dk2 row, dq2, d gc column,
-  d gc row, dbeta, as ``_tail``."""
-  if not xla_slice_grads:
-    return _tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c,
-                 a, scale=scale, erase=erase, cfg=cfg)
-  e_dim = k2c.shape[-1]
-  m, mq = slice_grads.decay_masks(k2c, k2r, q2c, gcc, gcr, erase=erase)
+def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc,
+         gcr, beta_c, a, *, scale, erase, cfg):
+  """Everything after the value kernel: the masks M, M' (plain JAX), the E-independent tail
+  kernel, and the per-slice mask gradients (plain JAX). ``dcoef``, ``dqcoef``, ``dkcoef``
+  (BH,NC,C,E) and ``dlam`` (BH,NC,E) are the value kernel's row sums. Returns float32 dq, dk
+  (BH,NC,C,D), dk2 column (C,E) and row (E,C) parts, dq2 (C,E), d gc column and row parts and
+  dbeta (C,1)."""
+  m, mq = masks.decay_masks(k2c, k2r, q2c, gcc, gcr, erase=erase)
   dq, dk, dbeta, dmq, dm = _tail_ut(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_c, a,
                                     scale=scale, erase=erase, cfg=cfg)
-  dcoef, dqcoef, dkcoef = (coef[..., j * e_dim:(j + 1) * e_dim] for j in range(3))
-  dlam = lam[..., 0, :e_dim]
-  dk2c, dk2r, dq2c, dgcc, dgcr = slice_grads.slice_grads(
+  dk2c, dk2r, dq2c, dgcc, dgcr = masks.mask_grads(
       dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc, gcr, erase=erase)
   return dq, dk, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta
 
 
+def default_value_slices(d: int, vd: int, c: int, e: int) -> int:
+  """Slices per value-kernel pass: the largest divisor G of E (G <= MAX_E) at which some block_v
+  fits two staging buffers (``default_stages``), else the largest divisor that fits at all. Each
+  pass re-reads the E-independent inputs (K, Q, V, dO, U, drhs), so fewer passes are better
+  unless a pass would lose its load pipeline."""
+  divisors = [g for g in range(min(e, MAX_E), 0, -1) if e % g == 0]
+  for need_two in (True, False):
+    for g in divisors:
+      bv = default_block_v(d, vd, c, g)
+      if bv and (not need_two or default_stages(d, vd, c, g, bv) == 2):
+        return g
+  return 1
+
+
 def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,
-                   scale, erase, block_v=None, stages=None, interpret=False,
-                   xla_slice_grads=False):
+                   scale, erase, block_v=None, stages=None, value_slices=None, interpret=False):
   """``backward.chunk_backward`` on Hopper: same operands (layout (BH, NC, ...)), same outputs:
   float32 dq, dk (BH,NC,C,D), dv (BH,NC,C,V), dk2 column and row parts ((C,E), (E,C)), dq2 (C,E),
-  d gc column and row parts, dbeta (C,1). ``interpret=True``: Mosaic GPU interpret mode for the
-  value kernel and Pallas interpret mode for the tail (CPU tests). ``xla_slice_grads``: the
-  tail's per-slice elementwise work in plain JAX around an E-independent kernel (``tail``,
-  ``Config.xla_slice_grads``)."""
+  d gc column and row parts, dbeta (C,1). The value kernel runs once per group of
+  ``value_slices`` slices (default ``default_value_slices``); its outputs are sums or per-slice
+  columns, so the groups' results add up (X: V - sum_e ..., one V per extra group taken back).
+  ``interpret=True``: Mosaic GPU interpret mode for the value kernel and Pallas interpret mode
+  for the tail (CPU tests)."""
   bh, nc, c, d = q.shape
   vd, e_dim = v.shape[-1], k2c.shape[-1]
-  bv = block_v or default_block_v(d, vd, c, e_dim)
-  reason = supported(d, vd, c, e_dim, q.dtype, bv, stages)
+  size = value_slices or default_value_slices(d, vd, c, e_dim)
+  bv = block_v or default_block_v(d, vd, c, size)
+  reason = supported(d, vd, c, e_dim, q.dtype, bv, stages, size)
   if reason:
     raise ValueError(reason)
   beta = beta_c.astype(F32)
   drhs = _drhs(a, du, erase)
   dv = beta * drhs
-  f = _factor_rows(gcc, k2c, q2c, beta_c)
-  x, dqp, dkp, coef, lam = value_pass(
-      q, k, v.astype(q.dtype), do.astype(q.dtype), u.astype(F32), drhs, states.astype(q.dtype),
-      dstates.astype(q.dtype), f, scale=scale, erase=erase, block_v=bv, stages=stages,
-      interpret=interpret)
-  if x is None:
-    x = v.astype(F32)
-  lam = jnp.sum(lam, axis=2, keepdims=True)            # (BH, NC, 1, 8): sum of the D rows
+  v16, do16, u32 = v.astype(q.dtype), do.astype(q.dtype), u.astype(F32)
+  s16, ds16 = states.astype(q.dtype), dstates.astype(q.dtype)
+  xs, dqps, dkps, coefs, lams = [], [], [], [], []
+  for e0 in range(0, e_dim, size):
+    group = slice(e0, e0 + size)
+    f = _factor_rows(gcc[..., group], k2c[..., group], q2c[..., group], beta_c)
+    x, dqp, dkp, coef, lam = value_pass(
+        q, k, v16, do16, u32, drhs, s16, ds16, f, scale=scale, erase=erase, block_v=bv,
+        stages=stages, e_offset=e0, interpret=interpret)
+    xs.append(x)
+    dqps.append(dqp)
+    dkps.append(dkp)
+    coefs.append(coef)
+    lams.append(jnp.sum(lam, axis=2)[..., :size])    # (BH, NC, G): the sum over the D rows
+  x = v.astype(F32) if not erase else sum(xs) - (len(xs) - 1) * v.astype(F32)
+  dcoef, dqcoef, dkcoef = (jnp.concatenate([cf[..., j * size:(j + 1) * size] for cf in coefs],
+                                           axis=-1) for j in range(3))
   dq, dk, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta = tail(
-      q, k, x, do, u, du, drhs, dqp, dkp, coef, lam, k2c, k2r, q2c, gcc, gcr, beta_c, a,
-      scale=scale, erase=erase, cfg=tail_config(interpret), xla_slice_grads=xla_slice_grads)
+      q, k, x, do, u, du, drhs, sum(dqps), sum(dkps), dcoef, dqcoef, dkcoef,
+      jnp.concatenate(lams, axis=-1), k2c, k2r, q2c, gcc, gcr, beta_c, a, scale=scale,
+      erase=erase, cfg=tail_config(interpret))
   return dq, dk, dv, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta

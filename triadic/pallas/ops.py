@@ -40,6 +40,7 @@ import jax.numpy as jnp
 
 from triadic.pallas import backward as bwd_kernels
 from triadic.pallas import mosaic, mosaic_backward, partition, recurrent
+from triadic.pallas import plan as plan_lib
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import F32, PLATFORMS, Config
 
@@ -129,12 +130,16 @@ _BWD_RULE = ("b h n c d, b h n c d, b h n c v, b h n c e, b h n c e, b h n c one
              "b h e d v")
 
 
+def _plan(cfg, q, v, k2):
+  return plan_lib.resolve(cfg, d=q.shape[-1], vd=v.shape[-1], c=q.shape[-2], e=k2.shape[-1],
+                          dtype=q.dtype)
+
+
 def _state_kernels(cfg, q, v, k2):
-  """The state-passing kernels to run: ``mosaic`` (Hopper wgmma) where ``cfg.mosaic_gpu`` asks
-  and the sizes allow, else ``recurrent`` (Triton / TPU / interpret), as (forward, backward)
-  functions of ``recurrent.forward``'s operands."""
-  c, d = q.shape[-2:]
-  if cfg.mosaic_gpu and mosaic.supported(d, v.shape[-1], c, k2.shape[-1], q.dtype) is None:
+  """The plan's state-passing kernels, as (forward, backward) functions of
+  ``recurrent.forward``'s operands: ``mosaic`` (Hopper wgmma) or ``recurrent`` (Triton / TPU /
+  interpret)."""
+  if _plan(cfg, q, v, k2).mosaic_state_kernels:
     interpret = cfg.platform == "cpu"
     return (functools.partial(mosaic.forward, interpret=interpret),
             functools.partial(mosaic.backward, interpret=interpret))
@@ -143,14 +148,11 @@ def _state_kernels(cfg, q, v, k2):
 
 
 def _chunk_backward(cfg, q, v, k2):
-  """The chunk-parallel backward to run: ``mosaic_backward`` where ``cfg.mosaic_gpu_backward``
-  asks and the sizes allow (with ``cfg.xla_slice_grads`` passed on), else
-  ``backward.chunk_backward``."""
-  c, d = q.shape[-2:]
-  if (cfg.mosaic_gpu_backward
-      and mosaic_backward.supported(d, v.shape[-1], c, k2.shape[-1], q.dtype) is None):
+  """The plan's chunk-parallel backward: ``mosaic_backward`` (``cfg.value_slices`` slices per
+  value-kernel pass) or ``backward.chunk_backward``."""
+  if _plan(cfg, q, v, k2).mosaic_chunk_backward:
     return functools.partial(mosaic_backward.chunk_backward, interpret=cfg.platform == "cpu",
-                             xla_slice_grads=cfg.xla_slice_grads)
+                             value_slices=cfg.value_slices)
   return functools.partial(bwd_kernels.chunk_backward, cfg=cfg)
 
 
@@ -162,7 +164,7 @@ def _forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
   """
   b, h = q.shape[:2]
   q, k, v, k2, q2, g, beta, h0 = map(_merge, (q, k, v, k2, q2, g, beta, h0))
-  gcc, gcr, a, p = chunk_prep(q, k, k2, _rows(k2), q2, g, _rows(g), beta, erase=erase, cfg=cfg)
+  gcc, gcr, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg)
   forward = _state_kernels(cfg, q, v, k2)[0]
   o, u, states, ht = forward(q, k, v, k2, q2, gcc, beta, a, p, h0, scale=scale, erase=erase)
   return tuple(_split(x, b, h) for x in (o, ht, gcc, gcr, a, p, u, states))
@@ -219,6 +221,19 @@ def _core_bwd(scale, erase, cfg, saved, cotangents):
 
 
 _core.defvjp(_core_fwd, _core_bwd)
+
+
+def explain(d: int, vd: int, e: int, chunk_size: int, dtype, *, platform: str | None = None,
+            config: Config | None = None) -> plan_lib.Plan:
+  """The kernel plan ``triadic_pallas`` follows for these sizes (before padding) and input
+  dtype: per stage the backend, tiles and reason (``plan.resolve``). Raises ValueError for
+  sizes the kernels cannot take."""
+  reason = unsupported(d, vd, chunk_size)
+  if reason:
+    raise ValueError(reason)
+  dp, vp, ep = _pow2(d, 16), _pow2(vd, 16), _pow2(e)
+  cfg = config or default_config(platform or default_platform(), ep, vp)
+  return plan_lib.resolve(cfg, d=dp, vd=vp, c=chunk_size, e=ep, dtype=dtype)
 
 
 def triadic_pallas(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: jax.Array,

@@ -1,22 +1,17 @@
-"""The chunk backward's per-slice elementwise work as plain JAX (``Config.xla_slice_grads``).
+"""The decay masks M, M' and their gradients, in plain JAX over all chunks at once.
 
-Why. In the Hopper chunk backward (``mosaic_backward.py``) the Pallas tail kernel runs
-``backward.chunk_local``, whose E-dependent part is elementwise C x C work per slice e: the decay
-mask exp(gc_te - gc_se) (s <= t), products with k2, q2 and the incoming gradients, row and column
-sums. A Triton program per chunk does that badly (H200, B=2 T=16384 H=16 D=V=128: the tail took
-3.44 ms at E = 1 and 10.90 ms at E = 4, benchmarks/RESULTS.md), while XLA fuses an elementwise
-expression into its reductions over all chunks at once. So with the flag on, the tail kernel is
-E-independent (``mosaic_backward._tail_ut``) and the functions here run around it:
+Every per-slice (E-dependent) piece of the chunk-local work is elementwise C x C work per slice e
+around the decay mask D_ets = exp(gc_te - gc_se) (s <= t), which XLA fuses into its reductions
+over all chunks; the Pallas kernels around these functions are then E-independent:
 
-  before:  ``decay_masks``: M_ts = sum_e k2_te k2_se D_ets, M'_ts = sum_e q2_te k2_se D_ets,
-           D_ets = exp(gc_te - gc_se) for s <= t, else 0 (masked before exp, as
-           ``chunk_prep.decay_masks``: nothing overflows for any g <= 0)
-  kernel:  the UT-transform gradient, dq and dk from M and M', and the two C x C matrices every
-           slice needs: dM' = dP * (Q K^T) and dM = dL * beta * (K K^T) (erase only)
-  after:   ``slice_grads``: what ``chunk_local``'s loop over e writes, for all chunks and slices.
+  forward   ``chunk_cumsum``: gc, the chunk-local inclusive cumsum of g;
+            ``decay_masks``: M_ts = sum_e k2_te k2_se D_ets, M'_ts = sum_e q2_te k2_se D_ets,
+            masked before exp (``common.decay_mask``): nothing overflows for any g <= 0.
+  backward  ``mask_grads``: from dM' = dP * (Q K^T) and dM = dL * beta * (K K^T) (the tail
+            kernel's outputs) and the value kernel's row coefficients, dk2, dq2 and d gc.
 
-Per slice e, with W'_ts = dM'_ts D_ets and W_ts = dM_ts D_ets (W only with erase), the loop of
-``chunk_local`` computes (a = exp(gc), b = exp(gc_C - gc), coefficients from the value kernel):
+Per slice e, with W'_ts = dM'_ts D_ets and W_ts = dM_ts D_ets (W only with erase), and
+a = exp(gc), b = exp(gc_C - gc):
 
   dq2_t     = sum_s W'_ts k2_s + dqcoef_t a_t
   dk2 col_t = dkcoef_t b_t [+ sum_s W_ts k2_s + dcoef_t a_t]
@@ -26,19 +21,14 @@ Per slice e, with W'_ts = dM'_ts D_ets and W_ts = dM_ts D_ets (W only with erase
               (+ at t = C-1: sum_t dkcoef_t k2_t b_t + dlam exp(gc_C))
   dgc row_s = -sum_t dG_ts
 
-Here the four C x C reductions rq = sum_s W' k2_s, rk = sum_s W k2_s, cq = sum_t W' q2_t,
+The four C x C reductions rq = sum_s W' k2_s, rk = sum_s W k2_s, cq = sum_t W' q2_t,
 ck = sum_t W k2_t are the only ones taken: sum_s dG_ts = q2_t rq_t + k2_t rk_t and
-sum_t dG_ts = k2_s (cq_s + ck_s) = k2_s dk2 row_s (the same sums, the common factor taken out;
-float32 rounding differs from the kernel's by reassociation only).
+sum_t dG_ts = k2_s (cq_s + ck_s) = k2_s dk2 row_s.
 
-Layout: as the kernels, (BH, NC, C, E) columns and (BH, NC, E, C) rows. Shaped for XLA's fusion
-(untimed; the choice is for the H200 to confirm): M and M' are an unrolled sum over e of
-elementwise (BH, NC, C, C) terms, one loop fusion with no reduction; each per-slice sum is over the
-minor axis of a (BH, NC, E, C, C) broadcast expression with its own decay mask, the t-sums on
-the transposed (E, C_s, C_t) mask, so that each reduction fuses its exponentials instead of
-sharing one materialised mask (E x C x C float32 per chunk in HBM) with a reduction of another
-shape. The exponentials are then taken three times per (e, t, s) instead of once (five if XLA
-does not fuse the two reductions of each orientation as siblings).
+Layout: as the kernels, (BH, NC, C, E) columns and (BH, NC, E, C) rows. M and M' are an unrolled
+sum over e of elementwise (BH, NC, C, C) terms (one loop fusion, no reduction); each per-slice sum
+is over the minor axis of a (BH, NC, E, C, C) broadcast expression with its own decay mask, so
+that each reduction fuses its exponentials instead of reading one materialised E x C x C mask.
 """
 
 from __future__ import annotations
@@ -64,8 +54,7 @@ def _lower(c):
 def decay(gcc, gcr, *, transpose=False):
   """D_ets = exp(gc_te - gc_se) where s <= t, else 0, as a (BH, NC, E, C_t, C_s) expression, or
   with ``transpose`` as (BH, NC, E, C_s, C_t) (same values: gc_t from gcc, gc_s from gcr, as
-  ``chunk_local``). Masked before exp (``chunk_prep.decay_masks``): nothing overflows for any
-  g <= 0."""
+  ``chunk_local``). Masked before exp: nothing overflows for any g <= 0."""
   if transpose:
     causal = _lower(gcc.shape[-2]).T
     diff = _rows(jnp.swapaxes(gcc, -1, -2)) - gcr[..., :, :, None]
@@ -75,9 +64,14 @@ def decay(gcc, gcr, *, transpose=False):
   return jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
 
 
+def chunk_cumsum(g_c):
+  """gc: the chunk-local inclusive cumsum of g (BH, NC, C, E) float32, non-increasing, <= 0."""
+  return jnp.cumsum(g_c.astype(jnp.float32), axis=-2)
+
+
 def decay_masks(k2c, k2r, q2c, gcc, gcr, *, erase):
-  """M and M' of every chunk, (BH, NC, C, C) float32 each (M is None without erase): the masks
-  of ``chunk_prep`` / ``chunk_local``, as one elementwise sum over the slices each."""
+  """M and M' of every chunk, (BH, NC, C, C) float32 each (M is None without erase), as one
+  elementwise sum over the slices each."""
   e_dim = gcc.shape[-1]
   m = mq = 0.0
   for e in range(e_dim):
@@ -89,8 +83,9 @@ def decay_masks(k2c, k2r, q2c, gcc, gcr, *, erase):
   return (m if erase else None), mq
 
 
-def slice_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc, gcr, *, erase):
-  """The per-slice gradients of ``backward.chunk_local``'s loop over e, for all chunks at once.
+def mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc, gcr, *, erase):
+  """The per-slice gradients of the masks (``backward.chunk_local``'s loop over e), for all
+  chunks at once.
 
   dmq = dM' (BH, NC, C, C), dm = dM (None without erase); the value kernel's row coefficients
   dcoef (unused without erase), dqcoef, dkcoef (BH, NC, C, E) and dlam (BH, NC, E); k2, q2, gc

@@ -1,0 +1,91 @@
+"""Public chunk GDN kernels (PyTorch) timed on the same inputs as ours, in the same process.
+
+The peers are FLA's Triton ``chunk_gated_delta_rule`` (``flash-linear-attention`` / ``fla-core``)
+and FlashQLA's fused Hopper kernels (``flash-qla`` + ``tilelang``). Each is optional: a peer whose
+package does not import is reported as missing, never an error. Inputs come from the JAX arrays
+through DLPack, so both sides read the same numbers.
+
+FLA 0.6 would route grad-free bf16 calls to FlashQLA when it is importable; ``FLA_FLASH_QLA=0``
+is set before importing it so that the "fla" row is always FLA's own Triton path.
+"""
+
+from __future__ import annotations
+
+import os
+import statistics
+
+PEERS = ("fla", "flashqla")
+
+
+def _torch():
+  try:
+    import torch
+  except ImportError:
+    return None
+  return torch if torch.cuda.is_available() else None
+
+
+def peer_fn(name: str):
+  """The peer's ``chunk_gated_delta_rule`` (q, k, v, g, beta, scale=...) or the reason it is missing."""
+  if _torch() is None:
+    return None, "torch with CUDA not importable"
+  try:
+    if name == "fla":
+      os.environ["FLA_FLASH_QLA"] = "0"
+      from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    elif name == "flashqla":
+      from flash_qla import chunk_gated_delta_rule
+    else:
+      raise ValueError(f"peer must be one of {PEERS}, got {name!r}")
+  except ImportError as err:
+    return None, f"{type(err).__name__}: {err}"[:200]
+  return chunk_gated_delta_rule, None
+
+
+def _time_cuda(torch, fn, reps: int) -> float:
+  """Median ms of ``fn()`` over ``reps`` calls after two warm-ups, by CUDA events."""
+  for _ in range(2):
+    fn()
+  torch.cuda.synchronize()
+  times = []
+  for _ in range(reps):
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    torch.cuda.synchronize()
+    times.append(start.elapsed_time(end))
+  return statistics.median(times)
+
+
+def time_gdn_peers(q, k, v, g, beta, reps: int, peers=PEERS) -> dict:
+  """{peer: (fwd ms, fwd+bwd ms) or reason string} for Gated DeltaNet on JAX inputs q, k (B, T,
+  H, D), v (B, T, H, V) in bf16, g (B, T, H) log decay and beta (B, T, H) float32."""
+  torch = _torch()
+  out = {}
+  for name in peers:
+    fn, why = peer_fn(name)
+    if fn is None:
+      out[name] = why
+      continue
+    qt, kt, vt = (torch.from_dlpack(x).clone() for x in (q, k, v))
+    gt = torch.from_dlpack(g).float().clone()
+    bt = torch.from_dlpack(beta).to(qt.dtype).clone()
+    scale = q.shape[-1] ** -0.5
+    try:
+      with torch.no_grad():
+        fwd = _time_cuda(torch, lambda: fn(qt, kt, vt, gt, bt, scale=scale), reps)
+      leaves = [x.detach().requires_grad_(True) for x in (qt, kt, vt, gt, bt)]
+      do = torch.ones_like(vt)
+
+      def fwd_bwd():
+        o = fn(*leaves, scale=scale)[0]
+        o.backward(do)
+
+      fb = _time_cuda(torch, fwd_bwd, reps)
+      out[name] = (fwd, fb)
+    except Exception as err:  # a peer that fails on this shape is reported, not fatal
+      out[name] = f"{type(err).__name__}: {err}"[:200]
+    del qt, kt, vt, gt, bt
+    torch.cuda.empty_cache()
+  return out

@@ -1,0 +1,107 @@
+"""Which kernel runs each stage of ``triadic_pallas``, with its tiles and the reason: one place.
+
+``resolve`` turns a launch ``Config`` and the call's sizes into a ``Plan``: for each of the four
+stages (prep, forward state pass, backward state pass, chunk-parallel backward) the backend that
+runs it, its tile choices, and why (the Config asked for it, or the reason a faster kernel cannot
+take these sizes: dtype, E, D, chunk). ``triadic_pallas`` follows the plan it resolves and logs
+each distinct plan once (logger ``triadic.pallas``); ``explain`` gives the same plan for sizes
+without running anything, which the benchmark prints beside its timings.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+
+import jax.numpy as jnp
+
+from triadic.pallas import mosaic, mosaic_backward
+from triadic.pallas.common import Config
+
+log = logging.getLogger("triadic.pallas")
+
+
+@dataclasses.dataclass(frozen=True)
+class Stage:
+  """One stage's choice: ``backend`` ("triton", "mosaic_tpu", "mosaic_gpu", with "/interpret" on
+  a CPU), ``tiles`` (a short description) and ``reason``."""
+  name: str
+  backend: str
+  tiles: str
+  reason: str
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """The resolved stages for one set of sizes; ``str(plan)`` is a small table."""
+  sizes: str
+  prep: Stage
+  forward: Stage
+  backward_states: Stage
+  chunk_backward: Stage
+
+  @property
+  def stages(self) -> tuple[Stage, ...]:
+    return (self.prep, self.forward, self.backward_states, self.chunk_backward)
+
+  @property
+  def mosaic_state_kernels(self) -> bool:
+    return self.forward.backend.startswith("mosaic_gpu")
+
+  @property
+  def mosaic_chunk_backward(self) -> bool:
+    return self.chunk_backward.backend.startswith("mosaic_gpu")
+
+  def __str__(self) -> str:
+    rows = [f"triadic_pallas plan ({self.sizes}):"]
+    rows += [f"  {s.name:<16} {s.backend:<36} {s.tiles:<42} {s.reason}" for s in self.stages]
+    return "\n".join(rows)
+
+
+def _base(cfg: Config) -> str:
+  name = {"gpu": "triton", "tpu": "mosaic_tpu", "cpu": "triton"}[cfg.platform]
+  if cfg.platform == "cpu":
+    name = "mosaic_tpu/interpret" if cfg.chunk_grid else "triton/interpret"
+  return name
+
+
+def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
+  """The plan for (padded) sizes D, V, chunk C, E and the inputs' dtype under ``cfg``."""
+  base = _base(cfg)
+  interp = "/interpret" if cfg.platform == "cpu" else ""
+  loop = "chunks on the grid, state in VMEM" if cfg.chunk_grid else "chunk loop per value block"
+  prep = Stage("prep", base, "one program per chunk",
+               "masks M, M' in plain JAX (E-independent kernel)")
+
+  state_reason = mosaic.supported(d, vd, c, e, dtype) if cfg.mosaic_gpu else "Config.mosaic_gpu off"
+  if state_reason is None:
+    bv = mosaic.default_block_v(d, vd, c, e)
+    tiles = f"block_v {bv}, S_cat D x {e * bv}"
+    forward = Stage("forward", "mosaic_gpu" + interp, tiles, "Config.mosaic_gpu")
+    bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles, "Config.mosaic_gpu")
+  else:
+    tiles = f"block_v {cfg.block_v}, {loop}"
+    forward = Stage("forward", base, tiles, state_reason)
+    bwd_states = Stage("backward_states", base, tiles, state_reason)
+
+  cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, value_slices=cfg.value_slices)
+               if cfg.mosaic_gpu_backward else "Config.mosaic_gpu_backward off")
+  if cb_reason is None:
+    g = cfg.value_slices or mosaic_backward.default_value_slices(d, vd, c, e)
+    bv = mosaic_backward.default_block_v(d, vd, c, g)
+    st = mosaic_backward.default_stages(d, vd, c, g, bv)
+    chunk_bwd = Stage("chunk_backward", "mosaic_gpu" + interp + " + triton tail",
+                      f"{e // g} pass(es) x {g} slices, block_v {bv}, {st} stage(s)",
+                      "Config.mosaic_gpu_backward")
+  else:
+    chunk_bwd = Stage("chunk_backward", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
+  sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
+  plan = Plan(sizes, prep, forward, bwd_states, chunk_bwd)
+  _log_once(plan)
+  return plan
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(plan: Plan) -> None:
+  log.info("%s", plan)
