@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from triadic.nn import dense
+from layers.blocks import dense
 
 
 def rotary(x: jax.Array, base: float = 10000.0, offset: jax.Array | int = 0) -> jax.Array:

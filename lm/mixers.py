@@ -14,6 +14,7 @@ from typing import Callable
 import flax.linen as nn
 
 from lm.attention import Attention
+from triadic import TriadicGDN
 
 MIXERS = ("attention", "gdn", "triadic_gdn", "triadic_sgla", "mamba2", "multistate_gdn",
           "multistate_mamba2")
@@ -44,7 +45,6 @@ def _merlin(name: str):
 
 def _triadic(expand_e: int, erase: bool) -> Callable:
   def build(cfg, **kw):
-    from triadic import TriadicGDN
     return TriadicGDN(cfg.num_heads, cfg.head_dim, expand_e=expand_e, erase=erase,
                       conv_width=cfg.conv_width, impl=cfg.impl, chunk_size=cfg.chunk_size, **kw)
   return build

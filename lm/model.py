@@ -18,7 +18,7 @@ import jax
 import jax.numpy as jnp
 
 from lm.mixers import MIXERS, MULTISTATE, check_decodable, make_mixer, mixer_cache
-from triadic.nn import RMSNorm, dense
+from layers.blocks import RMSNorm, dense
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 

@@ -7,7 +7,8 @@ switch); the aggregators turn small keys/queries into segment weights lam; ``Mul
 """
 
 from merlin.aggregators import meanpool_weights, merlin_weights, position_weights, vanilla_weights
-from merlin.layers import AGGREGATORS, Aggregator, Mamba2, MultiStateGDN, MultiStateMamba2
+from merlin.layers import AGGREGATORS, Aggregator, MultiStateGDN, MultiStateMamba2
+from merlin.mamba2 import Mamba2
 from merlin.memory import StateMemory, state_memory
 from merlin.moments import moment_scores
 from merlin.ops import multistate_attention

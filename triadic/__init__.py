@@ -8,7 +8,8 @@ from triadic import _xla_cpu
 
 _xla_cpu.apply()
 
-from triadic.layer import DecayGate, TriadicGDN  # noqa: E402
+from layers.gdn import DecayGate  # noqa: E402
+from triadic.layer import TriadicGDN  # noqa: E402
 from triadic.ops import triadic_gdn, triadic_gdn_step  # noqa: E402
 
 __all__ = ["triadic_gdn", "triadic_gdn_step", "TriadicGDN", "DecayGate"]

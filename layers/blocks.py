@@ -1,4 +1,4 @@
-"""Small Flax Linen building blocks shared by the triadic and multi-state layers.
+"""Small Flax Linen building blocks shared by the triadic, multi-state and LM layers.
 
 Every parameter carries logical axis names (``nn.with_logical_partitioning``); the training code
 maps them to mesh axes with the rules in the config. Names used here:
