@@ -73,20 +73,21 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   Call it inside a compact method: its parameters (q_proj, q_conv, ..., decay, beta_proj) belong to
   the calling module, under the same names in every layer that uses it, so checkpoints of the
   single-state layer load into the multi-state one (``merlin.MultiStateGDN``) by name.
-  With ``conv_cache`` ({stream: last conv_width - 1 inputs}, see ``gdn_cache``) the convolutions
-  continue from it and the result is ``(inputs, new_conv_cache)`` (decoding).
+  Returns ``(inputs, new_conv_cache)``. With ``conv_cache`` ({stream: last conv_width - 1 inputs},
+  see ``gdn_cache``) the convolutions continue from it (decoding); without it (training) they start
+  from zeros and new_conv_cache is None.
   """
   h, d, e = num_heads, head_dim, expand_e
   vd = value_dim or head_dim
   kw = dict(dtype=dtype, param_dtype=param_dtype)
-  new_cache = {}
+  new_cache = None if conv_cache is None else {}
 
   def stream(features, names, name):
     z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
-    conv = ShortConv(conv_width, names, name=f"{name}_conv", **kw)
-    if conv_cache is None:
-      return conv(z)
-    y, new_cache[name] = conv(z, conv_cache[name])
+    y, cache = ShortConv(conv_width, names, name=f"{name}_conv", **kw)(
+        z, None if conv_cache is None else conv_cache[name])
+    if conv_cache is not None:
+      new_cache[name] = cache
     return y
 
   q = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "q")))
@@ -101,7 +102,7 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   g = DecayGate(h, e, name="decay", **kw)(x)
   beta = jax.nn.sigmoid(dense((h,), ("embed", "heads"), name="beta_proj", **kw)(x).astype(jnp.float32))
   inputs = (q, k, v, k2.astype(q.dtype), q2.astype(q.dtype), g, beta)
-  return inputs if conv_cache is None else (inputs, new_cache)
+  return inputs, new_cache
 
 
 def gdn_output(o, x, *, dtype=jnp.float32, param_dtype=jnp.float32):

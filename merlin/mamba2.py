@@ -37,19 +37,20 @@ class Mamba2(nn.Module):
   def ssd_inputs(self, x, conv_cache=None):
     """(xs, z, b, c, dt, g): xs, z (B, T, H, P); b, c (B, T, state_dim); dt, g (B, T, H).
 
-    Creates the shared parameters; call from the compact ``__call__``. With ``conv_cache``
-    ({"x", "b", "c"}: each convolution's last conv_width - 1 inputs) the convolutions continue
-    from it and the result is ``((xs, z, b, c, dt, g), new_conv_cache)`` (decoding).
+    Creates the shared parameters; call from the compact ``__call__``. Returns
+    ``((xs, z, b, c, dt, g), new_conv_cache)``: with ``conv_cache`` ({"x", "b", "c"}: each
+    convolution's last conv_width - 1 inputs) the convolutions continue from it (decoding);
+    without it they start from zeros and new_conv_cache is None (training).
     """
     h, p, kw = self.num_heads, self.head_dim, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    new_cache = {}
+    new_cache = None if conv_cache is None else {}
 
     def stream(features, names, name):
       z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
-      conv = ShortConv(self.conv_width, names, name=f"{name}_conv", **kw)
-      if conv_cache is None:
-        return jax.nn.silu(conv(z))
-      y, new_cache[name] = conv(z, conv_cache[name])
+      y, cache = ShortConv(self.conv_width, names, name=f"{name}_conv", **kw)(
+          z, None if conv_cache is None else conv_cache[name])
+      if conv_cache is not None:
+        new_cache[name] = cache
       return jax.nn.silu(y)
 
     xs = stream((h, p), ("heads", "head_dim"), "x")
@@ -61,8 +62,7 @@ class Mamba2(nn.Module):
     dt = dense(h, ("embed", "heads"), name="dt_proj", **kw)(x).astype(jnp.float32)
     dt = jax.nn.softplus(dt + per_head("dt_bias", dt_bias_init))
     g = -jnp.exp(per_head("A_log", a_log_init)) * dt
-    inputs = xs, z, b, c, dt, g
-    return inputs if conv_cache is None else (inputs, new_cache)
+    return (xs, z, b, c, dt, g), new_cache
 
   def conv_cache(self, batch: int) -> dict:
     """Zero inputs of the short convolutions (x, b, c) for a fresh decoding cache."""
@@ -88,27 +88,24 @@ class Mamba2(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, cache: dict | None = None):
-    """x (B, T, d_model) -> (B, T, d_model). With ``cache`` (``init_cache``) it continues the cached
-    sequence and returns ``(y, new_cache)``: T > 1 by the parallel form from the cached state
-    (prefill), T = 1 by the one-token recurrence (decode)."""
-    if cache is None:
-      xs, z, b, c, dt, g = self.ssd_inputs(x)
-    else:
-      (xs, z, b, c, dt, g), conv = self.ssd_inputs(x, cache["conv"])
+    """``(y, new_cache)``, x and y (B, T, d_model): training without a cache (None back); with
+    ``cache`` (``init_cache``) it continues the cached sequence: T > 1 by the parallel form from the
+    cached state (prefill), T = 1 by the one-token recurrence (decode)."""
+    (xs, z, b, c, dt, g), conv = self.ssd_inputs(x, None if cache is None else cache["conv"])
     q, k, v = self.heads(b, c, xs, dt)
     ones = jnp.ones(g.shape + (1,), jnp.float32)
+    ssd = dict(scale=1.0, erase=False)
     if cache is None:
-      y, _ = triadic_gdn(q, k, v, ones, ones, g[..., None], jnp.ones_like(g), scale=1.0, erase=False,
-                         impl=self.impl, chunk_size=self.chunk_size)
-      return self.ssd_output(y, xs, z, x)
+      y, _ = triadic_gdn(q, k, v, ones, ones, g[..., None], jnp.ones_like(g), impl=self.impl,
+                         chunk_size=self.chunk_size, **ssd)
+      return self.ssd_output(y, xs, z, x), None
     if x.shape[1] == 1:
       y, state = triadic_gdn_step(cache["state"], *(a[:, 0] for a in (q, k, v, ones, ones)),
-                                  g[:, 0, :, None], jnp.ones_like(g[:, 0]), scale=1.0, erase=False)
+                                  g[:, 0, :, None], jnp.ones_like(g[:, 0]), **ssd)
       y = y[:, None]
     else:
-      y, state = triadic_gdn(q, k, v, ones, ones, g[..., None], jnp.ones_like(g), scale=1.0,
-                             erase=False, impl=self.impl, chunk_size=self.chunk_size,
-                             initial_state=cache["state"])
+      y, state = triadic_gdn(q, k, v, ones, ones, g[..., None], jnp.ones_like(g), impl=self.impl,
+                             chunk_size=self.chunk_size, initial_state=cache["state"], **ssd)
     return self.ssd_output(y, xs, z, x), {"state": state, "conv": conv}
 
   def init_cache(self, batch: int, max_len: int | None = None) -> dict:

@@ -1,4 +1,4 @@
-"""``TriadicGDN``: the triadic gated delta rule as its authors built the layer (SPEC section 1).
+"""``TriadicGDN``: the triadic gated delta rule as its authors built the layer (docs/spec.md section 1).
 
 x -> q, k, v (H x D, H x D, H x V) and k2, q2 (H x E) -> causal depthwise conv (width 4) on all
 of them, SiLU on q, k, v -> q, k l2-normalised over D; k2, q2 = l2norm_E(softplus(.)) ->
@@ -42,30 +42,27 @@ class TriadicGDN(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, cache: dict | None = None):
-    """x (B, T, d_model) -> (B, T, d_model), the training forward.
+    """``(y, new_cache)``, x and y (B, T, d_model).
 
-    With ``cache`` (from ``init_cache``, or returned by an earlier call) the layer continues a
-    sequence instead and returns ``(y, new_cache)``: T > 1 runs the parallel form (chunked /
+    Training passes no cache and gets None back. With ``cache`` (from ``init_cache``, or returned by
+    an earlier call) the layer continues a sequence: T > 1 runs the parallel form (chunked /
     Pallas) from the cached state (prefill), T = 1 the one-token recurrence (decode). Same
     parameters either way, so a trained checkpoint decodes.
     """
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    conv = None if cache is None else cache["conv"]
-    inputs = gdn_inputs(x, self.num_heads, self.head_dim, self.value_dim, self.expand_e,
-                        self.conv_width, conv_cache=conv, **kw)
+    (q, k, v, k2, q2, g, beta), conv = gdn_inputs(
+        x, self.num_heads, self.head_dim, self.value_dim, self.expand_e, self.conv_width,
+        conv_cache=None if cache is None else cache["conv"], **kw)
+    ops = dict(erase=self.erase, impl=self.impl, chunk_size=self.chunk_size)
     if cache is None:
-      q, k, v, k2, q2, g, beta = inputs
-      o, _ = triadic_gdn(q, k, v, k2, q2, g, beta, erase=self.erase, impl=self.impl,
-                         chunk_size=self.chunk_size)
-      return gdn_output(o, x, **kw)
-    (q, k, v, k2, q2, g, beta), conv = inputs
+      o, _ = triadic_gdn(q, k, v, k2, q2, g, beta, **ops)
+      return gdn_output(o, x, **kw), None
     if x.shape[1] == 1:
       o, state = triadic_gdn_step(cache["state"], *(z[:, 0] for z in (q, k, v, k2, q2, g, beta)),
                                   erase=self.erase)
       o = o[:, None]
     else:
-      o, state = triadic_gdn(q, k, v, k2, q2, g, beta, erase=self.erase, impl=self.impl,
-                             chunk_size=self.chunk_size, initial_state=cache["state"])
+      o, state = triadic_gdn(q, k, v, k2, q2, g, beta, initial_state=cache["state"], **ops)
     return gdn_output(o, x, **kw), {"state": state, "conv": conv}
 
   def init_cache(self, batch: int, max_len: int | None = None) -> dict:
