@@ -36,7 +36,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
-from tests.util import rel_rms as rel  # noqa: E402
+from testkit import rel_rms as rel  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
 from triadic.pallas import ops as pops  # noqa: E402
 
