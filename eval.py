@@ -16,6 +16,10 @@ import json
 from absl import app, flags
 from ml_collections import config_flags
 
+from triadic.xla_flags import apply_cpu_workaround
+
+apply_cpu_workaround()  # before the CPU backend starts
+
 _CONFIG = config_flags.DEFINE_config_file("config", None, "Config file (default: the workdir's).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "A workdir written by train.py.")
 _STEP = flags.DEFINE_integer("step", None, "Checkpoint step (default: the latest).")

@@ -11,6 +11,10 @@ JAX_PROCESS_ID).
 from absl import app, flags, logging
 from ml_collections import config_flags
 
+from triadic.xla_flags import apply_cpu_workaround
+
+apply_cpu_workaround()  # before the CPU backend starts
+
 _CONFIG = config_flags.DEFINE_config_file("config", "configs/mqar.py", "Config file.")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots go here.",
                                required=True)

@@ -40,7 +40,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import triadic  # noqa: E402,F401  (before any computation: sets an XLA:CPU flag)
+from triadic.xla_flags import apply_cpu_workaround  # noqa: E402
+
+apply_cpu_workaround()  # before the CPU backend starts
+
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -67,7 +70,7 @@ def parse_mixer(name: str) -> tuple[str, int]:
   m = re.fullmatch(r"(.+)_e(\d+)", name)
   mixer, e = (m.group(1), int(m.group(2))) if m else (name, 1)
   if mixer not in MIXERS:
-    raise ValueError(f"--mixers names unknown mixer {name!r}; known: {MIXERS} (triadic ones with "
+    raise ValueError(f"--mixers names unknown mixer {name!r}; known: {tuple(MIXERS)} (triadic ones with "
                      f"an _e<E> suffix, e.g. triadic_gdn_e8)")
   return mixer, e
 

@@ -41,7 +41,7 @@ import jax.numpy as jnp  # noqa: E402
 
 from benchmarks import peers  # noqa: E402
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
-from tests.util import rel_rms as rel  # noqa: E402
+from testkit import rel_rms as rel  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
 from triadic.pallas import ops as pops  # noqa: E402
 

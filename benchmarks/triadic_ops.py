@@ -23,12 +23,16 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from triadic.xla_flags import apply_cpu_workaround  # noqa: E402
+
+apply_cpu_workaround()  # before the CPU backend starts
+
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 from benchmarks.common import machine, triadic_inputs  # noqa: E402
-from tests.triadic_reference import triadic_reference  # noqa: E402
+from testkit.triadic_reference import triadic_reference  # noqa: E402
 from triadic import triadic_gdn  # noqa: E402
 from triadic.chunked import triadic_chunked  # noqa: E402
 
@@ -82,19 +86,19 @@ def main():
   for t in (int(x) for x in a.T.split(",")):
     for e in (int(x) for x in a.E.split(",")):
       args = triadic_inputs(jax.random.PRNGKey(t * 31 + e), a.B, t, a.H, a.D, a.V, e, dtype)
-      row, fb, errs = f"{t:>6} {e:>3} ", {}, []
+      row, fwd_bwd_ms, errs = f"{t:>6} {e:>3} ", {}, []
       ref = triadic_reference(*args)[0] if t == smallest else None
       for impl in impls:
         f = op(impl, a.chunk)
         fwd = jax.jit(f)
         loss = lambda *x, f=f: jnp.sum(f(*x).astype(jnp.float32) ** 2)
         fwdbwd = jax.jit(jax.value_and_grad(loss, argnums=tuple(range(7))))
-        tf, fb[impl] = timed(fwd, args, a.reps), timed(fwdbwd, args, a.reps)
-        row += f"{tf:>12.2f} {fb[impl]:>12.2f} "
+        fwd_ms, fwd_bwd_ms[impl] = timed(fwd, args, a.reps), timed(fwdbwd, args, a.reps)
+        row += f"{fwd_ms:>12.2f} {fwd_bwd_ms[impl]:>12.2f} "
         if ref is not None:
           out = np.asarray(fwd(*args), np.float64)
           errs.append(f"{impl}={np.linalg.norm(out - ref) / np.linalg.norm(ref):.1e}")
-      row += "".join(f"{fb[base] / fb[i]:>16.2f}x" for i in impls[1:])
+      row += "".join(f"{fwd_bwd_ms[base] / fwd_bwd_ms[i]:>16.2f}x" for i in impls[1:])
       print(row + "  " + " ".join(errs), flush=True)
 
 

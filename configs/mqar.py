@@ -5,7 +5,7 @@ recall; trains and evaluates on a CPU in a few minutes.
   python eval.py --workdir runs/mqar
 
 Sized for a laptop CPU: a 64-token vocabulary (31 keys, 32 values) so that every key and value
-embedding is seen often enough in 500 steps; chunk_size 16 (about 1.7x faster than 64 on a CPU
+embedding is seen often enough in 500 steps; chunk_size 16 (faster than 64 on a CPU
 at seq 64); lr 1e-2 (at 3e-3 the run stays at chance this short). Training mixes 2, 4 and 8 pairs
 at seq 64; evaluation also goes past them (16 pairs; 24 pairs at seq 128; 31, the most this vocabulary
 holds, at seq 256), so the accuracy-vs-pairs curve shows where recall starts to fail.

@@ -8,18 +8,15 @@ Zoology-style data (keys and values drawn from disjoint halves of the vocabulary
 power-law gaps, random filler) and Zoology's split of lengths: training on 4 to 64 pairs at up to
 256 tokens, mostly short ones (Zoology's 100k : 20k : ... example mix), evaluation on 8 to 256
 pairs at up to 1024 tokens, so that E = 16's expected ~16x capacity (a head's joint key has 16 E
-dimensions) is inside the sweep. A 1024-token vocabulary (511 possible keys). As in the CPU-sized
+dimensions) is inside the sweep. A 512-token vocabulary (255 possible keys). As in the CPU-sized
 version (configs/mqar.py, trained on <= 8 pairs), the settings past 64 pairs test recall at more
-pairs than training showed; the CPU runs show that the larger-E models do carry over (E = 8: 0.94
-at 31 pairs after training on <= 8).
+pairs than training showed.
 
-History (docs/results.md): mixing 8 to 256 pairs uniformly at 1024 tokens stayed at chance on the
-H200 for 2000 steps (most answer positions belong to settings no model solves early, so the loss
-carries no signal); with a separate output head every model stayed at chance even on the easy
-settings (CPU, 8 pairs, vocabulary 1024: untied 0.00, tied 0.32 and rising at step 1000), hence
-tied embeddings. lr 1e-2 (at 3e-3 the CPU version stays at chance for longer).
-``impl="chunked"``: the Pallas kernels unroll E, and at E = 16 their Triton compile took minutes
-per shape.
+Why this recipe (the runs behind it: docs/results.md, section 1): training is mostly on short
+settings, because in a uniform mix of long ones most answer positions belong to settings no model
+solves early and the loss carries no signal; tied embeddings, because with a separate output head
+the models stay at chance in this budget; lr 1e-2. ``impl="chunked"``: the Pallas kernels unroll E,
+so their Triton compile at E = 16 is slow.
 """
 
 from lm.config import base_config

@@ -16,14 +16,12 @@ few GPU minutes: 1024 tokens, segments of 64, at most 16. With 8 needles (2-toke
 tokens from their own range (``lm.data.niah_example``). Tied embeddings, as in
 configs/mqar_capacity.py.
 
-Training signal (docs/results.md, section 2): each training example ends with queries for 4 of
-its 8 needles (``data.train_num_queries``; evaluation asks one, the needle at the cell's depth),
-and training lengths are log-uniform over [96, 1024] (``data.train_lengths``; a third of the
-examples are shorter than 200 tokens). With one query per example and uniform lengths, no model
-left chance at this size on the H200 in 1500-3000 steps (2 scored tokens per 1024-token
-example); asking all 8 needles did not either, and taught a shortcut (the last query answered by
-elimination; CPU probe). This recipe, 4 of 8 asked, has not been run yet; the CPU probes say the
-lengths beyond 128 tokens are the harder obstacle (see "For the next GPU session").
+Training signal: each training example ends with queries for 4 of its 8 needles
+(``data.train_num_queries``; evaluation asks one, the needle at the cell's depth), and training
+lengths are log-uniform over [96, 1024] (``data.train_lengths``; a third of the examples are
+shorter than 200 tokens). One query per example scores 2 tokens of a 1024-token example, too
+little signal at this size; asking all 8 lets a model answer the last query by elimination
+instead of by its key. Runs and results: docs/results.md, section 2.
 """
 
 from lm.config import base_config

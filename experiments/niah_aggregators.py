@@ -11,9 +11,9 @@ Writes docs/figures/niah_*.png and niah_aggregators.json, and prints the markdow
 given), each stage starting from the last one's checkpoint (``init_from``, fresh optimizer), and
 then on the config's own task, which is what the tables report; a table of the accuracy after each
 stage comes with them. Each stage has the config's step budget (``--stage_steps``: another).
-The GPU-sized recipe of docs/results.md ("For the next GPU session": 4 needles, then 8, then the
-config's 8 needles at up to 1024 tokens), and its CPU-sized check (the CPU config asked for 8
-needles, 4 first):
+The GPU-sized curriculum (4 needles, then 8, then the config's 8 needles at up to 1024 tokens;
+docs/results.md, section 2), and its CPU-sized check (the CPU config asked for 8 needles, 4
+first):
 
   python -m experiments.niah_aggregators --workdir runs/papers --parallel 10 --seeds 2 \
       --sweeps main --curriculum n4_len128,n8_len128 --stage_steps 500 \

@@ -13,7 +13,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from triadic.nn import dense
+from layers.blocks import dense
 
 
 def rotary(x: jax.Array, base: float = 10000.0, offset: jax.Array | int = 0) -> jax.Array:
@@ -49,12 +49,12 @@ class Attention(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, cache: dict | None = None):
-    """x (B, T, d_model) -> (B, T, d_model), the training forward.
+    """``(y, new_cache)``, x and y (B, T, d_model): training without a cache (None back).
 
     With ``cache`` (``init_cache``: a preallocated KV cache and its length) the T tokens of x come
     after the cached ones: their keys and values are written at ``length``, they attend to every
-    cached key and causally to each other, and the result is ``(y, new_cache)``. The caller keeps
-    ``length + T <= max_len`` (the write position is traced, so it cannot be checked here).
+    cached key and causally to each other. The caller keeps ``length + T <= max_len`` (the write
+    position is traced, so it cannot be checked here).
     """
     h, d = self.num_heads, self.head_dim
     kvh = self.num_kv_heads or h
@@ -71,7 +71,7 @@ class Attention(nn.Module):
       return out_proj(o.astype(self.dtype)), cache
     q, k = rotary(q), rotary(k)
     o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
-    return out_proj(o)
+    return out_proj(o), None
 
   def init_cache(self, batch: int, max_len: int) -> dict:
     """Empty KV cache: k, v (B, max_len, kv_heads, head_dim) in the compute dtype, length 0."""

@@ -25,7 +25,8 @@ from __future__ import annotations
 import glob
 import os
 import sys
-from collections.abc import Sequence
+import dataclasses
+from collections.abc import Callable, Sequence
 
 import grain
 import ml_collections
@@ -50,60 +51,66 @@ ZOOLOGY_EVAL_SETTINGS = ((64, 4), (64, 8), (64, 16), (128, 32), (256, 64), (512,
 def default_config(name: str) -> ml_collections.ConfigDict:
   """The ``config.data`` section for task ``name``: every key its dataset and evaluator read.
 
-  ``name`` is "mqar", "niah" or "text" (small sizes that train on a CPU in minutes), or
-  "mqar_zoology" (Zoology's scale; its ``name`` field is "mqar"). Override fields afterwards.
+  ``name`` is a key of ``TASKS``: "mqar", "niah" or "text" (small sizes that train on a CPU in
+  minutes), or "mqar_zoology" (Zoology's scale; its ``name`` field is "mqar"). Override fields
+  afterwards.
   """
+  task = get_task(name)
   c = ml_collections.ConfigDict()
   c.worker_threads = 2  # grain threads that build examples
   c.prefetch = 8  # batches grain keeps ready
   c.eval_seed = 0  # evaluation sets do not depend on the training seed
-  if name in ("mqar", "mqar_zoology"):
-    zoology = name == "mqar_zoology"
-    c.name = "mqar"
-    c.vocab_size = 8192 if zoology else 256
-    # Training mixes these (seq_len, num_pairs) settings, each padded to seq_len, drawn with
-    # probabilities proportional to train_mix (empty: uniform).
-    c.train_settings = ZOOLOGY_TRAIN_SETTINGS if zoology else ((64, 2), (64, 4), (64, 8))
-    c.train_mix = ZOOLOGY_TRAIN_MIX if zoology else ()
-    c.seq_len = max(s for s, _ in c.train_settings)
-    c.power_a = 0.01  # Zoology's power law on query gaps (1.0: uniform)
-    c.random_non_queries = True  # fill non-query slots with random tokens, as Zoology does
-    # Accuracy is reported per setting; each runs at its own seq_len.
-    c.eval_settings = ZOOLOGY_EVAL_SETTINGS if zoology else (
-        (64, 1), (64, 2), (64, 4), (64, 8), (64, 16))
-    c.num_eval_examples = 1000 if zoology else 128  # per setting
-  elif name == "niah":
-    c.name = "niah"
-    c.vocab_size = 256
-    c.seq_len = 128
-    c.train_min_len = 32  # training lengths lie in [train_min_len, seq_len]
-    # "uniform" or "log_uniform" over [train_min_len, seq_len]: log-uniform spends more of the
-    # training examples on short contexts, a built-in curriculum.
-    c.train_lengths = "uniform"
-    # Training examples end with this many queries of distinct needles (the first one the needle
-    # at the drawn depth), each value scored: more signal per example. Evaluation always asks one.
-    # At most num_needles - 1: with every needle asked, a model learns to answer the last query by
-    # elimination (the one needle value not yet answered), without reading its key (a CPU probe
-    # with 4 of 4 asked: 0.66 on the last query, 0.03-0.06 on the first; docs/results.md).
-    c.train_num_queries = 1
-    c.key_len = 2  # tokens per needle key
-    c.value_len = 2  # tokens per needle value (the answer)
-    c.num_needles = 4  # the queried needle plus num_needles - 1 distractors
-    c.eval_lengths = (64, 128, 256)
-    c.eval_depths = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the queried needle starts: 0 first, 1 last
-    c.num_eval_examples = 32  # per (length, depth) cell
-  elif name == "text":
-    c.name = "text"
-    c.vocab_size = 256  # bytes
-    c.seq_len = 256
-    c.text_glob = ""  # files to read, e.g. "corpus/**/*.txt" (recursive glob)
-    c.eval_fraction = 0.05  # the last bytes of the corpus, held out for evaluation
-    c.eval_seq_len = 0  # 0: seq_len
-    c.num_eval_examples = 64  # held-out windows to score (at most)
-    c.eval_num_buckets = 8  # perplexity is reported per bucket of positions
-  else:
-    raise ValueError(f"name must be one of 'mqar', 'mqar_zoology', 'niah', 'text'; got {name!r}")
+  task.add_defaults(c)
   return c
+
+
+def _mqar_defaults(c: ml_collections.ConfigDict, zoology: bool = False) -> None:
+  c.name = "mqar"
+  c.vocab_size = 8192 if zoology else 256
+  # Training mixes these (seq_len, num_pairs) settings, each padded to seq_len, drawn with
+  # probabilities proportional to train_mix (empty: uniform).
+  c.train_settings = ZOOLOGY_TRAIN_SETTINGS if zoology else ((64, 2), (64, 4), (64, 8))
+  c.train_mix = ZOOLOGY_TRAIN_MIX if zoology else ()
+  c.seq_len = max(s for s, _ in c.train_settings)
+  c.power_a = 0.01  # Zoology's power law on query gaps (1.0: uniform)
+  c.random_non_queries = True  # fill non-query slots with random tokens, as Zoology does
+  # Accuracy is reported per setting; each runs at its own seq_len.
+  c.eval_settings = ZOOLOGY_EVAL_SETTINGS if zoology else (
+      (64, 1), (64, 2), (64, 4), (64, 8), (64, 16))
+  c.num_eval_examples = 1000 if zoology else 128  # per setting
+
+
+def _niah_defaults(c: ml_collections.ConfigDict) -> None:
+  c.name = "niah"
+  c.vocab_size = 256
+  c.seq_len = 128
+  c.train_min_len = 32  # training lengths lie in [train_min_len, seq_len]
+  # "uniform" or "log_uniform" over [train_min_len, seq_len]: log-uniform spends more of the
+  # training examples on short contexts, a built-in curriculum.
+  c.train_lengths = "uniform"
+  # Training examples end with this many queries of distinct needles (the first one the needle
+  # at the drawn depth), each value scored: more signal per example. Evaluation always asks one.
+  # At most num_needles - 1: with every needle asked, a model can answer the last query by
+  # elimination (the one needle value not yet answered), without reading its key
+  # (docs/results.md, section 2).
+  c.train_num_queries = 1
+  c.key_len = 2  # tokens per needle key
+  c.value_len = 2  # tokens per needle value (the answer)
+  c.num_needles = 4  # the queried needle plus num_needles - 1 distractors
+  c.eval_lengths = (64, 128, 256)
+  c.eval_depths = (0.0, 0.25, 0.5, 0.75, 1.0)  # where the queried needle starts: 0 first, 1 last
+  c.num_eval_examples = 32  # per (length, depth) cell
+
+
+def _text_defaults(c: ml_collections.ConfigDict) -> None:
+  c.name = "text"
+  c.vocab_size = 256  # bytes
+  c.seq_len = 256
+  c.text_glob = ""  # files to read, e.g. "corpus/**/*.txt" (recursive glob)
+  c.eval_fraction = 0.05  # the last bytes of the corpus, held out for evaluation
+  c.eval_seq_len = 0  # 0: seq_len
+  c.num_eval_examples = 64  # held-out windows to score (at most)
+  c.eval_num_buckets = 8  # perplexity is reported per bucket of positions
 
 
 # ---------------------------------------------------------------------------------------------
@@ -289,33 +296,35 @@ def _rng(seed: int, stream: int, *index: int) -> np.random.Generator:
   return np.random.default_rng([seed, stream, *index])
 
 
-def _check_train_config(c: ml_collections.ConfigDict) -> None:
-  """ValueError naming the first ``data.*`` field the training set cannot be built from."""
-  if c.name == "mqar":
-    if not c.train_settings:
-      raise ValueError("data.train_settings must list at least one (seq_len, num_pairs)")
-    for i, (s, k) in enumerate(c.train_settings):
-      check_mqar_setting(c.vocab_size, s, k, f"data.train_settings[{i}]")
-      if s > c.seq_len:
-        raise ValueError(f"data.train_settings[{i}]: seq_len={s} exceeds data.seq_len={c.seq_len}")
-    if c.train_mix and (len(c.train_mix) != len(c.train_settings) or min(c.train_mix) < 0
-                        or sum(c.train_mix) <= 0):
-      raise ValueError(f"data.train_mix must be empty or {len(c.train_settings)} non-negative "
-                       f"weights, one per train setting; got {c.train_mix}")
-  elif c.name == "niah":
-    if not 1 <= c.train_min_len <= c.seq_len:
-      raise ValueError(f"data.train_min_len must be in [1, seq_len={c.seq_len}]; "
-                       f"got {c.train_min_len}")
-    if c.train_lengths not in _TRAIN_LENGTHS:
-      raise ValueError(f"data.train_lengths must be one of {', '.join(map(repr, _TRAIN_LENGTHS))}; "
-                       f"got {c.train_lengths!r}")
-    q, hi = c.train_num_queries, max(1, c.num_needles - 1)
-    if not isinstance(q, (int, np.integer)) or isinstance(q, bool) or not 1 <= q <= hi:
-      raise ValueError(f"data.train_num_queries must be an int in [1, {hi}] (num_needles="
-                       f"{c.num_needles}; each query asks a distinct needle, and asking every one "
-                       f"lets the last be answered by elimination); got {q!r}")
-    check_niah(c.vocab_size, c.train_min_len, c.key_len, c.value_len, c.num_needles,
-               f"data.train_min_len (with data.train_num_queries={q})", num_queries=q)
+def _check_mqar_train(c: ml_collections.ConfigDict) -> None:
+  """ValueError naming the first ``data.*`` field the MQAR training set cannot be built from."""
+  if not c.train_settings:
+    raise ValueError("data.train_settings must list at least one (seq_len, num_pairs)")
+  for i, (s, k) in enumerate(c.train_settings):
+    check_mqar_setting(c.vocab_size, s, k, f"data.train_settings[{i}]")
+    if s > c.seq_len:
+      raise ValueError(f"data.train_settings[{i}]: seq_len={s} exceeds data.seq_len={c.seq_len}")
+  if c.train_mix and (len(c.train_mix) != len(c.train_settings) or min(c.train_mix) < 0
+                      or sum(c.train_mix) <= 0):
+    raise ValueError(f"data.train_mix must be empty or {len(c.train_settings)} non-negative "
+                     f"weights, one per train setting; got {c.train_mix}")
+
+
+def _check_niah_train(c: ml_collections.ConfigDict) -> None:
+  """ValueError naming the first ``data.*`` field the NIAH training set cannot be built from."""
+  if not 1 <= c.train_min_len <= c.seq_len:
+    raise ValueError(f"data.train_min_len must be in [1, seq_len={c.seq_len}]; "
+                     f"got {c.train_min_len}")
+  if c.train_lengths not in _TRAIN_LENGTHS:
+    raise ValueError(f"data.train_lengths must be one of {', '.join(map(repr, _TRAIN_LENGTHS))}; "
+                     f"got {c.train_lengths!r}")
+  q, hi = c.train_num_queries, max(1, c.num_needles - 1)
+  if not isinstance(q, (int, np.integer)) or isinstance(q, bool) or not 1 <= q <= hi:
+    raise ValueError(f"data.train_num_queries must be an int in [1, {hi}] (num_needles="
+                     f"{c.num_needles}; each query asks a distinct needle, and asking every one "
+                     f"lets the last be answered by elimination); got {q!r}")
+  check_niah(c.vocab_size, c.train_min_len, c.key_len, c.value_len, c.num_needles,
+             f"data.train_min_len (with data.train_num_queries={q})", num_queries=q)
 
 
 _TRAIN_LENGTHS = ("uniform", "log_uniform")  # the values of data.train_lengths
@@ -334,19 +343,36 @@ def _train_length(c: ml_collections.ConfigDict, rng: np.random.Generator) -> int
   return int(rng.integers(lo, hi + 1))
 
 
-def _train_example(c: ml_collections.ConfigDict, seed: int, index: int) -> dict:
-  """Training example number ``index`` of a synthetic task, padded to data.seq_len."""
-  rng = _rng(seed, _TRAIN, index)
-  if c.name == "mqar":
-    mix = np.asarray(c.train_mix or [1.0] * len(c.train_settings), np.float64)
-    s, k = c.train_settings[rng.choice(len(mix), p=mix / mix.sum())]
-    ex = mqar_example(rng, vocab_size=c.vocab_size, seq_len=s, num_pairs=k, power_a=c.power_a,
-                      random_non_queries=c.random_non_queries)
-    return {name: _pad(x, c.seq_len) for name, x in ex.items()}
+def _mqar_train_example(c: ml_collections.ConfigDict, rng: np.random.Generator) -> dict:
+  """An MQAR training example of a setting drawn from data.train_mix, padded to data.seq_len."""
+  mix = np.asarray(c.train_mix or [1.0] * len(c.train_settings), np.float64)
+  s, k = c.train_settings[rng.choice(len(mix), p=mix / mix.sum())]
+  ex = mqar_example(rng, vocab_size=c.vocab_size, seq_len=s, num_pairs=k, power_a=c.power_a,
+                    random_non_queries=c.random_non_queries)
+  return {name: _pad(x, c.seq_len) for name, x in ex.items()}
+
+
+def _niah_train_example(c: ml_collections.ConfigDict, rng: np.random.Generator) -> dict:
+  """A NIAH training example of a drawn length and depth, padded to data.seq_len."""
   length = _train_length(c, rng)
   return niah_example(rng, vocab_size=c.vocab_size, length=length, depth=float(rng.random()),
                       key_len=c.key_len, value_len=c.value_len, num_needles=c.num_needles,
                       seq_len=c.seq_len, num_queries=c.train_num_queries)
+
+
+def _synthetic_train_set(check: Callable, example: Callable) -> Callable:
+  """A task's train-set builder: (config, seed) -> the endless examples ``example(c, rng)``, each a
+  pure function of (seed, index)."""
+  def build(c: ml_collections.ConfigDict, seed: int) -> grain.MapDataset:
+    check(c)
+    return grain.MapDataset.range(sys.maxsize).map(
+        lambda i: example(c, _rng(seed, _TRAIN, i)))
+  return build
+
+
+def _text_train_set(c: ml_collections.ConfigDict, seed: int) -> grain.MapDataset:
+  windows, _ = text_split(c)
+  return grain.MapDataset.source(windows).shuffle(seed).repeat().map(_window_example)
 
 
 def _pad(x: np.ndarray, n: int) -> np.ndarray:
@@ -372,14 +398,7 @@ def make_train_iterator(data_config: ml_collections.ConfigDict, *, seed: int,
     raise ValueError(f"process_index must be in [0, {process_count}); got {process_index}")
   if not isinstance(seed, (int, np.integer)) or seed < 0:
     raise ValueError(f"seed must be a non-negative int; got {seed!r}")
-  if c.name == "text":
-    windows, _ = text_split(c)
-    ds = grain.MapDataset.source(windows).shuffle(seed).repeat().map(_window_example)
-  elif c.name in ("mqar", "niah"):
-    _check_train_config(c)
-    ds = grain.MapDataset.range(sys.maxsize).map(lambda i: _train_example(c, seed, i))
-  else:
-    raise ValueError(f"data.name must be 'mqar', 'niah' or 'text'; got {c.name!r}")
+  ds = get_task(c.name, "data.name").train_set(c, seed)
   ds = ds[process_index::process_count].batch(global_batch_size // process_count,
                                               drop_remainder=True)
   options = grain.ReadOptions(num_threads=c.worker_threads, prefetch_buffer_size=c.prefetch)
@@ -442,3 +461,36 @@ def text_eval_set(data_config: ml_collections.ConfigDict) -> dict[str, np.ndarra
   """The first ``num_eval_examples`` held-out windows of eval_seq_len (or seq_len), stacked."""
   _, held_out = text_split(data_config)
   return _stack([_window_example(w) for w in held_out[:data_config.num_eval_examples]])
+
+
+# ---------------------------------------------------------------------------------------------
+# The task registry
+
+
+@dataclasses.dataclass(frozen=True)
+class Task:
+  """One task: ``add_defaults(c)`` writes its ``config.data`` fields, ``train_set(c, seed)`` builds
+  its endless training examples (a grain MapDataset), ``eval_set`` is its evaluation-set builder
+  (what ``lm.evals`` scores; its arguments differ by task)."""
+
+  add_defaults: Callable[[ml_collections.ConfigDict], None]
+  train_set: Callable[[ml_collections.ConfigDict, int], grain.MapDataset]
+  eval_set: Callable[..., dict]
+
+
+_MQAR = Task(_mqar_defaults, _synthetic_train_set(_check_mqar_train, _mqar_train_example),
+             mqar_eval_set)
+TASKS: dict[str, Task] = {
+    "mqar": _MQAR,
+    "mqar_zoology": dataclasses.replace(_MQAR, add_defaults=lambda c: _mqar_defaults(c, True)),
+    "niah": Task(_niah_defaults, _synthetic_train_set(_check_niah_train, _niah_train_example),
+                 niah_eval_set),
+    "text": Task(_text_defaults, _text_train_set, text_eval_set),
+}
+
+
+def get_task(name: str, where: str = "name") -> Task:
+  """The registry entry of task ``name``; ValueError naming ``where`` and the known tasks."""
+  if name not in TASKS:
+    raise ValueError(f"{where} must be one of {', '.join(map(repr, TASKS))}; got {name!r}")
+  return TASKS[name]

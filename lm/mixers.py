@@ -1,53 +1,95 @@
-"""The mixer registry: a mixer name from the config -> the Flax module that mixes along time.
+"""The mixer registry: a mixer name from the config -> how to build it and what it costs.
 
-Every mixer is called as ``mixer(x)`` with x (B, T, d_model) -> (B, T, d_model); the mixers in
-``DECODABLE`` also take ``mixer(x, cache) -> (y, new_cache)`` for prefill and decoding. The
-modules of the multi-state paper live in ``merlin`` and are imported only when a config asks for
-them.
+Each entry of ``MIXERS`` is a ``Mixer``: its builder (a ``ModelConfig`` -> the Flax module that mixes
+along time), the ``ModelConfig`` fields it reads, and its costs per layer (training FLOPs per token,
+decode-time bytes per sequence, the longest sequence it accepts). Adding a mixer is one entry here.
+
+Every mixer is called as ``mixer(x, cache=None) -> (y, cache)`` with x (B, T, d_model) -> y
+(B, T, d_model): training passes no cache and gets None back; decoding passes
+``mixer.init_cache(batch, max_len)`` (prefill a prompt, then one token at a time).
 """
 
 from __future__ import annotations
 
-import importlib
+import dataclasses
 from typing import Callable
 
 import flax.linen as nn
+import jax.numpy as jnp
 
 from lm.attention import Attention
+from merlin import Mamba2, MultiStateGDN, MultiStateMamba2
+from triadic import TriadicGDN
 
-MIXERS = ("attention", "gdn", "triadic_gdn", "triadic_sgla", "mamba2", "multistate_gdn",
-          "multistate_mamba2")
-MULTISTATE = ("multistate_gdn", "multistate_mamba2")
-DECODABLE = MIXERS  # mixers with a decoding cache (init_cache, mixer(x, cache)); all of them now
-
-
-def check_decodable(kind: str) -> None:
-  """NotImplementedError naming ``kind`` if that mixer has no recurrent / KV-cache decoding yet."""
-  if kind not in DECODABLE:
-    raise NotImplementedError(f"decoding with a cache is not implemented for mixer {kind!r} yet; "
-                              f"mixers that decode: {DECODABLE}")
+# The fields every recurrent mixer reads besides num_heads and head_dim.
+_OPS = ("conv_width", "impl", "chunk_size")
+_MULTISTATE = ("aggregator", "segment_len", "max_segments", "d_r")
 
 
-def mixer_cache(kind: str, cfg, batch: int, max_len: int, dtype) -> dict:
-  """The empty decoding cache of one ``kind`` layer (the mixer's ``init_cache``)."""
-  check_decodable(kind)
-  # parent=None: a detached module (callable from inside another module's method, e.g. LM.init_cache)
-  return make_mixer(kind, cfg, dtype=dtype, parent=None).init_cache(batch, max_len)
+@dataclasses.dataclass(frozen=True)
+class Mixer:
+  """One registered mixer.
+
+  build: (cfg, **kw) -> module; kw are dtype, param_dtype, name, parent.
+  fields: the ModelConfig fields the mixer reads besides num_heads and head_dim.
+  flops: (cfg, seq_len) -> training FLOPs per token of one layer beyond its matmuls (which
+    ``lm.costs`` counts from the parameters).
+  state_bytes: (cfg, seq_len) -> {"recurrent_state", "kv_cache"} bytes of one layer's decoding
+    cache for one sequence.
+  max_len: cfg -> the longest sequence the mixer accepts (None: any).
+  """
+
+  build: Callable[..., nn.Module]
+  fields: tuple[str, ...]
+  flops: Callable[..., float]
+  state_bytes: Callable[..., dict]
+  max_len: Callable[..., int | None] = lambda cfg: None
 
 
-def _merlin(name: str):
-  try:
-    return getattr(importlib.import_module("merlin"), name)
-  except (ImportError, AttributeError) as err:
-    raise ValueError(f"model.mixer needs merlin.{name}, which is not available: {err}") from err
+def _attention_flops(cfg, seq_len):
+  return 6.0 * seq_len * cfg.num_heads * cfg.head_dim  # the causal half of QK^T and AV
 
 
-def _triadic(expand_e: int, erase: bool) -> Callable:
-  def build(cfg, **kw):
-    from triadic import TriadicGDN
-    return TriadicGDN(cfg.num_heads, cfg.head_dim, expand_e=expand_e, erase=erase,
-                      conv_width=cfg.conv_width, impl=cfg.impl, chunk_size=cfg.chunk_size, **kw)
-  return build
+def _attention_bytes(cfg, seq_len):
+  kv_heads = cfg.num_kv_heads or cfg.num_heads
+  return {"recurrent_state": 0,
+          "kv_cache": 2 * seq_len * kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize}
+
+
+def _recurrent(build, fields, *, state_shape, conv_channels, moment_groups=None) -> Mixer:
+  """A linear-attention mixer's entry.
+
+  state_shape: cfg -> (E, key dim, value dim) of one head's state; conv_channels: cfg -> the
+  channels of its short convolutions; moment_groups: cfg -> the groups of the aggregator's k'
+  (multi-state mixers only: one state per segment, T <= max_segments * segment_len).
+  """
+  multistate = moment_groups is not None
+
+  def flops(cfg, seq_len):
+    """Per head: reading and writing the E x D x V state (2 x 2 E D V), the intra-chunk products
+    (2 C (D + V + E)); multi-state mixers also read on average T / (2 L) segment states."""
+    e, d, v = state_shape(cfg)
+    per_head = 4.0 * e * d * v + 2.0 * min(cfg.chunk_size, seq_len) * (d + v + e)
+    if multistate:
+      per_head += 2.0 * d * v * max(1.0, seq_len / (2 * cfg.segment_len))
+    return 3.0 * cfg.num_heads * per_head
+
+  def state_bytes(cfg, seq_len):
+    """float32 states, short-convolution inputs and (multi-state) segment moments."""
+    del seq_len
+    e, d, v = state_shape(cfg)
+    states = cfg.max_segments if multistate else 1
+    moments = states * moment_groups(cfg) * (cfg.d_r + cfg.d_r ** 2) if multistate else 0
+    conv = (cfg.conv_width - 1) * conv_channels(cfg)
+    return {"recurrent_state": 4 * (states * cfg.num_heads * e * d * v + conv + moments),
+            "kv_cache": 0}
+
+  max_len = (lambda cfg: cfg.max_segments * cfg.segment_len) if multistate else (lambda cfg: None)
+  return Mixer(build, fields, flops, state_bytes, max_len)
+
+
+def _ops(cfg) -> dict:
+  return dict(conv_width=cfg.conv_width, impl=cfg.impl, chunk_size=cfg.chunk_size)
 
 
 def _multistate(cfg) -> dict:
@@ -55,23 +97,66 @@ def _multistate(cfg) -> dict:
               max_segments=cfg.max_segments, d_r=cfg.d_r)
 
 
+def _triadic(expand_e: Callable, erase: bool, fields: tuple[str, ...]) -> Mixer:
+  """TriadicGDN with E = expand_e(cfg); its conv runs over q, k, v and (E > 1) k2, q2."""
+  def gdn_channels(cfg):
+    h, d, e = cfg.num_heads, cfg.head_dim, expand_e(cfg)
+    return h * d + 2 * h * d + (2 * h * e if e > 1 else 0)
+
+  return _recurrent(
+      lambda cfg, **kw: TriadicGDN(cfg.num_heads, cfg.head_dim, expand_e=expand_e(cfg), erase=erase,
+                                   **_ops(cfg), **kw),
+      fields, state_shape=lambda cfg: (expand_e(cfg), cfg.head_dim, cfg.head_dim),
+      conv_channels=gdn_channels)
+
+
+def _gdn_channels(cfg):
+  return 3 * cfg.num_heads * cfg.head_dim  # q, k, v
+
+
+def _mamba_channels(cfg):
+  return cfg.num_heads * cfg.head_dim + 2 * cfg.state_dim  # x, and B, C shared by the heads
+
+
+MIXERS: dict[str, Mixer] = {
+    "attention": Mixer(
+        lambda cfg, **kw: Attention(cfg.num_heads, cfg.head_dim, num_kv_heads=cfg.num_kv_heads,
+                                    implementation=cfg.attention_impl, **kw),
+        ("num_kv_heads", "attention_impl"), _attention_flops, _attention_bytes),
+    "gdn": _triadic(lambda cfg: 1, True, _OPS),
+    "triadic_gdn": _triadic(lambda cfg: cfg.expand_e, True, ("expand_e",) + _OPS),
+    "triadic_sgla": _triadic(lambda cfg: cfg.expand_e, False, ("expand_e",) + _OPS),
+    "mamba2": _recurrent(
+        lambda cfg, **kw: Mamba2(cfg.num_heads, cfg.head_dim, state_dim=cfg.state_dim, **_ops(cfg),
+                                 **kw),
+        ("state_dim",) + _OPS, state_shape=lambda cfg: (1, cfg.state_dim, cfg.head_dim),
+        conv_channels=_mamba_channels),
+    "multistate_gdn": _recurrent(
+        lambda cfg, **kw: MultiStateGDN(cfg.num_heads, cfg.head_dim, **_multistate(cfg),
+                                        **_ops(cfg), **kw),
+        _MULTISTATE + _OPS, state_shape=lambda cfg: (1, cfg.head_dim, cfg.head_dim),
+        conv_channels=_gdn_channels, moment_groups=lambda cfg: cfg.num_heads),
+    "multistate_mamba2": _recurrent(
+        lambda cfg, **kw: MultiStateMamba2(cfg.num_heads, cfg.head_dim, state_dim=cfg.state_dim,
+                                           **_multistate(cfg), **_ops(cfg), **kw),
+        ("state_dim",) + _MULTISTATE + _OPS, state_shape=lambda cfg: (1, cfg.state_dim, cfg.head_dim),
+        conv_channels=_mamba_channels, moment_groups=lambda cfg: 1),
+}
+
+
+def get(kind: str) -> Mixer:
+  """The registry entry of mixer ``kind``; ValueError naming the known ones otherwise."""
+  if kind not in MIXERS:
+    raise ValueError(f"unknown mixer {kind!r}; known mixers: {tuple(MIXERS)}")
+  return MIXERS[kind]
+
+
 def make_mixer(kind: str, cfg, **kw) -> nn.Module:
-  """Build mixer ``kind`` from a ``ModelConfig`` (kw: dtype, param_dtype, module name)."""
-  ops = dict(conv_width=cfg.conv_width, impl=cfg.impl, chunk_size=cfg.chunk_size)
-  if kind == "attention":
-    return Attention(cfg.num_heads, cfg.head_dim, num_kv_heads=cfg.num_kv_heads,
-                     implementation=cfg.attention_impl, **kw)
-  if kind == "gdn":
-    return _triadic(1, True)(cfg, **kw)
-  if kind == "triadic_gdn":
-    return _triadic(cfg.expand_e, True)(cfg, **kw)
-  if kind == "triadic_sgla":
-    return _triadic(cfg.expand_e, False)(cfg, **kw)
-  if kind == "mamba2":
-    return _merlin("Mamba2")(cfg.num_heads, cfg.head_dim, state_dim=cfg.state_dim, **ops, **kw)
-  if kind == "multistate_gdn":
-    return _merlin("MultiStateGDN")(cfg.num_heads, cfg.head_dim, **_multistate(cfg), **ops, **kw)
-  if kind == "multistate_mamba2":
-    return _merlin("MultiStateMamba2")(cfg.num_heads, cfg.head_dim, state_dim=cfg.state_dim,
-                                      **_multistate(cfg), **ops, **kw)
-  raise ValueError(f"model.mixer must be one of {MIXERS}, got {kind!r}")
+  """Build mixer ``kind`` from a ``ModelConfig`` (kw: dtype, param_dtype, module name, parent)."""
+  return get(kind).build(cfg, **kw)
+
+
+def mixer_cache(kind: str, cfg, batch: int, max_len: int, dtype) -> dict:
+  """The empty decoding cache of one ``kind`` layer (the mixer's ``init_cache``)."""
+  # parent=None: a detached module (callable from inside another module's method, e.g. LM.init_cache)
+  return make_mixer(kind, cfg, dtype=dtype, parent=None).init_cache(batch, max_len)

@@ -17,8 +17,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm.mixers import MIXERS, MULTISTATE, check_decodable, make_mixer, mixer_cache
-from triadic.nn import RMSNorm, dense
+from lm import mixers
+from layers.blocks import RMSNorm, dense
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 
@@ -71,9 +71,9 @@ class ModelConfig:
       raise ValueError(f"model.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
     pattern = self.pattern()
     for m in pattern:
-      if m not in MIXERS:
+      if m not in mixers.MIXERS:
         where = "model.layer_pattern" if self.layer_pattern else "model.mixer"
-        raise ValueError(f"{where} names unknown mixer {m!r}; known mixers: {MIXERS}")
+        raise ValueError(f"{where} names unknown mixer {m!r}; known mixers: {tuple(mixers.MIXERS)}")
     if self.num_layers % len(pattern):
       raise ValueError(f"model.num_layers ({self.num_layers}) must be a multiple of the length of "
                        f"model.layer_pattern {pattern} ({len(pattern)})")
@@ -94,9 +94,8 @@ class ModelConfig:
   @property
   def max_len(self) -> int | None:
     """The longest sequence the model accepts (multi-state mixers hold max_segments segments)."""
-    if any(m in MULTISTATE for m in self.pattern()):
-      return self.max_segments * self.segment_len
-    return None
+    limits = [n for n in (mixers.get(m).max_len(self) for m in self.pattern()) if n is not None]
+    return min(limits, default=None)
 
   @property
   def compute_dtype(self):
@@ -125,20 +124,15 @@ class Block(nn.Module):
 
   @nn.compact
   def __call__(self, x, cache=None):
-    """x -> x; with the mixer's ``cache``, (x, new_cache) (see ``LM.__call__``)."""
+    """``(x, new_cache)``: the mixer's convention (cache None in training; see ``LM.__call__``)."""
     dt = self.cfg.compute_dtype
     x = nn.with_logical_constraint(x, ("batch", None, "embed_act"))
     h = RMSNorm(dtype=dt, name="mixer_norm")(x)
-    mixer = make_mixer(self.mixer, self.cfg, dtype=dt, name="mixer")
-    if cache is None:
-      y = mixer(h)
-    else:
-      check_decodable(self.mixer)
-      y, cache = mixer(h, cache)
+    y, cache = mixers.make_mixer(self.mixer, self.cfg, dtype=dt, name="mixer")(h, cache)
     x = x + y.astype(x.dtype)
     h = RMSNorm(dtype=dt, name="mlp_norm")(x)
     x = x + Mlp(self.cfg.mlp_dim, dtype=dt, name="mlp")(h).astype(x.dtype)
-    return x if cache is None else (x, cache)
+    return x, cache
 
 
 class Group(nn.Module):
@@ -149,14 +143,11 @@ class Group(nn.Module):
   @nn.compact
   def __call__(self, x, cache):
     """(x, None) -> (x, None) for training; (x, {block_i: cache}) -> (x, new caches) to decode."""
-    if cache is None:
-      for i, mixer in enumerate(self.cfg.pattern()):
-        x = Block(self.cfg, mixer, name=f"block{i}")(x)
-      return x, None
     new = {}
     for i, mixer in enumerate(self.cfg.pattern()):
-      x, new[f"block{i}"] = Block(self.cfg, mixer, name=f"block{i}")(x, cache[f"block{i}"])
-    return x, new
+      name = f"block{i}"
+      x, new[name] = Block(self.cfg, mixer, name=name)(x, None if cache is None else cache[name])
+    return x, None if cache is None else new
 
 
 class LM(nn.Module):
@@ -175,9 +166,6 @@ class LM(nn.Module):
     cfg = self.cfg
     if tokens.ndim != 2:
       raise ValueError(f"tokens must have shape (B, T), got shape {tokens.shape}")
-    if cache is not None:
-      for m in cfg.pattern():
-        check_decodable(m)
     if cfg.max_len is not None and tokens.shape[1] > cfg.max_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.max_segments * "
                        f"model.segment_len = {cfg.max_segments} * {cfg.segment_len} = {cfg.max_len}")
@@ -201,9 +189,9 @@ class LM(nn.Module):
   def init_cache(self, batch: int, max_len: int) -> dict:
     """The empty decoding cache for ``batch`` sequences of up to ``max_len`` tokens (prompt +
     generated): {block_i: that mixer's cache}, each leaf with a leading axis over the layer groups
-    (the ``layers`` axis of the parameters). NotImplementedError for mixers without decoding."""
+    (the ``layers`` axis of the parameters)."""
     cfg = self.cfg
     groups = cfg.num_layers // len(cfg.pattern())
-    one = {f"block{i}": mixer_cache(m, cfg, batch, max_len, cfg.compute_dtype)
+    one = {f"block{i}": mixers.mixer_cache(m, cfg, batch, max_len, cfg.compute_dtype)
            for i, m in enumerate(cfg.pattern())}
     return jax.tree.map(lambda z: jnp.broadcast_to(z, (groups,) + z.shape), one)

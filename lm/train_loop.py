@@ -22,7 +22,7 @@ from absl import logging
 from etils import epath
 from jax.experimental import multihost_utils
 
-from lm import checkpoint, costs, data, init_from, logger, sharding, state as state_lib
+from lm import checkpoint, costs, data, init_from, logger, sharding, state as state_lib, train_step
 from lm.config import validate
 
 
@@ -66,7 +66,7 @@ def train(config, workdir: str, *, stop_at: Callable[[int], bool] | None = None)
                      f"mesh size ({batch_shards})")
   rules = sharding.rules(config)
   setup = state_lib.create(cfg, t, mesh, rules, config.data.seq_len)
-  step_fn = state_lib.jit_train_step(setup, t, mesh, rules)
+  step_fn = train_step.jit_train_step(setup, t, mesh, rules)
   os.makedirs(workdir, exist_ok=True)
 
   iterator = data.make_train_iterator(config.data, seed=config.seed, global_batch_size=t.batch_size,

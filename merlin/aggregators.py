@@ -1,4 +1,4 @@
-"""Segment weights lam (B, T, H, N) for multi-state linear attention (SPEC section 2).
+"""Segment weights lam (B, T, H, N) for multi-state linear attention (docs/spec.md section 2).
 
     vanilla:   lam_ti = 1
     position:  lam_ti = softplus(p_t[s(t) - i])

@@ -1,4 +1,4 @@
-"""Chunk-parallel multi-state linear attention in plain JAX (SPEC section 2).
+"""Chunk-parallel multi-state linear attention in plain JAX (docs/spec.md section 2).
 
 Chunks of C tokens never straddle a segment (C divides L), so inside a chunk one state, the
 current segment's, is written. With gc the chunk-local inclusive cumsum of g and the decay mask

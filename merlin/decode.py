@@ -10,7 +10,7 @@ long the context is: no old token is revisited.
   (or Pallas) single-state op: S^i(T) is the single-state recurrence run with the values of every
   token outside segment i set to zero (a zero value still decays and, with erase, erases; it writes
   nothing), so all segments run at once as a batch of ceil(T / L) masked copies.
-- ``multistate_step``: SPEC section 2's recurrence for one token (the scan oracle's step).
+- ``multistate_step``: docs/spec.md section 2's recurrence for one token (the scan oracle's step).
 - ``moment_prefill`` / ``moment_step``: the segment sums after T tokens, and one token's update
   with the alignment scores (r_mu, r_sigma) it reads, as ``merlin.moments`` computes them.
 - ``multistate_decode``: what ``MultiStateGDN`` / ``MultiStateMamba2`` run on a cached call.
@@ -88,14 +88,13 @@ def moment_step(sums, squares, qr, kr, position, *, segment_len: int):
   return (r_mu, second - r_mu ** 2), (sums, squares)
 
 
-def multistate_decode(layer, q, k, v, g, beta, lam_and_moments, cache, *, erase, scale):
+def multistate_decode(layer, q, k, v, g, beta, lam, moments, cache, *, erase, scale):
   """The recurrent side of a multi-state layer's cached call (``layer``: its segment_len,
   max_segments, chunk_size, impl): prefill (T > 1, from an empty cache) or one step (T = 1).
 
-  q, k (B, T, H, D); v (B, T, H, V); g, beta (B, T, H); ``lam_and_moments`` the aggregator's
-  (lam (B, T, H, N), new moments). Returns (o (B, T, H, V), the cache's new state, moments, length).
+  q, k (B, T, H, D); v (B, T, H, V); g, beta (B, T, H); lam (B, T, H, N) and the new moments, what
+  the aggregator returned. Returns (o (B, T, H, V), the cache's new state, moments, length).
   """
-  lam, moments = lam_and_moments
   t, length = q.shape[1], cache["length"]
   if t == 1:
     o, state = multistate_step(cache["state"], *(z[:, 0] for z in (q, k, v, g, beta, lam)), length,

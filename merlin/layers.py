@@ -1,4 +1,4 @@
-"""Flax Linen mixers: single-state ``Mamba2`` and the multi-state ``MultiStateGDN`` / ``MultiStateMamba2``.
+"""Flax Linen mixers: the multi-state ``MultiStateGDN`` / ``MultiStateMamba2`` and their ``Aggregator``.
 
 The multi-state layers share every parameter name and shape with their single-state versions
 (``triadic.TriadicGDN(expand_e=1)``, ``Mamba2``), so a trained single-state checkpoint loads by name;
@@ -13,128 +13,24 @@ from typing import Any
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from merlin.aggregators import (_softmax, merlin_weights, meanpool_weights, position_weights,
-                                vanilla_weights)
-from merlin.decode import moment_prefill, moment_step, multistate_decode, visible_now
+from layers.gdn import gdn_cache, gdn_inputs, gdn_output
+from merlin.aggregator_layers import make_aggregator
+from merlin.decode import multistate_decode
+from merlin.mamba2 import Mamba2
 from merlin.memory import state_memory
 from merlin.ops import multistate_attention
-from triadic.layer import a_log_init, dt_bias_init, gdn_cache, gdn_inputs, gdn_output
-from triadic.nn import RMSNorm, ShortConv, dense, l2norm, softplus_inverse
-from triadic.ops import triadic_gdn, triadic_gdn_step
 
-AGGREGATORS = ("vanilla", "position", "meanpool", "merlin")
-
-
-class Aggregator(nn.Module):
-  """lam (B, T, H, N) from the hidden state x (B, T, d_model).
-
-  k', q' = l2norm(own projections of x) with ``groups`` groups of d_r (H per head, or 1 shared):
-  unit vectors keep r_mu in [-1, 1] and r_sigma in [0, 1], and the temperatures set the scale.
-  tau = exp(log_tau) per head (parameters log_tau_mu, log_tau_sigma), initialised to sqrt(d_r)
-  (mean) and d_r (variance): a random unit query aligns with a unit key at about d_r^-1/2, with
-  variance about 1/d_r, so both logits start at O(1). gamma = sigmoid(w^T x + b) per head. Position: p = W x + b, with b chosen so
-  that lam = softplus(p) = 1 (vanilla) when W x = 0.
-  """
-
-  kind: str
-  num_heads: int
-  segment_len: int
-  max_segments: int
-  d_r: int
-  groups: int
-  impl: str = "auto"
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, x: jax.Array, cache: dict | None = None, position=None):
-    """lam (B, T, H, N) for x (B, T, d_model): the training forward.
-
-    Decoding (``cache`` from ``init_cache``): T > 1 is a prefill from the start of the sequence
-    (lam as in training, and the segment moment sums of its keys); T = 1 is the token at
-    ``position`` (traced int), whose weights come from the running sums alone. Returns
-    ``(lam, new_cache)``.
-    """
-    h, n, r = self.num_heads, self.max_segments, self.d_r
-    b, t = x.shape[:2]
-    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    step = cache is not None and t == 1
-    if self.kind == "vanilla":
-      lam = vanilla_weights(b, t, h, n)
-      return lam if cache is None else (lam, cache)
-    if self.kind == "position":
-      logical = nn.with_logical_partitioning
-      p = nn.DenseGeneral(
-          (h, n), use_bias=True, name="pos_proj",
-          kernel_init=logical(nn.initializers.lecun_normal(), ("embed", "heads", None)),
-          bias_init=logical(nn.initializers.constant(softplus_inverse(1.0)), ("heads", None)), **kw)(x)
-      if cache is None:
-        return position_weights(p, segment_len=self.segment_len)
-      if not step:
-        return position_weights(p, segment_len=self.segment_len), cache
-      distance = jnp.clip(position // self.segment_len - jnp.arange(n), 0, n - 1)
-      lam = jax.nn.softplus(jnp.take(p.astype(jnp.float32), distance, axis=-1))
-      return jnp.where(visible_now(position, n, self.segment_len), lam, 0.0), cache
-
-    def small(name):
-      if self.groups == 1:
-        z = dense(r, ("embed", "moment"), name=name, **kw)(x)[:, :, None]
-      else:
-        z = dense((h, r), ("embed", "heads", "moment"), name=name, **kw)(x)
-      return l2norm(z.astype(jnp.float32))
-
-    def temperature(name, init):
-      init = nn.with_logical_partitioning(nn.initializers.constant(np.log(init)), ("heads",))
-      log_tau = self.param(f"log_{name}", init, (h,), self.param_dtype)
-      return jnp.exp(log_tau.astype(jnp.float32))
-
-    qr, kr = small("qr_proj"), small("kr_proj")
-    common = dict(segment_len=self.segment_len, max_segments=n,
-                  impl="scan" if self.impl == "scan" else "auto")
-    tau_mu = temperature("tau_mu", r ** 0.5)
-    if step:
-      (r_mu, r_sigma), (sums, squares) = moment_step(cache["sum"], cache["sq"], qr[:, 0], kr[:, 0],
-                                                     position, segment_len=self.segment_len)
-      cache = {"sum": sums, "sq": squares}
-      mask = visible_now(position, n, self.segment_len)[None]  # (T = 1, N)
-      lam = _softmax(r_mu[:, None], tau_mu, mask)
-    elif cache is not None:
-      sums, squares = moment_prefill(kr, segment_len=self.segment_len, num_segments=n)
-      cache = {"sum": sums, "sq": squares}
-    if self.kind == "meanpool":
-      if not step:
-        lam = meanpool_weights(qr, kr, tau_mu, **common)
-      return lam if cache is None else (lam, cache)
-    gamma = jax.nn.sigmoid(dense(h, ("embed", "heads"), use_bias=True, name="gamma_proj", **kw)(x)
-                           .astype(jnp.float32))
-    tau_sigma = temperature("tau_sigma", float(r))
-    if not step:
-      lam = merlin_weights(qr, kr, gamma, tau_mu, tau_sigma, **common)
-      return lam if cache is None else (lam, cache)
-    gamma = gamma[..., None]
-    lam = gamma * lam + (1.0 - gamma) * _softmax(r_sigma[:, None], tau_sigma, mask)
-    return lam, cache
-
-  def init_cache(self, batch: int) -> dict:
-    """The empty running moments: per segment, the sum of k' (B, G, N, R) and of k' k'^T
-    (B, G, N, R, R) for meanpool / merlin; nothing for vanilla / position."""
-    if self.kind in ("vanilla", "position"):
-      return {}
-    shape = (batch, self.groups, self.max_segments, self.d_r)
-    return {"sum": jnp.zeros(shape, jnp.float32), "sq": jnp.zeros(shape + (self.d_r,), jnp.float32)}
+def _aggregator(layer, *, groups: int, **kw):
+  """``layer``'s aggregator module (kw: impl, dtype, param_dtype, name, parent)."""
+  return make_aggregator(layer.aggregator, layer.num_heads, layer.segment_len, layer.max_segments,
+                         layer.d_r, groups=groups, **kw)
 
 
-def _aggregator_cache(layer, *, groups: int, batch: int) -> dict:
-  """The empty running moments of ``layer``'s aggregator (a detached module: no parameters)."""
-  return Aggregator(layer.aggregator, layer.num_heads, layer.segment_len, layer.max_segments,
-                    layer.d_r, groups=groups, parent=None).init_cache(batch)
-
-
-def _check_aggregator(aggregator):
-  if aggregator not in AGGREGATORS:
-    raise ValueError(f"aggregator must be one of {AGGREGATORS}, got {aggregator!r}")
+def _moments_and_length(cache):
+  """The aggregator's cache and the token position from a layer's decoding cache (None, None in
+  training)."""
+  return (None, None) if cache is None else (cache["moments"], cache["length"])
 
 
 class MultiStateGDN(nn.Module):
@@ -160,29 +56,27 @@ class MultiStateGDN(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, cache: dict | None = None):
-    """x (B, T, d_model) -> (B, T, d_model), the training forward.
+    """``(y, new_cache)``, x and y (B, T, d_model).
 
-    With ``cache`` (``init_cache``) the result is ``(y, new_cache)``: T > 1 is a prefill, which
-    must start the sequence (an empty cache; checked when the length is concrete): outputs by the
-    chunk-parallel op, final segment states by ``multistate_prefill_states``; T = 1 is one decoding
-    step from the segment states and the running moments. Same parameters as training.
+    Training passes no cache and gets None back. With ``cache`` (``init_cache``): T > 1 is a
+    prefill, which must start the sequence (an empty cache; checked when the length is concrete):
+    outputs by the chunk-parallel op, final segment states by ``multistate_prefill_states``; T = 1
+    is one decoding step from the segment states and the running moments. Same parameters as
+    training.
     """
-    _check_aggregator(self.aggregator)
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    inputs = gdn_inputs(x, self.num_heads, self.head_dim, self.value_dim, 1, self.conv_width,
-                        conv_cache=None if cache is None else cache["conv"], **kw)
-    (q, k, v, _, _, g, beta), conv = inputs if cache is not None else (inputs, None)
-    aggregator = Aggregator(self.aggregator, self.num_heads, self.segment_len, self.max_segments,
-                            self.d_r, groups=self.num_heads, impl=self.impl, name="aggregator", **kw)
+    (q, k, v, _, _, g, beta), conv = gdn_inputs(
+        x, self.num_heads, self.head_dim, self.value_dim, 1, self.conv_width,
+        conv_cache=None if cache is None else cache["conv"], **kw)
+    aggregator = _aggregator(self, groups=self.num_heads, impl=self.impl, name="aggregator", **kw)
+    lam, moments = aggregator(x, *_moments_and_length(cache))
     if cache is None:
-      lam = aggregator(x)
       o = multistate_attention(q, k, v, g[..., 0], beta, lam, segment_len=self.segment_len,
                                erase=self.erase, impl=self.impl,
                                chunk_size=min(self.chunk_size, self.segment_len))
-      return gdn_output(o, x, **kw)
-    o, cache = multistate_decode(self, q, k, v, g[..., 0], beta,
-                                  aggregator(x, cache["moments"], cache["length"]), cache,
-                                  erase=self.erase, scale=self.head_dim ** -0.5)
+      return gdn_output(o, x, **kw), None
+    o, cache = multistate_decode(self, q, k, v, g[..., 0], beta, lam, moments, cache,
+                                 erase=self.erase, scale=self.head_dim ** -0.5)
     return gdn_output(o, x, **kw), {**cache, "conv": conv}
 
   def init_cache(self, batch: int, max_len: int | None = None) -> dict:
@@ -194,7 +88,7 @@ class MultiStateGDN(nn.Module):
                      state=False)["conv"]
     return {"state": jnp.zeros((batch, self.num_heads, self.max_segments, self.head_dim, vd),
                                jnp.float32),
-            "conv": conv, "moments": _aggregator_cache(self, groups=self.num_heads, batch=batch),
+            "conv": conv, "moments": _aggregator(self, groups=self.num_heads, parent=None).init_cache(batch),
             "length": jnp.zeros((), jnp.int32)}
 
   def state_memory(self, num_segments: int | None = None, bytes_per_value: int = 4):
@@ -202,109 +96,6 @@ class MultiStateGDN(nn.Module):
     return state_memory(self.num_heads, self.head_dim, self.value_dim or self.head_dim, self.d_r,
                         aggregator=self.aggregator, num_segments=num_segments or self.max_segments,
                         bytes_per_value=bytes_per_value)
-
-
-class Mamba2(nn.Module):
-  """Single-state Mamba-2 mixer with one group of B, C (the SSD core is ``triadic_gdn`` with E = 1).
-
-  x -> x_proj (H x P), z_proj (H x P), b_proj, c_proj (state_dim), dt_proj (H); causal depthwise
-  conv + SiLU on x, B, C; dt = softplus(dt_proj + dt_bias); the SSD recurrence
-  h_t = exp(-exp(A_log) dt_t) h + B_t (dt_t x_t)^T, y_t = h_t^T C_t; y + D x;
-  RMSNorm(y * silu(z)) per head; out_proj. Input and output (B, T, d_model).
-  """
-
-  num_heads: int
-  head_dim: int
-  state_dim: int = 64
-  conv_width: int = 4
-  impl: str = "auto"
-  chunk_size: int = 64
-  dtype: Any = jnp.float32
-  param_dtype: Any = jnp.float32
-
-  def ssd_inputs(self, x, conv_cache=None):
-    """(xs, z, b, c, dt, g): xs, z (B, T, H, P); b, c (B, T, state_dim); dt, g (B, T, H).
-
-    Creates the shared parameters; call from the compact ``__call__``. With ``conv_cache``
-    ({"x", "b", "c"}: each convolution's last conv_width - 1 inputs) the convolutions continue
-    from it and the result is ``((xs, z, b, c, dt, g), new_conv_cache)`` (decoding).
-    """
-    h, p, kw = self.num_heads, self.head_dim, dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    new_cache = {}
-
-    def stream(features, names, name):
-      z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
-      conv = ShortConv(self.conv_width, names, name=f"{name}_conv", **kw)
-      if conv_cache is None:
-        return jax.nn.silu(conv(z))
-      y, new_cache[name] = conv(z, conv_cache[name])
-      return jax.nn.silu(y)
-
-    xs = stream((h, p), ("heads", "head_dim"), "x")
-    b = stream(self.state_dim, ("state",), "b").astype(jnp.float32)
-    c = stream(self.state_dim, ("state",), "c").astype(jnp.float32)
-    z = dense((h, p), ("embed", "heads", "head_dim"), name="z_proj", **kw)(x)
-    per_head = lambda name, init: self.param(name, nn.with_logical_partitioning(init, ("heads",)),
-                                             (h,), self.param_dtype).astype(jnp.float32)
-    dt = dense(h, ("embed", "heads"), name="dt_proj", **kw)(x).astype(jnp.float32)
-    dt = jax.nn.softplus(dt + per_head("dt_bias", dt_bias_init))
-    g = -jnp.exp(per_head("A_log", a_log_init)) * dt
-    inputs = xs, z, b, c, dt, g
-    return inputs if conv_cache is None else (inputs, new_cache)
-
-  def conv_cache(self, batch: int) -> dict:
-    """Zero inputs of the short convolutions (x, b, c) for a fresh decoding cache."""
-    w, h, p, n = self.conv_width - 1, self.num_heads, self.head_dim, self.state_dim
-    return {"x": jnp.zeros((batch, w, h, p), self.dtype), "b": jnp.zeros((batch, w, n), self.dtype),
-            "c": jnp.zeros((batch, w, n), self.dtype)}
-
-  def ssd_output(self, y, xs, z, x):
-    """out_proj(RMSNorm((y + D xs) * silu(z))), y (B, T, H, P) -> (B, T, d_model)."""
-    kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
-    skip = self.param("D", nn.with_logical_partitioning(nn.initializers.ones_init(), ("heads",)),
-                      (self.num_heads,), self.param_dtype)
-    y = (y.astype(jnp.float32) + skip.astype(jnp.float32)[:, None] * xs) * jax.nn.silu(z)
-    y = RMSNorm(names=("head_dim",), name="norm", **kw)(y)
-    return dense(x.shape[-1], ("heads", "head_dim", "embed"), axis=(-2, -1), name="out_proj", **kw)(y)
-
-  @staticmethod
-  def heads(b, c, xs, dt):
-    """SSD operands per head: q = C and k = B broadcast over heads, v = dt x."""
-    h = xs.shape[2]
-    per_head = lambda z: jnp.broadcast_to(z[:, :, None], z.shape[:2] + (h, z.shape[-1]))
-    return per_head(c), per_head(b), xs.astype(jnp.float32) * dt[..., None]
-
-  @nn.compact
-  def __call__(self, x: jax.Array, cache: dict | None = None):
-    """x (B, T, d_model) -> (B, T, d_model). With ``cache`` (``init_cache``) it continues the cached
-    sequence and returns ``(y, new_cache)``: T > 1 by the parallel form from the cached state
-    (prefill), T = 1 by the one-token recurrence (decode)."""
-    if cache is None:
-      xs, z, b, c, dt, g = self.ssd_inputs(x)
-    else:
-      (xs, z, b, c, dt, g), conv = self.ssd_inputs(x, cache["conv"])
-    q, k, v = self.heads(b, c, xs, dt)
-    ones = jnp.ones(g.shape + (1,), jnp.float32)
-    if cache is None:
-      y, _ = triadic_gdn(q, k, v, ones, ones, g[..., None], jnp.ones_like(g), scale=1.0, erase=False,
-                         impl=self.impl, chunk_size=self.chunk_size)
-      return self.ssd_output(y, xs, z, x)
-    if x.shape[1] == 1:
-      y, state = triadic_gdn_step(cache["state"], *(a[:, 0] for a in (q, k, v, ones, ones)),
-                                  g[:, 0, :, None], jnp.ones_like(g[:, 0]), scale=1.0, erase=False)
-      y = y[:, None]
-    else:
-      y, state = triadic_gdn(q, k, v, ones, ones, g[..., None], jnp.ones_like(g), scale=1.0,
-                             erase=False, impl=self.impl, chunk_size=self.chunk_size,
-                             initial_state=cache["state"])
-    return self.ssd_output(y, xs, z, x), {"state": state, "conv": conv}
-
-  def init_cache(self, batch: int, max_len: int | None = None) -> dict:
-    """Empty decoding cache: the SSD state (B, H, 1, state_dim, head_dim) float32 and the short
-    convolutions' inputs. ``max_len`` is unused (the cost is constant)."""
-    del max_len
-    state = jnp.zeros((batch, self.num_heads, 1, self.state_dim, self.head_dim), jnp.float32)
-    return {"state": state, "conv": self.conv_cache(batch)}
 
 
 class MultiStateMamba2(Mamba2):
@@ -318,33 +109,28 @@ class MultiStateMamba2(Mamba2):
 
   @nn.compact
   def __call__(self, x: jax.Array, cache: dict | None = None):
-    """x (B, T, d_model) -> (B, T, d_model); with ``cache`` (``init_cache``), ``(y, new_cache)``:
-    T > 1 is a prefill from the start of the sequence, T = 1 one decoding step (see
-    ``MultiStateGDN``)."""
-    _check_aggregator(self.aggregator)
-    if cache is None:
-      xs, z, b, c, dt, g = self.ssd_inputs(x)
-    else:
-      (xs, z, b, c, dt, g), conv = self.ssd_inputs(x, cache["conv"])
+    """``(y, new_cache)``, x and y (B, T, d_model): training without a cache (None back); with
+    ``cache`` (``init_cache``) T > 1 is a prefill from the start of the sequence, T = 1 one decoding
+    step (see ``MultiStateGDN``)."""
+    (xs, z, b, c, dt, g), conv = self.ssd_inputs(x, None if cache is None else cache["conv"])
     q, k, v = self.heads(b, c, xs, dt)
-    aggregator = Aggregator(self.aggregator, self.num_heads, self.segment_len, self.max_segments,
-                            self.d_r, groups=1, impl=self.impl, name="aggregator", dtype=self.dtype,
-                            param_dtype=self.param_dtype)
+    aggregator = _aggregator(self, groups=1, impl=self.impl, name="aggregator", dtype=self.dtype,
+                             param_dtype=self.param_dtype)
+    lam, moments = aggregator(x, *_moments_and_length(cache))
     if cache is None:
-      lam = aggregator(x)
       y = multistate_attention(q, k, v, g, jnp.ones_like(g), lam, segment_len=self.segment_len,
                                erase=False, scale=1.0, impl=self.impl,
                                chunk_size=min(self.chunk_size, self.segment_len))
-      return self.ssd_output(y, xs, z, x)
-    y, cache = multistate_decode(self, q, k, v, g, jnp.ones_like(g), aggregator(
-        x, cache["moments"], cache["length"]), cache, erase=False, scale=1.0)
+      return self.ssd_output(y, xs, z, x), None
+    y, cache = multistate_decode(self, q, k, v, g, jnp.ones_like(g), lam, moments, cache,
+                                 erase=False, scale=1.0)
     return self.ssd_output(y, xs, z, x), {**cache, "conv": conv}
 
   def init_cache(self, batch: int, max_len: int | None = None) -> dict:
     """Empty decoding cache: N segment states (B, H, N, state_dim, head_dim) float32, the
     aggregator's running moments, the short convolutions' inputs and the length (0)."""
     del max_len
-    moments = _aggregator_cache(self, groups=1, batch=batch)
+    moments = _aggregator(self, groups=1, parent=None).init_cache(batch)
     return {"state": jnp.zeros((batch, self.num_heads, self.max_segments, self.state_dim,
                                 self.head_dim), jnp.float32),
             "conv": self.conv_cache(batch), "moments": moments, "length": jnp.zeros((), jnp.int32)}

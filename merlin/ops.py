@@ -46,7 +46,7 @@ def validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size):
 
 def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool = True,
                          scale: float | None = None, impl: str = "auto", chunk_size: int | None = None):
-  """Multi-state gated linear attention (``../shared/SPEC.md`` section 2).
+  """Multi-state gated linear attention (docs/spec.md section 2).
 
   Segment i = t // segment_len owns state S^i; every state decays (and is erased, if ``erase``)
   at every token, only the current segment's is written, and the output reads all visible states
@@ -73,7 +73,7 @@ def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool
   scale = d ** -0.5 if scale is None else scale
   lam = jnp.where(visible(t, segment_len, n)[:, None, :], lam.astype(jnp.float32), 0.0)
   # Materialise lam: XLA:CPU otherwise fuses the aggregator's softmax into the chunk relayout and
-  # recomputes it there (100x slower at T = 4096).
+  # recomputes it there (orders of magnitude slower at long T).
   lam = jax.lax.optimization_barrier(lam)
   if impl == "scan":
     o = multistate_scan(q, k, v, g, beta, lam, segment_len=segment_len, scale=scale, erase=erase)

@@ -1,4 +1,4 @@
-"""The per-token recurrence of multi-state linear attention (SPEC section 2): the oracle.
+"""The per-token recurrence of multi-state linear attention (docs/spec.md section 2): the oracle.
 
 Per batch row and head, a stack of N states S^i (D, V), all zero at the start. For each token t:
 

@@ -1,16 +1,16 @@
 """Test-process set-up, before any test computes.
 
-- ``import triadic``: it sets an XLA:CPU flag that must precede the CPU backend's start (see
-  triadic/_xla_cpu.py).
+- ``apply_cpu_workaround()``: an XLA:CPU flag that must precede the CPU backend's start (see
+  triadic/xla_flags.py).
 - XLA:CPU compiles without LLVM's optimisations (``--xla_backend_optimization_level=0``; the HLO
   passes, fusion included, still run): the suite's programs are small and mostly run a few
-  times, so compiling is most of its time on the 2-core CI machine (the training tests, with
-  the cache below: 103 s -> 73 s). Every bound holds as before (the whole suite passes with and
-  without the flag).
+  times, so compiling is most of its time on the 2-core CI machine. Every bound holds with and
+  without the flag.
 - Compiled programs go to a persistent compilation cache private to this process (one per xdist
   worker, so no two processes write one file; removed at exit): many tests compile the same
   program again (every ``train_loop.train`` call builds its own jitted step; the preemption test
-  trains three times): the training tests took 188 s without it, 103 s with it.
+  trains three times). Both choices' effect on the suite's time: benchmarks/RESULTS.md ("Test
+  suite on the 2-core CPU").
 
 Subprocesses started by tests (tests/test_train_distributed.py) inherit XLA_FLAGS."""
 
@@ -24,7 +24,9 @@ os.environ["XLA_FLAGS"] = " ".join(
 
 import jax  # noqa: E402
 
-import triadic  # noqa: E402,F401
+from triadic.xla_flags import apply_cpu_workaround  # noqa: E402
+
+apply_cpu_workaround()
 
 _CACHE = tempfile.mkdtemp(prefix="jax_test_cache_")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)

@@ -145,8 +145,8 @@ def test_niah_single_query_examples_are_those_of_the_single_query_generator():
     np.testing.assert_array_equal(same[k], ex[k])
   c = data.default_config("niah")
   assert c.train_lengths == "uniform" and c.train_num_queries == 1
-  assert [_digest(data._train_example(c, 0, i)) for i in range(3)] == [1353305025, 3083090880,
-                                                                       2251908503]
+  train_set = data.get_task("niah").train_set(c, 0)
+  assert [_digest(train_set[i]) for i in range(3)] == [1353305025, 3083090880, 2251908503]
   c.num_eval_examples = 4
   assert [_digest(data.niah_eval_set(c, i, j)) for i, j in [(0, 0), (2, 3)]] == [3535736109,
                                                                                  3976506904]
@@ -170,8 +170,8 @@ def test_niah_rejects_too_many_queries():
 
 def _niah_lengths(c, n=400):
   """The real (unpadded) lengths of the first n training examples: one past the last answer."""
-  return np.array([np.flatnonzero(data._train_example(c, 0, i)["weights"])[-1] + 1
-                   for i in range(n)])
+  train_set = data.get_task(c.name).train_set(c, 0)
+  return np.array([np.flatnonzero(train_set[i]["weights"])[-1] + 1 for i in range(n)])
 
 
 def test_niah_log_uniform_training_lengths_favour_short_contexts():

@@ -1,4 +1,4 @@
-"""Segment moments and aggregator weights against float64 NumPy loops over the sets J of SPEC section 2.
+"""Segment moments and aggregator weights against float64 NumPy loops over the sets J of docs/spec.md section 2.
 
 Bounds: float32 scores and weights within 1e-5 relative RMS of the float64 loop (both the scan and
 the parallel moments); gradients of the two implementations within 1e-4 of each other.
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from merlin import meanpool_weights, merlin_weights, moment_scores, position_weights
-from tests.util import rel_rms as rel
+from testkit import rel_rms as rel
 
 B, T, H, R, L, N = 2, 29, 3, 5, 6, 7  # 29 tokens: 4 full segments of 6 and a partial fifth
 IMPLS = ["scan", "parallel"]

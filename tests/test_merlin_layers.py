@@ -9,7 +9,7 @@ import pytest
 
 import merlin
 import triadic
-from tests.util import rel_rms as rel
+from testkit import rel_rms as rel
 
 BATCH, T, MODEL, H, P, L, N = 2, 19, 16, 2, 8, 4, 5  # 19 tokens: 5 segments of 4 (last partial)
 SMALL = dict(segment_len=L, max_segments=N, d_r=4, chunk_size=4)
@@ -42,10 +42,10 @@ def test_gdn_loads_single_state_checkpoint(x, erase):
     params = layer.init(jax.random.PRNGKey(2), x)
     shared = {k: v for k, v in shapes(params)["params"].items() if k != "aggregator"}
     assert shared == shapes(single_params)["params"], agg  # same names, same shapes
-    y = layer.apply(load(single_params, params), x)
+    y, _ = layer.apply(load(single_params, params), x)
     assert y.shape == x.shape and np.all(np.isfinite(np.asarray(y))), agg
     if agg == "vanilla":  # lam = 1: the single-state layer exactly
-      assert rel(y, single.apply(single_params, x)) < 1e-5
+      assert rel(y, single.apply(single_params, x)[0]) < 1e-5
 
 
 def test_mamba2_loads_into_multistate(x):
@@ -56,10 +56,10 @@ def test_mamba2_loads_into_multistate(x):
     params = layer.init(jax.random.PRNGKey(2), x)
     shared = {k: v for k, v in shapes(params)["params"].items() if k != "aggregator"}
     assert shared == shapes(single_params)["params"], agg
-    y = layer.apply(load(single_params, params), x)
+    y, _ = layer.apply(load(single_params, params), x)
     assert y.shape == x.shape and np.all(np.isfinite(np.asarray(y))), agg
     if agg == "vanilla":
-      assert rel(y, single.apply(single_params, x)) < 1e-5
+      assert rel(y, single.apply(single_params, x)[0]) < 1e-5
   assert shapes(params)["params"]["aggregator"]["kr_proj"]["kernel"] == (MODEL, 4)  # one group
 
 
@@ -94,14 +94,14 @@ def numpy_mamba2(p, x, conv_width=4):
 def test_mamba2_matches_numpy(x):
   layer = merlin.Mamba2(num_heads=H, head_dim=P, state_dim=6, chunk_size=4)
   params = layer.init(jax.random.PRNGKey(3), x)
-  assert rel(layer.apply(params, x), numpy_mamba2(params, x)) < 1e-5
+  assert rel(layer.apply(params, x)[0], numpy_mamba2(params, x)) < 1e-5
 
 
 def test_multistate_layers_differentiate(x):
   for layer in (merlin.MultiStateGDN(num_heads=H, head_dim=P, **SMALL),
                 merlin.MultiStateMamba2(num_heads=H, head_dim=P, state_dim=6, **SMALL)):
     params = layer.init(jax.random.PRNGKey(4), x)
-    grads = jax.grad(lambda p: jnp.sum(layer.apply(p, x) ** 2))(params)
+    grads = jax.grad(lambda p: jnp.sum(layer.apply(p, x)[0] ** 2))(params)
     agg = nn.unbox(grads)["params"]["aggregator"]
     for leaf in jax.tree_util.tree_leaves(agg):
       assert np.all(np.isfinite(np.asarray(leaf))) and np.any(np.asarray(leaf) != 0)

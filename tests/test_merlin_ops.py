@@ -11,7 +11,7 @@ import pytest
 
 import triadic
 from merlin import multistate_attention
-from tests.util import rel_rms as rel
+from testkit import rel_rms as rel
 
 B, T, H, D, V, L, N = 2, 37, 2, 8, 6, 8, 6  # 37 tokens: 4 full segments and a partial fifth
 
@@ -29,7 +29,7 @@ def make_inputs(seed, t=T, n=N, g_scale=0.5):
 
 
 def numpy_loop(q, k, v, g, beta, lam, segment_len, erase, scale):
-  """SPEC section 2 written out token by token in float64, one (batch, head) at a time."""
+  """docs/spec.md section 2 written out token by token in float64, one (batch, head) at a time."""
   q, k, v, g, beta, lam = (np.asarray(x, np.float64) for x in (q, k, v, g, beta, lam))
   b, t, h, d = q.shape
   n = lam.shape[-1]

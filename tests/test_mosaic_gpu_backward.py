@@ -26,8 +26,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.test_triadic_pallas import check_against_scan, make_inputs
-from tests.util import rel_rms
+from testkit.triadic import check_against_scan, make_grad_inputs
+from testkit import rel_rms
 from triadic.pallas import backward, mosaic, mosaic_backward, recurrent
 from triadic.pallas import ops as pops
 from triadic.pallas.chunk_prep import chunk_prep
@@ -45,7 +45,7 @@ pytestmark = pytest.mark.skipif(not mosaic.interpret_available(),
 
 def backward_operands(b, t, h, d, vdim, e, erase, decay, c=64, seed=0):
   """``chunk_backward``'s operands as ``ops._backward`` passes them."""
-  args, do, ds = make_inputs(seed, b, t, h, d, vdim, e, decay=decay, dtype=jnp.bfloat16)
+  args, do, ds = make_grad_inputs(seed, b, t, h, d, vdim, e, decay=decay, dtype=jnp.bfloat16)
   nc = -(-t // c)
   merge = lambda x: x.reshape(b * h, *x.shape[2:])
   rows = lambda x: jnp.swapaxes(x, -1, -2)

@@ -8,7 +8,7 @@ import signal
 import numpy as np
 import pytest
 
-from lm import eval_loop, state as state_lib, train_loop
+from lm import eval_loop, state as state_lib, train_loop, train_step
 from tests.train_util import tiny_config
 
 
@@ -90,8 +90,8 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
   c.train.num_steps, c.train.checkpoint_every = 6, 2
   stop_after_2 = lambda step: step == 2
   train_loop.train(c, str(tmp_path), stop_at=stop_after_2)
-  real = state_lib.loss_fn
-  monkeypatch.setattr(state_lib, "loss_fn",
+  real = train_step.loss_fn
+  monkeypatch.setattr(train_step, "loss_fn",
                       lambda *a: (lambda l, aux: (l * np.nan, aux))(*real(*a)))
   with pytest.raises(FloatingPointError, match="at step 3: stopping. The last good checkpoint is step 2"):
     train_loop.train(c, str(tmp_path))

@@ -13,31 +13,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from tests.triadic_reference import (gated_deltanet_reference, gated_linear_attention_reference,
-                                     triadic_reference)
+from testkit import rel_rms
+from testkit.triadic import make_inputs
+from testkit.triadic_reference import (gated_deltanet_reference, gated_linear_attention_reference,
+                                       triadic_reference)
 from triadic import triadic_gdn
-from tests.util import rel_rms
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 BOUNDS = {jnp.float32: dict(out=2e-5, state=2e-5, grad=1e-4),
           jnp.bfloat16: dict(out=1.5e-2, state=1e-3, grad=2e-2)}
-
-
-def make_inputs(seed, b, t, h, d, vdim, e, *, decay=1.0, dtype=jnp.float32):
-  """Layer-like inputs: unit q, k; non-negative unit k2; g = -decay * U(0, 1); beta in (0, 1)."""
-  rng = np.random.default_rng(seed)
-  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-  softplus = lambda x: np.log1p(np.exp(x))
-  q = unit(rng.normal(size=(b, t, h, d)))
-  k = unit(rng.normal(size=(b, t, h, d)))
-  v = rng.normal(size=(b, t, h, vdim))
-  k2 = unit(softplus(rng.normal(size=(b, t, h, e))))
-  q2 = unit(softplus(rng.normal(size=(b, t, h, e))))
-  g = -decay * rng.uniform(size=(b, t, h, e))
-  beta = 1 / (1 + np.exp(-rng.normal(size=(b, t, h))))
-  cast = lambda x, dt: jnp.asarray(x, jnp.float32).astype(dt)
-  return tuple(cast(x, dtype) for x in (q, k, v, k2, q2)) + (cast(g, jnp.float32), cast(beta, jnp.float32))
 
 
 # (T, E, D, V, chunk, decay): T = 1 and T not a multiple of the chunk, odd D and V, E = 3 (not a
@@ -302,8 +287,35 @@ def test_step_rejects_bad_shapes():
 @pytest.mark.parametrize("t", [40, 64])
 def test_jit_of_the_output_alone(t):
   """One chunk, only o used under jit: the case jaxlib 0.10's CPU YNNPACK fusions miscompile
-  (triadic/_xla_cpu.py)."""
+  (triadic/xla_flags.py)."""
   args = make_inputs(37, 1, t, 4, 64, 64, 2)
   o = jax.jit(lambda *xs: triadic_gdn(*xs, impl="chunked", chunk_size=64)[0])(*args)
   want, _ = triadic_reference(*args)
   assert rel_rms(o, want) < 2e-5
+
+
+def test_entry_points_set_the_xla_cpu_workaround_and_import_triadic_does_not():
+  """``apply_cpu_workaround`` runs where processes start (train.py, eval.py, conftest), never on
+  ``import triadic``: in fresh interpreters without XLA_FLAGS, only the entry point sets the flag."""
+  import os
+  import subprocess
+  import sys
+
+  import jaxlib
+
+  from triadic.xla_flags import FLAG
+  if not jaxlib.__version__.startswith("0.10."):
+    pytest.skip("the workaround applies to jaxlib 0.10 only")
+  assert FLAG in os.environ["XLA_FLAGS"]  # this process: tests/conftest.py
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env["PYTHONPATH"] = root
+
+  def flags_after(statement):
+    code = f"import os; {statement}; print(os.environ.get('XLA_FLAGS', ''))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True,
+                         text=True, timeout=300, check=True)
+    return out.stdout.strip()
+
+  assert FLAG not in flags_after("import triadic, merlin, lm.model")
+  assert FLAG in flags_after("import train")

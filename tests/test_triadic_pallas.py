@@ -3,7 +3,7 @@
 Every case checks the output, the final state and the gradients of all seven inputs and of the
 initial state, through loss = sum(o * do) + sum(final_state * dS) with random do, dS.
 Error bounds (relative RMS, ||a - b|| / ||b||):
-  float32: 1e-4 for everything (measured ~1e-6: the kernels use full float32 matmuls).
+  float32: 1e-4 for everything (the kernels use full float32 matmuls).
   bfloat16 inputs (scan run on the same bf16-rounded values in float32): outputs 1.5e-2 (o is
   returned in bf16), final state 1e-2 and gradients 2e-2 (bf16 tensor-core operands in the kernels,
   chunk-start states kept in bf16).
@@ -33,55 +33,19 @@ import pytest
 from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 
+from testkit import rel_rms
+from testkit.triadic import (NAMES, PALLAS_BOUNDS, check_against_scan, make_grad_inputs,
+                             value_and_grads)
 from triadic import triadic_gdn
 from triadic.pallas import ops as pops
 from triadic.pallas import recurrent
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import Config
 from triadic.pallas.ops import _chunks, triadic_pallas
-from tests.util import rel_rms
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-
-BOUNDS = {jnp.float32: dict(out=1e-4, state=1e-4, grad=1e-4),
-          jnp.bfloat16: dict(out=1.5e-2, state=1e-2, grad=2e-2)}
-NAMES = ("q", "k", "v", "k2", "q2", "g", "beta", "initial_state")
-
-
-def make_inputs(seed, b, t, h, d, vdim, e, *, decay, dtype):
-  """Layer-like inputs: unit q, k; non-negative unit k2, q2; g = -decay * U(0, 1); beta in (0, 1);
-  a random initial state."""
-  rng = np.random.default_rng(seed)
-  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
-  softplus = lambda x: np.log1p(np.exp(x))
-  xs = [unit(rng.normal(size=(b, t, h, d))), unit(rng.normal(size=(b, t, h, d))),
-        rng.normal(size=(b, t, h, vdim)), unit(softplus(rng.normal(size=(b, t, h, e)))),
-        unit(softplus(rng.normal(size=(b, t, h, e)))), -decay * rng.uniform(size=(b, t, h, e)),
-        1 / (1 + np.exp(-rng.normal(size=(b, t, h))))]
-  xs = [jnp.asarray(x, jnp.float32).astype(dtype) for x in xs]
-  h0 = jnp.asarray(0.3 * rng.normal(size=(b, h, e, d, vdim)), jnp.float32)
-  do = jnp.asarray(rng.normal(size=(b, t, h, vdim)), jnp.float32)
-  ds = jnp.asarray(rng.normal(size=(b, h, e, d, vdim)), jnp.float32)
-  return xs + [h0], do, ds
-
-
-def value_and_grads(impl, args, do, ds, *, erase, chunk_size, config=None):
-  """Gradients of all eight inputs and (o, final state); ``config`` runs ``triadic_pallas`` with
-  those launch choices (e.g. the TPU structure in interpret mode) instead of ``impl``."""
-  def loss(*a):
-    if config is None:
-      o, s = triadic_gdn(*a[:7], initial_state=a[7], erase=erase, impl=impl,
-                         chunk_size=chunk_size)
-    else:
-      o, s = triadic_pallas(*a[:7], scale=a[0].shape[-1] ** -0.5, initial_state=a[7],
-                            erase=erase, chunk_size=chunk_size, config=config)
-    return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * ds), (o, s)
-
-  grad = jax.grad(loss, argnums=tuple(range(8)), has_aux=True)
-  return jax.jit(grad)(*args)
-
 
 CASES = [
     # b, t, h, d, v, e, chunk, erase, decay, dtype
@@ -91,25 +55,6 @@ CASES = [
     pytest.param(1, 40, 1, 16, 16, 2, 16, True, 20.0, jnp.float32, id="E2-strong-decay"),
     pytest.param(1, 50, 2, 32, 32, 2, 32, True, 1.0, jnp.bfloat16, id="E2-bf16"),
 ]
-
-
-def check_against_scan(b, t, h, d, vdim, e, chunk, erase, decay, dtype, config=None):
-  args, do, ds = make_inputs(0, b, t, h, d, vdim, e, decay=decay, dtype=dtype)
-  grads, (o, s) = value_and_grads("pallas", args, do, ds, erase=erase, chunk_size=chunk,
-                                  config=config)
-  ref_args = [x.astype(jnp.float32) for x in args]
-  ref_grads, (o_ref, s_ref) = value_and_grads("scan", ref_args, do, ds, erase=erase,
-                                              chunk_size=chunk)
-  bound = BOUNDS[dtype]
-  assert o.dtype == dtype and o.shape == o_ref.shape
-  assert s.dtype == jnp.float32 and s.shape == s_ref.shape
-  assert rel_rms(o, o_ref) < bound["out"], rel_rms(o, o_ref)
-  assert rel_rms(s, s_ref) < bound["state"], rel_rms(s, s_ref)
-  for name, got, want, x in zip(NAMES, grads, ref_grads, args):
-    assert got.shape == x.shape and got.dtype == x.dtype, name
-    assert np.all(np.isfinite(np.asarray(got, np.float32))), name
-    err = rel_rms(got, want)
-    assert err < bound["grad"], f"d{name}: rel RMS {err:.2e}"
 
 
 @pytest.mark.parametrize("b,t,h,d,vdim,e,chunk,erase,decay,dtype", CASES)
@@ -142,13 +87,13 @@ def test_tpu_structure_under_tpu_interpret_mode():
   interpret mode cannot run inside ``triadic_pallas``'s custom_partitioning)."""
   b, t, h, d, vdim, e, c = 1, 40, 2, 16, 32, 2, 16
   nc = -(-t // c)
-  args, do, ds = make_inputs(2, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.float32)
+  args, do, ds = make_grad_inputs(2, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.float32)
   merge = lambda x: x.reshape(b * h, *x.shape[2:])
   q, k, v, k2, q2, g, beta = (merge(_chunks(x, nc, c)) for x in args[:7])
   h0, dht, do = merge(args[7]), merge(ds), merge(_chunks(do, nc, c))
   loop = Config("cpu", block_v=16, bwd_block_v=16)
-  gcc, _, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=True, cfg=loop)
-  kernel_args = (q, k, v, k2, q2, gcc, beta, a, p)
+  cum_log_decay, _, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=True, cfg=loop)
+  kernel_args = (q, k, v, k2, q2, cum_log_decay, beta, a, p)
   grid = tpu_interpreted(interpret=pltpu.InterpretParams(random_seed=0, num_cores_or_threads=2))
   want = (recurrent.forward(*kernel_args, h0, scale=0.25, erase=True, cfg=loop)
           + recurrent.backward(q, k, do, *kernel_args[3:], dht, scale=0.25, erase=True, cfg=loop))
@@ -183,13 +128,13 @@ def test_mosaic_gpu_kernels_match_scan(b, t, h, d, vdim, e, erase, decay, chunk_
 
 
 def test_unsupported_sizes_raise_under_pallas_and_fall_back_under_auto():
-  args, _, _ = make_inputs(1, 1, 20, 1, 24, 16, 2, decay=1.0, dtype=jnp.float32)
+  args, _, _ = make_grad_inputs(1, 1, 20, 1, 24, 16, 2, decay=1.0, dtype=jnp.float32)
   with pytest.raises(ValueError, match="multiple of 16"):
     triadic_gdn(*args[:7], impl="pallas")
   o_auto, s_auto = triadic_gdn(*args[:7], impl="auto")
   o_ref, s_ref = triadic_gdn(*args[:7], impl="scan")
   assert rel_rms(o_auto, o_ref) < 1e-4 and rel_rms(s_auto, s_ref) < 1e-4
-  args, _, _ = make_inputs(1, 1, 20, 1, 16, 16, 2, decay=1.0, dtype=jnp.float32)
+  args, _, _ = make_grad_inputs(1, 1, 20, 1, 16, 16, 2, decay=1.0, dtype=jnp.float32)
   with pytest.raises(ValueError, match="chunk_size"):
     triadic_gdn(*args[:7], impl="pallas", chunk_size=24)
 
@@ -322,7 +267,7 @@ def test_tpu_blocks_do_not_span_the_sequence():
 
 def test_aligned_keys_stay_accurate():
   """A repeated token (identical keys in a chunk, beta near 1): the UT inverse must stay exact."""
-  args, do, ds = make_inputs(3, 1, 64, 1, 16, 16, 2, decay=0.0, dtype=jnp.float32)
+  args, do, ds = make_grad_inputs(3, 1, 64, 1, 16, 16, 2, decay=0.0, dtype=jnp.float32)
   args[1] = jnp.broadcast_to(args[1][:, :1], args[1].shape)
   args[3] = jnp.broadcast_to(args[3][:, :1], args[3].shape)
   args[6] = jnp.full(args[6].shape, 0.99)
@@ -338,11 +283,12 @@ SHARDED_SCRIPT = textwrap.dedent("""
     import jax, jax.numpy as jnp
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     jax.config.update("jax_default_matmul_precision", "highest")
-    from tests.test_triadic_pallas import make_inputs, rel_rms, value_and_grads, NAMES
+    from testkit import rel_rms
+    from testkit.triadic import NAMES, make_grad_inputs, value_and_grads
     from triadic import triadic_gdn
 
     b, t, h, d, vdim, e, chunk = 2, 40, 2, 16, 32, 2, 16
-    args, do, ds = make_inputs(0, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.float32)
+    args, do, ds = make_grad_inputs(0, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.float32)
     ref_grads, (o_ref, s_ref) = value_and_grads("scan", args, do, ds, erase=True, chunk_size=chunk)
     mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
     specs = [P("data", None, "tensor")] * 7 + [P("data", "tensor")]
@@ -386,7 +332,7 @@ def test_pallas_runs_per_shard_under_jit():
   assert proc.returncode == 0, proc.stdout[-3000:]
   line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
   report = json.loads(line[len("RESULT "):])
-  bound = BOUNDS[jnp.float32]["grad"]
+  bound = PALLAS_BOUNDS[jnp.float32]["grad"]
   for partitioner, r in report.items():
     for name, err in r["errors"].items():
       assert err < bound, f"{partitioner}: {name} rel RMS {err:.2e}"

@@ -1,14 +1,12 @@
 """Triadic linear attention: a 3-D recurrent state (E x D x V per head).
 
 ``triadic_gdn`` is the op (scan oracle, chunked JAX, Pallas kernels behind one ``impl`` switch);
-``TriadicGDN`` is the Flax Linen layer.
+``TriadicGDN`` is the Flax Linen layer. Processes on jaxlib 0.10's CPU backend call
+``triadic.xla_flags.apply_cpu_workaround()`` before computing (the entry points do).
 """
 
-from triadic import _xla_cpu
-
-_xla_cpu.apply()
-
-from triadic.layer import DecayGate, TriadicGDN  # noqa: E402
-from triadic.ops import triadic_gdn, triadic_gdn_step  # noqa: E402
+from layers.gdn import DecayGate
+from triadic.layer import TriadicGDN
+from triadic.ops import triadic_gdn, triadic_gdn_step
 
 __all__ = ["triadic_gdn", "triadic_gdn_step", "TriadicGDN", "DecayGate"]

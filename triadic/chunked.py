@@ -1,4 +1,4 @@
-"""The chunk-parallel triadic gated delta rule in plain JAX (SPEC section 1, "The chunked form").
+"""The chunk-parallel triadic gated delta rule in plain JAX (docs/spec.md section 1, "The chunked form").
 
 Tokens are cut into chunks of C. Inside a chunk everything is parallel (matmuls over C x C), and
 only the state S (E, D, V) is passed from chunk to chunk by a `lax.scan`. Per chunk, with gc the

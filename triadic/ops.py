@@ -56,7 +56,7 @@ def validate(q, k, v, k2, q2, g, beta, initial_state, impl, chunk_size, state_na
 
 def _auto_impl(d, vdim, chunk_size):
   """Pallas on GPU when the kernels take these sizes; chunked JAX otherwise (CPU runs Pallas only
-  in interpret mode, far slower; the TPU kernels are only checked to lower, not yet run)."""
+  in interpret mode, far slower; the TPU kernels are checked to lower, not run)."""
   from triadic.pallas.ops import default_platform, unsupported
   if default_platform() == "gpu" and unsupported(d, vdim, chunk_size) is None:
     return "pallas"
@@ -65,7 +65,7 @@ def _auto_impl(d, vdim, chunk_size):
 
 def triadic_gdn(q, k, v, k2, q2, g, beta, *, scale=None, initial_state=None, erase=True,
                 impl="auto", chunk_size=64):
-  """Triadic gated delta rule (``../shared/SPEC.md`` section 1).
+  """Triadic gated delta rule (docs/spec.md section 1).
 
   Args:
     q, k: (B, T, H, D) query and key.

@@ -1,6 +1,6 @@
 """The per-token recurrence of the triadic gated delta rule: the oracle every other impl is tested against.
 
-Per batch row and head the state is S (E, D, V). For each token t (SPEC section 1):
+Per batch row and head the state is S (E, D, V). For each token t (docs/spec.md section 1):
 
     S_e <- exp(g_te) S_e
     r_t  = sum_e k2_te S_e^T k_t

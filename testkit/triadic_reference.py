@@ -1,6 +1,6 @@
-"""Independent float64 NumPy oracles for the triadic op (SPEC section 1), used by tests and benchmarks.
+"""Independent float64 NumPy oracles for the triadic op (docs/spec.md section 1), used by tests and benchmarks.
 
-Written from the SPEC's per-token recurrence with explicit loops over e, not from the library code.
+Written from the spec's per-token recurrence with explicit loops over e, not from the library code.
 """
 
 from __future__ import annotations

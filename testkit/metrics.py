@@ -1,4 +1,4 @@
-"""What the tests share beyond the oracles: the error measure every bound is stated in."""
+"""The error measure every test bound and benchmark check is stated in."""
 
 from __future__ import annotations
 

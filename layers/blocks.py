@@ -1,4 +1,4 @@
-"""Small Flax Linen building blocks shared by the triadic and multi-state layers.
+"""Small Flax Linen building blocks shared by the triadic, multi-state and LM layers.
 
 Every parameter carries logical axis names (``nn.with_logical_partitioning``); the training code
 maps them to mesh axes with the rules in the config. Names used here:
@@ -60,9 +60,11 @@ class ShortConv(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, cache: jax.Array | None = None):
-    """``y`` for x (B, T, *channels); with ``cache`` (B, width - 1, *channels), the inputs before x,
-    returns ``(y, new_cache)`` instead: the convolution continued from there (zeros = a fresh start,
-    which is the training forward's causal padding), and x's last width - 1 inputs for the next call.
+    """``(y, new_cache)`` for x (B, T, *channels).
+
+    Without ``cache`` (training) the input is causally zero-padded and new_cache is None. With
+    ``cache`` (B, width - 1, *channels), the inputs before x, the convolution continues from there
+    (zeros = a fresh start) and new_cache is x's last width - 1 inputs, for the next call.
     """
     channels = x.shape[2:]
     fan_in = self.width
@@ -77,9 +79,11 @@ class ShortConv(nn.Module):
     t = x.shape[1]
     if cache is None:
       padded = jnp.pad(x, [(0, 0), (self.width - 1, 0)] + [(0, 0)] * len(channels))
-      return sum(padded[:, w:w + t] * kernel[w] for w in range(self.width))
-    padded = jnp.concatenate([cache.astype(self.dtype), x], axis=1)
+    else:
+      padded = jnp.concatenate([cache.astype(self.dtype), x], axis=1)
     y = sum(padded[:, w:w + t] * kernel[w] for w in range(self.width))
+    if cache is None:
+      return y, None
     return y, padded[:, padded.shape[1] - (self.width - 1):].astype(cache.dtype)
 
 

@@ -1,0 +1,12 @@
+"""Building blocks shared by the triadic, multi-state and LM code (neither method's own package).
+
+``layers.blocks``: RMSNorm, ``dense`` (DenseGeneral with logical axis names), ShortConv (causal
+depthwise convolution), ``l2norm``, ``softplus_inverse``. ``layers.gdn``: the decay gate and the
+Gated-DeltaNet input / output projections (``gdn_inputs``, ``gdn_output``, ``gdn_cache``).
+"""
+
+from layers.blocks import RMSNorm, ShortConv, dense, l2norm, softplus_inverse
+from layers.gdn import DecayGate, a_log_init, dt_bias_init, gdn_cache, gdn_inputs, gdn_output
+
+__all__ = ["RMSNorm", "ShortConv", "dense", "l2norm", "softplus_inverse", "DecayGate", "a_log_init",
+           "dt_bias_init", "gdn_cache", "gdn_inputs", "gdn_output"]
