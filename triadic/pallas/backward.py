@@ -129,13 +129,13 @@ def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2c, k
   transform, then the outputs. Takes the value-contracted partials (dq, dk (C, D); dp, da (C, C),
   da None without erase; dbeta (C, 1); per slice e the row coefficients dcoef, dqcoef, dkcoef
   (C, 1) and dlam (1, 1)) and writes ``outs`` = (dq, dk, dk2 column, dk2 row, dq2, d gc column,
-  d gc row, dbeta) refs. Shared with the Hopper path's tail kernel (``mosaic_backward.py``).
+  d gc row, dbeta) refs. ``ut_before`` / ``ut_after`` are shared with the Hopper path's tail
+  kernel (``mosaic_backward.py``), whose mask work is ``masks.py``.
 
   Order: what the per-slice loop needs first (``ut_before``), then one loop over e that builds
   slice e's decay mask exp(gc_t - gc_s), accumulates M and M' and writes slice e's gradients,
   then what needs the whole M and M' (``ut_after``). So one C x C decay mask is live at a time
-  instead of E of them (register pressure: on the H200 the Mosaic backward's tail, which runs
-  this code, took 3.4 ms at E = 1 and 10.9 ms at E = 4, B=2 T=16384, benchmarks/RESULTS.md).
+  instead of E of them (register pressure).
   """
   dq_ref, dk_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref, dgcr_ref, dbeta_ref = outs
   a, gl, b = decays(gcc, e_dim, c)

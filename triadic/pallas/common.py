@@ -85,8 +85,8 @@ class Config:
   @property
   def f32_precision(self):
     """Precision of the float32-only matmuls (UT inverse, its gradient). Triton's IEEE float32
-    dot runs on the FMA units (the prep kernel took 9.8 ms at B=2, T=16384, H=16 on an H200);
-    TF32x3 runs on the tensor cores at float32-level accuracy (three TF32 products)."""
+    dot runs on the FMA units, many times slower than the tensor cores; TF32x3 runs on the
+    tensor cores at float32-level accuracy (three TF32 products)."""
     if self.platform == "gpu":
       return jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3
     return jax.lax.Precision.HIGHEST

@@ -1,8 +1,8 @@
 """Hopper (Mosaic GPU) state-passing kernels: drop-in replacements for ``recurrent.forward`` and
 ``recurrent.backward`` (same operands, same outputs), for bf16 inputs.
 
-Why this structure (issue #7). The Triton kernel keeps E separate D x BV float32 state tiles and
-does 3E small matmuls (N = BV = 16..32) per chunk, so E = 8 costs ~7x E = 1. Here one program
+Why this structure. The Triton kernel keeps E separate D x BV float32 state tiles and does 3E
+small matmuls (N = BV = 16..32) per chunk, so its cost grows with E. Here one program
 (grid (B*H, V / BV), one warpgroup) holds all E slices of its D x BV state tile side by side as
 ONE D x (E*BV) float32 array in the WGMMA register layout, "S_cat" (column block e = S_e[:, value
 block]). Every E-dependent matmul is then one wgmma with N = E*BV (128 or 256 at E = 8), and
@@ -28,7 +28,7 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
 * No transposed SMEM operand: the interpreter cannot apply ``plgpu.transpose_ref``. K^T, Q^T, A^T
   and P^T therefore come pre-transposed from plain JAX (and A, P are cast to bf16 there, as
   ``recurrent.mm`` casts them anyway). On hardware ``transpose_ref`` would save reading K (and Q in
-  the backward) twice; that is the first thing to change once this runs on an H200.
+  the backward) twice.
 * The e-reduction (sum over column blocks) is done in registers: static column slices of the
   WGMMA-layout accumulator (BV a multiple of 8), each scaled by a row vector (layout WGMMA row,
   i.e. ``Layout.WGMMA.reduce(1)``) broadcast along the columns. lam is a per-column vector
@@ -39,7 +39,7 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   values). Likewise ``plgpu.layout_cast`` is skipped in interpret mode (it has no CPU rule).
 * One warpgroup, synchronous: each chunk's inputs are TMA-copied gmem -> SMEM (one barrier per
   copy) at the top of the chunk, outputs leave by TMA smem -> gmem; no double buffering and no
-  warp specialisation yet (SMEM at D = 64, E*BV = 256 is ~170 KiB in the loop, so double-buffering
+  warp specialisation (SMEM at D = 64, E*BV = 256 is ~170 KiB in the loop, so double-buffering
   the inputs needs the K^T copies gone first). Ordering rules kept by hand (the interpreter does
   not check them): ``commit_smem`` (fence + warpgroup barrier) after every register -> SMEM store
   that a wgmma or TMA reads; ``wait_smem_to_gmem(0, wait_read_only=True)`` (also a warpgroup
@@ -52,7 +52,7 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
 * Registers: the state is D * E * BV / 128 float32 registers per thread, plus a C x E*BV
   accumulator while R or Y is reduced. ``default_block_v`` keeps (D + C) * E * BV <= 192 * 128
   (BV = 32 below E = 4 at D = 64...). D = 128 with E * BV = 256 would need the state split over
-  two warpgroups (M = D = 2 x 64); not done yet (``supported`` says so).
+  two warpgroups (M = D = 2 x 64), which these kernels do not do (``supported`` says so).
 * The initial / final state is moved once per program in the "cat" layout (BH, V/BV, D, E*BV),
   rearranged in plain JAX (state-sized, once); the per-chunk states are written directly in
   recurrent.py's (BH, NC, E, D, V) layout from an (E, D, BV) SMEM buffer.

@@ -1,13 +1,9 @@
 """Hopper (Mosaic GPU) chunk-parallel backward: a drop-in for ``backward.chunk_backward`` (same
 operands and outputs, minus ``cfg``), for bf16 inputs.
 
-Why (issue #7). On the H200 (B=2, T=16384, H=16, D=V=128, bf16) forward+backward of the whole op
-took 12.5 ms at E=1 and 42.1 ms at E=8 with the Mosaic state kernels; by difference the Triton
-``chunk_backward`` is ~8.6 ms at E=1 and ~30 ms at E=8, ~70% of the time and most of the
-E-scaling: it walks value blocks and, inside, e with 4 small matmuls per e (N or K = 32). Here the
-E-dependent work is a few wide wgmmas per value block, with the E slices of the D x BV state tile
-side by side as ONE D x (E*BV) bf16 SMEM operand, "S_cat" (column block e = S_e[:, value block]),
-and dS_cat likewise (the idiom of ``mosaic.py``). With c_e = k2_e a_e, fq_e = q2_e a_e,
+The E-dependent work is a few wide wgmmas per value block, with the E slices of the D x BV state
+tile side by side as ONE D x (E*BV) bf16 SMEM operand, "S_cat" (column block e = S_e[:, value
+block]), and dS_cat likewise (the idiom of ``mosaic.py``). With c_e = k2_e a_e, fq_e = q2_e a_e,
 fw_e = k2_e b_e (a = exp(gc), b = exp(gc_C - gc)), drhs = A^T dU and dX = beta drhs, per value
 block:
 
@@ -18,11 +14,10 @@ block:
   dq += [scale diag(fq_e) dO]_e S_cat^T
   dlam_e += <dS_e, S_e>
 
-(the Triton code's rowsum(k * (dx S_e^T)) equals rowsum((K S_e) * dx), etc.). R, Y, Z are wgmmas
-with N = a "piece" of the E*BV columns (64 at D = 128, up to 128 at D = 64, whole slices), so the
-live C x piece accumulator stays small next to the dq, dk accumulators; the dq / dk products are
-single wgmmas with K = E*BV (a wgmma is issued in K-steps of 16 anyway, so this is as wide as it
-gets). What is split where (this is the brief's "fallback" structure, chosen for the time box):
+(rowsum(k * (dx S_e^T)) equals rowsum((K S_e) * dx), etc.). R, Y, Z are wgmmas with N = a
+"piece" of the E*BV columns (64 at D = 128, up to 128 at D = 64, whole slices), so the live
+C x piece accumulator stays small next to the dq, dk accumulators; the dq / dk products are
+single wgmmas with K = E*BV. What runs where:
 
 * plain JAX before (E-independent, O(T V C)): drhs = A^T dU (bf16 operands, f32 accumulation, as
   the Triton kernel), dv = beta drhs, the per-row factor rows [c, fq, fw, beta] (O(T E)).
@@ -30,25 +25,19 @@ gets). What is split where (this is the brief's "fallback" structure, chosen for
   value blocks): everything above that touches S or dS. Outputs: dq and dk partials (C x D f32),
   X (C x V f32, erase only), the row-sum coefficients as one (C, 32) f32 matrix (columns
   [dcoef_e, dqcoef_e, dkcoef_e]), and dlam as per-row partial sums (D, 8) (summed over D in JAX).
-* a Pallas (Triton on GPU, interpret on CPU) "tail" kernel ``triadic_chunk_backward_tail``
-  (grid (B*H, NC)), E-independent except elementwise: dbeta's X part rowsum(drhs X),
-  dA = dU (beta X)^T, dP = scale dO U^T (whole V, one matmul each), then the chunk-local part,
-  ``backward.chunk_local`` (shared with the Triton kernel: masks M, M', dL = -A^T dA A^T with
-  ``f32_precision`` (TF32x3 on GPU, so the UT-gradient precision is exactly the Triton path's),
-  dk2, dq2, dgc row and column parts). Moving that into the Mosaic kernel (iota masks,
-  colsum = reduce over axis 0) would save one HBM round trip of dq, dk, X and the factors
-  (~0.3 ms at the benchmark shape, est.).
-* or, with ``Config.xla_slice_grads`` (``chunk_backward(..., xla_slice_grads=True)``), the tail's
-  per-slice elementwise work (decay masks exp(gc_t - gc_s), M, M', dk2, dq2, d gc) in plain JAX
-  over all chunks at once (``slice_grads.py``), around an E-independent Pallas tail
-  ``triadic_chunk_backward_tail_ut`` (``_tail_ut``: the products above, then
-  ``backward.ut_before`` / ``ut_after``, the E-independent part of ``chunk_local``) that takes
-  M, M' and outputs dM' = dP * (Q K^T) and dM = dL * beta * (K K^T) (float32 C x C each). Why:
-  the in-kernel tail took 3.44 ms at E = 1 and 10.90 ms at E = 4 on the H200 (B=2 T=16384), its
-  E-dependent part being elementwise C x C work per slice, which XLA can fuse into reductions
-  over all chunks at once (expected to beat a Triton program per chunk; not yet timed). Costs
-  four C x C float32 matrices per chunk through HBM (M, M' in, dM', dM out; 134 MB each at the
-  benchmark shape) and the exponentials three times. Off by default until timed.
+  It runs once per group of ``value_slices`` slices (``default_value_slices``): every output is a
+  sum over slices or a per-slice column, so the groups' results add up (X = V - sum_e ...: one V
+  per extra group is taken back). Groups keep each pass within SMEM with two staging buffers
+  (at D = 128, E = 8 one pass fits only one), at the price of re-reading K, Q, V, dO, U, drhs.
+* the E-independent Pallas (Triton on GPU, interpret on CPU) tail kernel
+  ``triadic_chunk_backward_tail_ut`` (grid (B*H, NC)): dbeta's X part rowsum(drhs X),
+  dA = dU (beta X)^T, dP = scale dO U^T (whole V, one matmul each), then ``backward.ut_before`` /
+  ``ut_after`` (dL = -A^T dA A^T with ``f32_precision``, TF32x3 on GPU; dq, dk from M and M'),
+  writing dM' = dP * (Q K^T) and dM = dL * beta * (K K^T) (float32 C x C each).
+* plain JAX around the tail (``masks.py``): M and M' before, and the per-slice elementwise
+  gradients (dk2, dq2, d gc through exp(gc_t - gc_s)) after, over all chunks at once, which XLA
+  fuses into its reductions. Costs four C x C float32 matrices per chunk through HBM (M, M' in,
+  dM', dM out).
 
 How the Mosaic kernel is built (idioms from ``mosaic.py``, imported: ``_smem``, ``_swizzle``,
 ``_Ops``, ``_interpret_params``):
@@ -119,28 +108,20 @@ How the Mosaic kernel is built (idioms from ``mosaic.py``, imported: ``_smem``, 
     D = 128  E=1: BV64 2st 185.0 (187.1)*   BV64 1st 169.0 (171.1)   BV32 2st 109.0 (111.1)
              E=2: BV32 2st 153.8 (156.1)*   BV64 2st 273.8 (over)    BV32 1st 137.8 (140.1)
              E=4: BV16 2st 139.2 (142.1)*   BV32 2st 243.2 (over)    BV32 1st 211.2 (214.1)
-             E=8: BV16 1st 198.2 (201.2)*   BV16 2st 230.2 (233.2 over)
+             E=8: one pass BV16 1st 198.2 (201.2), 2st 230.2 (233.2 over); the default is two
+                  passes of 4 slices, each as E=4*
     D = 64   E=1: BV64 2st 137.0 (139.1)*   E=2: BV64 2st 193.8 (196.1)*
              E=4: BV32 2st 163.2 (166.1)*   E=8: BV16 2st 150.2 (153.2)*
 
-  So the new defaults keep E*BV >= 64 everywhere; at D = 128 only E = 4 changes (BV 32 -> 16, two
-  stages: N of the dq / dk products 128 -> 64, the R / Y / Z pieces stay 64 wide) and E = 8
-  keeps one stage (prefetched all the same). ``block_v=32`` at D = 128, E = 4 is the old layout
-  with the prefetches (one stage, 211 KiB); which of the two is faster is for the H200 to say.
-  Registers per thread (f32): dq + dk 2*D*C/128
-  (128 at D = 128) + one C x piece accumulator (32 at D = 128, <= 64 at D = 64) + coef (16) + dlam
+  Registers per thread (f32): dq + dk 2*D*C/128 (128 at D = 128) + one C x piece accumulator (32 at D = 128, <= 64 at D = 64) + coef (16) + dlam
   (8) + value-block temps (~40): under 255 without the carried state the state kernels hold.
 * float32 inputs are not supported (wgmma on float32 would be TF32; use the Triton path).
 
 What the interpreter cannot check: the transpose_ref operands (above), swizzle / tiling
 correctness of the register <-> SMEM copies, register pressure (spills), the real SMEM limit
 (``smem_bytes`` is an estimate; the CUDA lowering test checks the allocation), and races that
-the ordering rules above are meant to exclude. First on hardware: run
-``tests/test_mosaic_gpu_backward.py`` with ``interpret=False`` comparisons against the Triton
-``backward.chunk_backward`` (same bounds), then time it at B=2, T=16384, H=16, D=V=128, E=1/8
-(done: correct, 5.21 / 6.85 / 14.68 ms at E = 1 / 2 / 4 for the whole backward before the load
-pipeline). Next: time the pipeline (defaults vs ``block_v=32`` at E = 4, ``stages=1`` vs 2), and
-fit two stages at E = 8 (W1 / W3 sharing a buffer would save 16 KiB: 214 KiB).
+the ordering rules above are meant to exclude: ``benchmarks/triadic_kernels.py --check`` checks
+the kernels on a GPU against the chunked form.
 """
 
 from __future__ import annotations

@@ -1,10 +1,11 @@
 """``triadic_pallas``: the Pallas kernels behind ``triadic_gdn(..., impl="pallas")``.
 
-Pipeline (forward): ``chunk_prep`` (parallel over chunks: gc, A, P) -> ``recurrent.forward`` (chunk
-loop per value block; saves chunk-start states and U). Backward (``jax.custom_vjp``):
-``recurrent.backward`` (reverse chunk loop: chunk-end state gradients and dU) ->
-``backward.chunk_backward`` (parallel over chunks: every input gradient). Only the inputs, gc, A, P,
-U and the chunk-start states are kept from the forward; M, M', K K^T and Q K^T are recomputed.
+Pipeline (forward): ``chunk_prep`` (parallel over chunks: gc, A, P; the masks M, M' in plain JAX,
+``masks.py``) -> the forward state pass (chunk loop per value block; saves chunk-start states and
+U). Backward (``jax.custom_vjp``): the reverse state pass (chunk-end state gradients and dU) ->
+the chunk-parallel backward (every input gradient). Only the inputs, gc, A, P, U and the
+chunk-start states are kept from the forward; M, M', K K^T and Q K^T are recomputed. Which kernel
+runs each stage is decided in one place, ``plan.resolve`` (``explain`` shows it for given sizes).
 
 Layout: (B, T, H, X) -> (B, H, NC, C, X) with T zero-padded to NC*C (padded tokens have k = q = v =
 beta = k2 = q2 = 0 and g = 0, so they leave the state alone); the kernels see (B*H, NC, C, X).
@@ -14,9 +15,7 @@ The platform is the default backend's: Triton on GPU, Mosaic on TPU, ``interpret
 On Hopper GPUs the two state-passing kernels are Mosaic GPU (wgmma) kernels instead
 (``mosaic.py``, ``Config.mosaic_gpu``, on by default there for the sizes it takes: bf16, C = 64,
 D in (64, 128)), and so is the chunk-parallel backward's E-dependent part
-(``mosaic_backward.py``, ``Config.mosaic_gpu_backward``; on the H200 it took that kernel from
-9.3 to 5.2 ms at E = 1 and 25.1 to 14.7 ms at E = 4, B=2 T=16384, benchmarks/RESULTS.md).
-Everything else stays Triton. The tests run both in Mosaic GPU interpret mode on the CPU, where
+(``mosaic_backward.py``, ``Config.mosaic_gpu_backward``). Everything else stays Triton. The tests run both in Mosaic GPU interpret mode on the CPU, where
 the kernels are host callbacks and the op skips its custom_partitioning wrapper (``_sharded``).
 The platform also fixes the state-passing kernels' structure (``recurrent.py``): on Triton one
 program per value block loops over whole-sequence blocks (blocks are pointers); on Mosaic TPU the
