@@ -14,6 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from layers.blocks import dense
+from layers.remat import saved_op
 
 
 def rotary(x: jax.Array, base: float = 10000.0, offset: jax.Array | int = 0) -> jax.Array:
@@ -70,8 +71,9 @@ class Attention(nn.Module):
       o, cache = cached_attention(q, k, v, cache)
       return out_proj(o.astype(self.dtype)), cache
     q, k = rotary(q), rotary(k)
-    o = jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=self.implementation)
-    return out_proj(o), None
+    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
+                                                          implementation=self.implementation)
+    return out_proj(saved_op(attend)(q, k, v)), None  # named for remat="save_mixer_op"
 
   def init_cache(self, batch: int, max_len: int) -> dict:
     """Empty KV cache: k, v (B, max_len, kv_heads, head_dim) in the compute dtype, length 0."""

@@ -46,7 +46,7 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       state_dim=64,  # Mamba-2's N
       conv_width=4, impl="auto", chunk_size=64, attention_impl="",
       dtype="float32",  # compute dtype; params stay float32
-      remat=False,
+      remat="none",  # none | full | save_mixer_op | dots | dots_no_batch | save_mixer_op_and_dots
       tie_embeddings=False,  # the output head is the input embedding's transpose
   ))
 

@@ -6,6 +6,14 @@ The mixer of each layer comes from ``ModelConfig.layers()``: ``mixer`` for every
 One repetition of the pattern is a ``Group``; the groups are stacked with ``nn.scan`` (parameters
 get a leading ``layers`` axis), so compile time does not grow with depth and ``remat`` bounds the
 activation memory.
+
+``remat`` names what the backward pass may keep from the forward (``REMAT_POLICIES``): "none"
+(no rematerialisation: everything is kept), "full" (only each group's input is kept; the whole
+forward is recomputed), "save_mixer_op" (the sequence-mixing op's output and backward residuals
+are kept: the triadic / GDN / attention kernels' forward is not run again; projections, short
+convolutions, norms and the MLP are), "dots" / "dots_no_batch" (matmul outputs kept: all of them,
+or those without batch dimensions, i.e. the projections and the MLP), "save_mixer_op_and_dots"
+(both of the last two: only elementwise work is recomputed). True / False mean "full" / "none".
 """
 
 from __future__ import annotations
@@ -17,10 +25,24 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from lm import mixers
 from layers.blocks import RMSNorm, dense
+from layers.remat import MIXER_OP
+from lm import mixers
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+
+_SAVE_OP = jax.checkpoint_policies.save_only_these_names(MIXER_OP)
+_DOTS_NO_BATCH = jax.checkpoint_policies.dots_with_no_batch_dims_saveable
+# remat name -> jax.checkpoint policy ("none": no jax.checkpoint at all; "full": its default policy,
+# which saves nothing but the inputs)
+REMAT_POLICIES = {
+    "none": None,
+    "full": None,
+    "save_mixer_op": _SAVE_OP,
+    "dots": jax.checkpoint_policies.dots_saveable,
+    "dots_no_batch": _DOTS_NO_BATCH,
+    "save_mixer_op_and_dots": jax.checkpoint_policies.save_from_both_policies(_SAVE_OP, _DOTS_NO_BATCH),
+}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -47,7 +69,7 @@ class ModelConfig:
   chunk_size: int = 64
   attention_impl: str | None = None
   dtype: str = "float32"
-  remat: bool = False
+  remat: bool | str = "none"  # a key of REMAT_POLICIES (True / False: "full" / "none")
   tie_embeddings: bool = False  # logits from the input embedding (no separate head)
 
   @classmethod
@@ -67,6 +89,9 @@ class ModelConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"model.{name} must be a positive int, got {value!r}")
+    if self.remat_name() not in REMAT_POLICIES:
+      raise ValueError(f"model.remat must be one of {tuple(REMAT_POLICIES)} (or a bool), got "
+                       f"{self.remat!r}")
     if self.dtype not in DTYPES:
       raise ValueError(f"model.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
     pattern = self.pattern()
@@ -80,6 +105,12 @@ class ModelConfig:
     kvh = self.num_kv_heads or self.num_heads
     if "attention" in pattern and self.num_heads % kvh:
       raise ValueError(f"model.num_kv_heads ({kvh}) must divide model.num_heads ({self.num_heads})")
+
+  def remat_name(self) -> str:
+    """``remat`` as a key of REMAT_POLICIES."""
+    if isinstance(self.remat, bool):
+      return "full" if self.remat else "none"
+    return self.remat
 
   def pattern(self) -> tuple[str, ...]:
     """The mixers of one repeating group of layers."""
@@ -173,7 +204,9 @@ class LM(nn.Module):
                      embedding_init=nn.with_logical_partitioning(
                          nn.initializers.normal(0.02), ("vocab", "embed")))
     x = embed(tokens).astype(jnp.float32)  # the residual stream stays float32
-    group = nn.remat(Group, prevent_cse=False) if cfg.remat else Group
+    remat = cfg.remat_name()
+    group = Group if remat == "none" else nn.remat(Group, prevent_cse=False,
+                                                    policy=REMAT_POLICIES[remat])
     stack = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
                     length=cfg.num_layers // len(cfg.pattern()),
                     metadata_params={nn.PARTITION_NAME: "layers"})

@@ -19,7 +19,7 @@ def lm_config(d_model: int, num_heads: int, mlp_dim: int, data: str = "text"):
     c.data.eval_seq_len = 2048
   c.model.update(mixer="triadic_gdn", expand_e=8, num_layers=24, d_model=d_model,
                  num_heads=num_heads, head_dim=128, mlp_dim=mlp_dim, impl="auto", chunk_size=64,
-                 dtype="bfloat16", remat=True)
+                 dtype="bfloat16", remat="full")
   c.train.update(num_steps=50000, batch_size=256, learning_rate=3e-4, warmup_steps=2000,
                  log_every=10, checkpoint_every=1000)
   c.eval.batch_size = 8

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from layers.gdn import gdn_cache, gdn_inputs, gdn_output
+from layers.remat import saved_op
 from merlin.aggregator_layers import make_aggregator
 from merlin.decode import multistate_decode
 from merlin.mamba2 import Mamba2
@@ -71,9 +72,10 @@ class MultiStateGDN(nn.Module):
     aggregator = _aggregator(self, groups=self.num_heads, impl=self.impl, name="aggregator", **kw)
     lam, moments = aggregator(x, *_moments_and_length(cache))
     if cache is None:
-      o = multistate_attention(q, k, v, g[..., 0], beta, lam, segment_len=self.segment_len,
-                               erase=self.erase, impl=self.impl,
-                               chunk_size=min(self.chunk_size, self.segment_len))
+      op = lambda *z: multistate_attention(*z, segment_len=self.segment_len, erase=self.erase,
+                                           impl=self.impl,
+                                           chunk_size=min(self.chunk_size, self.segment_len))
+      o = saved_op(op)(q, k, v, g[..., 0], beta, lam)  # named for remat="save_mixer_op"
       return gdn_output(o, x, **kw), None
     o, cache = multistate_decode(self, q, k, v, g[..., 0], beta, lam, moments, cache,
                                  erase=self.erase, scale=self.head_dim ** -0.5)

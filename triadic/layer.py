@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from layers.gdn import gdn_cache, gdn_inputs, gdn_output
 from triadic.ops import triadic_gdn, triadic_gdn_step
+from layers.remat import saved_op
 
 
 class TriadicGDN(nn.Module):
@@ -55,7 +56,8 @@ class TriadicGDN(nn.Module):
         conv_cache=None if cache is None else cache["conv"], **kw)
     ops = dict(erase=self.erase, impl=self.impl, chunk_size=self.chunk_size)
     if cache is None:
-      o, _ = triadic_gdn(q, k, v, k2, q2, g, beta, **ops)
+      op = lambda *z: triadic_gdn(*z, **ops)[0]
+      o = saved_op(op)(q, k, v, k2, q2, g, beta)  # named for remat="save_mixer_op"
       return gdn_output(o, x, **kw), None
     if x.shape[1] == 1:
       o, state = triadic_gdn_step(cache["state"], *(z[:, 0] for z in (q, k, v, k2, q2, g, beta)),
