@@ -1,9 +1,12 @@
-"""What the benchmark scripts share: the machine line every table starts with, and op inputs."""
+"""What the benchmark scripts share: the machine line every table starts with, op inputs, a
+median timer and an out-of-memory test."""
 
 from __future__ import annotations
 
 import os
 import platform
+import statistics
+import time
 
 import jax
 import jax.numpy as jnp
@@ -29,3 +32,28 @@ def triadic_inputs(key, b, t, h, d, vdim, e, dtype):
   g = -0.1 * jax.nn.softplus(jax.random.normal(ks[5], (b, t, h, e)))
   beta = jax.nn.sigmoid(jax.random.normal(ks[6], (b, t, h)))
   return [x.astype(dtype) for x in (q, k, v, k2, q2)] + [g, beta]
+
+
+def median_ms(fn, args, *, reps: int | None = None, budget_s: float = 1.0, max_reps: int = 20) -> float:
+  """Median milliseconds of ``fn(*args)`` (``jax.block_until_ready`` on the result) after one
+  compile-and-warm-up call. Without ``reps``, as many calls as fit in ``budget_s`` (3 to
+  ``max_reps``), judged from one timed call, so long cases get few repetitions."""
+  jax.block_until_ready(fn(*args))
+  start = time.perf_counter()
+  jax.block_until_ready(fn(*args))
+  first = time.perf_counter() - start
+  if reps is None:
+    reps = max(3, min(max_reps, int(budget_s / max(first, 1e-6))))
+  times = []
+  for _ in range(reps):
+    start = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - start)
+  return 1e3 * statistics.median(times)
+
+
+def is_oom(err: BaseException) -> bool:
+  """Whether ``err`` (from compiling or running a jitted function) is the device running out of
+  memory."""
+  text = str(err)
+  return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "Out of memory" in text
