@@ -28,3 +28,26 @@ def test_block_table_runs(capsys):
 def test_is_oom():
   assert is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"))
   assert not is_oom(ValueError("bad shape"))
+
+
+@pytest.mark.slow
+def test_train_step_table_runs(capsys):
+  from benchmarks import train_step
+  train_step.main(["--tiny", "--mixers", "fla,gdn", "--steps", "1", "--warmup", "1",
+                   "--remat", "save_mixer_op", "--in-process"])
+  out = capsys.readouterr().out
+  assert "| gdn | save_mixer_op |" in out and "tokens/s" in out
+  assert "| fla |" in out  # a measured row, or skipped with the reason when torch / fla are absent
+
+
+def test_train_step_config_overrides():
+  from benchmarks import train_step
+  job = dict(config="configs/lm_400m.py:mqar", batch=3, seq=4096, steps=1, warmup=1, remat="dots",
+             fla_remat=False, set=["model.d_r=32"], tiny=False, mixer="merlin")
+  c = train_step.build_config(job)
+  assert (c.model.mixer, c.model.aggregator, c.model.remat, c.model.d_r) == (
+      "multistate_gdn", "merlin", "dots", 32)
+  assert c.model.segment_len * c.model.max_segments >= 4096 and c.train.batch_size == 3
+  assert train_step.model_shape(dict(job, mixer="gdn"))["d_model"] == 1024
+  with pytest.raises(ValueError, match="unknown mixer"):
+    train_step.build_config(dict(job, mixer="mamba7"))
