@@ -38,6 +38,10 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from triadic.xla_flags import apply_cpu_workaround  # noqa: E402
+
+apply_cpu_workaround()  # before the CPU backend starts
+
 import flax.linen as nn  # noqa: E402
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
@@ -46,7 +50,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import is_oom, machine, median_ms  # noqa: E402
 from lm.mixers import make_mixer  # noqa: E402
 from lm.model import Group, ModelConfig  # noqa: E402
-from triadic.nn import RMSNorm, ShortConv, l2norm  # noqa: E402
+from layers.blocks import RMSNorm, ShortConv, l2norm  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
 
 PAPER = dict(d_model=2048, num_heads=16, head_dim=128, mlp_dim=5504, batch=4)
@@ -193,7 +197,8 @@ def _proj(x, kernel, dt):
 
 
 def triadic_parts(cfg: ModelConfig, e: int):
-  """The four parts of ``triadic.TriadicGDN`` (erase=True) as functions of its parameters:
+  """The four parts of ``triadic.TriadicGDN`` (erase=True; ``layers.gdn`` holds its input and
+  output sides) as functions of its parameters:
   projections (p, x) -> z; glue (p, z) -> op inputs; op (inputs) -> o; output (p, o, x) -> y."""
   dt, w = cfg.compute_dtype, cfg.conv_width
   streams = ("q", "k", "v") + (("k2", "q2") if e > 1 else ())
@@ -205,7 +210,7 @@ def triadic_parts(cfg: ModelConfig, e: int):
     return z
 
   def glue(p, z):
-    conv = lambda s: ShortConv(w, dtype=dt).apply({"params": p[f"{s}_conv"]}, z[s])
+    conv = lambda s: ShortConv(w, dtype=dt).apply({"params": p[f"{s}_conv"]}, z[s])[0]
     q, k = l2norm(jax.nn.silu(conv("q"))), l2norm(jax.nn.silu(conv("k")))
     v = jax.nn.silu(conv("v"))
     if e > 1:
@@ -242,7 +247,7 @@ def parts_setup(shape, t, e, *, impl="auto", chunk=64):
   x = _normal(jax.random.PRNGKey(1), (shape["batch"], t, shape["d_model"]), cfg.compute_dtype)
   x0 = x[:, :64]
   p = nn.unbox(jax.jit(lambda k: mixer.init(k, x0)["params"])(jax.random.PRNGKey(0)))
-  whole = lambda p, x: mixer.apply({"params": p}, x)
+  whole = lambda p, x: mixer.apply({"params": p}, x)[0]
   projections, glue, op, output = triadic_parts(cfg, e)
   z = jax.jit(projections)(p, x)
   inputs = tuple(jax.jit(glue)(p, z))

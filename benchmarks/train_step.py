@@ -8,7 +8,7 @@ per mixer, and FLA's ``GatedDeltaNetForCausalLM`` at the same shape in the same 
 
 Each model runs in its own subprocess (so every peak-memory figure is that model's alone, and JAX
 and PyTorch never share the device): build the config (``--config``, the model's mixer, ``--batch``,
-``--seq``, ``--remat``, ``--set key=value``), then ``lm.state.create`` and ``lm.state.
+``--seq``, ``--remat``, ``--set key=value``), then ``lm.state.create`` and ``lm.train_step.
 jit_train_step`` (the step ``train.py`` runs: loss, gradients, clipping, AdamW, donated state) on
 one fixed synthetic batch of random tokens (every position weighted). ``--warmup`` steps (the first
 compiles), then ``--steps`` timed steps, each waited for; the median step time gives tokens/s.
@@ -42,6 +42,10 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+
+from triadic.xla_flags import apply_cpu_workaround  # noqa: E402
+
+apply_cpu_workaround()  # before the CPU backend starts
 
 RESULT = "RESULT "
 TINY_MODEL = dict(num_layers=2, d_model=64, num_heads=2, head_dim=16, mlp_dim=128)
@@ -130,7 +134,7 @@ def run_ours(job: dict) -> dict:
   import jax
   import numpy as np
 
-  from lm import costs, sharding, state as state_lib
+  from lm import costs, sharding, state as state_lib, train_step as train_step_lib
   from lm.config import validate
 
   config = build_config(job)
@@ -139,7 +143,7 @@ def run_ours(job: dict) -> dict:
   rules = sharding.rules(config)
   t = config.train
   setup = state_lib.create(cfg, t, mesh, rules, job["seq"])
-  step = state_lib.jit_train_step(setup, t, mesh, rules)
+  step = train_step_lib.jit_train_step(setup, t, mesh, rules)
   state = setup.init(jax.random.key(0))
   rng = np.random.default_rng(0)
   tokens = rng.integers(0, config.data.vocab_size, (job["batch"], job["seq"] + 1), dtype=np.int32)
