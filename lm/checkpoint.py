@@ -129,9 +129,13 @@ def restore_newest(mngr: ocp.CheckpointManager, abstract_state, iterator, expect
       bad.append((path, _why(err)))
       logging.warning("checkpoint %s is unreadable (%s); trying the previous step", path, bad[-1][1])
       continue
-    if bad and move_aside and jax.process_index() == 0:
-      for p, _ in bad:
-        logging.warning("moved the unreadable checkpoint %s aside to %s", p, _move_aside(p))
+    if bad and move_aside:
+      if jax.process_index() == 0:
+        for p, _ in bad:
+          logging.warning("moved the unreadable checkpoint %s aside to %s", p, _move_aside(p))
+      if jax.process_count() > 1:
+        from jax.experimental import multihost_utils
+        multihost_utils.sync_global_devices("lm.checkpoint: unreadable steps moved aside")
       mngr.reload()
     if bad:
       logging.warning("resumed from step %d, the newest intact checkpoint", step)

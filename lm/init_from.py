@@ -51,7 +51,8 @@ def load(path: str, params, shardings):
     step_dir = checkpoint.step_dir(path)
     source_shapes = checkpoint.saved_param_shapes(step_dir)
   except checkpoint.CheckpointError as err:
-    raise checkpoint.CheckpointError(f"init_from: {err}") from None
+    text = str(err) if str(err).startswith("not a checkpoint") else f"not a checkpoint: {path} ({err})"
+    raise checkpoint.CheckpointError(f"init_from: {text}") from None
   except Exception as err:  # noqa: BLE001 - whatever orbax raises on a directory it cannot read
     raise checkpoint.CheckpointError(f"init_from: not a checkpoint: {path} "
                                      f"({checkpoint._why(err)})") from None

@@ -23,7 +23,6 @@ from typing import Callable
 import jax
 import numpy as np
 from absl import logging
-from etils import epath
 from jax.experimental import multihost_utils
 
 from lm import checkpoint, costs, data, init_from, logger, sharding, state as state_lib, train_step
@@ -112,6 +111,11 @@ def train(config, workdir: str, *, stop_at: Callable[[int], bool] | None = None)
   expected = checkpoint.param_shapes(setup.abstract_state.params)
   try:
     state, latest = checkpoint.restore_newest(mngr, setup.abstract_state, iterator, expected)
+    if latest is None:
+      state = setup.init(jax.random.key(config.seed))
+      if config.init_from:
+        params, _ = init_from.load(config.init_from, state.params, setup.shardings.params)
+        state = state.replace(params=params)
   except BaseException:
     mngr.close()
     log.close()
@@ -126,10 +130,6 @@ def train(config, workdir: str, *, stop_at: Callable[[int], bool] | None = None)
       log.close()
       return _last_record(workdir, latest)
   else:
-    state = setup.init(jax.random.key(config.seed))
-    if config.init_from:
-      params, _ = init_from.load(config.init_from, state.params, setup.shardings.params)
-      state = state.replace(params=params)
     log.truncate(0)
   start = int(jax.device_get(state.step))
   _write_config(config, workdir, start)

@@ -42,7 +42,7 @@ def _heads(qr, tau_mu):
     raise ValueError(f"tau_mu must have shape (H,), got {tau_mu.shape}")
   h = tau_mu.shape[0]
   if qr.shape[2] not in (1, h):
-    raise ValueError(f"qr, kr must have H heads (or 1 shared group) on axis 2, H = {h} from tau_mu "
+    raise ValueError(f"qr, kr must have H = {h} heads (or 1 shared group) on axis 2, H from tau_mu "
                      f"{tau_mu.shape}; got qr {qr.shape}")
   return h
 

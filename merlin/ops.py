@@ -6,7 +6,6 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from merlin.chunked import multistate_chunked
 from merlin.scan import multistate_scan
