@@ -20,8 +20,8 @@ def _duration(seconds: float) -> str:
 class MetricsLogger:
   """Writes one JSON object per logged step and the TensorBoard scalars; prints progress lines.
 
-  ``truncate(step)`` drops lines past ``step`` from metrics.jsonl, so that a run resumed from the
-  checkpoint of ``step`` leaves the same file as an uninterrupted one. Both files are flushed at
+  ``truncate(step)`` drops lines past ``step`` (and any line torn by a kill) from metrics.jsonl, so
+  that a run resumed from the checkpoint of ``step`` leaves the same file as an uninterrupted one. Both files are flushed at
   every write, so a killed run keeps every logged step. MFU is reported only with a known
   ``peak_flops`` (None: the device's peak is unknown, e.g. a CPU).
   """
@@ -34,8 +34,11 @@ class MetricsLogger:
     self.flops_per_token, self.peak_flops = flops_per_token, peak_flops
     self.writer = None
     if self.active:
-      from tensorboardX import SummaryWriter
-      self.writer = SummaryWriter(os.path.join(workdir, "tensorboard"))
+      # tensorboardX's synchronous events writer: SummaryWriter queues events for a background
+      # thread, so a flush does not guarantee they are on disk when the process is killed.
+      from tensorboardX.event_file_writer import EventsWriter
+      os.makedirs(os.path.join(workdir, "tensorboard"), exist_ok=True)
+      self.writer = EventsWriter(os.path.join(workdir, "tensorboard", "events"))
     self.mark(0)
 
   def mark(self, step: int) -> None:
@@ -45,8 +48,15 @@ class MetricsLogger:
   def truncate(self, step: int) -> None:
     if not self.active or not os.path.exists(self.path):
       return
+    keep = []
     with open(self.path) as f:
-      keep = [line for line in f if line.strip() and json.loads(line)["step"] <= step]
+      for line in f:
+        try:
+          record = json.loads(line)
+        except ValueError:  # a line torn by a killed process
+          continue
+        if record["step"] <= step:
+          keep.append(json.dumps(record) + "\n")
     with open(self.path, "w") as f:
       f.writelines(keep)
 
@@ -68,9 +78,12 @@ class MetricsLogger:
                  f"{tokens_per_s:,.0f}", mfu, _duration(eta))
     with open(self.path, "a") as f:
       f.write(json.dumps(record) + "\n")
+    from tensorboardX.proto import event_pb2
+    from tensorboardX.summary import scalar
     for k, v in record.items():
       if k != "step":
-        self.writer.add_scalar(f"train/{k}", v, step)
+        self.writer.write_event(event_pb2.Event(wall_time=time.time(), step=step,
+                                                summary=scalar(f"train/{k}", v)))
     self.writer.flush()
 
   def close(self) -> None:

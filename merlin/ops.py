@@ -77,6 +77,6 @@ def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool
     o = multistate_scan(q, k, v, g, beta, lam, segment_len=segment_len, scale=scale, erase=erase)
   else:
     chunk_size = chunk_size or math.gcd(segment_len, 64)
-    o = multistate_chunked(q, k, v, clamp_log_decay(g), beta, lam, segment_len=segment_len, scale=scale, erase=erase,
-                           chunk_size=chunk_size)
+    o = multistate_chunked(q, k, v, clamp_log_decay(g), beta, lam, segment_len=segment_len,
+                           scale=scale, erase=erase, chunk_size=chunk_size)
   return o.astype(q.dtype)

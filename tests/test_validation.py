@@ -13,7 +13,7 @@ import pytest
 
 from merlin import aggregators
 from merlin.ops import multistate_attention
-from tests.util import rel_rms
+from testkit import rel_rms
 from triadic.ops import triadic_gdn, triadic_gdn_step
 
 B, T, H, D, V, E, N, L, R = 1, 6, 2, 4, 3, 2, 2, 4, 3
@@ -203,5 +203,5 @@ def test_multistate_decode_step_past_capacity_is_an_error():
   x = jnp.zeros((B, 1, H, D))
   gb = jnp.zeros((B, 1, H))
   with pytest.raises(ValueError, match=r"holds 4 tokens and 1 more exceed .* capacity"):
-    multistate_decode(layer, x, x, x, gb, gb, (jnp.ones((B, 1, H, 2)), {}), cache, erase=True,
+    multistate_decode(layer, x, x, x, gb, gb, jnp.ones((B, 1, H, 2)), {}, cache, erase=True,
                       scale=1.0)
