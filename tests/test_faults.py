@@ -24,7 +24,7 @@ import jax
 import numpy as np
 import pytest
 
-from lm import checkpoint, eval_loop, logger, state as state_lib, train_loop
+from lm import checkpoint, eval_loop, logger, train_loop, train_step
 from tests.train_util import fault_config, tiny_config
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -244,8 +244,8 @@ def test_rerun_with_a_changed_config_warns_and_keeps_the_history(baseline, tmp_p
 def test_nan_before_the_first_checkpoint_says_so_and_keeps_metrics(tmp_path, monkeypatch):
   c = fault_config()
   c.train.update(log_every=50, checkpoint_every=50, num_steps=60)
-  real = state_lib.loss_fn
-  monkeypatch.setattr(state_lib, "loss_fn",
+  real = train_step.loss_fn
+  monkeypatch.setattr(train_step, "loss_fn",
                       lambda *a: (lambda l, aux: (l * np.nan, aux))(*real(*a)))
   with pytest.raises(FloatingPointError, match="at step 1: stopping. No checkpoint saved yet"):
     train_loop.train(c, str(tmp_path), stop_at=lambda step: step == 2)
