@@ -9,13 +9,14 @@ JAX_PROCESS_ID).
 """
 
 from absl import app, flags, logging
-from ml_collections import config_flags
 
+from lm import cli
 from triadic.xla_flags import apply_cpu_workaround
 
 apply_cpu_workaround()  # before the CPU backend starts
 
-_CONFIG = config_flags.DEFINE_config_file("config", "configs/mqar.py", "Config file.")
+_CONFIG = cli.define_config("train.py", default=cli.repo_default("configs/mqar.py"),
+                            help_string="Config file (a Python config file or a config.json).")
 _WORKDIR = flags.DEFINE_string("workdir", None, "Checkpoints, metrics and plots go here.",
                                required=True)
 _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.initialize() first.")
@@ -23,10 +24,12 @@ _DISTRIBUTED = flags.DEFINE_bool("distributed", False, "Call jax.distributed.ini
 
 def main(argv):
   del argv
+  from lm import logger
+  logger.quiet_cpu_startup()
   import jax
   if _DISTRIBUTED.value:
     jax.distributed.initialize()
-  from lm import logger, train_loop
+  from lm import train_loop
   logger.quiet_orbax()
   logging.info("devices: %s (process %d of %d)", jax.devices(), jax.process_index(),
                jax.process_count())

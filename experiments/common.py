@@ -13,7 +13,8 @@ from matplotlib.figure import Figure
 from experiments import sweep
 
 WORKDIR = flags.DEFINE_string("workdir", None, "Root directory of the sweep's runs.", required=True)
-OUT = flags.DEFINE_string("out", "docs/figures", "Where the report's PNG plots and JSON go.")
+OUT = flags.DEFINE_string("out", None, "Where the report's PNG plots and JSON go (default: "
+                          "<workdir>/figures; the committed figures are docs/figures).")
 PARALLEL = flags.DEFINE_integer("parallel", 4, "Runs trained at the same time.")
 SEEDS = flags.DEFINE_integer("seeds", 2, "Training seeds per setting (0, 1, ...).")
 DEADLINE = flags.DEFINE_float("deadline_s", None, "Stop training at this many seconds and "
@@ -39,8 +40,13 @@ def run_dir(r: sweep.Run) -> str:
   return os.path.join(WORKDIR.value, r.name)
 
 
+def out_dir() -> epath.Path:
+  """--out, or <workdir>/figures: a run never writes into the committed docs/figures unasked."""
+  return epath.Path(OUT.value or os.path.join(WORKDIR.value, "figures"))
+
+
 def out_path(name: str) -> epath.Path:
-  out = epath.Path(OUT.value)
+  out = out_dir()
   out.mkdir(parents=True, exist_ok=True)
   return out / name
 

@@ -6,7 +6,8 @@ number of pairs at which accuracy falls below 50%.
   python -m experiments.mqar_capacity --workdir runs/cpu_capacity --mqar_config configs/mqar.py \
       --parallel 2 --out docs/figures/cpu   # the CPU-sized version (vocab 64, up to 31 pairs)
 
-Writes docs/figures/mqar_capacity.{png,json} and prints the markdown table of docs/results.md.
+Writes mqar_capacity.{png,json} to --out (default <workdir>/figures; the report's are docs/figures)
+and prints the markdown table of docs/results.md.
 """
 
 from __future__ import annotations

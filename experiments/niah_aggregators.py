@@ -5,7 +5,8 @@ the segment length (the config's / 4 .. x 2, every aggregator) and merlin's d_r 
   python -m experiments.niah_aggregators --workdir runs/papers --parallel 8 --seeds 2
 
 ``--sweeps`` picks parts: main (aggregators at the config's segment length, every seed), segment, d_r (seed 0).
-Writes docs/figures/niah_*.png and niah_aggregators.json, and prints the markdown tables.
+Writes niah_*.png and niah_aggregators.json to --out (default <workdir>/figures; the report's are
+docs/figures) and prints the markdown tables.
 
 ``--curriculum`` trains every model on easier versions of the task first (``STAGES``, in the order
 given), each stage starting from the last one's checkpoint (``init_from``, fresh optimizer), and

@@ -18,6 +18,17 @@ import jax.numpy as jnp
 Dtype = Any
 
 
+def check_sizes(layer, *names: str) -> None:
+  """ValueError naming the first of the module fields ``names`` that is not a positive int
+  (``value_dim`` may also be None)."""
+  for name in names:
+    value = getattr(layer, name)
+    if name == "value_dim" and value is None:
+      continue
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{type(layer).__name__}.{name} must be a positive int, got {value!r}")
+
+
 def l2norm(x: jax.Array, axis: int = -1, eps: float = 1e-6) -> jax.Array:
   """``x / ||x||`` along ``axis``, computed in float32 and returned in x's dtype."""
   xf = x.astype(jnp.float32)

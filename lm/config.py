@@ -6,6 +6,8 @@ work: every bad value fails at start-up with a ValueError naming the key.
 
 from __future__ import annotations
 
+import json
+
 import ml_collections
 
 from lm import data
@@ -55,7 +57,7 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       learning_rate=3e-3, warmup_steps=100, min_lr_ratio=0.1,  # warmup + cosine to 10%
       b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0,
       log_every=50, checkpoint_every=500, keep_checkpoints=3,
-      peak_tflops=989.0,  # per device, for MFU (H200 dense bf16)
+      peak_tflops=0.0,  # per device, for MFU; 0: lm.costs.PEAK_TFLOPS by device kind (none on CPU)
   ))
   c.eval = ml_collections.ConfigDict(dict(
       batch_size=64, step=-1,  # -1: the latest checkpoint
@@ -87,6 +89,54 @@ def validate(config, process_count: int = 1) -> ModelConfig:
   if cfg.max_len is not None and config.data.seq_len > cfg.max_len:
     raise ValueError(f"data.seq_len ({config.data.seq_len}) exceeds model.max_segments * "
                      f"model.segment_len = {cfg.max_segments} * {cfg.segment_len} = {cfg.max_len}")
+  if cfg.max_len is not None:
+    for where, length in eval_lengths(config.data):
+      if length > cfg.max_len:
+        raise ValueError(f"{where} = {length} exceeds what the model holds: model.max_segments * "
+                         f"model.segment_len = {cfg.max_segments} * {cfg.segment_len} = "
+                         f"{cfg.max_len}; raise model.max_segments or shorten {where}")
+  token_range = data_token_range(config.data)
+  if token_range is not None and cfg.vocab_size < token_range:
+    raise ValueError(f"data.vocab_size ({cfg.vocab_size}) is smaller than the token range of "
+                     f"data.name={config.data.name!r} ({token_range}): tokens >= vocab_size would "
+                     f"index past the embedding table")
   if not isinstance(config.seed, int) or config.seed < 0:
     raise ValueError(f"seed must be a non-negative int, got {config.seed!r}")
   return cfg
+
+
+def eval_lengths(d) -> list[tuple[str, int]]:
+  """(config key, sequence length) of every evaluation setting of data section ``d``."""
+  if d.name == "mqar":
+    return [(f"data.eval_settings[{i}] seq_len", int(s)) for i, (s, _) in enumerate(d.eval_settings)]
+  if d.name == "niah":
+    return [(f"data.eval_lengths[{i}]", int(n)) for i, n in enumerate(d.eval_lengths)]
+  if d.name == "text":
+    return [("data.eval_seq_len", int(d.get("eval_seq_len", 0) or d.seq_len))]
+  return []
+
+
+def data_token_range(d) -> int | None:
+  """How many token ids data section ``d`` can produce, where that is fixed by the data rather
+  than by ``vocab_size``: 256 for byte-level text. None for the synthetic tasks (their generators
+  draw from ``vocab_size`` itself)."""
+  if d.name == "text" and not d.get("tokenizer", ""):
+    return 256
+  return None
+
+
+def _flat(tree: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in tree.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+def config_changes(saved: dict, config) -> list[str]:
+  """``"key: saved -> now"`` for every key that differs between a saved config.json and ``config``."""
+  old, new = _flat(saved), _flat(json.loads(config.to_json_best_effort()))
+  return [f"{k}: {old.get(k, '<absent>')!r} -> {new.get(k, '<absent>')!r}"
+          for k in sorted(old.keys() | new.keys()) if old.get(k) != new.get(k)]

@@ -47,3 +47,18 @@ def state_bytes(cfg: ModelConfig, seq_len: int) -> dict[str, int]:
     for key, value in mixers.get(mixer).state_bytes(cfg, seq_len).items():
       total[key] += int(value)
   return total
+
+
+# Peak dense bf16 TFLOP/s per device, by the start of ``jax.Device.device_kind``.
+PEAK_TFLOPS = {"NVIDIA H100": 989.0, "NVIDIA H200": 989.0, "NVIDIA H20": 148.0,
+               "NVIDIA A100": 312.0, "NVIDIA B200": 2250.0, "TPU v4": 275.0, "TPU v5 lite": 197.0,
+               "TPU v5e": 197.0, "TPU v5p": 459.0, "TPU v6 lite": 918.0, "TPU v6e": 918.0}
+
+
+def peak_flops(device_kind: str, override_tflops: float = 0.0) -> float | None:
+  """Peak FLOP/s of one device for MFU: ``override_tflops`` if > 0, else the ``PEAK_TFLOPS``
+  entry whose name ``device_kind`` starts with (the longest), else None (unknown, e.g. a CPU)."""
+  if override_tflops and override_tflops > 0:
+    return override_tflops * 1e12
+  match = [k for k in PEAK_TFLOPS if device_kind.startswith(k)]
+  return PEAK_TFLOPS[max(match, key=len)] * 1e12 if match else None

@@ -5,12 +5,20 @@ checkpoint written on one mesh is evaluated on any other. ``config.eval.mode`` p
 scoring (one forward per example) or, for needle retrieval, greedy generation (``lm.generate``,
 same params, prompts split over the mesh's batch axes when the batch size allows). ``count``
 reports sizes without allocating the model.
+
+The run's saved ``config.json`` is the reference: ``config_variant`` lists how a config differs
+from it in the sections that change the scores (``data``, ``model``). A model change that changes
+the maths (anything but ``MODEL_KEYS_SAME_MATH``) is refused unless allowed, since the saved
+parameters were trained for the saved model; a differing config writes its results under
+``<workdir>/variants/<tag>/eval/`` so that no config's results overwrite another's.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 
 import jax
 import ml_collections
@@ -18,6 +26,7 @@ import numpy as np
 from absl import logging
 
 from lm import checkpoint, costs, evals, generate, sharding, state as state_lib
+from lm.config import config_changes
 from lm.model import ModelConfig
 
 
@@ -30,6 +39,46 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
     return ml_collections.ConfigDict(json.load(f))
 
 
+class ModelChangeError(ValueError):
+  """The config asks for another model than the checkpoint was trained as."""
+
+
+# Model keys that select an implementation of the same function; every other model key changes it.
+MODEL_KEYS_SAME_MATH = ("impl", "chunk_size", "attention_impl", "remat")
+
+
+def config_variant(config, workdir: str, *, allow_model_change: bool = False) -> str | None:
+  """None if ``config`` scores like the run's saved config; else a directory-safe tag naming the
+  changed keys. ValueError for a model change that changes the maths, unless allowed."""
+  path = os.path.join(workdir, "config.json")
+  if not os.path.exists(path):
+    return None
+  with open(path) as f:
+    saved = json.load(f)
+  changes = [c for c in config_changes(saved, config) if c.startswith(("data.", "model."))]
+  if not changes:
+    return None
+  keys = [c.split(":", 1)[0] for c in changes]
+  maths = [c for c, k in zip(changes, keys)
+           if k.startswith("model.") and k.split(".", 1)[1] not in MODEL_KEYS_SAME_MATH]
+  if maths and not allow_model_change:
+    raise ModelChangeError(f"the config changes the model that {workdir} was trained as:\n  "
+                     + "\n  ".join(maths) + "\nthe checkpoint's parameters belong to the saved "
+                     "model (config.json); pass --allow_model_change to evaluate them this way "
+                     "anyway")
+  now = json.loads(config.to_json_best_effort())
+  parts = []
+  for k in keys:
+    node = now
+    for part in k.split("."):
+      node = node.get(part, "absent") if isinstance(node, dict) else "absent"
+    parts.append(f"{k}={node}")
+  tag = re.sub(r"[^A-Za-z0-9_.=,-]+", "_", ",".join(parts))
+  if len(tag) > 80:
+    tag = tag[:64] + "-" + hashlib.sha1(tag.encode()).hexdigest()[:8]
+  return tag
+
+
 def count(config) -> dict:
   """Parameter counts and per-sequence decode memory of ``config``'s model (nothing allocated)."""
   cfg = ModelConfig.from_config(config)
@@ -37,20 +86,27 @@ def count(config) -> dict:
           "flops_per_token": costs.flops_per_token(cfg, config.data.seq_len)}
 
 
-def evaluate(config, workdir: str, step: int | None = None, mode: str | None = None) -> dict:
-  """Restore ``step`` (default: latest) of ``workdir`` and run the evaluators of ``config.data``,
-  in ``mode`` (default ``config.eval.mode``; "teacher_forced" for configs saved before it)."""
+def evaluate(config, workdir: str, step: int | None = None, mode: str | None = None, *,
+             allow_model_change: bool = False) -> dict:
+  """Restore ``step`` (default: the newest that reads back) of ``workdir`` and run the evaluators
+  of ``config.data``, in ``mode`` (default ``config.eval.mode``; "teacher_forced" for configs
+  saved before it). A config that differs from the saved one writes under ``variants/<tag>/``
+  (``config_variant``; a model change needs ``allow_model_change``)."""
   mode = mode or config.eval.get("mode", "teacher_forced")
   evals.check_mode(config.data.name, mode)  # before anything is restored
+  variant = config_variant(config, workdir, allow_model_change=allow_model_change)
+  out_root = workdir
+  if variant is not None:
+    out_root = os.path.join(workdir, "variants", variant)
+    os.makedirs(out_root, exist_ok=True)
+    with open(os.path.join(out_root, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2))
+    logging.info("config differs from %s/config.json: results go to %s", workdir, out_root)
   cfg = ModelConfig.from_config(config)
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.rules(config)
   setup = state_lib.create(cfg, config.train, mesh, rules, config.data.seq_len)
-  step_dir = checkpoint.step_dir(workdir, step)
-  abstract = setup.abstract_state.params
-  checkpoint.check_matches(checkpoint.saved_param_shapes(step_dir), checkpoint.param_shapes(abstract),
-                           str(step_dir))
-  params = checkpoint.load_params(step_dir, abstract)
+  params, step_dir = checkpoint.load_newest_params(workdir, setup.abstract_state.params, step)
   logging.info("evaluating %s", step_dir)
   apply = jax.jit(lambda p, x: setup.model.apply({"params": p}, x))
 
@@ -68,5 +124,5 @@ def evaluate(config, workdir: str, step: int | None = None, mode: str | None = N
     tokens = generate.generate({"params": params}, cfg, prompts, num_tokens, temperature=0.0)
     return np.asarray(tokens[:, prompts.shape[1]:])
 
-  return evals.evaluate(config.data, logits_fn, workdir, step=int(step_dir.name),
+  return evals.evaluate(config.data, logits_fn, out_root, step=int(step_dir.name),
                         batch_size=config.eval.batch_size, mode=mode, generate_fn=generate_fn)

@@ -70,7 +70,7 @@ def _generate(variables, prompt, seed, *, cfg, max_new_tokens, temperature, top_
   model = LM(cfg)
   batch, p = prompt.shape
   key = jax.random.key(seed)
-  cache = model.init_cache(batch, p + max_new_tokens)
+  cache = model.init_cache(batch, p + max_new_tokens - 1)  # the tokens the model reads
   logits, cache = model.apply(variables, prompt, cache)
   first = sample(logits[:, -1], jax.random.fold_in(key, 0), temperature, top_k)
 

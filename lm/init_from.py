@@ -47,8 +47,15 @@ def plan(source: dict[str, tuple], target: dict[str, tuple]) -> dict[str, list[s
 
 def load(path: str, params, shardings):
   """``params`` (a fresh init, sharded as ``shardings``) with the matching source params put in."""
-  step_dir = checkpoint.step_dir(path)
-  source_shapes = checkpoint.saved_param_shapes(step_dir)
+  try:
+    step_dir = checkpoint.step_dir(path)
+    source_shapes = checkpoint.saved_param_shapes(step_dir)
+  except checkpoint.CheckpointError as err:
+    text = str(err) if str(err).startswith("not a checkpoint") else f"not a checkpoint: {path} ({err})"
+    raise checkpoint.CheckpointError(f"init_from: {text}") from None
+  except Exception as err:  # noqa: BLE001 - whatever orbax raises on a directory it cannot read
+    raise checkpoint.CheckpointError(f"init_from: not a checkpoint: {path} "
+                                     f"({checkpoint._why(err)})") from None
   target_shapes = checkpoint.param_shapes(params)
   p = plan(source_shapes, target_shapes)
   logging.info("init_from %s: %d copied, %d broadcast, %d new, %d unused", step_dir,

@@ -14,7 +14,10 @@ from __future__ import annotations
 import dataclasses
 from typing import Callable
 
+import math
+
 import flax.linen as nn
+import jax
 import jax.numpy as jnp
 
 from lm.attention import Attention
@@ -50,20 +53,27 @@ def _attention_flops(cfg, seq_len):
   return 6.0 * seq_len * cfg.num_heads * cfg.head_dim  # the causal half of QK^T and AV
 
 
+def _cache_bytes(build, cfg, seq_len, max_len) -> int:
+  """Bytes of one layer's decoding cache for one sequence of ``seq_len`` tokens (at most
+  ``max_len``): its floating leaves, by ``jax.eval_shape`` (nothing allocated; the int32 length
+  counter is not counted). The accounting is the cache itself, so the two never disagree."""
+  module = build(cfg, dtype=cfg.compute_dtype, parent=None)
+  length = seq_len if max_len is None else min(seq_len, max_len)
+  cache = jax.eval_shape(lambda: module.init_cache(1, length))
+  return sum(math.prod(x.shape) * x.dtype.itemsize for x in jax.tree.leaves(cache)
+             if jnp.issubdtype(x.dtype, jnp.floating))
+
+
 def _attention_bytes(cfg, seq_len):
-  kv_heads = cfg.num_kv_heads or cfg.num_heads
-  return {"recurrent_state": 0,
-          "kv_cache": 2 * seq_len * kv_heads * cfg.head_dim * jnp.dtype(cfg.compute_dtype).itemsize}
+  return {"recurrent_state": 0, "kv_cache": _cache_bytes(MIXERS["attention"].build, cfg, seq_len, None)}
 
 
-def _recurrent(build, fields, *, state_shape, conv_channels, moment_groups=None) -> Mixer:
+def _recurrent(build, fields, *, state_shape, multistate=False) -> Mixer:
   """A linear-attention mixer's entry.
 
-  state_shape: cfg -> (E, key dim, value dim) of one head's state; conv_channels: cfg -> the
-  channels of its short convolutions; moment_groups: cfg -> the groups of the aggregator's k'
-  (multi-state mixers only: one state per segment, T <= max_segments * segment_len).
+  state_shape: cfg -> (E, key dim, value dim) of one head's state; multistate: one state per
+  segment, T <= max_segments * segment_len.
   """
-  multistate = moment_groups is not None
 
   def flops(cfg, seq_len):
     """Per head: reading and writing the E x D x V state (2 x 2 E D V), the intra-chunk products
@@ -74,17 +84,13 @@ def _recurrent(build, fields, *, state_shape, conv_channels, moment_groups=None)
       per_head += 2.0 * d * v * max(1.0, seq_len / (2 * cfg.segment_len))
     return 3.0 * cfg.num_heads * per_head
 
-  def state_bytes(cfg, seq_len):
-    """float32 states, short-convolution inputs and (multi-state) segment moments."""
-    del seq_len
-    e, d, v = state_shape(cfg)
-    states = cfg.max_segments if multistate else 1
-    moments = states * moment_groups(cfg) * (cfg.d_r + cfg.d_r ** 2) if multistate else 0
-    conv = (cfg.conv_width - 1) * conv_channels(cfg)
-    return {"recurrent_state": 4 * (states * cfg.num_heads * e * d * v + conv + moments),
-            "kv_cache": 0}
-
   max_len = (lambda cfg: cfg.max_segments * cfg.segment_len) if multistate else (lambda cfg: None)
+
+  def state_bytes(cfg, seq_len):
+    """float32 states, short-convolution inputs and (multi-state) the aggregator's segment
+    moments (``merlin.memory.MOMENT_SIZES``): the layer's decoding cache, independent of length."""
+    return {"recurrent_state": _cache_bytes(build, cfg, seq_len, max_len(cfg)), "kv_cache": 0}
+
   return Mixer(build, fields, flops, state_bytes, max_len)
 
 
@@ -98,24 +104,11 @@ def _multistate(cfg) -> dict:
 
 
 def _triadic(expand_e: Callable, erase: bool, fields: tuple[str, ...]) -> Mixer:
-  """TriadicGDN with E = expand_e(cfg); its conv runs over q, k, v and (E > 1) k2, q2."""
-  def gdn_channels(cfg):
-    h, d, e = cfg.num_heads, cfg.head_dim, expand_e(cfg)
-    return h * d + 2 * h * d + (2 * h * e if e > 1 else 0)
-
+  """TriadicGDN with E = expand_e(cfg)."""
   return _recurrent(
       lambda cfg, **kw: TriadicGDN(cfg.num_heads, cfg.head_dim, expand_e=expand_e(cfg), erase=erase,
                                    **_ops(cfg), **kw),
-      fields, state_shape=lambda cfg: (expand_e(cfg), cfg.head_dim, cfg.head_dim),
-      conv_channels=gdn_channels)
-
-
-def _gdn_channels(cfg):
-  return 3 * cfg.num_heads * cfg.head_dim  # q, k, v
-
-
-def _mamba_channels(cfg):
-  return cfg.num_heads * cfg.head_dim + 2 * cfg.state_dim  # x, and B, C shared by the heads
+      fields, state_shape=lambda cfg: (expand_e(cfg), cfg.head_dim, cfg.head_dim))
 
 
 MIXERS: dict[str, Mixer] = {
@@ -129,18 +122,17 @@ MIXERS: dict[str, Mixer] = {
     "mamba2": _recurrent(
         lambda cfg, **kw: Mamba2(cfg.num_heads, cfg.head_dim, state_dim=cfg.state_dim, **_ops(cfg),
                                  **kw),
-        ("state_dim",) + _OPS, state_shape=lambda cfg: (1, cfg.state_dim, cfg.head_dim),
-        conv_channels=_mamba_channels),
+        ("state_dim",) + _OPS, state_shape=lambda cfg: (1, cfg.state_dim, cfg.head_dim)),
     "multistate_gdn": _recurrent(
         lambda cfg, **kw: MultiStateGDN(cfg.num_heads, cfg.head_dim, **_multistate(cfg),
                                         **_ops(cfg), **kw),
         _MULTISTATE + _OPS, state_shape=lambda cfg: (1, cfg.head_dim, cfg.head_dim),
-        conv_channels=_gdn_channels, moment_groups=lambda cfg: cfg.num_heads),
+        multistate=True),
     "multistate_mamba2": _recurrent(
         lambda cfg, **kw: MultiStateMamba2(cfg.num_heads, cfg.head_dim, state_dim=cfg.state_dim,
                                            **_multistate(cfg), **_ops(cfg), **kw),
         ("state_dim",) + _MULTISTATE + _OPS, state_shape=lambda cfg: (1, cfg.state_dim, cfg.head_dim),
-        conv_channels=_mamba_channels, moment_groups=lambda cfg: 1),
+        multistate=True),
 }
 
 

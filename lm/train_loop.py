@@ -6,6 +6,10 @@ point so that all of them save the same step). Restarting with the same workdir 
 the latest checkpoint (model, optimizer and data iterator) and continues the same loss curve.
 Before any save, every step since the last check is checked for a finite loss and gradient, so a
 NaN stops the run and the last checkpoint on disk is a good one.
+
+An unreadable latest checkpoint is skipped for the newest intact one (``checkpoint.restore_newest``).
+Each start writes ``config.json`` (the config in force) and ``config.<start step>.json`` (the
+history); a resumed run whose config differs from the saved one logs every changed key.
 """
 
 from __future__ import annotations
@@ -19,11 +23,10 @@ from typing import Callable
 import jax
 import numpy as np
 from absl import logging
-from etils import epath
 from jax.experimental import multihost_utils
 
 from lm import checkpoint, costs, data, init_from, logger, sharding, state as state_lib, train_step
-from lm.config import validate
+from lm.config import config_changes, validate
 
 
 class _Preemption:
@@ -46,10 +49,36 @@ class _Preemption:
       signal.signal(signal.SIGTERM, self.previous)
 
 
-def _write_config(config, workdir: str) -> None:
-  if jax.process_index() == 0:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
-      f.write(config.to_json_best_effort(indent=2))
+def _write_config(config, workdir: str, start: int) -> None:
+  """config.json (the config in force) and config.<start>.json (one per start: the history)."""
+  if jax.process_index() != 0:
+    return
+  text = config.to_json_best_effort(indent=2)
+  path = os.path.join(workdir, "config.json")
+  if start > 0 and os.path.exists(path):
+    try:
+      with open(path) as f:
+        changes = config_changes(json.load(f), config)
+    except ValueError as err:
+      changes = [f"(the saved {path} is unreadable: {err})"]
+    if changes:
+      logging.warning("resuming %s at step %d with a changed config (history in config.<step>.json):"
+                      "\n  %s", workdir, start, "\n  ".join(changes))
+  for name in ("config.json", f"config.{start}.json"):
+    with open(os.path.join(workdir, name), "w") as f:
+      f.write(text)
+
+
+def _last_record(workdir: str, step: int) -> dict:
+  """The last metrics.jsonl record at or before ``step`` (just the step if there is none)."""
+  last = {"step": step}
+  path = os.path.join(workdir, "metrics.jsonl")
+  if os.path.exists(path):
+    with open(path) as f:
+      for line in f:
+        if line.strip() and json.loads(line)["step"] <= step:
+          last = json.loads(line)
+  return last
 
 
 def train(config, workdir: str, *, stop_at: Callable[[int], bool] | None = None) -> dict:
@@ -74,28 +103,38 @@ def train(config, workdir: str, *, stop_at: Callable[[int], bool] | None = None)
                                       process_count=jax.process_count())
   mngr = checkpoint.manager(workdir, t.keep_checkpoints)
   seq_len = config.data.seq_len
+  peak = costs.peak_flops(jax.devices()[0].device_kind, t.peak_tflops)
   log = logger.MetricsLogger(workdir, t.num_steps, t.batch_size * seq_len,
                              costs.flops_per_token(cfg, seq_len),
-                             t.peak_tflops * 1e12 * jax.device_count())
+                             None if peak is None else peak * jax.device_count())
 
-  latest = mngr.latest_step()
+  expected = checkpoint.param_shapes(setup.abstract_state.params)
+  try:
+    state, latest = checkpoint.restore_newest(mngr, setup.abstract_state, iterator, expected)
+    if latest is None:
+      state = setup.init(jax.random.key(config.seed))
+      if config.init_from:
+        params, _ = init_from.load(config.init_from, state.params, setup.shardings.params)
+        state = state.replace(params=params)
+  except BaseException:
+    mngr.close()
+    log.close()
+    raise
   if latest is not None:
-    step_dir = checkpoint.step_dir(workdir, latest)
-    checkpoint.check_matches(checkpoint.saved_param_shapes(step_dir),
-                             checkpoint.param_shapes(setup.abstract_state.params), str(step_dir))
-    state = checkpoint.restore(mngr, latest, setup.abstract_state, iterator)
     log.truncate(latest)
     logging.info("resumed from step %d of %s", latest, mngr.directory)
+    if latest >= t.num_steps:
+      logging.warning("%s is already at step %d >= train.num_steps %d; nothing to do (raise "
+                      "--config.train.num_steps to train further)", workdir, latest, t.num_steps)
+      mngr.close()
+      log.close()
+      return _last_record(workdir, latest)
   else:
-    state = setup.init(jax.random.key(config.seed))
-    if config.init_from:
-      params, _ = init_from.load(config.init_from, state.params, setup.shardings.params)
-      state = state.replace(params=params)
     log.truncate(0)
-  _write_config(config, workdir)
+  start = int(jax.device_get(state.step))
+  _write_config(config, workdir, start)
   preempted = _Preemption()
 
-  start = int(jax.device_get(state.step))
   pending: list[tuple[int, dict]] = []
   last = {}
 
@@ -105,10 +144,13 @@ def train(config, workdir: str, *, stop_at: Callable[[int], bool] | None = None)
     for step, m in jax.device_get(pending):
       m = {k: float(v) for k, v in m.items()}
       if not (np.isfinite(m["loss"]) and np.isfinite(m["grad_norm"])):
+        log.write(step, m)  # the failing step is in metrics.jsonl too
         mngr.wait_until_finished()
+        good = mngr.latest_step()
+        where = (f"The last good checkpoint is step {good} in {mngr.directory}." if good is not None
+                 else f"No checkpoint saved yet (the first is due at step {t.checkpoint_every}).")
         raise FloatingPointError(
-            f"loss is {m['loss']} (grad norm {m['grad_norm']}) at step {step}: stopping. The last "
-            f"good checkpoint is step {mngr.latest_step()} in {mngr.directory}.")
+            f"loss is {m['loss']} (grad norm {m['grad_norm']}) at step {step}: stopping. {where}")
       if step % t.log_every == 0 or step == t.num_steps:
         log.write(step, m)
       last = {"step": step, **m}

@@ -82,13 +82,22 @@ class PositionAggregator(_AggregatorBase):
 
 class _MomentAggregator(_AggregatorBase):
   """What meanpool and merlin share: the small keys / queries, the temperatures and the running
-  segment moments of the keys (their decoding cache)."""
+  segment moments of the keys (their decoding cache). ``SECOND_MOMENT``: whether the weights read
+  r_sigma, so the cache keeps the k' k'^T sums (``merlin.memory.MOMENT_SIZES`` counts them)."""
+
+  SECOND_MOMENT = True
 
   def init_cache(self, batch: int) -> dict:
-    """The empty running moments: per segment, the sum of k' (B, G, N, R) and of k' k'^T
-    (B, G, N, R, R)."""
+    """The empty running moments: per segment, the sum of k' (B, G, N, R) and, with
+    ``SECOND_MOMENT``, of k' k'^T (B, G, N, R, R)."""
     shape = (batch, self.groups, self.max_segments, self.d_r)
-    return {"sum": jnp.zeros(shape, jnp.float32), "sq": jnp.zeros(shape + (self.d_r,), jnp.float32)}
+    cache = {"sum": jnp.zeros(shape, jnp.float32)}
+    if self.SECOND_MOMENT:
+      cache["sq"] = jnp.zeros(shape + (self.d_r,), jnp.float32)
+    return cache
+
+  def _pack(self, sums, squares) -> dict:
+    return {"sum": sums, **({"sq": squares} if self.SECOND_MOMENT else {})}
 
   def small_keys(self, x):
     """q', k' (B, T, G, R) float32 unit vectors (parameters qr_proj, kr_proj)."""
@@ -116,11 +125,12 @@ class _MomentAggregator(_AggregatorBase):
     if cache is None:
       return None, None
     if qr.shape[1] > 1:
-      sums, squares = moment_prefill(kr, segment_len=self.segment_len, num_segments=self.max_segments)
-      return None, {"sum": sums, "sq": squares}
-    scores, (sums, squares) = moment_step(cache["sum"], cache["sq"], qr[:, 0], kr[:, 0], position,
-                                          segment_len=self.segment_len)
-    return scores, {"sum": sums, "sq": squares}
+      return None, self._pack(*moment_prefill(kr, segment_len=self.segment_len,
+                                              num_segments=self.max_segments,
+                                              squares=self.SECOND_MOMENT))
+    scores, moments = moment_step(cache["sum"], cache.get("sq"), qr[:, 0], kr[:, 0], position,
+                                  segment_len=self.segment_len)
+    return scores, self._pack(*moments)
 
   def segment_kwargs(self) -> dict:
     return dict(segment_len=self.segment_len, max_segments=self.max_segments,
@@ -133,6 +143,8 @@ class _MomentAggregator(_AggregatorBase):
 
 class MeanpoolAggregator(_MomentAggregator):
   """lam_ti = softmax_{i <= s(t)}(tau_mu r_mu): the segments whose mean key the query aligns with."""
+
+  SECOND_MOMENT = False  # reads only the mean: no k' k'^T sums in its cache
 
   @nn.compact
   def __call__(self, x: jax.Array, cache: dict | None = None, position=None):

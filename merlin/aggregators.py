@@ -16,30 +16,34 @@ import jax.numpy as jnp
 
 from merlin.moments import IMPLS, moment_scores
 from merlin.segments import check_segments, segment_ids, visible
+from triadic.ops import check_array
 
 
 def _check_moment_inputs(qr, kr, segment_len, max_segments, impl):
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  if qr.ndim != 4:
-    raise ValueError(f"qr must have rank 4 with shape (B, T, H, R), got shape {qr.shape}")
+  check_array("qr", qr, 4, "(B, T, H, R)")
+  check_array("kr", kr, 4, "(B, T, H, R)")
   if kr.shape != qr.shape:
     raise ValueError(f"kr must have the shape of qr (B, T, H, R) = {qr.shape}, got {kr.shape}")
   check_segments(qr.shape[1], segment_len, max_segments, "max_segments")
 
 
 def _check_per_head(name, x, want):
+  check_array(name, x, len(want), str(want))
   if x.shape != want:
     raise ValueError(f"{name} must have shape {want}, got {x.shape}")
 
 
 def _heads(qr, tau_mu):
   """H from the temperatures; qr may have H groups or 1 shared group (Mamba-2)."""
+  check_array("tau_mu", tau_mu, 1, "(H,)")
   if tau_mu.ndim != 1:
     raise ValueError(f"tau_mu must have shape (H,), got {tau_mu.shape}")
   h = tau_mu.shape[0]
   if qr.shape[2] not in (1, h):
-    raise ValueError(f"qr, kr must have H = {h} heads (or 1 shared group) on axis 2, got {qr.shape}")
+    raise ValueError(f"qr, kr must have H = {h} heads (or 1 shared group) on axis 2, H from tau_mu "
+                     f"{tau_mu.shape}; got qr {qr.shape}")
   return h
 
 
@@ -82,8 +86,7 @@ def position_weights(p, *, segment_len: int):
 
   p: (B, T, H, N). Returns (B, T, H, N) float32.
   """
-  if p.ndim != 4:
-    raise ValueError(f"p must have rank 4 with shape (B, T, H, N), got shape {p.shape}")
+  check_array("p", p, 4, "(B, T, H, N)")
   t, n = p.shape[1], p.shape[-1]
   check_segments(t, segment_len, n, "p.shape[-1] (N, the number of segments)")
   distance = jnp.clip(segment_ids(t, segment_len)[:, None] - jnp.arange(n), 0, n - 1)  # (T, N)
@@ -93,4 +96,7 @@ def position_weights(p, *, segment_len: int):
 
 def vanilla_weights(b: int, t: int, h: int, n: int):
   """Vanilla lam = 1 everywhere: the sum of the states, i.e. the single-state model."""
+  for name, value in (("b", b), ("t", t), ("h", h), ("n", n)):
+    if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}")
   return jnp.ones((b, t, h, n), jnp.float32)

@@ -1,7 +1,8 @@
 """Recurrent inference for multi-state linear attention: prefill a prompt, then one token at a time.
 
 The decode cache of a multi-state layer holds the N segment states (B, H, N, D, V), the running
-segment moments of the aggregator's small keys (sums of k' and of k' k'^T per segment) and the
+segment moments of the aggregator's small keys (sums of k' per segment, and of k' k'^T for
+MERLIN, the one aggregator that reads the second moment) and the
 number of tokens seen. Segments are uniform, so segment i's count is clip(length - i L, 0, L):
 the counts are derived from the length instead of stored. A step then costs the same however
 long the context is: no old token is revisited.
@@ -63,27 +64,32 @@ def multistate_step(states, q, k, v, g, beta, lam, position, *, segment_len: int
   return token_step(states, q, k, v, g, beta, lam, owner, scale=scale, erase=erase)
 
 
-def moment_prefill(kr, *, segment_len: int, num_segments: int):
+def moment_prefill(kr, *, segment_len: int, num_segments: int, squares: bool = True):
   """Segment sums of k' and k' k'^T after the T tokens of kr (B, T, G, R):
-  (B, G, N, R) and (B, G, N, R, R) float32."""
+  (B, G, N, R) and (B, G, N, R, R) float32 (None without ``squares``)."""
   t = kr.shape[1]
   owner = jax.nn.one_hot(segment_ids(t, segment_len), num_segments, dtype=jnp.float32)  # (T, N)
   kr = kr.astype(jnp.float32)
-  return (jnp.einsum("tn,btgr->bgnr", owner, kr),
-          jnp.einsum("tn,btgr,btgq->bgnrq", owner, kr, kr))
+  sums = jnp.einsum("tn,btgr->bgnr", owner, kr)
+  return sums, (jnp.einsum("tn,btgr,btgq->bgnrq", owner, kr, kr) if squares else None)
 
 
 def moment_step(sums, squares, qr, kr, position, *, segment_len: int):
   """Add token ``position``'s k' (B, G, R) to its segment's sums; return the scores its q' (B, G, R)
-  reads, (r_mu, r_sigma) each (B, G, N) (zero for segments not yet started), and the new sums."""
+  reads, (r_mu, r_sigma) each (B, G, N) (zero for segments not yet started), and the new sums.
+
+  ``squares`` None (meanpool, which reads only r_mu): no second moments are kept, r_sigma is None.
+  """
   n = sums.shape[2]
   qr, kr = qr.astype(jnp.float32), kr.astype(jnp.float32)
   owner = jax.nn.one_hot(position // segment_len, n, dtype=jnp.float32)
   sums = sums + owner[:, None] * kr[:, :, None]
-  squares = squares + owner[:, None, None] * (kr[..., :, None] * kr[..., None, :])[:, :, None]
   count = jnp.clip(position + 1 - jnp.arange(n) * segment_len, 0, segment_len).astype(jnp.float32)
   inv = jnp.where(count > 0, 1.0 / jnp.maximum(count, 1.0), 0.0)
   r_mu = jnp.einsum("bgr,bgnr->bgn", qr, sums) * inv
+  if squares is None:
+    return (r_mu, None), (sums, None)
+  squares = squares + owner[:, None, None] * (kr[..., :, None] * kr[..., None, :])[:, :, None]
   second = jnp.einsum("bgr,bgnrs,bgs->bgn", qr, squares, qr) * inv
   return (r_mu, second - r_mu ** 2), (sums, squares)
 
@@ -96,6 +102,10 @@ def multistate_decode(layer, q, k, v, g, beta, lam, moments, cache, *, erase, sc
   the aggregator returned. Returns (o (B, T, H, V), the cache's new state, moments, length).
   """
   t, length = q.shape[1], cache["length"]
+  capacity = layer.segment_len * layer.max_segments
+  if not isinstance(length, jax.core.Tracer) and int(length) + t > capacity:
+    raise ValueError(f"the cache holds {int(length)} tokens and {t} more exceed the layer's "
+                     f"capacity segment_len * max_segments = {capacity}")
   if t == 1:
     o, state = multistate_step(cache["state"], *(z[:, 0] for z in (q, k, v, g, beta, lam)), length,
                                segment_len=layer.segment_len, scale=scale, erase=erase)

@@ -14,6 +14,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from layers.blocks import check_sizes
 from layers.gdn import gdn_cache, gdn_inputs, gdn_output
 from layers.remat import saved_op
 from merlin.aggregator_layers import make_aggregator
@@ -32,6 +33,25 @@ def _moments_and_length(cache):
   """The aggregator's cache and the token position from a layer's decoding cache (None, None in
   training)."""
   return (None, None) if cache is None else (cache["moments"], cache["length"])
+
+
+def _check_capacity(layer, max_len) -> None:
+  """ValueError if a decode cache for ``max_len`` tokens exceeds what ``layer`` holds: the cache
+  has max_segments segment states, so tokens past segment_len * max_segments have none."""
+  if max_len is None:
+    return
+  capacity = layer.segment_len * layer.max_segments
+  if not isinstance(max_len, int) or max_len < 1:
+    raise ValueError(f"max_len must be a positive int, got {max_len!r}")
+  if max_len > capacity:
+    raise ValueError(f"max_len = {max_len} exceeds what {type(layer).__name__} holds: segment_len "
+                     f"* max_segments = {layer.segment_len} * {layer.max_segments} = {capacity}")
+
+
+_GDN_SIZES = ("num_heads", "head_dim", "value_dim", "segment_len", "max_segments", "d_r",
+              "conv_width", "chunk_size")
+_MAMBA_SIZES = ("num_heads", "head_dim", "state_dim", "segment_len", "max_segments", "d_r",
+                "conv_width", "chunk_size")
 
 
 class MultiStateGDN(nn.Module):
@@ -65,6 +85,7 @@ class MultiStateGDN(nn.Module):
     is one decoding step from the segment states and the running moments. Same parameters as
     training.
     """
+    check_sizes(self, *_GDN_SIZES)
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     (q, k, v, _, _, g, beta), conv = gdn_inputs(
         x, self.num_heads, self.head_dim, self.value_dim, 1, self.conv_width,
@@ -83,8 +104,10 @@ class MultiStateGDN(nn.Module):
 
   def init_cache(self, batch: int, max_len: int | None = None) -> dict:
     """Empty decoding cache: N segment states (B, H, N, D, V) float32, the aggregator's running
-    moments, the short convolutions' inputs and the length (0). ``max_len`` is unused."""
-    del max_len
+    moments, the short convolutions' inputs and the length (0). ``max_len`` (the tokens to be
+    decoded, prompt included) must be at most segment_len * max_segments (ValueError)."""
+    check_sizes(self, *_GDN_SIZES)
+    _check_capacity(self, max_len)
     vd = self.value_dim or self.head_dim
     conv = gdn_cache(batch, self.num_heads, self.head_dim, vd, 1, self.conv_width, self.dtype,
                      state=False)["conv"]
@@ -114,6 +137,7 @@ class MultiStateMamba2(Mamba2):
     """``(y, new_cache)``, x and y (B, T, d_model): training without a cache (None back); with
     ``cache`` (``init_cache``) T > 1 is a prefill from the start of the sequence, T = 1 one decoding
     step (see ``MultiStateGDN``)."""
+    check_sizes(self, *_MAMBA_SIZES)
     (xs, z, b, c, dt, g), conv = self.ssd_inputs(x, None if cache is None else cache["conv"])
     q, k, v = self.heads(b, c, xs, dt)
     aggregator = _aggregator(self, groups=1, impl=self.impl, name="aggregator", dtype=self.dtype,
@@ -130,8 +154,10 @@ class MultiStateMamba2(Mamba2):
 
   def init_cache(self, batch: int, max_len: int | None = None) -> dict:
     """Empty decoding cache: N segment states (B, H, N, state_dim, head_dim) float32, the
-    aggregator's running moments, the short convolutions' inputs and the length (0)."""
-    del max_len
+    aggregator's running moments, the short convolutions' inputs and the length (0). ``max_len``
+    must be at most segment_len * max_segments (ValueError)."""
+    check_sizes(self, *_MAMBA_SIZES)
+    _check_capacity(self, max_len)
     moments = _aggregator(self, groups=1, parent=None).init_cache(batch)
     return {"state": jnp.zeros((batch, self.num_heads, self.max_segments, self.state_dim,
                                 self.head_dim), jnp.float32),

@@ -6,24 +6,24 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from merlin.chunked import multistate_chunked
 from merlin.scan import multistate_scan
 from merlin.segments import check_segments, visible
+from triadic.ops import check_array, check_log_decay, clamp_log_decay
 
 IMPLS = ("auto", "scan", "chunked")
 
 
 def validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size):
-  """Raise a ValueError naming the argument and what was expected; return (B, T, H, D, V, N)."""
+  """Raise a TypeError / ValueError naming the argument and what was expected; return
+  (B, T, H, D, V, N)."""
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
   for name, x, rank, what in (("q", q, 4, "(B, T, H, D)"), ("k", k, 4, "(B, T, H, D)"),
                               ("v", v, 4, "(B, T, H, V)"), ("g", g, 3, "(B, T, H)"),
                               ("beta", beta, 3, "(B, T, H)"), ("lam", lam, 4, "(B, T, H, N)")):
-    if x.ndim != rank:
-      raise ValueError(f"{name} must have rank {rank} with shape {what}, got shape {x.shape}")
+    check_array(name, x, rank, what)
   b, t, h, d = q.shape
   vdim, n = v.shape[-1], lam.shape[-1]
   for name, x, want, what in (("k", k, (b, t, h, d), "(B, T, H, D)"),
@@ -37,10 +37,7 @@ def validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size):
                                  or segment_len % chunk_size):
     raise ValueError(f"chunk_size must be a positive int dividing segment_len = {segment_len}, "
                      f"got {chunk_size!r}")
-  if not isinstance(g, jax.core.Tracer) and g.size:  # concrete g (NumPy, so also inside a trace)
-    gmax = float(np.max(np.asarray(g)))
-    if gmax > 0:
-      raise ValueError(f"g is a log decay and must be <= 0 everywhere, got max(g) = {gmax}")
+  check_log_decay(g)  # concrete g only (NumPy, so also inside a trace)
   return b, t, h, d, vdim, n
 
 
@@ -55,7 +52,8 @@ def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool
   Args:
     q, k: (B, T, H, D) query and key.
     v: (B, T, H, V) value.
-    g: (B, T, H) log decay, <= 0.
+    g: (B, T, H) log decay, <= 0 (-inf: a reset; the chunked form clamps it as ``triadic_gdn``
+      does; NaN is an error on concrete inputs).
     beta: (B, T, H) write strength (1 for Mamba-2).
     lam: (B, T, H, N) segment weights from an aggregator; entries for i > t // segment_len are
       ignored. N >= ceil(T / segment_len) is required.
@@ -79,6 +77,6 @@ def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool
     o = multistate_scan(q, k, v, g, beta, lam, segment_len=segment_len, scale=scale, erase=erase)
   else:
     chunk_size = chunk_size or math.gcd(segment_len, 64)
-    o = multistate_chunked(q, k, v, g, beta, lam, segment_len=segment_len, scale=scale, erase=erase,
-                           chunk_size=chunk_size)
+    o = multistate_chunked(q, k, v, clamp_log_decay(g), beta, lam, segment_len=segment_len,
+                           scale=scale, erase=erase, chunk_size=chunk_size)
   return o.astype(q.dtype)

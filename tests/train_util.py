@@ -15,3 +15,11 @@ def tiny_config(mixer="gdn", **model):
   c.train.update(num_steps=6, batch_size=8, warmup_steps=1, log_every=1, checkpoint_every=3)
   c.eval.batch_size = 8
   return c
+
+
+def fault_config():
+  """tiny_config with 8 steps and a checkpoint every 2 (the last 3 kept: steps 4, 6, 8): the
+  fault-injection tests kill and corrupt runs of it."""
+  c = tiny_config()
+  c.train.update(num_steps=8, checkpoint_every=2, keep_checkpoints=3, log_every=1)
+  return c

@@ -19,9 +19,13 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from layers.blocks import check_sizes
 from layers.gdn import gdn_cache, gdn_inputs, gdn_output
 from triadic.ops import triadic_gdn, triadic_gdn_step
 from layers.remat import saved_op
+
+
+_SIZES = ("num_heads", "head_dim", "value_dim", "expand_e", "conv_width", "chunk_size")
 
 
 class TriadicGDN(nn.Module):
@@ -50,6 +54,7 @@ class TriadicGDN(nn.Module):
     Pallas) from the cached state (prefill), T = 1 the one-token recurrence (decode). Same
     parameters either way, so a trained checkpoint decodes.
     """
+    check_sizes(self, *_SIZES)
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     (q, k, v, k2, q2, g, beta), conv = gdn_inputs(
         x, self.num_heads, self.head_dim, self.value_dim, self.expand_e, self.conv_width,
@@ -71,5 +76,6 @@ class TriadicGDN(nn.Module):
     """The empty decoding cache: the recurrent state (B, H, E, D, V) float32 (zeros) and, per short
     convolution, its last conv_width - 1 inputs. ``max_len`` is unused (the cost is constant)."""
     del max_len
+    check_sizes(self, *_SIZES)
     return gdn_cache(batch, self.num_heads, self.head_dim, self.value_dim, self.expand_e,
                      self.conv_width, self.dtype)

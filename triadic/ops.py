@@ -10,47 +10,88 @@ from triadic.scan import token_step, triadic_scan
 
 IMPLS = ("auto", "scan", "chunked", "pallas")
 
+# The chunk-parallel forms clamp g from below to this: exp(-30) ~ 1e-13 is far below float32
+# resolution (a state reset, like exp(-inf) = 0 in the scan), and chunk-local cumulative sums of
+# it stay finite, so their differences never become inf - inf = NaN.
+G_FLOOR = -30.0
 
-def _check(name, x, rank, what):
+
+def check_array(name, x, rank, what, *, floating=True):
+  """TypeError unless ``x`` is an array (of a floating dtype); ValueError unless it has ``rank``
+  and no empty axis. ``what`` spells the expected shape, e.g. "(B, T, H, D)"."""
+  if not hasattr(x, "shape") or not hasattr(x, "dtype"):
+    raise TypeError(f"{name} must be an array (jax.Array or numpy.ndarray) of shape {what}, got "
+                    f"{type(x).__name__}")
+  if floating and not jnp.issubdtype(x.dtype, jnp.floating):
+    raise TypeError(f"{name} must have a floating dtype (float32, bfloat16, ...), got {x.dtype}")
   if x.ndim != rank:
     raise ValueError(f"{name} must have rank {rank} with shape {what}, got shape {x.shape}")
+  if 0 in x.shape:
+    raise ValueError(f"{name} must have no empty axis, shape {what}, got shape {x.shape}")
 
 
-def validate(q, k, v, k2, q2, g, beta, initial_state, impl, chunk_size, state_name="initial_state"):
-  """Raise a ValueError naming the argument and the expected shape for any bad input.
+def check_log_decay(g, name="g"):
+  """ValueError for a concrete ``g`` with a NaN or a positive entry (under jit: not checked)."""
+  try:
+    values = np.asarray(g)
+  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
+    return
+  if np.isnan(values).any():
+    raise ValueError(f"{name} is a log decay and must not be NaN ({int(np.isnan(values).sum())} "
+                     f"NaN entries)")
+  gmax = float(np.max(values))
+  if gmax > 0:
+    raise ValueError(f"{name} is a log decay and must be <= 0 everywhere, got max({name}) = {gmax}")
 
-  Returns (B, T, H, D, V, E). Positivity of g is checked only for concrete arrays (not under jit).
+
+def clamp_log_decay(g):
+  """max(g, G_FLOOR): -inf (a reset) becomes a finite decay exp(G_FLOOR) ~ 1e-13; the gradient of
+  a clamped entry is 0, as the scan's is at -inf."""
+  return jnp.maximum(g, jnp.asarray(G_FLOOR, g.dtype))
+
+
+_SHAPES = {"q": "(B, T, H, D)", "k": "(B, T, H, D)", "v": "(B, T, H, V)", "k2": "(B, T, H, E)",
+           "q2": "(B, T, H, E)", "g": "(B, T, H, E)", "beta": "(B, T, H)"}
+
+
+def validate(q, k, v, k2, q2, g, beta, initial_state, impl, chunk_size, state_name="initial_state",
+             step=False):
+  """Raise a TypeError / ValueError naming the argument and the expected dtype or shape for any
+  bad input. ``step``: the inputs of ``triadic_gdn_step``, shapes without T.
+
+  Returns (B, T, H, D, V, E) (T = 1 for a step). NaN and positive g are checked only for concrete
+  arrays (not under jit).
   """
   if impl not in IMPLS:
     raise ValueError(f"impl must be one of {IMPLS}, got {impl!r}")
-  for name, x, rank, what in (
-      ("q", q, 4, "(B, T, H, D)"), ("k", k, 4, "(B, T, H, D)"), ("v", v, 4, "(B, T, H, V)"),
-      ("k2", k2, 4, "(B, T, H, E)"), ("q2", q2, 4, "(B, T, H, E)"), ("g", g, 4, "(B, T, H, E)"),
-      ("beta", beta, 3, "(B, T, H)")):
-    _check(name, x, rank, what)
-  b, t, h, d = q.shape
+  drop_t = lambda what: what.replace("T, ", "") if step else what
+  args = dict(q=q, k=k, v=v, k2=k2, q2=q2, g=g, beta=beta)
+  for name, x in args.items():
+    check_array(name, x, (3 if name == "beta" else 4) - step, drop_t(_SHAPES[name]))
+  if step:
+    b, h, d = q.shape
+    t = 1
+  else:
+    b, t, h, d = q.shape
   vdim = v.shape[-1]
   e = k2.shape[-1]
-  expected = {"k": (b, t, h, d), "v": (b, t, h, vdim), "k2": (b, t, h, e), "q2": (b, t, h, e),
-              "g": (b, t, h, e), "beta": (b, t, h)}
-  names = {"k": "(B, T, H, D)", "v": "(B, T, H, V)", "k2": "(B, T, H, E)", "q2": "(B, T, H, E)",
-           "g": "(B, T, H, E)", "beta": "(B, T, H)"}
-  for name, x in (("k", k), ("v", v), ("k2", k2), ("q2", q2), ("g", g), ("beta", beta)):
-    if x.shape != expected[name]:
+  bt = (b,) if step else (b, t)
+  expected = {"k": bt + (h, d), "v": bt + (h, vdim), "k2": bt + (h, e), "q2": bt + (h, e),
+              "g": bt + (h, e), "beta": bt + (h,)}
+  dims = f"B={b}, H={h}, D={d}" if step else f"B={b}, T={t}, H={h}, D={d}"
+  for name, want in expected.items():
+    if args[name].shape != want:
       raise ValueError(
-          f"{name} must have shape {names[name]} = {expected[name]} to match q {q.shape} "
-          f"(B={b}, T={t}, H={h}, D={d}) and k2 (E={e}), got {x.shape}")
-  if initial_state is not None and initial_state.shape != (b, h, e, d, vdim):
-    raise ValueError(f"{state_name} must have shape (B, H, E, D, V) = {(b, h, e, d, vdim)}, "
-                     f"got {initial_state.shape}")
-  if not isinstance(chunk_size, int) or chunk_size < 1:
+          f"{name} must have shape {drop_t(_SHAPES[name])} = {want} to match q {q.shape} "
+          f"({dims}) and k2 (E={e}), got {args[name].shape}")
+  if initial_state is not None:
+    check_array(state_name, initial_state, 5, "(B, H, E, D, V)")
+    if initial_state.shape != (b, h, e, d, vdim):
+      raise ValueError(f"{state_name} must have shape (B, H, E, D, V) = {(b, h, e, d, vdim)}, "
+                       f"got {initial_state.shape}")
+  if not isinstance(chunk_size, int) or isinstance(chunk_size, bool) or chunk_size < 1:
     raise ValueError(f"chunk_size must be a positive int, got {chunk_size!r}")
-  try:  # concrete g only: under jit the values are not known at trace time
-    gmax = float(np.max(np.asarray(g))) if g.size else 0.0
-  except (jax.errors.ConcretizationTypeError, jax.errors.TracerArrayConversionError):
-    gmax = 0.0
-  if gmax > 0:
-    raise ValueError(f"g is a log decay and must be <= 0 everywhere, got max(g) = {gmax}")
+  check_log_decay(g)
   return b, t, h, d, vdim, e
 
 
@@ -71,7 +112,8 @@ def triadic_gdn(q, k, v, k2, q2, g, beta, *, scale=None, initial_state=None, era
     q, k: (B, T, H, D) query and key.
     v: (B, T, H, V) value.
     k2, q2: (B, T, H, E) second key and query (non-negative in the layer).
-    g: (B, T, H, E) per-slice log decay, <= 0.
+    g: (B, T, H, E) per-slice log decay, <= 0 (-inf: a reset; the chunk-parallel forms clamp g
+      at G_FLOOR, far below float32 resolution; NaN is an error on concrete inputs).
     beta: (B, T, H) write strength in (0, 1).
     scale: output scale, default D ** -0.5.
     initial_state: (B, H, E, D, V) float32, zeros if None.
@@ -92,7 +134,9 @@ def triadic_gdn(q, k, v, k2, q2, g, beta, *, scale=None, initial_state=None, era
   if impl == "scan":
     o, state = triadic_scan(q, k, v, k2, q2, g, beta, scale=scale, initial_state=initial_state,
                             erase=erase)
-  elif impl == "chunked":
+    return o.astype(q.dtype), state
+  g = clamp_log_decay(g)  # -inf (a reset) would make the chunked forms' cumsum differences NaN
+  if impl == "chunked":
     from triadic.chunked import triadic_chunked
     o, state = triadic_chunked(q, k, v, k2, q2, g, beta, scale=scale, initial_state=initial_state,
                                erase=erase, chunk_size=chunk_size)
@@ -110,8 +154,9 @@ def triadic_gdn_step(state, q, k, v, k2, q2, g, beta, *, scale=None, erase=True)
   k2, q2, g (B, H, E); beta (B, H). Returns (o (B, H, V) in q's dtype, new state float32). Running it
   over the tokens after ``triadic_gdn(..., )`` returned ``final_state`` continues that sequence exactly.
   """
-  add_t = lambda x: x[:, None]
-  validate(*map(add_t, (q, k, v, k2, q2, g, beta)), state, "scan", 1, state_name="state")
+  if state is None:
+    raise TypeError("state must be an array of shape (B, H, E, D, V), got None")
+  validate(q, k, v, k2, q2, g, beta, state, "scan", 1, state_name="state", step=True)
   if scale is None:
     scale = q.shape[-1] ** -0.5
   f32 = lambda x: x.astype(jnp.float32)
