@@ -26,7 +26,7 @@ def _torch():
 
 
 def peer_fn(name: str):
-  """The peer's ``chunk_gated_delta_rule`` (q, k, v, g, beta, scale=...) or the reason it is missing."""
+  """(the peer's ``chunk_gated_delta_rule``, None) or (None, why it is missing)."""
   if _torch() is None:
     return None, "torch with CUDA not importable"
   try:
@@ -86,6 +86,5 @@ def time_gdn_peers(q, k, v, g, beta, reps: int, peers=PEERS) -> dict:
       out[name] = (fwd, fb)
     except Exception as err:  # a peer that fails on this shape is reported, not fatal
       out[name] = f"{type(err).__name__}: {err}"[:200]
-    del qt, kt, vt, gt, bt
     torch.cuda.empty_cache()
   return out

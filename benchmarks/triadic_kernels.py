@@ -39,6 +39,10 @@ os.environ.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
+from triadic import xla_flags  # noqa: E402
+
+xla_flags.apply_cpu_workaround()
+
 from benchmarks import peers  # noqa: E402
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
 from testkit import rel_rms as rel  # noqa: E402
@@ -97,7 +101,7 @@ def timeit(fn, args, reps):
 def pallas_config(e, vd, **fields):
   """This device's default kernel config at E (padded to a power of two) and V, with ``fields``
   replaced; a field given as None keeps its default."""
-  cfg = pops.default_config(pops.default_platform(), pops._pow2(e), vd)
+  cfg = pops.default_config(pops.default_platform(), pops.pow2(e), vd)
   return dataclasses.replace(cfg, **{k: x for k, x in fields.items() if x is not None})
 
 
@@ -191,7 +195,7 @@ def stages(t, e_list, reps, variants=False, slices=()):
   parts = []
   for e in e_list:
     q, k, v, k2, q2, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
-    ch = lambda x, dt: pops._chunks(x.astype(dt), nc, c).reshape(b * h, nc, c, -1)
+    ch = lambda x, dt: pops.kernel_layout(x.astype(dt), nc, c).reshape(b * h, nc, c, -1)
     q, k, v, do = (ch(x, jnp.bfloat16) for x in (q, k, v, v))
     k2, q2, g, beta = (ch(x, jnp.float32) for x in (k2, q2, g, beta))
     rows = lambda x: jnp.swapaxes(x, -1, -2)
@@ -212,16 +216,17 @@ def stages(t, e_list, reps, variants=False, slices=()):
     for cfg in configs:
       pre = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))
       prep_args = (q, k, k2, q2, g, beta)
-      gcc, gcr, a, p = pre(*prep_args)
-      state_fwd, state_bwd = pops._state_kernels(cfg, q, v, k2)
+      gc_col, gc_row, a, p = pre(*prep_args)
+      state_fwd, state_bwd = pops.state_pass_kernels(cfg, q, v, k2)
       fwd = jax.jit(functools.partial(state_fwd, scale=0.1, erase=True))
-      fwd_args = (q, k, v, k2, q2, gcc, beta, a, p, h0)
+      fwd_args = (q, k, v, k2, q2, gc_col, beta, a, p, h0)
       o, u, st, ht = fwd(*fwd_args)
       bst = jax.jit(functools.partial(state_bwd, scale=0.1, erase=True))
-      bst_args = (q, k, do, k2, q2, gcc, beta, a, p, h0)
+      bst_args = (q, k, do, k2, q2, gc_col, beta, a, p, h0)
       du, dst, _ = bst(*bst_args)
-      cbw = jax.jit(functools.partial(pops._chunk_backward(cfg, q, v, k2), scale=0.1, erase=True))
-      cbw_args = (q, k, v, do, u, du, st, dst, k2, rows(k2), q2, gcc, gcr, beta, a)
+      cbw = jax.jit(functools.partial(pops.chunk_backward_kernel(cfg, q, v, k2), scale=0.1,
+                                      erase=True))
+      cbw_args = (q, k, v, do, u, du, st, dst, k2, rows(k2), q2, gc_col, gc_row, beta, a)
       ms = [timeit(f, xs, reps) for f, xs in ((pre, prep_args), (fwd, fwd_args),
                                               (bst, bst_args), (cbw, cbw_args))]
       label = (f"bv{cfg.block_v} w{cfg.num_warps} s{cfg.num_stages} "
@@ -248,42 +253,43 @@ def stages(t, e_list, reps, variants=False, slices=()):
 
 
 def mosaic_backward_parts(cbw_args, reps, value_slices=None):
-  """Table cells: the times of the parts of ``mosaic_backward.chunk_backward`` (erase=True,
+  """Table cells: the times of the parts of ``mosaic_backward.chunk_gradients`` (erase=True,
   scale 0.1)."""
   from triadic.pallas import masks
   from triadic.pallas import mosaic_backward as mb
-  q, k, v, do, u, du, st, dst, k2c, k2r, q2c, gcc, gcr, beta_c, a = cbw_args
+  q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args
   bh, nc, c, d = q.shape
-  e_dim = k2c.shape[-1]
+  e_dim = k2_col.shape[-1]
   size = value_slices or mb.default_value_slices(d, v.shape[-1], c, e_dim)
   bv = mb.default_block_v(d, v.shape[-1], c, size)
   n_stages = mb.default_stages(d, v.shape[-1], c, size, bv)
-  pro = jax.jit(lambda a, du, gcc, k2c, q2c, beta_c: (
-      mb._drhs(a, du, True), mb._factor_rows(gcc, k2c, q2c, beta_c)))
-  drhs, _ = pro(a, du, gcc, k2c, q2c, beta_c)
+  pro = jax.jit(lambda a, du, gc_col, k2_col, q2_col, beta_col: (
+      mb.rhs_gradient(a, du, True), mb.factor_rows(gc_col, k2_col, q2_col, beta_col)))
+  drhs, _ = pro(a, du, gc_col, k2_col, q2_col, beta_col)
 
-  def value(q, k, v, do, u, drhs, st, dst, gcc, k2c, q2c, beta_c):
+  def value(q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
     outs = []
     for e0 in range(0, e_dim, size):
       grp = slice(e0, e0 + size)
-      f = mb._factor_rows(gcc[..., grp], k2c[..., grp], q2c[..., grp], beta_c)
+      f = mb.factor_rows(gc_col[..., grp], k2_col[..., grp], q2_col[..., grp], beta_col)
       outs.append(mb.value_pass(q, k, v, do, u, drhs, st, dst, f, scale=0.1, erase=True,
                                 block_v=bv, e_offset=e0))
     return outs
 
   val = jax.jit(value)
-  val_args = (q, k, v, do, u, drhs, st, dst, gcc, k2c, q2c, beta_c)
+  val_args = (q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)
   x, dqp, dkp, coef, _ = val(*val_args)[0]
   msk = jax.jit(functools.partial(masks.decay_masks, erase=True))
-  msk_args = (k2c, k2r, q2c, gcc, gcr)
+  msk_args = (k2_col, k2_row, q2_col, gc_col, gc_row)
   m, mq = msk(*msk_args)
-  tk = jax.jit(functools.partial(mb._tail_ut, scale=0.1, erase=True, cfg=mb.tail_config(False)))
-  tk_args = (q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_c, a)
+  tk = jax.jit(functools.partial(mb.tail_kernel, scale=0.1, erase=True, cfg=mb.tail_config(False)))
+  tk_args = (q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a)
   _, _, _, dmq, dm = tk(*tk_args)
-  cols = coef[..., :e_dim] if size == e_dim else jnp.zeros_like(k2c)
+  cols = coef[..., :e_dim] if size == e_dim else jnp.zeros_like(k2_col)
   mg = jax.jit(functools.partial(masks.mask_grads, erase=True))
-  mg_args = (dmq, dm, cols, cols, cols, jnp.zeros_like(k2c[..., 0, :]), k2c, k2r, q2c, gcc, gcr)
-  times = [timeit(fn, xs, reps) for fn, xs in ((pro, (a, du, gcc, k2c, q2c, beta_c)),
+  mg_args = (dmq, dm, cols, cols, cols, jnp.zeros_like(k2_col[..., 0, :]), k2_col, k2_row, q2_col,
+             gc_col, gc_row)
+  times = [timeit(fn, xs, reps) for fn, xs in ((pro, (a, du, gc_col, k2_col, q2_col, beta_col)),
                                                (val, val_args), (msk, msk_args), (tk, tk_args),
                                                (mg, mg_args))]
   return [f"{e_dim // size} x {size} slices, bv{bv} {n_stages} st"] + [f"{x:.2f}" for x in times]
@@ -352,7 +358,8 @@ def op_table(args):
           " | cudnn f+b | best peer fwd | best peer f+b | fwd vs peer | f+b vs peer"
           " | pallas TFLOP/s fwd / f+b")
   for e in args.e:
-    print("\n".join("# " + line for line in str(pops.explain(d, vd, e, 64, jnp.bfloat16)).splitlines()))
+    print("\n".join("# " + line for line in str(pops.explain(d, vd, e, 64,
+                                                             jnp.bfloat16)).splitlines()))
   print("| " + cols + " |")
   print("|" + "---|" * (cols.count("|") + 1))
   for t in args.t:

@@ -1,5 +1,6 @@
-"""Mosaic GPU (Hopper) state-passing kernels (``triadic.pallas.mosaic``) against the Triton-structured
-``recurrent.forward`` / ``recurrent.backward`` run in Pallas interpret mode.
+"""Mosaic GPU (Hopper) state-passing kernels (``triadic.pallas.mosaic``) against the
+Triton-structured ``recurrent.state_pass`` / ``recurrent.reverse_state_pass`` run in Pallas
+interpret mode.
 
 The Mosaic GPU kernels run under Mosaic GPU interpret mode on this CPU (simulated SMEM, TMA copies,
 barriers, wgmma). Inputs are built as ``ops._forward`` builds them: chunked bf16 q, k, v, float32
@@ -24,7 +25,7 @@ from testkit import rel_rms
 from triadic.pallas import mosaic, recurrent
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import Config
-from triadic.pallas.ops import _chunks
+from triadic.pallas.ops import kernel_layout
 
 BOUND = 1e-2
 SCALE = 0.125
@@ -34,17 +35,17 @@ pytestmark = pytest.mark.skipif(not mosaic.interpret_available(),
 
 
 def build(b, t, h, d, vdim, e, c, erase, seed=0):
-  """Kernel operands as ops._forward makes them: (q, k, v, k2, q2, gcc, beta, A, P, h0), do, dht
+  """Kernel operands as ops._forward makes them: (q, k, v, k2, q2, gc_col, beta, A, P, h0), do, dht
   (do in q's dtype, as ops._backward passes it)."""
   args, do, ds = make_grad_inputs(seed, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.bfloat16)
   nc = -(-t // c)
   merge = lambda x: x.reshape(b * h, *x.shape[2:])
-  q, k, v = (merge(_chunks(x, nc, c)) for x in args[:3])
-  k2, q2, g, beta = (merge(_chunks(x.astype(jnp.float32), nc, c)) for x in args[3:7])
+  q, k, v = (merge(kernel_layout(x, nc, c)) for x in args[:3])
+  k2, q2, g, beta = (merge(kernel_layout(x.astype(jnp.float32), nc, c)) for x in args[3:7])
   h0, dht = merge(args[7]), merge(ds)
-  do = merge(_chunks(do, nc, c)).astype(q.dtype)
-  gcc, _, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=CPU)
-  return (q, k, v, k2, q2, gcc, beta, a, p, h0), do, dht
+  do = merge(kernel_layout(do, nc, c)).astype(q.dtype)
+  gc_col, _, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=CPU)
+  return (q, k, v, k2, q2, gc_col, beta, a, p, h0), do, dht
 
 
 CPU = Config("cpu", block_v=16, bwd_block_v=16)
@@ -65,14 +66,15 @@ def test_forward_and_backward_match_recurrent(b, t, h, vdim, e, bv, erase):
   fargs, do, dht = build(b, t, h, d, vdim, e, c, erase)
   assert fargs[0].shape[1] >= 3 and fargs[0].shape[0] >= 2
   kw = dict(scale=SCALE, erase=erase)
-  got = jax.jit(functools.partial(mosaic.forward, block_v=bv, interpret=True, **kw))(*fargs)
-  want = recurrent.forward(*fargs, cfg=CPU, **kw)
+  got = jax.jit(functools.partial(mosaic.state_pass, block_v=bv, interpret=True, **kw))(*fargs)
+  want = recurrent.state_pass(*fargs, cfg=CPU, **kw)
   for name, x, y in zip(("o", "U", "states", "final state"), got, want):
     assert x.shape == y.shape and x.dtype == y.dtype, name
     assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  got = jax.jit(functools.partial(mosaic.backward, block_v=bv, interpret=True, **kw))(*bargs)
-  want = recurrent.backward(*bargs, cfg=CPU, **kw)
+  got = jax.jit(functools.partial(mosaic.reverse_state_pass, block_v=bv, interpret=True,
+                                  **kw))(*bargs)
+  want = recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw)
   for name, x, y in zip(("dU", "dstates", "dh0"), got, want):
     assert x.shape == y.shape and x.dtype == y.dtype, name
     assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
@@ -88,11 +90,11 @@ def test_kernels_lower_for_cuda(d, vdim, e, erase):
   f32 = functools.partial(spec, dt=jnp.float32)
   common = [f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, 1),
             f32(bh, nc, c, c), f32(bh, nc, c, c)]
-  fwd = jax.jit(functools.partial(mosaic.forward, scale=SCALE, erase=erase))
+  fwd = jax.jit(functools.partial(mosaic.state_pass, scale=SCALE, erase=erase))
   text = fwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
                    f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_forward_mgpu" in text
-  bwd = jax.jit(functools.partial(mosaic.backward, scale=SCALE, erase=erase))
+  bwd = jax.jit(functools.partial(mosaic.reverse_state_pass, scale=SCALE, erase=erase))
   text = bwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
                    f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_backward_states_mgpu" in text
@@ -107,5 +109,5 @@ def test_supported():
   assert mosaic.supported(64, 48, 64, 1, jnp.bfloat16) is not None
   with pytest.raises(ValueError, match="bfloat16"):
     x = jnp.zeros((1, 1, 64, 64), jnp.float32)
-    mosaic.forward(x, x, x, *(jnp.zeros((1, 1, 64, 1)),) * 4, jnp.zeros((1, 1, 64, 64)),
+    mosaic.state_pass(x, x, x, *(jnp.zeros((1, 1, 64, 1)),) * 4, jnp.zeros((1, 1, 64, 64)),
                    jnp.zeros((1, 1, 64, 64)), jnp.zeros((1, 1, 64, 64)), scale=1.0, erase=True)

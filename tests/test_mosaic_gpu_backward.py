@@ -1,11 +1,11 @@
 """Mosaic GPU chunk-parallel backward (``triadic.pallas.mosaic_backward``) against the Triton
-structured ``backward.chunk_backward``, both in interpret mode on this CPU.
+structured ``backward.chunk_gradients``, both in interpret mode on this CPU.
 
 Inputs are built as ``ops._backward`` sees them: chunked bf16 q, k, v, do, float32 k2, q2, beta,
-``chunk_prep`` for gc, A, P, then ``recurrent.forward`` / ``recurrent.backward`` (Pallas interpret
-mode) for realistic U, chunk-start states, dU and chunk-end state gradients. The Mosaic value
-kernel runs in Mosaic GPU interpret mode (simulated SMEM, TMA, barriers, wgmma), the tail kernel
-in Pallas interpret mode and the mask work (``masks.py``) in plain JAX.
+``chunk_prep`` for gc, A, P, then ``recurrent.state_pass`` / ``recurrent.reverse_state_pass``
+(Pallas interpret mode) for realistic U, chunk-start states, dU and chunk-end state gradients.
+The Mosaic value kernel runs in Mosaic GPU interpret mode (simulated SMEM, TMA, barriers, wgmma),
+the tail kernel in Pallas interpret mode and the mask work (``masks.py``) in plain JAX.
 Error bound (relative RMS, ||a - b|| / ||b||): 1e-2 for every output, 2e-2 for dk2 and dgc's
 column parts (they collect the row sums, which the two kernels form from differently rounded bf16
 products: rowsum((K S_e) * dX) here, rowsum(K * (dX S_e^T)) in Triton).
@@ -32,32 +32,32 @@ from triadic.pallas import backward, mosaic, mosaic_backward, recurrent
 from triadic.pallas import ops as pops
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import Config
-from triadic.pallas.ops import _chunks
+from triadic.pallas.ops import kernel_layout
 
 SCALE = 0.125
 CPU = Config("cpu", block_v=16, bwd_block_v=16)
-NAMES = ("dq", "dk", "dv", "dk2c", "dk2r", "dq2c", "dgcc", "dgcr", "dbeta")
-BOUNDS = dict.fromkeys(NAMES, 1e-2) | {"dk2c": 2e-2, "dgcc": 2e-2}
+NAMES = ("dq", "dk", "dv", "dk2_col", "dk2_row", "dq2_col", "dgc_col", "dgc_row", "dbeta")
+BOUNDS = dict.fromkeys(NAMES, 1e-2) | {"dk2_col": 2e-2, "dgc_col": 2e-2}
 
 pytestmark = pytest.mark.skipif(not mosaic.interpret_available(),
                                 reason="Mosaic GPU interpret mode unavailable in this JAX")
 
 
 def backward_operands(b, t, h, d, vdim, e, erase, decay, c=64, seed=0):
-  """``chunk_backward``'s operands as ``ops._backward`` passes them."""
+  """``chunk_gradients``'s operands as ``ops._backward`` passes them."""
   args, do, ds = make_grad_inputs(seed, b, t, h, d, vdim, e, decay=decay, dtype=jnp.bfloat16)
   nc = -(-t // c)
   merge = lambda x: x.reshape(b * h, *x.shape[2:])
   rows = lambda x: jnp.swapaxes(x, -1, -2)
-  q, k, v = (merge(_chunks(x, nc, c)) for x in args[:3])
-  k2, q2, g, beta = (merge(_chunks(x.astype(jnp.float32), nc, c)) for x in args[3:7])
+  q, k, v = (merge(kernel_layout(x, nc, c)) for x in args[:3])
+  k2, q2, g, beta = (merge(kernel_layout(x.astype(jnp.float32), nc, c)) for x in args[3:7])
   h0, dht = merge(args[7]), merge(ds)
-  do = merge(_chunks(do, nc, c)).astype(q.dtype)
-  gcc, gcr, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=CPU)
+  do = merge(kernel_layout(do, nc, c)).astype(q.dtype)
+  gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=CPU)
   kw = dict(scale=SCALE, erase=erase, cfg=CPU)
-  _, u, states, _ = recurrent.forward(q, k, v, k2, q2, gcc, beta, a, p, h0, **kw)
-  du, dstates, _ = recurrent.backward(q, k, do, k2, q2, gcc, beta, a, p, dht, **kw)
-  return (q, k, v, do, u, du, states, dstates, k2, rows(k2), q2, gcc, gcr, beta, a)
+  _, u, states, _ = recurrent.state_pass(q, k, v, k2, q2, gc_col, beta, a, p, h0, **kw)
+  du, dstates, _ = recurrent.reverse_state_pass(q, k, do, k2, q2, gc_col, beta, a, p, dht, **kw)
+  return (q, k, v, do, u, du, states, dstates, k2, rows(k2), q2, gc_col, gc_row, beta, a)
 
 
 CASES = [
@@ -86,8 +86,8 @@ CASES = [
 def test_matches_triton_structure(b, t, h, vdim, e, bv, erase, decay, stages, slices, d):
   args = backward_operands(b, t, h, d, vdim, e, erase, decay)
   assert args[0].shape[0] >= 2 and args[0].shape[1] >= 3
-  want = backward.chunk_backward(*args, scale=SCALE, erase=erase, cfg=CPU)
-  got = jax.jit(functools.partial(mosaic_backward.chunk_backward, scale=SCALE, erase=erase,
+  want = backward.chunk_gradients(*args, scale=SCALE, erase=erase, cfg=CPU)
+  got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
                                   block_v=bv, stages=stages, value_slices=slices,
                                   interpret=True))(*args)
   check_outputs(got, want, BOUNDS)
@@ -105,7 +105,7 @@ def check_outputs(got, want, bounds, names=NAMES):
 
 
 def _abstract_operands(d, vdim, e, bh=2, nc=4, c=64):
-  """Shapes and dtypes of ``chunk_backward``'s operands, for the lowering tests."""
+  """Shapes and dtypes of ``chunk_gradients``'s operands, for the lowering tests."""
   bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
   f32 = lambda *s: jax.ShapeDtypeStruct(s, jnp.float32)
   return (bf(bh, nc, c, d), bf(bh, nc, c, d), bf(bh, nc, c, vdim), bf(bh, nc, c, vdim),
@@ -126,7 +126,7 @@ def test_lowers_for_cuda(d, vdim, e, erase, bv, stages, slices):
   """The Mosaic GPU kernel (with the hardware's transpose_ref operands) and the Triton tail lower
   for "cuda" (which checks the SMEM allocation against 227 KiB); nothing runs."""
   args = _abstract_operands(d, vdim, e)
-  fn = jax.jit(functools.partial(mosaic_backward.chunk_backward, scale=SCALE, erase=erase,
+  fn = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
                                  block_v=bv, stages=stages, value_slices=slices))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   passes = e // (slices or mosaic_backward.default_value_slices(d, vdim, 64, e))
@@ -166,7 +166,7 @@ def test_supported():
   assert "multiple" in sup(64, 40, 64, 1, jnp.bfloat16, block_v=16)
   with pytest.raises(ValueError, match="bfloat16"):
     x = jnp.zeros((1, 1, 64, 64), jnp.float32)
-    mosaic_backward.chunk_backward(x, x, x, x, x, x, jnp.zeros((1, 1, 1, 64, 64)),
+    mosaic_backward.chunk_gradients(x, x, x, x, x, x, jnp.zeros((1, 1, 1, 64, 64)),
                                    jnp.zeros((1, 1, 1, 64, 64)), *(jnp.zeros((1, 1, 64, 1)),) * 5,
                                    jnp.zeros((1, 1, 64, 1)), x, scale=1.0, erase=True)
 
@@ -179,8 +179,8 @@ def test_hopper_op_matches_scan():
                value_slices=2)
   q, v, k2 = (jnp.zeros((1, 1, 64, n), dt) for n, dt in ((64, jnp.bfloat16), (32, jnp.bfloat16),
                                                          (4, jnp.float32)))
-  fn = pops._chunk_backward(cfg, q, v, k2)
-  assert fn.func is mosaic_backward.chunk_backward and fn.keywords["value_slices"] == 2
+  fn = pops.chunk_backward_kernel(cfg, q, v, k2)
+  assert fn.func is mosaic_backward.chunk_gradients and fn.keywords["value_slices"] == 2
   check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 1.0, jnp.bfloat16, config=cfg)
 
 

@@ -41,7 +41,7 @@ from triadic.pallas import ops as pops
 from triadic.pallas import recurrent
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import Config
-from triadic.pallas.ops import _chunks, triadic_pallas
+from triadic.pallas.ops import kernel_layout, triadic_pallas
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -89,16 +89,18 @@ def test_tpu_structure_under_tpu_interpret_mode():
   nc = -(-t // c)
   args, do, ds = make_grad_inputs(2, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.float32)
   merge = lambda x: x.reshape(b * h, *x.shape[2:])
-  q, k, v, k2, q2, g, beta = (merge(_chunks(x, nc, c)) for x in args[:7])
-  h0, dht, do = merge(args[7]), merge(ds), merge(_chunks(do, nc, c))
+  q, k, v, k2, q2, g, beta = (merge(kernel_layout(x, nc, c)) for x in args[:7])
+  h0, dht, do = merge(args[7]), merge(ds), merge(kernel_layout(do, nc, c))
   loop = Config("cpu", block_v=16, bwd_block_v=16)
   cum_log_decay, _, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=True, cfg=loop)
   kernel_args = (q, k, v, k2, q2, cum_log_decay, beta, a, p)
   grid = tpu_interpreted(interpret=pltpu.InterpretParams(random_seed=0, num_cores_or_threads=2))
-  want = (recurrent.forward(*kernel_args, h0, scale=0.25, erase=True, cfg=loop)
-          + recurrent.backward(q, k, do, *kernel_args[3:], dht, scale=0.25, erase=True, cfg=loop))
-  got = (recurrent.forward(*kernel_args, h0, scale=0.25, erase=True, cfg=grid)
-         + recurrent.backward(q, k, do, *kernel_args[3:], dht, scale=0.25, erase=True, cfg=grid))
+  want = (recurrent.state_pass(*kernel_args, h0, scale=0.25, erase=True, cfg=loop)
+          + recurrent.reverse_state_pass(q, k, do, *kernel_args[3:], dht, scale=0.25, erase=True,
+                                         cfg=loop))
+  got = (recurrent.state_pass(*kernel_args, h0, scale=0.25, erase=True, cfg=grid)
+         + recurrent.reverse_state_pass(q, k, do, *kernel_args[3:], dht, scale=0.25, erase=True,
+                                        cfg=grid))
   names = ("o", "U", "states", "final state", "dU", "dstates", "dh0")
   for name, x, y in zip(names, got, want):
     assert x.shape == y.shape and x.dtype == y.dtype, name
@@ -122,8 +124,9 @@ def test_mosaic_gpu_kernels_match_scan(b, t, h, d, vdim, e, erase, decay, chunk_
   cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=chunk_bwd)
   q, v, k2 = (jnp.zeros((1, 1, 64, n), dt) for n, dt in ((d, jnp.bfloat16), (vdim, jnp.bfloat16),
                                                          (4, jnp.float32)))
-  assert pops._state_kernels(cfg, q, v, k2)[0].func is mosaic.forward
-  assert (pops._chunk_backward(cfg, q, v, k2).func is mosaic_backward.chunk_backward) == chunk_bwd
+  assert pops.state_pass_kernels(cfg, q, v, k2)[0].func is mosaic.state_pass
+  assert (pops.chunk_backward_kernel(cfg, q, v,
+                                     k2).func is mosaic_backward.chunk_gradients) == chunk_bwd
   check_against_scan(b, t, h, d, vdim, e, 64, erase, decay, jnp.bfloat16, config=cfg)
 
 

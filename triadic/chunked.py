@@ -27,7 +27,6 @@ Memory: `jax.lax.scan` over chunks with a rematerialised body keeps only the chu
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

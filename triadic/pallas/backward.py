@@ -1,9 +1,9 @@
 """The chunk-parallel backward kernel: every input gradient of a chunk, given both state passes.
 
 One program per (batch*head, chunk). From the forward it reads the chunk-start states S_e, U and A;
-from ``recurrent.backward`` the chunk-end state gradients dS_e and dU. It recomputes M, M', K K^T
-and Q K^T (C x C, cheap) instead of storing them. With c_e = k2_e a_e, X = V - sum_e diag(c_e) K S_e
-(so rhs = beta X and U = A rhs), the chain rule per chunk is:
+from ``recurrent.reverse_state_pass`` the chunk-end state gradients dS_e and dU. It recomputes M,
+M', K K^T and Q K^T (C x C, cheap) instead of storing them. With c_e = k2_e a_e,
+X = V - sum_e diag(c_e) K S_e (so rhs = beta X and U = A rhs), the chain rule per chunk is:
 
   drhs = A^T dU,  dV = beta drhs,  dbeta += rowsum(drhs X),  dA = dU rhs^T,  dP = scale dO U^T
   per e:  d(c_e K) = -dV S_e^T      d(q2_e a_e Q) = scale dO S_e^T
@@ -28,24 +28,25 @@ from triadic.pallas.common import (F32, call, col, colsum, decay_mask, last, mas
                                    rowsum, total)
 
 
-def decays(gcc, e_dim, c):
+def decays(gc_col, e_dim, c):
   """Per slice e: a_e = exp(gc_e) (C, 1), the chunk-end gc_Ce (1, 1), b_e = exp(gc_Ce - gc_e)."""
-  a = [jnp.exp(col(gcc, e)) for e in range(e_dim)]
-  gl = [last(gcc, e, c) for e in range(e_dim)]
-  b = [jnp.exp(gl[e] - col(gcc, e)) for e in range(e_dim)]
+  a = [jnp.exp(col(gc_col, e)) for e in range(e_dim)]
+  gl = [last(gc_col, e, c) for e in range(e_dim)]
+  b = [jnp.exp(gl[e] - col(gc_col, e)) for e in range(e_dim)]
   return a, gl, b
 
 
 def _chunk_backward_kernel(q_ref, k_ref, v_ref, do_ref, u_ref, du_ref, s_ref, ds_ref,
-                           k2c, k2r, q2c, gcc, gcr, beta_ref, a_ref,
-                           dq_ref, dk_ref, dv_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref,
-                           dgcr_ref, dbeta_ref, *, c, e_dim, vd, bv, scale, erase, dtype,
-                           precision):
-  outs = (dq_ref, dk_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref, dgcr_ref, dbeta_ref)
+                           k2_col, k2_row, q2_col, gc_col, gc_row, beta_ref, a_ref,
+                           dq_ref, dk_ref, dv_ref, dk2_col_ref, dk2_row_ref, dq2_col_ref,
+                           dgc_col_ref, dgc_row_ref, dbeta_ref, *, c, e_dim, vd, bv, scale, erase,
+                           dtype, precision):
+  outs = (dq_ref, dk_ref, dk2_col_ref, dk2_row_ref, dq2_col_ref, dgc_col_ref, dgc_row_ref,
+          dbeta_ref)
   q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
   beta = beta_ref[...].astype(F32)
   amat = a_ref[...]
-  a, _, b = decays(gcc, e_dim, c)
+  a, _, b = decays(gc_col, e_dim, c)
   z_col = jnp.zeros((c, 1), F32)
 
   def vblock(cols, carry):
@@ -61,15 +62,15 @@ def _chunk_backward_kernel(q_ref, k_ref, v_ref, do_ref, u_ref, du_ref, s_ref, ds
       s = s_ref[e, :, cols].astype(F32)
       ds = ds_ref[e, :, cols].astype(F32)
       if erase:
-        x = x - mm(col(k2c, e) * a[e] * k, s, dtype)
+        x = x - mm(col(k2_col, e) * a[e] * k, s, dtype)
         g1 = mm(dx, s, dtype, tb=True)
-        dk = dk - (col(k2c, e) * a[e]) * g1
+        dk = dk - (col(k2_col, e) * a[e]) * g1
         dcoef[e] = dcoef[e] - rowsum(k * g1)
       g2 = mm(do, s, dtype, tb=True)
-      dq = dq + scale * (col(q2c, e) * a[e]) * g2
+      dq = dq + scale * (col(q2_col, e) * a[e]) * g2
       dqcoef[e] = dqcoef[e] + scale * rowsum(q * g2)
       g3 = mm(u, ds, dtype, tb=True)
-      dk = dk + (col(k2c, e) * b[e]) * g3
+      dk = dk + (col(k2_col, e) * b[e]) * g3
       dkcoef[e] = dkcoef[e] + rowsum(k * g3)
       dlam[e] = dlam[e] + total(ds * s)
     dbeta = dbeta + rowsum(drhs * x)
@@ -88,8 +89,8 @@ def _chunk_backward_kernel(q_ref, k_ref, v_ref, do_ref, u_ref, du_ref, s_ref, ds
   dq, dk, da, dp, dbeta, dcoef, dqcoef, dkcoef, dlam = carry
 
   chunk_local(q, k, dq, dk, dp, da if erase else None, dbeta, dcoef, dqcoef, dkcoef, dlam,
-              k2c, k2r, q2c, gcc, gcr, beta, amat, outs, c=c, e_dim=e_dim, erase=erase,
-              dtype=dtype, precision=precision)
+              k2_col, k2_row, q2_col, gc_col, gc_row, beta, amat, outs, c=c, e_dim=e_dim,
+              erase=erase, dtype=dtype, precision=precision)
 
 
 def ut_before(q, k, dp, da, beta, amat, *, c, erase, dtype, precision):
@@ -123,8 +124,9 @@ def ut_after(q, k, dq, dk, dbeta, dp, dl, dlkk, mq, m, beta, *, erase, dtype):
   return dq, dk, dbeta
 
 
-def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc,
-                gcr, beta, amat, outs, *, c, e_dim, erase, dtype, precision):
+def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
+                gc_col,
+                gc_row, beta, amat, outs, *, c, e_dim, erase, dtype, precision):
   """The chunk-local part of the backward, after the value axis: the masks M, M' and the UT
   transform, then the outputs. Takes the value-contracted partials (dq, dk (C, D); dp, da (C, C),
   da None without erase; dbeta (C, 1); per slice e the row coefficients dcoef, dqcoef, dkcoef
@@ -137,8 +139,8 @@ def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2c, k
   then what needs the whole M and M' (``ut_after``). So one C x C decay mask is live at a time
   instead of E of them (register pressure).
   """
-  dq_ref, dk_ref, dk2c_ref, dk2r_ref, dq2c_ref, dgcc_ref, dgcr_ref, dbeta_ref = outs
-  a, gl, b = decays(gcc, e_dim, c)
+  dq_ref, dk_ref, dk2_col_ref, dk2_row_ref, dq2_col_ref, dgc_col_ref, dgc_row_ref, dbeta_ref = outs
+  a, gl, b = decays(gc_col, e_dim, c)
   causal, _, _, _ = masks(c)
   is_last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
   dp, dmq, dl, dlkk, dm = ut_before(q, k, dp, da, beta, amat, c=c, erase=erase, dtype=dtype,
@@ -146,8 +148,8 @@ def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2c, k
   mq = jnp.zeros((c, c), F32)
   m = jnp.zeros((c, c), F32)
   for e in range(e_dim):
-    k2t, k2s, q2t = col(k2c, e), row(k2r, e), col(q2c, e)
-    dec = decay_mask(col(gcc, e), row(gcr, e), causal)
+    k2t, k2s, q2t = col(k2_col, e), row(k2_row, e), col(q2_col, e)
+    dec = decay_mask(col(gc_col, e), row(gc_row, e), causal)
     mq = mq + q2t * k2s * dec
     wq = dmq * dec                         # d M'_ts / d(q2_t k2_s), times dM'
     dq2 = rowsum(wq * k2s) + dqcoef[e] * a[e]
@@ -165,11 +167,11 @@ def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2c, k
       dg_col = dg_col + dcoef[e] * k2t * a[e]
     dgl = total(dkcoef[e] * k2t * b[e]) + dlam[e] * jnp.exp(gl[e])
     dg_col = dg_col + jnp.where(is_last, dgl, 0.0)
-    dq2c_ref[:, pl.ds(e, 1)] = dq2
-    dk2c_ref[:, pl.ds(e, 1)] = dk2_col
-    dk2r_ref[pl.ds(e, 1), :] = dk2_row
-    dgcc_ref[:, pl.ds(e, 1)] = dg_col
-    dgcr_ref[pl.ds(e, 1), :] = -colsum(dgm)
+    dq2_col_ref[:, pl.ds(e, 1)] = dq2
+    dk2_col_ref[:, pl.ds(e, 1)] = dk2_col
+    dk2_row_ref[pl.ds(e, 1), :] = dk2_row
+    dgc_col_ref[:, pl.ds(e, 1)] = dg_col
+    dgc_row_ref[pl.ds(e, 1), :] = -colsum(dgm)
 
   dq, dk, dbeta = ut_after(q, k, dq, dk, dbeta, dp, dl, dlkk, mq, m, beta, erase=erase,
                            dtype=dtype)
@@ -178,7 +180,8 @@ def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2c, k
   dbeta_ref[...] = dbeta
 
 
-def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,
+def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
+                    beta_col, a, *,
                    scale, erase, cfg):
   """Run the chunk-parallel backward. Layout (BH, NC, ...) as the forward kernels.
 
@@ -186,7 +189,7 @@ def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr,
   dq2 (C,E), d gc column and row parts, dbeta (C,1).
   """
   bh, nc, c, d = q.shape
-  vd, e_dim = v.shape[-1], k2c.shape[-1]
+  vd, e_dim = v.shape[-1], k2_col.shape[-1]
   bv = min(cfg.bwd_block_v, vd)
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
   shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
@@ -203,4 +206,4 @@ def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr,
                  shape(c, e_dim), shape(c, e_dim), shape(e_dim, c), shape(c, 1)],
       semantics=("parallel", "parallel"), name="triadic_chunk_backward",
       num_warps=cfg.bwd_num_warps,
-  )(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr, beta_c, a)
+  )(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a)

@@ -1,7 +1,7 @@
 """The per-chunk forward preparation: cumulative decay, the masks M and M', the UT transform A.
 
-Computed once per chunk and shared by every value block of the state-passing kernels (SPEC
-section 1, "The chunked form"):
+Computed once per chunk and shared by every value block of the state-passing kernels
+(docs/spec.md, the triadic op's chunked form):
 
   gc_te = sum_{s <= t} g_se                      chunk-local, <= 0 (``masks.chunk_cumsum``)
   M_ts  = sum_e k2_te k2_se exp(gc_te - gc_se)   s <= t (``masks.decay_masks``, plain JAX)
@@ -43,15 +43,16 @@ def _prep_kernel(q_ref, k_ref, beta_ref, mq_ref, *rest, c, erase, dtype):
     lower_ref[...] = jnp.zeros((c, c), F32)
 
 
-def chunk_prep(q, k, k2c, q2c, g_c, beta_c, *, erase, cfg):
+def chunk_prep(q, k, k2_col, q2_col, g_c, beta_col, *, erase, cfg):
   """gc, its transpose, A and P for every chunk. Inputs in the kernels' (BH, NC, C, X) layout.
 
   Returns gc (BH, NC, C, E), gc transposed (BH, NC, E, C), A and P (BH, NC, C, C), float32.
   """
   bh, nc, c, d = q.shape
-  gcc = masks.chunk_cumsum(g_c)
-  gcr = jnp.swapaxes(gcc, -1, -2)
-  m, mq = masks.decay_masks(k2c, jnp.swapaxes(k2c, -1, -2).astype(F32), q2c, gcc, gcr,
+  gc_col = masks.chunk_cumsum(g_c)
+  gc_row = jnp.swapaxes(gc_col, -1, -2)
+  m, mq = masks.decay_masks(k2_col, jnp.swapaxes(k2_col, -1, -2).astype(F32), q2_col, gc_col,
+                            gc_row,
                             erase=erase)
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))
   kernel = functools.partial(_prep_kernel, c=c, erase=erase, dtype=q.dtype)
@@ -62,5 +63,5 @@ def chunk_prep(q, k, k2c, q2c, g_c, beta_c, *, erase, cfg):
       in_specs=[spec(c, d), spec(c, d), spec(c, 1)] + [spec(c, c)] * len(mats),
       out_specs=[spec(c, c), spec(c, c)], out_shape=[shape, shape],
       semantics=("parallel", "parallel"), name="triadic_chunk_prep",
-  )(q, k, beta_c, *mats)
-  return gcc, gcr, (unit_lower_inverse(lower) if erase else lower), p
+  )(q, k, beta_col, *mats)
+  return gc_col, gc_row, (unit_lower_inverse(lower) if erase else lower), p

@@ -51,16 +51,16 @@ def _lower(c):
   return jnp.arange(c)[None, :] <= jnp.arange(c)[:, None]
 
 
-def decay(gcc, gcr, *, transpose=False):
+def decay(gc_col, gc_row, *, transpose=False):
   """D_ets = exp(gc_te - gc_se) where s <= t, else 0, as a (BH, NC, E, C_t, C_s) expression, or
-  with ``transpose`` as (BH, NC, E, C_s, C_t) (same values: gc_t from gcc, gc_s from gcr, as
+  with ``transpose`` as (BH, NC, E, C_s, C_t) (same values: gc_t from gc_col, gc_s from gc_row, as
   ``chunk_local``). Masked before exp: nothing overflows for any g <= 0."""
   if transpose:
-    causal = _lower(gcc.shape[-2]).T
-    diff = _rows(jnp.swapaxes(gcc, -1, -2)) - gcr[..., :, :, None]
+    causal = _lower(gc_col.shape[-2]).T
+    diff = _rows(jnp.swapaxes(gc_col, -1, -2)) - gc_row[..., :, :, None]
   else:
-    causal = _lower(gcc.shape[-2])
-    diff = _cols(gcc) - _rows(gcr)
+    causal = _lower(gc_col.shape[-2])
+    diff = _cols(gc_col) - _rows(gc_row)
   return jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
 
 
@@ -69,21 +69,22 @@ def chunk_cumsum(g_c):
   return jnp.cumsum(g_c.astype(jnp.float32), axis=-2)
 
 
-def decay_masks(k2c, k2r, q2c, gcc, gcr, *, erase):
+def decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, *, erase):
   """M and M' of every chunk, (BH, NC, C, C) float32 each (M is None without erase), as one
   elementwise sum over the slices each."""
-  e_dim = gcc.shape[-1]
+  e_dim = gc_col.shape[-1]
   m = mq = 0.0
   for e in range(e_dim):
-    dec = decay(gcc[..., e:e + 1], gcr[..., e:e + 1, :])[..., 0, :, :]
-    k2s = k2r[..., e:e + 1, :]
-    mq = mq + q2c[..., e:e + 1] * k2s * dec
+    dec = decay(gc_col[..., e:e + 1], gc_row[..., e:e + 1, :])[..., 0, :, :]
+    k2s = k2_row[..., e:e + 1, :]
+    mq = mq + q2_col[..., e:e + 1] * k2s * dec
     if erase:
-      m = m + k2c[..., e:e + 1] * k2s * dec
+      m = m + k2_col[..., e:e + 1] * k2s * dec
   return (m if erase else None), mq
 
 
-def mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc, gcr, *, erase):
+def mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, *,
+               erase):
   """The per-slice gradients of the masks (``backward.chunk_local``'s loop over e), for all
   chunks at once.
 
@@ -91,31 +92,31 @@ def mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc, gcr, *,
   dcoef (unused without erase), dqcoef, dkcoef (BH, NC, C, E) and dlam (BH, NC, E); k2, q2, gc
   in the kernels' column (C, E) and row (E, C) layouts. Returns float32 dk2 column (C, E), dk2
   row (E, C), dq2 (C, E), d gc column (C, E) and d gc row (E, C) parts, each (BH, NC, ...)."""
-  c = gcc.shape[-2]
+  c = gc_col.shape[-2]
   rows = lambda x: jnp.swapaxes(x, -1, -2)
   # Per-token factors along the minor axis: s of (E, C_t, C_s), t of the transposed (E, C_s, C_t).
-  k2_minor, q2_minor = _rows(k2r), _rows(rows(q2c))
+  k2_minor, q2_minor = _rows(k2_row), _rows(rows(q2_col))
   # rq_et = sum_s W'_ts k2_s, cq_es = sum_t W'_ts q2_t
-  rq = jnp.sum(dmq[:, :, None] * decay(gcc, gcr) * k2_minor, axis=-1)
-  cq = jnp.sum(rows(dmq)[:, :, None] * decay(gcc, gcr, transpose=True) * q2_minor, axis=-1)
-  a = jnp.exp(gcc)
-  gl = gcc[..., c - 1:, :]                             # (BH, NC, 1, E)
-  b = jnp.exp(gl - gcc)
+  rq = jnp.sum(dmq[:, :, None] * decay(gc_col, gc_row) * k2_minor, axis=-1)
+  cq = jnp.sum(rows(dmq)[:, :, None] * decay(gc_col, gc_row, transpose=True) * q2_minor, axis=-1)
+  a = jnp.exp(gc_col)
+  gl = gc_col[..., c - 1:, :]                             # (BH, NC, 1, E)
+  b = jnp.exp(gl - gc_col)
   dq2 = rows(rq) + dqcoef * a
-  dk2c = dkcoef * b
-  dk2r = cq
-  dgm_row = q2c * rows(rq)                             # sum_s dG_ts, (C, E)
+  dk2_col = dkcoef * b
+  dk2_row = cq
+  dgm_row = q2_col * rows(rq)                             # sum_s dG_ts, (C, E)
   if erase:
     # rk_et = sum_s W_ts k2_s, ck_es = sum_t W_ts k2_t
-    rk = jnp.sum(dm[:, :, None] * decay(gcc, gcr) * k2_minor, axis=-1)
-    ck = jnp.sum(rows(dm)[:, :, None] * decay(gcc, gcr, transpose=True) * k2_minor, axis=-1)
-    dk2c = dk2c + rows(rk) + dcoef * a
-    dk2r = dk2r + ck
-    dgm_row = dgm_row + k2c * rows(rk)
-  dgcc = dgm_row + dqcoef * q2c * a - dkcoef * k2c * b
+    rk = jnp.sum(dm[:, :, None] * decay(gc_col, gc_row) * k2_minor, axis=-1)
+    ck = jnp.sum(rows(dm)[:, :, None] * decay(gc_col, gc_row, transpose=True) * k2_minor, axis=-1)
+    dk2_col = dk2_col + rows(rk) + dcoef * a
+    dk2_row = dk2_row + ck
+    dgm_row = dgm_row + k2_col * rows(rk)
+  dgc_col = dgm_row + dqcoef * q2_col * a - dkcoef * k2_col * b
   if erase:
-    dgcc = dgcc + dcoef * k2c * a
-  dgl = jnp.sum(dkcoef * k2c * b, axis=-2) + dlam * jnp.exp(gl[..., 0, :])   # (BH, NC, E)
-  dgcc = dgcc.at[..., c - 1, :].add(dgl)
-  dgcr = -(k2r * dk2r)                                 # -sum_t dG_ts = -k2_s dk2 row_s
-  return dk2c, dk2r, dq2, dgcc, dgcr
+    dgc_col = dgc_col + dcoef * k2_col * a
+  dgl = jnp.sum(dkcoef * k2_col * b, axis=-2) + dlam * jnp.exp(gl[..., 0, :])   # (BH, NC, E)
+  dgc_col = dgc_col.at[..., c - 1, :].add(dgl)
+  dgc_row = -(k2_row * dk2_row)                                 # -sum_t dG_ts = -k2_s dk2 row_s
+  return dk2_col, dk2_row, dq2, dgc_col, dgc_row

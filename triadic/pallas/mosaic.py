@@ -1,5 +1,5 @@
-"""Hopper (Mosaic GPU) state-passing kernels: drop-in replacements for ``recurrent.forward`` and
-``recurrent.backward`` (same operands, same outputs), for bf16 inputs.
+"""Hopper (Mosaic GPU) state-passing kernels: drop-in replacements for ``recurrent.state_pass`` and
+``recurrent.reverse_state_pass`` (same operands, same outputs), for bf16 inputs.
 
 Why this structure. The Triton kernel keeps E separate D x BV float32 state tiles and does 3E
 small matmuls (N = BV = 16..32) per chunk, so its cost grows with E. Here one program
@@ -141,16 +141,16 @@ def default_block_v(d: int, vd: int, c: int, e: int) -> int | None:
 # Plain-JAX preparation (O(T E) work, plus transposed / bf16 copies of K, Q, A, P).
 
 
-def _factors(gcc, k2c, q2c, beta_c):
+def _factors(gc_col, k2_col, q2_col, beta_col):
   """Per-row factors as (BH, NC, 3E + 1, C) float32 rows [fe (E), fq (E), fw (E), beta] and the
   per-chunk decay lam (BH, NC, E)."""
-  a = jnp.exp(gcc)
-  gl = gcc[:, :, -1:, :]
-  b = jnp.exp(gl - gcc)
-  beta = beta_c.astype(F32)
-  fe = beta * k2c * a
-  fq = q2c * a
-  fw = k2c * b
+  a = jnp.exp(gc_col)
+  gl = gc_col[:, :, -1:, :]
+  b = jnp.exp(gl - gc_col)
+  beta = beta_col.astype(F32)
+  fe = beta * k2_col * a
+  fq = q2_col * a
+  fw = k2_col * b
   rows = jnp.concatenate([fe, fq, fw, beta], axis=-1)          # (BH, NC, C, 3E + 1)
   return jnp.swapaxes(rows, -1, -2), jnp.exp(gl[:, :, 0, :])
 
@@ -178,15 +178,15 @@ def _t(x):
   return jnp.swapaxes(x, -1, -2)
 
 
-def _prologue(q, vd, k2c, q2c, gcc, beta_c, block_v):
+def _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v):
   """Shapes, the checked value block and the row factors: (bh, nc, c, d, e, bv, f, lam_cat)."""
   bh, nc, c, d = q.shape
-  e_dim = k2c.shape[-1]
+  e_dim = k2_col.shape[-1]
   bv = block_v or default_block_v(d, vd, c, e_dim)
   reason = supported(d, vd, c, e_dim, q.dtype, bv)
   if reason:
     raise ValueError(reason)
-  f, lam = _factors(gcc, k2c, q2c, beta_c)
+  f, lam = _factors(gc_col, k2_col, q2_col, beta_col)
   return bh, nc, c, d, e_dim, bv, f, _lam_cat(lam, bv)
 
 
@@ -334,42 +334,43 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
-  fe, fq, fw, fbeta = 0, e_dim, 2 * e_dim, 3 * e_dim
+  erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
   state0 = _load_cat(ops, h0_g.at[i, j], cat, bars.at[8])
 
-  def chunk(n, s, q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s, sb_s, w_s, rb_s, ub_s, o_s, u_s,
+  def chunk(n, s, q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s, state_bf16_s, w_s, rhs_bf16_s,
+            u_bf16_s, o_s, u_s,
             st_s):
     d = q_s.shape[1]
     # The chunk-start state: the bf16 wgmma operand and the per-chunk output.
     _begin_chunk([(q_g.at[i, n], q_s), (k_g.at[i, n], k_s), (kt_g.at[i, n], kt_s),
                   (v_g.at[i, n, :, cols], v_s), (a_g.at[i, n], a_s), (p_g.at[i, n], p_s),
                   (f_g.at[i, n], f_s), (lam_g.at[i, n], lam_s)], bars,
-                 s, sb_s, st_s, lambda e: st_g.at[i, n, e, :, cols])
+                 s, state_bf16_s, st_s, lambda e: st_g.at[i, n, e, :, cols])
     # lam * S now: every thread's SMEM reads of this chunk's inputs must precede the last
     # commit_smem (a warpgroup barrier) before the next chunk's TMA overwrites them.
     decayed = ops.colvec(lam_s, d) * s
 
-    rhs = ops.rowvec(f_s, fbeta, bv) * ops.acc(v_s[...].astype(F32))
+    rhs = ops.rowvec(f_s, beta_row, bv) * ops.acc(v_s[...].astype(F32))
     if erase:
-      r = ops.mm(k_s, sb_s)
+      r = ops.mm(k_s, state_bf16_s)
       for e in range(e_dim):
-        rhs = rhs - ops.rowvec(f_s, fe + e, bv) * r[:, e * bv:(e + 1) * bv]
-      rb_s[...] = rhs.astype(BF16)
+        rhs = rhs - ops.rowvec(f_s, erase_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
+      rhs_bf16_s[...] = rhs.astype(BF16)
       plgpu.commit_smem()
-      u = ops.mm(a_s, rb_s)
+      u = ops.mm(a_s, rhs_bf16_s)
     else:
       u = rhs
     u_s[...] = u
-    ub_s[...] = u.astype(BF16)
+    u_bf16_s[...] = u.astype(BF16)
     for e in range(e_dim):
-      w_s[:, e * bv:(e + 1) * bv] = (ops.rowvec(f_s, fw + e, bv) * u).astype(BF16)
+      w_s[:, e * bv:(e + 1) * bv] = (ops.rowvec(f_s, write_rows + e, bv) * u).astype(BF16)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
 
-    y = ops.mm(q_s, sb_s)
-    out = ops.mm(p_s, ub_s)
+    y = ops.mm(q_s, state_bf16_s)
+    out = ops.mm(p_s, u_bf16_s)
     for e in range(e_dim):
-      out = out + ops.rowvec(f_s, fq + e, bv) * y[:, e * bv:(e + 1) * bv]
+      out = out + ops.rowvec(f_s, read_rows + e, bv) * y[:, e * bv:(e + 1) * bv]
     o_s[...] = (scale * out).astype(o_s.dtype)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(o_s, o_g.at[i, n, :, cols])
@@ -380,13 +381,13 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
   _store_cat(state, ht_g.at[i, j], cat)
 
 
-def forward(q, k, v, k2c, q2c, gcc, beta_c, a, p, h0, *, scale, erase, block_v=None,
+def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
             interpret=False):
-  """Chunk loop forward (``recurrent.forward`` without ``cfg``). Returns o (BH,NC,C,V) in q's
+  """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32."""
   vd = v.shape[-1]
-  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2c, q2c, gcc, beta_c, block_v)
+  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v)
   n_cat = e_dim * bv
   ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, lam_cat, _to_cat(h0.astype(F32), bv))
   sw_n, sw_v = _swizzle(n_cat), _swizzle(bv)
@@ -433,10 +434,11 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
-  fe, fq, fw = 0, e_dim, 2 * e_dim
+  erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
   dstate0 = _load_cat(ops, dht_g.at[i, j], cat, bars.at[8])
 
-  def chunk(step, ds, k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s, sb_s, x_s, z_s, ub_s, u_s,
+  def chunk(step, ds, k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s, state_bf16_s, x_s, z_s,
+            u_bf16_s, u_s,
             st_s):
     n = nc - 1 - step
     d = k_s.shape[1]
@@ -444,24 +446,24 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
     _begin_chunk([(k_g.at[i, n], k_s), (kt_g.at[i, n], kt_s), (qt_g.at[i, n], qt_s),
                   (do_g.at[i, n, :, cols], do_s), (at_g.at[i, n], at_s), (pt_g.at[i, n], pt_s),
                   (f_g.at[i, n], f_s), (lam_g.at[i, n], lam_s)], bars,
-                 ds, sb_s, st_s, lambda e: dst_g.at[i, n, e, :, cols])
+                 ds, state_bf16_s, st_s, lambda e: dst_g.at[i, n, e, :, cols])
     decayed = ops.colvec(lam_s, d) * ds   # before the last commit_smem, as in the forward
 
-    r = ops.mm(k_s, sb_s)
+    r = ops.mm(k_s, state_bf16_s)
     du = scale * ops.mm(pt_s, do_s)
     for e in range(e_dim):
-      du = du + ops.rowvec(f_s, fw + e, bv) * r[:, e * bv:(e + 1) * bv]
+      du = du + ops.rowvec(f_s, write_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
     u_s[...] = du
     do = ops.acc(do_s[...].astype(F32))
     for e in range(e_dim):
-      x_s[:, e * bv:(e + 1) * bv] = (scale * ops.rowvec(f_s, fq + e, bv) * do).astype(BF16)
+      x_s[:, e * bv:(e + 1) * bv] = (scale * ops.rowvec(f_s, read_rows + e, bv) * do).astype(BF16)
     pairs = [(qt_s, x_s)]
     if erase:
-      ub_s[...] = du.astype(BF16)
+      u_bf16_s[...] = du.astype(BF16)
       plgpu.commit_smem()
-      drhs = ops.mm(at_s, ub_s)
+      drhs = ops.mm(at_s, u_bf16_s)
       for e in range(e_dim):
-        z_s[:, e * bv:(e + 1) * bv] = (-ops.rowvec(f_s, fe + e, bv) * drhs).astype(BF16)
+        z_s[:, e * bv:(e + 1) * bv] = (-ops.rowvec(f_s, erase_rows + e, bv) * drhs).astype(BF16)
       pairs.append((kt_s, z_s))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(u_s, du_g.at[i, n, :, cols])
@@ -471,13 +473,14 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
   _store_cat(dstate, dh0_g.at[i, j], cat)
 
 
-def backward(q, k, do, k2c, q2c, gcc, beta_c, a, p, dht, *, scale, erase, block_v=None,
+def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
+                       block_v=None,
              interpret=False):
-  """Reverse chunk loop (``recurrent.backward`` without ``cfg``). Returns dU (BH,NC,C,V) float32,
-  chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
+  """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
+  float32, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
   (BH,E,D,V) float32."""
   vd = do.shape[-1]
-  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2c, q2c, gcc, beta_c, block_v)
+  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v)
   n_cat = e_dim * bv
   ins = (k, _t(k), _t(q), do.astype(q.dtype), _t(a).astype(BF16), _t(p).astype(BF16), f,
          lam_cat, _to_cat(dht.astype(F32), bv))

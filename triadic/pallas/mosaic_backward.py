@@ -1,4 +1,4 @@
-"""Hopper (Mosaic GPU) chunk-parallel backward: a drop-in for ``backward.chunk_backward`` (same
+"""Hopper (Mosaic GPU) chunk-parallel backward: a drop-in for ``backward.chunk_gradients`` (same
 operands and outputs, minus ``cfg``), for bf16 inputs.
 
 The E-dependent work is a few wide wgmmas per value block, with the E slices of the D x BV state
@@ -113,8 +113,9 @@ How the Mosaic kernel is built (idioms from ``mosaic.py``, imported: ``_smem``, 
     D = 64   E=1: BV64 2st 137.0 (139.1)*   E=2: BV64 2st 193.8 (196.1)*
              E=4: BV32 2st 163.2 (166.1)*   E=8: BV16 2st 150.2 (153.2)*
 
-  Registers per thread (f32): dq + dk 2*D*C/128 (128 at D = 128) + one C x piece accumulator (32 at D = 128, <= 64 at D = 64) + coef (16) + dlam
-  (8) + value-block temps (~40): under 255 without the carried state the state kernels hold.
+  Registers per thread (f32): dq + dk 2*D*C/128 (128 at D = 128) + one C x piece accumulator (32 at
+  D = 128, <= 64 at D = 64) + coef (16) + dlam (8) + value-block temps (~40): under 255 without
+  the carried state the state kernels hold.
 * float32 inputs are not supported (wgmma on float32 would be TF32; use the Triton path).
 
 What the interpreter cannot check: the transpose_ref operands (above), swizzle / tiling
@@ -215,15 +216,15 @@ def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None
 # Plain-JAX preparation (E-independent or O(T E)).
 
 
-def _factor_rows(gcc, k2c, q2c, beta_c):
+def factor_rows(gc_col, k2_col, q2_col, beta_col):
   """(BH, NC, 3E + 1, C) float32 rows [c = k2 a (E), fq = q2 a (E), fw = k2 b (E), beta]."""
-  a = jnp.exp(gcc)
-  b = jnp.exp(gcc[:, :, -1:, :] - gcc)
-  rows = jnp.concatenate([k2c * a, q2c * a, k2c * b, beta_c.astype(F32)], axis=-1)
+  a = jnp.exp(gc_col)
+  b = jnp.exp(gc_col[:, :, -1:, :] - gc_col)
+  rows = jnp.concatenate([k2_col * a, q2_col * a, k2_col * b, beta_col.astype(F32)], axis=-1)
   return jnp.swapaxes(rows, -1, -2)
 
 
-def _drhs(a, du, erase):
+def rhs_gradient(a, du, erase):
   """A^T dU with bf16 operands and float32 accumulation (as the Triton kernel's ``mm``)."""
   if not erase:
     return du.astype(F32)
@@ -244,7 +245,7 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
     dq_g, dk_g, coef_g, lam_g, bars = rest
   ops = _Ops(interpret)
   i, n = lax.axis_index("bh"), lax.axis_index("n")
-  fc, fq, fw, fb = 0, e_dim, 2 * e_dim, 3 * e_dim
+  erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
   n_cat = e_dim * bv
   per_piece = piece // bv
   # Barriers: 0..2 q, k, factors; 3..6 the V, dO, U, drhs blocks; BAR_S.. the E S slices;
@@ -320,17 +321,17 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
       do = ops.acc(do_s[...].astype(F32))
       u = ops.acc(u_s[...])
       dr = ops.acc(dr_s[...])
-      dx = rowf(fb) * dr
+      dx = rowf(beta_row) * dr
       x = ops.acc(v_s[...].astype(F32)) if erase else None
       # The previous block's last wgmma (dk += W2 dS_cat^T) may still read W2: wait before the
       # W buffers are rewritten (the other wgmmas were waited by a later accumulator read).
       plgpu.wgmma_wait(0)
       for e in range(e_dim):
         blk = slice(e * bv, (e + 1) * bv)
-        w3[:, blk] = (scale * rowf(fq + e) * do).astype(BF16)
-        w2[:, blk] = (rowf(fw + e) * u).astype(BF16)
+        w3[:, blk] = (scale * rowf(read_rows + e) * do).astype(BF16)
+        w2[:, blk] = (rowf(write_rows + e) * u).astype(BF16)
         if erase:
-          w1[:, blk] = (-rowf(fc + e) * dx).astype(BF16)
+          w1[:, blk] = (-rowf(erase_rows + e) * dx).astype(BF16)
       plgpu.commit_smem()
       # Every thread has read the S staging buffer and the V, dO, U, drhs blocks (commit_smem is
       # a warpgroup barrier): the next block's copies go into them while this block computes.
@@ -347,7 +348,7 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
 
       if erase:
         for e, re in per_slice(k_s, s_cat):
-          x = x - rowf(fc + e) * re
+          x = x - rowf(erase_rows + e) * re
           coef = onehot_add(coef, -jnp.sum(re * dx, axis=1), e)
       for e, ye in per_slice(q_s, s_cat):
         coef = onehot_add(coef, scale * jnp.sum(ye * do, axis=1), e_dim + e)
@@ -494,7 +495,7 @@ def _tail_ut_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref,
     dm_ref[...] = dm
 
 
-def _tail_ut(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_c, a, *, scale, erase, cfg):
+def tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a, *, scale, erase, cfg):
   """The E-independent tail kernel ``triadic_chunk_backward_tail_ut``: ``_tail``'s products over
   the whole V (dbeta's X part, dA, dP), then ``backward.ut_before`` / ``ut_after`` with M' and M
   (None without erase) given.
@@ -516,7 +517,7 @@ def _tail_ut(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_c, a, *, scale, era
       out_shape=[shape(c, d), shape(c, d), shape(c, 1)] + [shape(c, c)] * n_mm,
       semantics=("parallel", "parallel"), name="triadic_chunk_backward_tail_ut",
       num_warps=cfg.bwd_num_warps,
-  )(q, k, x, do, u, du, drhs, dqp, dkp, mq, *((m,) if erase else ()), beta_c, a)
+  )(q, k, x, do, u, du, drhs, dqp, dkp, mq, *((m,) if erase else ()), beta_col, a)
   return (*res, None) if not erase else tuple(res)
 
 
@@ -526,19 +527,20 @@ def tail_config(interpret: bool) -> Config:
           else Config("gpu", block_v=32, bwd_block_v=32))
 
 
-def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc,
-         gcr, beta_c, a, *, scale, erase, cfg):
+def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
+         gc_col,
+         gc_row, beta_col, a, *, scale, erase, cfg):
   """Everything after the value kernel: the masks M, M' (plain JAX), the E-independent tail
   kernel, and the per-slice mask gradients (plain JAX). ``dcoef``, ``dqcoef``, ``dkcoef``
   (BH,NC,C,E) and ``dlam`` (BH,NC,E) are the value kernel's row sums. Returns float32 dq, dk
   (BH,NC,C,D), dk2 column (C,E) and row (E,C) parts, dq2 (C,E), d gc column and row parts and
   dbeta (C,1)."""
-  m, mq = masks.decay_masks(k2c, k2r, q2c, gcc, gcr, erase=erase)
-  dq, dk, dbeta, dmq, dm = _tail_ut(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_c, a,
+  m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
+  dq, dk, dbeta, dmq, dm = tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a,
                                     scale=scale, erase=erase, cfg=cfg)
-  dk2c, dk2r, dq2c, dgcc, dgcr = masks.mask_grads(
-      dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2c, k2r, q2c, gcc, gcr, erase=erase)
-  return dq, dk, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta
+  dk2_col, dk2_row, dq2_col, dgc_col, dgc_row = masks.mask_grads(
+      dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
+  return dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta
 
 
 def default_value_slices(d: int, vd: int, c: int, e: int) -> int:
@@ -555,9 +557,10 @@ def default_value_slices(d: int, vd: int, c: int, e: int) -> int:
   return 1
 
 
-def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr, beta_c, a, *,
+def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
+                    beta_col, a, *,
                    scale, erase, block_v=None, stages=None, value_slices=None, interpret=False):
-  """``backward.chunk_backward`` on Hopper: same operands (layout (BH, NC, ...)), same outputs:
+  """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs:
   float32 dq, dk (BH,NC,C,D), dv (BH,NC,C,V), dk2 column and row parts ((C,E), (E,C)), dq2 (C,E),
   d gc column and row parts, dbeta (C,1). The value kernel runs once per group of
   ``value_slices`` slices (default ``default_value_slices``); its outputs are sums or per-slice
@@ -565,21 +568,21 @@ def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr,
   ``interpret=True``: Mosaic GPU interpret mode for the value kernel and Pallas interpret mode
   for the tail (CPU tests)."""
   bh, nc, c, d = q.shape
-  vd, e_dim = v.shape[-1], k2c.shape[-1]
+  vd, e_dim = v.shape[-1], k2_col.shape[-1]
   size = value_slices or default_value_slices(d, vd, c, e_dim)
   bv = block_v or default_block_v(d, vd, c, size)
   reason = supported(d, vd, c, e_dim, q.dtype, bv, stages, size)
   if reason:
     raise ValueError(reason)
-  beta = beta_c.astype(F32)
-  drhs = _drhs(a, du, erase)
+  beta = beta_col.astype(F32)
+  drhs = rhs_gradient(a, du, erase)
   dv = beta * drhs
   v16, do16, u32 = v.astype(q.dtype), do.astype(q.dtype), u.astype(F32)
   s16, ds16 = states.astype(q.dtype), dstates.astype(q.dtype)
   xs, dqps, dkps, coefs, lams = [], [], [], [], []
   for e0 in range(0, e_dim, size):
     group = slice(e0, e0 + size)
-    f = _factor_rows(gcc[..., group], k2c[..., group], q2c[..., group], beta_c)
+    f = factor_rows(gc_col[..., group], k2_col[..., group], q2_col[..., group], beta_col)
     x, dqp, dkp, coef, lam = value_pass(
         q, k, v16, do16, u32, drhs, s16, ds16, f, scale=scale, erase=erase, block_v=bv,
         stages=stages, e_offset=e0, interpret=interpret)
@@ -591,8 +594,8 @@ def chunk_backward(q, k, v, do, u, du, states, dstates, k2c, k2r, q2c, gcc, gcr,
   x = v.astype(F32) if not erase else sum(xs) - (len(xs) - 1) * v.astype(F32)
   dcoef, dqcoef, dkcoef = (jnp.concatenate([cf[..., j * size:(j + 1) * size] for cf in coefs],
                                            axis=-1) for j in range(3))
-  dq, dk, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta = tail(
+  dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta = tail(
       q, k, x, do, u, du, drhs, sum(dqps), sum(dkps), dcoef, dqcoef, dkcoef,
-      jnp.concatenate(lams, axis=-1), k2c, k2r, q2c, gcc, gcr, beta_c, a, scale=scale,
-      erase=erase, cfg=tail_config(interpret))
-  return dq, dk, dv, dk2c, dk2r, dq2c, dgcc, dgcr, dbeta
+      jnp.concatenate(lams, axis=-1), k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
+      scale=scale, erase=erase, cfg=tail_config(interpret))
+  return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta

@@ -15,8 +15,9 @@ The platform is the default backend's: Triton on GPU, Mosaic on TPU, ``interpret
 On Hopper GPUs the two state-passing kernels are Mosaic GPU (wgmma) kernels instead
 (``mosaic.py``, ``Config.mosaic_gpu``, on by default there for the sizes it takes: bf16, C = 64,
 D in (64, 128)), and so is the chunk-parallel backward's E-dependent part
-(``mosaic_backward.py``, ``Config.mosaic_gpu_backward``). Everything else stays Triton. The tests run both in Mosaic GPU interpret mode on the CPU, where
-the kernels are host callbacks and the op skips its custom_partitioning wrapper (``_sharded``).
+(``mosaic_backward.py``, ``Config.mosaic_gpu_backward``). Everything else stays Triton. The tests
+run both in Mosaic GPU interpret mode on the CPU, where the kernels are host callbacks and the op
+skips its custom_partitioning wrapper (``_sharded``).
 The platform also fixes the state-passing kernels' structure (``recurrent.py``): on Triton one
 program per value block loops over whole-sequence blocks (blocks are pointers); on Mosaic TPU the
 chunks are a sequential grid axis, every block one chunk, the state in VMEM scratch (blocks are
@@ -89,11 +90,11 @@ def default_config(platform: str, e: int, vd: int) -> Config:
   return Config("cpu", block_v=16, bwd_block_v=16)
 
 
-def _pow2(n: int, least: int = 1) -> int:
+def pow2(n: int, least: int = 1) -> int:
   return max(least, 1 << (n - 1).bit_length())
 
 
-def _chunks(x, nc, c, width=None):
+def kernel_layout(x, nc, c, width=None):
   """(B, T, H, X) -> (B, H, NC, C, X'), zero-padded in T (and in X up to width)."""
   b, t, h = x.shape[:3]
   x = x if x.ndim == 4 else x[..., None]
@@ -134,25 +135,25 @@ def _plan(cfg, q, v, k2):
                           dtype=q.dtype)
 
 
-def _state_kernels(cfg, q, v, k2):
+def state_pass_kernels(cfg, q, v, k2):
   """The plan's state-passing kernels, as (forward, backward) functions of
-  ``recurrent.forward``'s operands: ``mosaic`` (Hopper wgmma) or ``recurrent`` (Triton / TPU /
+  ``recurrent.state_pass``'s operands: ``mosaic`` (Hopper wgmma) or ``recurrent`` (Triton / TPU /
   interpret)."""
   if _plan(cfg, q, v, k2).mosaic_state_kernels:
     interpret = cfg.platform == "cpu"
-    return (functools.partial(mosaic.forward, interpret=interpret),
-            functools.partial(mosaic.backward, interpret=interpret))
-  return (functools.partial(recurrent.forward, cfg=cfg),
-          functools.partial(recurrent.backward, cfg=cfg))
+    return (functools.partial(mosaic.state_pass, interpret=interpret),
+            functools.partial(mosaic.reverse_state_pass, interpret=interpret))
+  return (functools.partial(recurrent.state_pass, cfg=cfg),
+          functools.partial(recurrent.reverse_state_pass, cfg=cfg))
 
 
-def _chunk_backward(cfg, q, v, k2):
+def chunk_backward_kernel(cfg, q, v, k2):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (``cfg.value_slices`` slices per
-  value-kernel pass) or ``backward.chunk_backward``."""
+  value-kernel pass) or ``backward.chunk_gradients``."""
   if _plan(cfg, q, v, k2).mosaic_chunk_backward:
-    return functools.partial(mosaic_backward.chunk_backward, interpret=cfg.platform == "cpu",
+    return functools.partial(mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
                              value_slices=cfg.value_slices)
-  return functools.partial(bwd_kernels.chunk_backward, cfg=cfg)
+  return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 
 def _forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
@@ -163,28 +164,28 @@ def _forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
   """
   b, h = q.shape[:2]
   q, k, v, k2, q2, g, beta, h0 = map(_merge, (q, k, v, k2, q2, g, beta, h0))
-  gcc, gcr, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg)
-  forward = _state_kernels(cfg, q, v, k2)[0]
-  o, u, states, ht = forward(q, k, v, k2, q2, gcc, beta, a, p, h0, scale=scale, erase=erase)
-  return tuple(_split(x, b, h) for x in (o, ht, gcc, gcr, a, p, u, states))
+  gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg)
+  forward = state_pass_kernels(cfg, q, v, k2)[0]
+  o, u, states, ht = forward(q, k, v, k2, q2, gc_col, beta, a, p, h0, scale=scale, erase=erase)
+  return tuple(_split(x, b, h) for x in (o, ht, gc_col, gc_row, a, p, u, states))
 
 
-def _backward(scale, erase, cfg, q, k, v, k2, q2, beta, gcc, gcr, a, p, u, states, do, dht):
+def _backward(scale, erase, cfg, q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht):
   """Backward kernels: the residuals of ``_forward`` and the cotangents (do, dht), all with
   leading (B, H). Returns the gradients of the eight ``_forward`` operands, in their dtypes."""
   b, h = q.shape[:2]
   dtypes = (q.dtype, k.dtype, v.dtype, k2.dtype, q2.dtype, beta.dtype)
-  q, k, v, k2, q2, beta, gcc, gcr, a, p, u, states, do, dht = map(
-      _merge, (q, k, v, k2, q2, beta, gcc, gcr, a, p, u, states, do, dht))
-  backward = _state_kernels(cfg, q, do, k2)[1]
-  du, dstates, dh0 = backward(q, k, do.astype(q.dtype), k2, q2, gcc, beta, a, p, dht.astype(F32),
+  q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht = map(
+      _merge, (q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht))
+  backward = state_pass_kernels(cfg, q, do, k2)[1]
+  du, dstates, dh0 = backward(q, k, do.astype(q.dtype), k2, q2, gc_col, beta, a, p, dht.astype(F32),
                               scale=scale, erase=erase)
-  dq, dk, dv, dk2c, dk2r, dq2, dgcc, dgcr, dbeta = _chunk_backward(cfg, q, v, k2)(
-      q, k, v, do, u, du, states, dstates, k2, _rows(k2), q2, gcc, gcr, beta, a, scale=scale,
+  dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = chunk_backward_kernel(cfg, q, v, k2)(
+      q, k, v, do, u, du, states, dstates, k2, _rows(k2), q2, gc_col, gc_row, beta, a, scale=scale,
       erase=erase)
-  dgc = dgcc + _rows(dgcr)
+  dgc = dgc_col + _rows(dgc_row)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dgc, 2), axis=2), 2)  # gc is a cumsum over the chunk axis
-  dk2 = dk2c + _rows(dk2r)
+  dk2 = dk2_col + _rows(dk2_row)
   dq, dk, dv, dk2, dq2, dbeta = (x.astype(dt) for x, dt in zip((dq, dk, dv, dk2, dq2, dbeta),
                                                                  dtypes))
   return tuple(_split(x, b, h) for x in (dq, dk, dv, dk2, dq2, dg, dbeta, dh0))
@@ -230,7 +231,7 @@ def explain(d: int, vd: int, e: int, chunk_size: int, dtype, *, platform: str | 
   reason = unsupported(d, vd, chunk_size)
   if reason:
     raise ValueError(reason)
-  dp, vp, ep = _pow2(d, 16), _pow2(vd, 16), _pow2(e)
+  dp, vp, ep = pow2(d, 16), pow2(vd, 16), pow2(e)
   cfg = config or default_config(platform or default_platform(), ep, vp)
   return plan_lib.resolve(cfg, d=dp, vd=vp, c=chunk_size, e=ep, dtype=dtype)
 
@@ -250,12 +251,12 @@ def triadic_pallas(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: jax
   if reason:
     raise ValueError(reason)
   platform = platform or default_platform()
-  dp, vp, ep = _pow2(d, 16), _pow2(vd, 16), _pow2(e)
+  dp, vp, ep = pow2(d, 16), pow2(vd, 16), pow2(e)
   cfg = config or default_config(platform, ep, vp)
   c = chunk_size
   nc = -(-t // c)
   dtype = q.dtype
-  ch = functools.partial(_chunks, nc=nc, c=c)
+  ch = functools.partial(kernel_layout, nc=nc, c=c)
   pad_state = ((0, 0), (0, 0), (0, ep - e), (0, dp - d), (0, vp - vd))
   h0 = jnp.pad(initial_state.astype(F32), pad_state)
   o, ht = _core(ch(q, width=dp), ch(k.astype(dtype), width=dp), ch(v.astype(dtype), width=vp),

@@ -39,11 +39,11 @@ class Plan:
   prep: Stage
   forward: Stage
   backward_states: Stage
-  chunk_backward: Stage
+  chunk_gradients: Stage
 
   @property
   def stages(self) -> tuple[Stage, ...]:
-    return (self.prep, self.forward, self.backward_states, self.chunk_backward)
+    return (self.prep, self.forward, self.backward_states, self.chunk_gradients)
 
   @property
   def mosaic_state_kernels(self) -> bool:
@@ -51,7 +51,7 @@ class Plan:
 
   @property
   def mosaic_chunk_backward(self) -> bool:
-    return self.chunk_backward.backend.startswith("mosaic_gpu")
+    return self.chunk_gradients.backend.startswith("mosaic_gpu")
 
   def __str__(self) -> str:
     rows = [f"triadic_pallas plan ({self.sizes}):"]
@@ -91,11 +91,11 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
     g = cfg.value_slices or mosaic_backward.default_value_slices(d, vd, c, e)
     bv = mosaic_backward.default_block_v(d, vd, c, g)
     st = mosaic_backward.default_stages(d, vd, c, g, bv)
-    chunk_bwd = Stage("chunk_backward", "mosaic_gpu" + interp + " + triton tail",
+    chunk_bwd = Stage("chunk_gradients", "mosaic_gpu" + interp + " + triton tail",
                       f"{e // g} pass(es) x {g} slices, block_v {bv}, {st} stage(s)",
                       "Config.mosaic_gpu_backward")
   else:
-    chunk_bwd = Stage("chunk_backward", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
+    chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
   plan = Plan(sizes, prep, forward, bwd_states, chunk_bwd)
   _log_once(plan)

@@ -54,7 +54,7 @@ def _at(lead):
 def _forward_chunk(ins, outs, state, lead, *, c, e_dim, scale, erase, dtype):
   """One chunk of the forward: writes o, U and the chunk-start state, returns the chunk-end state
   (a tuple of E (D, block_v) float32 arrays)."""
-  q_ref, k_ref, v_ref, k2c, q2c, gcc, beta_ref, a_ref, p_ref = ins
+  q_ref, k_ref, v_ref, k2_col, q2_col, gc_col, beta_ref, a_ref, p_ref = ins
   o_ref, u_ref, states_ref = outs
   at = _at(lead)
   q, k = q_ref[at].astype(F32), k_ref[at].astype(F32)
@@ -63,19 +63,19 @@ def _forward_chunk(ins, outs, state, lead, *, c, e_dim, scale, erase, dtype):
   out = None
   for e in range(e_dim):
     states_ref[(*lead, e)] = state[e].astype(states_ref.dtype)
-    a = jnp.exp(col(gcc, e, *lead))
+    a = jnp.exp(col(gc_col, e, *lead))
     s = state[e]
     if erase:
-      rhs = rhs - mm((beta * col(k2c, e, *lead) * a) * k, s, dtype)
-    read = mm((col(q2c, e, *lead) * a) * q, s, dtype)
+      rhs = rhs - mm((beta * col(k2_col, e, *lead) * a) * k, s, dtype)
+    read = mm((col(q2_col, e, *lead) * a) * q, s, dtype)
     out = read if out is None else out + read
   u = mm(a_ref[at], rhs, dtype) if erase else rhs
   u_ref[at] = u
   o_ref[at] = (scale * (out + mm(p_ref[at], u, dtype))).astype(o_ref.dtype)
   new = []
   for e in range(e_dim):
-    gl = last(gcc, e, c, *lead)
-    write = (col(k2c, e, *lead) * jnp.exp(gl - col(gcc, e, *lead))) * k
+    gl = last(gc_col, e, c, *lead)
+    write = (col(k2_col, e, *lead) * jnp.exp(gl - col(gc_col, e, *lead))) * k
     new.append(jnp.exp(gl) * state[e] + mm(write, u, dtype, ta=True))
   return tuple(new)
 
@@ -83,7 +83,7 @@ def _forward_chunk(ins, outs, state, lead, *, c, e_dim, scale, erase, dtype):
 def _backward_chunk(ins, outs, dstate, lead, *, c, e_dim, scale, erase, dtype):
   """One chunk of the reverse pass: writes dU and the chunk-end state gradient, returns the
   chunk-start state gradient."""
-  q_ref, k_ref, do_ref, k2c, q2c, gcc, beta_ref, a_ref, p_ref = ins
+  q_ref, k_ref, do_ref, k2_col, q2_col, gc_col, beta_ref, a_ref, p_ref = ins
   du_ref, dstates_ref = outs
   at = _at(lead)
   q, k = q_ref[at].astype(F32), k_ref[at].astype(F32)
@@ -91,8 +91,8 @@ def _backward_chunk(ins, outs, dstate, lead, *, c, e_dim, scale, erase, dtype):
   du = scale * mm(p_ref[at], do, dtype, ta=True)
   for e in range(e_dim):
     dstates_ref[(*lead, e)] = dstate[e].astype(dstates_ref.dtype)
-    gl = last(gcc, e, c, *lead)
-    write = (col(k2c, e, *lead) * jnp.exp(gl - col(gcc, e, *lead))) * k
+    gl = last(gc_col, e, c, *lead)
+    write = (col(k2_col, e, *lead) * jnp.exp(gl - col(gc_col, e, *lead))) * k
     du = du + mm(write, dstate[e], dtype)
   du_ref[at] = du
   if erase:
@@ -100,11 +100,11 @@ def _backward_chunk(ins, outs, dstate, lead, *, c, e_dim, scale, erase, dtype):
     beta = beta_ref[at].astype(F32)
   new = []
   for e in range(e_dim):
-    a = jnp.exp(col(gcc, e, *lead))
-    ds = jnp.exp(last(gcc, e, c, *lead)) * dstate[e]
-    ds = ds + scale * mm((col(q2c, e, *lead) * a) * q, do, dtype, ta=True)
+    a = jnp.exp(col(gc_col, e, *lead))
+    ds = jnp.exp(last(gc_col, e, c, *lead)) * dstate[e]
+    ds = ds + scale * mm((col(q2_col, e, *lead) * a) * q, do, dtype, ta=True)
     if erase:
-      ds = ds - mm((beta * col(k2c, e, *lead) * a) * k, drhs, dtype, ta=True)
+      ds = ds - mm((beta * col(k2_col, e, *lead) * a) * k, drhs, dtype, ta=True)
     new.append(ds)
   return tuple(new)
 
@@ -184,22 +184,22 @@ def _launch(chunk, ins, init, vd, out_chunk_shapes, *, cfg, reverse, name, **kw)
   )(*ins, init)
 
 
-def forward(q, k, v, k2c, q2c, gcc, beta_c, a, p, h0, *, scale, erase, cfg):
+def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, cfg):
   """Chunk loop forward. Returns o (BH,NC,C,V) in q's dtype, U (BH,NC,C,V) float32,
   chunk-start states (BH,NC,E,D,V) in q's dtype, final state (BH,E,D,V) float32."""
   c, d = q.shape[2:]
-  vd, e_dim = v.shape[-1], k2c.shape[-1]
-  return _launch(_forward_chunk, (q, k, v, k2c, q2c, gcc, beta_c, a, p), h0, vd,
+  vd, e_dim = v.shape[-1], k2_col.shape[-1]
+  return _launch(_forward_chunk, (q, k, v, k2_col, q2_col, gc_col, beta_col, a, p), h0, vd,
                  [((c, vd), q.dtype), ((c, vd), F32), ((e_dim, d, vd), q.dtype)],
                  cfg=cfg, reverse=False, name="triadic_forward", scale=scale, erase=erase)
 
 
-def backward(q, k, do, k2c, q2c, gcc, beta_c, a, p, dht, *, scale, erase, cfg):
+def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase, cfg):
   """Reverse chunk loop. Returns dU (BH,NC,C,V) float32, chunk-end state gradients
   (BH,NC,E,D,V) in q's dtype, gradient of the initial state (BH,E,D,V) float32."""
   c, d = q.shape[2:]
-  vd, e_dim = do.shape[-1], k2c.shape[-1]
-  return _launch(_backward_chunk, (q, k, do, k2c, q2c, gcc, beta_c, a, p), dht, vd,
+  vd, e_dim = do.shape[-1], k2_col.shape[-1]
+  return _launch(_backward_chunk, (q, k, do, k2_col, q2_col, gc_col, beta_col, a, p), dht, vd,
                  [((c, vd), F32), ((e_dim, d, vd), q.dtype)],
                  cfg=cfg, reverse=True, name="triadic_backward_states", scale=scale,
                  erase=erase)
