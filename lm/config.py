@@ -68,7 +68,9 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
 
 
 def validate(config, process_count: int = 1) -> ModelConfig:
-  """Check ``config``; return the ModelConfig. Raises ValueError naming the first bad key."""
+  """Check ``config``; return the ModelConfig. Raises ValueError naming the first bad key.
+  A text config's ``data.vocab_size`` of 0 is set from its dataset here."""
+  data.resolve_vocab_size(config.data)
   cfg = ModelConfig.from_config(config)
   t = config.train
   for key in ("num_steps", "batch_size", "log_every", "checkpoint_every", "keep_checkpoints"):

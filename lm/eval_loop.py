@@ -17,7 +17,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from lm import checkpoint, costs, evals, generate, sharding, state as state_lib
+from lm import checkpoint, costs, data, evals, generate, sharding, state as state_lib
 from lm.model import ModelConfig
 
 
@@ -32,6 +32,7 @@ def load_config(workdir: str) -> ml_collections.ConfigDict:
 
 def count(config) -> dict:
   """Parameter counts and per-sequence decode memory of ``config``'s model (nothing allocated)."""
+  data.resolve_vocab_size(config.data)
   cfg = ModelConfig.from_config(config)
   return {**costs.count_params(cfg), **costs.state_bytes(cfg, config.data.seq_len),
           "flops_per_token": costs.flops_per_token(cfg, config.data.seq_len)}
@@ -42,6 +43,7 @@ def evaluate(config, workdir: str, step: int | None = None, mode: str | None = N
   in ``mode`` (default ``config.eval.mode``; "teacher_forced" for configs saved before it)."""
   mode = mode or config.eval.get("mode", "teacher_forced")
   evals.check_mode(config.data.name, mode)  # before anything is restored
+  data.resolve_vocab_size(config.data)
   cfg = ModelConfig.from_config(config)
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.rules(config)
@@ -52,10 +54,11 @@ def evaluate(config, workdir: str, step: int | None = None, mode: str | None = N
                            str(step_dir))
   params = checkpoint.load_params(step_dir, abstract)
   logging.info("evaluating %s", step_dir)
-  apply = jax.jit(lambda p, x: setup.model.apply({"params": p}, x))
+  apply = jax.jit(lambda p, x, s: setup.model.apply({"params": p}, x, segment_ids=s))
 
-  def logits_fn(inputs: np.ndarray) -> np.ndarray:
-    return np.asarray(apply(params, np.asarray(inputs, np.int32)))
+  def logits_fn(inputs: np.ndarray, segment_ids: np.ndarray | None = None) -> np.ndarray:
+    seg = None if segment_ids is None else np.asarray(segment_ids, np.int32)
+    return np.asarray(apply(params, np.asarray(inputs, np.int32), seg))
 
   batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
   split = jax.process_count() == 1 and config.eval.batch_size % batch_shards == 0
