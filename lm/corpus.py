@@ -144,23 +144,6 @@ def read_megatron(prefix: str) -> Shard:
   return Shard(tokens, starts.astype(np.int64))
 
 
-def write_megatron(prefix: str, documents, dtype=np.uint16) -> None:
-  """Write token documents (each a 1-D int sequence) in Megatron's layout, one sequence per
-  document (what its preprocessing writes without sentence splitting)."""
-  dtype = np.dtype(dtype)
-  code = {np.dtype(v): k for k, v in MEGATRON_DTYPES.items()}[dtype]
-  lengths = np.asarray([len(d) for d in documents], np.int32)
-  pointers = np.concatenate([[0], np.cumsum(lengths[:-1], dtype=np.int64)]) * dtype.itemsize
-  with open(prefix + ".bin", "wb") as f:
-    for d in documents:
-      f.write(np.asarray(d, dtype).tobytes())
-  with open(prefix + ".idx", "wb") as f:
-    f.write(MEGATRON_HEADER + struct.pack("<Q", 1) + struct.pack("<B", code))
-    f.write(struct.pack("<QQ", len(lengths), len(lengths) + 1))
-    f.write(lengths.tobytes() + pointers.astype(np.int64).tobytes())
-    f.write(np.arange(len(lengths) + 1, dtype=np.int64).tobytes())
-
-
 def split_documents(corpus: Corpus, eval_fraction: float) -> tuple[Corpus, Corpus]:
   """(train, eval) of a single-split corpus (Megatron's): the last ``eval_fraction`` of its
   documents, at least one, are held out whole."""

@@ -6,7 +6,8 @@
 Inputs (``--input``, a recursive glob), read lazily, one document at a time: ``.jsonl`` (a ``text``
 field per line), ``.parquet`` (a ``text`` column, as Fineweb-Edu ships; needs pyarrow), anything
 else plain UTF-8 text, one document per file. A file that cannot be read or parsed is skipped with
-a warning naming it (for .jsonl / .parquet, the documents before the bad line stay).
+a warning naming it, whole (a .jsonl or .parquet file that fails part-way loses the documents it
+had given too).
 
 Tokenizer: a Hugging Face ``tokenizers`` file (``--tokenizer``), or a byte-level BPE of
 ``--vocab_size`` trained on the input. Either is saved as ``OUT/tokenizer.json``. Documents are
@@ -188,35 +189,62 @@ def _write_json(path: str, obj) -> None:
 
 
 class ShardWriter:
-  """Whole documents of one split into shards of about ``shard_tokens`` tokens."""
+  """Whole documents of one split into shards of about ``shard_tokens`` tokens.
+
+  Tokens stream into the current shard's temporary file; a shard is closed (renamed, its document
+  offsets written) only between input files, so ``rollback`` can take back every document of a
+  file that failed part-way (truncating the temporary file to where that file began).
+  """
 
   def __init__(self, out: str, split: str, dtype, shard_tokens: int):
     self.out, self.split, self.dtype, self.shard_tokens = out, split, dtype, shard_tokens
-    self.pending: list[np.ndarray] = []
-    self.pending_tokens = 0
+    self.file = None
+    self.lengths: list[int] = []
     self.shards: list[dict] = []
     self.tokens = self.docs = 0
 
-  def add(self, ids: np.ndarray) -> None:
-    self.pending.append(ids)
-    self.pending_tokens += len(ids)
-    if self.pending_tokens >= self.shard_tokens:
-      self.flush()
+  def _name(self) -> str:
+    return os.path.join(self.out, f"{self.split}_{len(self.shards):05d}")
 
-  def flush(self, final: bool = False) -> None:
-    if not self.pending and not (final and not self.shards):
-      return
-    name = f"{self.split}_{len(self.shards):05d}"
-    lengths = np.asarray([len(d) for d in self.pending], np.int64)
-    starts = np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
-    tokens = (np.concatenate(self.pending) if self.pending else np.zeros(0)).astype(self.dtype)
-    _atomic_write(os.path.join(self.out, name + ".bin"), lambda f: f.write(tokens.tobytes()))
-    _atomic_write(os.path.join(self.out, name + ".docs.npy"), lambda f: np.save(f, starts))
-    self.shards.append({"tokens": name + ".bin", "docs": name + ".docs.npy",
-                        "num_tokens": int(starts[-1]), "num_docs": len(lengths)})
+  def add(self, ids: np.ndarray) -> None:
+    if self.file is None:
+      self.file = open(f"{self._name()}.bin.tmp{os.getpid()}", "wb")
+    self.file.write(np.asarray(ids).astype(self.dtype).tobytes())
+    self.lengths.append(len(ids))
+
+  def position(self) -> tuple[int, int]:
+    return (self.file.tell() if self.file else 0), len(self.lengths)
+
+  def rollback(self, position: tuple[int, int]) -> None:
+    nbytes, ndocs = position
+    if self.file is not None:
+      self.file.truncate(nbytes)
+      self.file.seek(nbytes)
+    del self.lengths[ndocs:]
+
+  def end_file(self) -> None:
+    """Between input files: close the shard once it holds ``shard_tokens``."""
+    if sum(self.lengths) >= self.shard_tokens:
+      self.close_shard()
+
+  def close_shard(self) -> None:
+    name = self._name()
+    if self.file is None:  # an empty split still gets one (empty) shard
+      self.file = open(f"{name}.bin.tmp{os.getpid()}", "wb")
+    self.file.close()
+    os.replace(self.file.name, name + ".bin")
+    starts = np.concatenate([[0], np.cumsum(self.lengths, dtype=np.int64)]).astype(np.int64)
+    _atomic_write(name + ".docs.npy", lambda f: np.save(f, starts))
+    base = os.path.basename(name)
+    self.shards.append({"tokens": base + ".bin", "docs": base + ".docs.npy",
+                        "num_tokens": int(starts[-1]), "num_docs": len(self.lengths)})
     self.tokens += int(starts[-1])
-    self.docs += len(lengths)
-    self.pending, self.pending_tokens = [], 0
+    self.docs += len(self.lengths)
+    self.file, self.lengths = None, []
+
+  def finish(self) -> None:
+    if self.lengths or not self.shards:
+      self.close_shard()
 
 
 def is_eval_doc(n: int, fraction: float) -> bool:
@@ -290,35 +318,110 @@ def prepare(input_glob: str, out: str, *, tokenizer: str = "", vocab_size: int =
   _atomic_write(tok_path, lambda f: f.write(tok.to_str().encode()))
   eod = eod_id(tok, eod_token)
   vocab = tok.get_vocab_size(with_added_tokens=True)
-  dtype = corpus_lib.token_dtype(vocab)
-  _atomic_write(os.path.join(out, "token_bytes.npy"),
-                lambda f: np.save(f, token_byte_lengths(tok)))
 
+  def routed():
+    """(split, ids) of every document; between files None (a shard may close there). A file
+    that fails part-way is taken back whole: its pending documents are dropped and, since a
+    multi-document file starts on an empty batch, the writers roll back to where it began."""
+    errors, pending, n = _read_errors(), [], 0
+
+    def encode():
+      texts = [d for _, d in pending]
+      for (i, _), enc in zip(pending, tok.encode_batch(texts, add_special_tokens=False)):
+        yield "eval" if is_eval_doc(i, eval_fraction) else "train", np.asarray(enc.ids + [eod])
+      pending.clear()
+
+    with bar("tokenize") as pbar:
+      for path in paths:
+        if path in bad:
+          continue
+        single = not path.endswith((".jsonl", ".parquet"))  # read whole: fails before any doc
+        if not single:
+          yield from encode()
+          yield "mark", path
+        first = n
+        try:
+          for doc in read_documents(path):
+            if not isinstance(doc, str):
+              raise TypeError(f"a document is {type(doc).__name__}, not str")
+            if doc:
+              pending.append((n, doc))
+              n += 1
+            if len(pending) >= batch_docs:
+              yield from encode()
+        except errors as err:
+          bad[path] = f"{type(err).__name__}: {err}"
+          log.warning("skipping %s: %s", path, bad[path])
+          pending[:] = [p for p in pending if p[0] < first]
+          n = first
+          if not single:
+            yield "rollback", path
+        pbar.update(os.path.getsize(path))
+        if not single:
+          yield from encode()
+        yield "end_file", path
+      yield from encode()
+
+  try:
+    meta = write_dataset(out, routed(), vocab_size=vocab, eod_id=eod,
+                         token_bytes=token_byte_lengths(tok), shard_tokens=shard_tokens,
+                         require_eval=eval_fraction > 0,
+                         extra={"tokenizer": "tokenizer.json", "skipped_files": bad,
+                                "manifest": want})
+  except EmptySplitError as err:
+    raise ValueError(f"--input={input_glob!r}: {err} ({len(bad)} files skipped; raise "
+                     f"--eval_fraction if the held-out split is empty)") from None
+  log.info("%s: %d documents, %d tokens (vocab %d); %d files skipped", out,
+           meta["document_count"], meta["token_count"], vocab, len(bad))
+  return meta
+
+
+class EmptySplitError(ValueError):
+  pass
+
+
+def write_dataset(out: str, docs, *, vocab_size: int, eod_id: int, token_bytes=None,
+                  shard_tokens: int = 100_000_000, require_eval: bool = True,
+                  extra: dict | None = None) -> dict:
+  """Write (split, token ids) documents (each ending with its end-of-document token) as the
+  shards of ``lm.corpus``'s layout, then dataset.json (last, atomically); returns its contents.
+  ``docs`` may also carry ("mark", _) (a multi-document file begins: no shard closes until its
+  ("end_file", _)) and ("rollback", _) (take back everything since the mark) items.
+  EmptySplitError, before dataset.json is written, if "train" (or a required "eval") is empty."""
+  os.makedirs(out, exist_ok=True)
+  dtype = corpus_lib.token_dtype(vocab_size)
   writers = {s: ShardWriter(out, s, dtype, shard_tokens) for s in SPLITS}
-  n = 0
-  with bar("tokenize") as pbar:
-    for batch in _batches(documents(paths, bad, pbar), batch_docs):
-      for enc in tok.encode_batch(batch, add_special_tokens=False):
-        ids = np.asarray(enc.ids + [eod], np.int64)
-        writers["eval" if is_eval_doc(n, eval_fraction) else "train"].add(ids)
-        n += 1
+  marks = None  # while a multi-document file is being written: where it began
+  for split, item in docs:
+    if split == "mark":
+      marks = {s: w.position() for s, w in writers.items()}
+    elif split == "rollback":
+      for s, w in writers.items():
+        w.rollback(marks[s])
+    elif split == "end_file":
+      marks = None
+      for w in writers.values():
+        w.end_file()
+    else:
+      writers[split].add(item)
+      if marks is None:  # a whole document: a shard may close after it
+        writers[split].end_file()
   for w in writers.values():
-    w.flush(final=True)
-  if writers["train"].docs == 0:
-    raise ValueError(f"--input={input_glob!r}: no readable document ({len(bad)} files skipped)")
-  if eval_fraction > 0 and writers["eval"].docs == 0:
-    raise ValueError(f"{n} documents are too few to hold out --eval_fraction={eval_fraction} of "
-                     f"them (at least {math.ceil(0.5 / eval_fraction)} needed): raise it")
-  meta = {"format": corpus_lib.FORMAT, "vocab_size": vocab, "eod_id": eod,
-          "dtype": np.dtype(dtype).name, "tokenizer": "tokenizer.json",
-          "token_bytes": "token_bytes.npy",
-          "token_count": sum(w.tokens for w in writers.values()), "document_count": n,
+    w.finish()
+  for split in SPLITS[:2 if require_eval else 1]:
+    if writers[split].docs == 0:
+      raise EmptySplitError(f"no document in the {split} split")
+  meta = {"format": corpus_lib.FORMAT, "vocab_size": int(vocab_size), "eod_id": int(eod_id),
+          "dtype": np.dtype(dtype).name, "tokenizer": None, "token_bytes": None,
+          "token_count": sum(w.tokens for w in writers.values()),
+          "document_count": sum(w.docs for w in writers.values()),
           "splits": {s: {"token_count": w.tokens, "document_count": w.docs, "shards": w.shards}
-                     for s, w in writers.items()},
-          "skipped_files": bad, "manifest": want}
-  _write_json(meta_path, meta)
-  log.info("%s: %d documents, %d tokens (vocab %d); %d files skipped", out, n,
-           meta["token_count"], vocab, len(bad))
+                     for s, w in writers.items()}, **(extra or {})}
+  if token_bytes is not None:
+    meta["token_bytes"] = "token_bytes.npy"
+    _atomic_write(os.path.join(out, "token_bytes.npy"),
+                  lambda f: np.save(f, np.asarray(token_bytes, np.int32)))
+  _write_json(os.path.join(out, corpus_lib.META), meta)
   return meta
 
 
