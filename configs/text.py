@@ -19,6 +19,6 @@ def get_config():
   c = base_config("text")
   c.model.update(mixer="triadic_gdn", expand_e=4, num_layers=4, d_model=128, num_heads=4,
                  head_dim=32, mlp_dim=352)
-  c.train.update(num_steps=2000, batch_size=16, learning_rate=2e-3, warmup_steps=100,
-                 log_every=50, checkpoint_every=500)
+  c.train.update(num_steps=400, batch_size=16, learning_rate=2e-3, warmup_steps=40,
+                 log_every=20, checkpoint_every=200)
   return c
