@@ -191,8 +191,9 @@ def eval_text(c: ml_collections.ConfigDict, logits_fn: LogitsFn, batch_size: int
   edges = [int(b[0]) for b in buckets] + [length]
   by_bucket = [_text_scores(nll, w * ((pos >= lo) & (pos < hi)), nbytes)
                for lo, hi in zip(edges[:-1], edges[1:])]
-  per_position = [((nll * w)[pos == p].sum() / w[pos == p].sum()) if w[pos == p].sum() else None
-                  for p in range(length)]
+  nats = np.bincount(pos.ravel(), weights=(nll * w).ravel(), minlength=length)
+  counts = np.bincount(pos.ravel(), weights=w.ravel(), minlength=length)
+  per_position = [float(a / n) if n else None for a, n in zip(nats, counts)]
   return {**_text_scores(nll, w, nbytes), "windows": int(nll.shape[0]), "context": length,
           "bucket_edges": edges, "by_bucket": by_bucket,
           "nll_by_bucket": [b["loss"] if b["tokens"] else None for b in by_bucket],

@@ -141,9 +141,10 @@ def test_reset_error_is_at_float32_rounding_with_many_resets_per_chunk():
 
 def test_no_change_of_id_is_no_segment_ids():
   args, _, _ = make_inputs(3, 2, 20, 1, 8, 4, 2, decay=1.0, dtype=jnp.float32)
-  plain = triadic.triadic_gdn(*args[:7], initial_state=args[7], impl="chunked", chunk_size=16)
-  same = triadic.triadic_gdn(*args[:7], initial_state=args[7], impl="chunked", chunk_size=16,
-                             segment_ids=jnp.full((2, 20), 7, jnp.int32))
+  run = jax.jit(lambda a, s: triadic.triadic_gdn(*a[:7], initial_state=a[7], impl="chunked",
+                                                 chunk_size=16, segment_ids=s))
+  plain = run(args, None)
+  same = run(args, jnp.full((2, 20), 7, jnp.int32))
   for a, b in zip(plain, same):
     np.testing.assert_array_equal(a, b)
 
@@ -234,7 +235,7 @@ def test_every_mixer_with_documents_matches_separate_rows(mixer):
   layer = make_mixer(mixer, layer_config(mixer))
   x = jax.random.normal(jax.random.key(0), (b, t, MODEL))
   dy = jax.random.normal(jax.random.key(1), (b, t, MODEL))
-  params = layer.init(jax.random.key(2), x)
+  params = jax.jit(layer.init)(jax.random.key(2), x)
   ids = id_batch(b, t)
   u = Unpacked(ids)
 
@@ -270,7 +271,7 @@ def test_lm_with_documents_matches_separate_rows():
                     d_r=3)
   model = LM(cfg)
   tokens = jax.random.randint(jax.random.key(0), (2, 30), 0, 32)
-  params = model.init(jax.random.key(1), tokens)
+  params = jax.jit(model.init)(jax.random.key(1), tokens)
   ids = id_batch(2, 30)
   u = Unpacked(ids)
   logits = jax.jit(lambda p: model.apply(p, tokens, segment_ids=jnp.asarray(ids)))(params)
