@@ -261,17 +261,6 @@ def manifest(paths, args: dict) -> dict:
   return {"format": corpus_lib.FORMAT, "inputs": [stat(p) for p in paths], "args": args}
 
 
-def _batches(docs, size: int):
-  batch = []
-  for d in docs:
-    batch.append(d)
-    if len(batch) == size:
-      yield batch
-      batch = []
-  if batch:
-    yield batch
-
-
 def prepare(input_glob: str, out: str, *, tokenizer: str = "", vocab_size: int = 0,
             eval_fraction: float = 0.01, shard_tokens: int = 100_000_000, batch_docs: int = 512,
             eod_token: str = "", progress: bool = True) -> dict:
@@ -304,6 +293,9 @@ def prepare(input_glob: str, out: str, *, tokenizer: str = "", vocab_size: int =
           if os.path.exists(os.path.join(out, name)):
             os.remove(os.path.join(out, name))
   os.makedirs(out, exist_ok=True)
+  for name in os.listdir(out):  # temporary files of an interrupted run
+    if re.fullmatch(r"(train|eval|tokenizer|token_bytes|dataset)\S*\.tmp\d+", name):
+      os.remove(os.path.join(out, name))
 
   bad: dict[str, str] = {}
   total_bytes = sum(os.path.getsize(p) for p in paths)

@@ -50,6 +50,8 @@ def test_prep_round_trip_bad_files_and_idempotent_rerun(tmp_path, caplog):
   (tmp_path / "in" / "bad.jsonl").write_text('{"text": "ok"}\n{not json\n')
   (tmp_path / "in" / "latin1.txt").write_bytes(b"caf\xe9 is not utf-8")
   out = tmp_path / "out"
+  out.mkdir()
+  (out / "train_00000.bin.tmp999").write_bytes(b"left by an interrupted run")
   with caplog.at_level(logging.WARNING):
     meta = text_prep.prepare(str(tmp_path / "in" / "*"), str(out), vocab_size=300,
                              eval_fraction=0.25, progress=False)
