@@ -70,12 +70,14 @@ class ShortConv(nn.Module):
   param_dtype: Dtype = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, cache: jax.Array | None = None):
+  def __call__(self, x: jax.Array, cache: jax.Array | None = None, segment_ids=None):
     """``(y, new_cache)`` for x (B, T, *channels).
 
     Without ``cache`` (training) the input is causally zero-padded and new_cache is None. With
     ``cache`` (B, width - 1, *channels), the inputs before x, the convolution continues from there
     (zeros = a fresh start) and new_cache is x's last width - 1 inputs, for the next call.
+    ``segment_ids`` (B, T) (packed documents, training only): an input of another document counts
+    as the causal padding's zero, so no output reads the previous document.
     """
     channels = x.shape[2:]
     fan_in = self.width
@@ -90,12 +92,27 @@ class ShortConv(nn.Module):
     t = x.shape[1]
     if cache is None:
       padded = jnp.pad(x, [(0, 0), (self.width - 1, 0)] + [(0, 0)] * len(channels))
+    elif segment_ids is not None:
+      raise ValueError("segment_ids applies to the training forward; a cache continues one document")
     else:
       padded = jnp.concatenate([cache.astype(self.dtype), x], axis=1)
-    y = sum(padded[:, w:w + t] * kernel[w] for w in range(self.width))
+    if segment_ids is None:
+      y = sum(padded[:, w:w + t] * kernel[w] for w in range(self.width))
+    else:  # lag width - 1 - w reads token t - lag: zero unless it is in token t's document
+      y = sum(padded[:, w:w + t] * kernel[w] * _same_document(segment_ids, self.width - 1 - w,
+                                                              len(channels), self.dtype)
+              for w in range(self.width))
     if cache is None:
       return y, None
     return y, padded[:, padded.shape[1] - (self.width - 1):].astype(cache.dtype)
+
+
+def _same_document(segment_ids: jax.Array, lag: int, channel_dims: int, dtype) -> jax.Array:
+  """(B, T, 1, ...) 1 where token t - lag exists and is in token t's document, else 0."""
+  t = segment_ids.shape[1]
+  same = segment_ids[:, :t - lag] == segment_ids[:, lag:] if lag else jnp.ones_like(segment_ids, bool)
+  same = jnp.pad(same, ((0, 0), (min(lag, t), 0)))[:, :t]
+  return same.astype(dtype).reshape(same.shape + (1,) * channel_dims)
 
 
 class RMSNorm(nn.Module):

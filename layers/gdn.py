@@ -67,7 +67,7 @@ def gdn_cache(batch, num_heads, head_dim, value_dim=None, expand_e=1, conv_width
 
 
 def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4, *,
-               dtype=jnp.float32, param_dtype=jnp.float32, conv_cache=None):
+               dtype=jnp.float32, param_dtype=jnp.float32, conv_cache=None, segment_ids=None):
   """The input side of ``TriadicGDN``: (q, k, v, k2, q2, g, beta) from x (B, T, d_model).
 
   Call it inside a compact method: its parameters (q_proj, q_conv, ..., decay, beta_proj) belong to
@@ -75,7 +75,8 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   single-state layer load into the multi-state one (``merlin.MultiStateGDN``) by name.
   Returns ``(inputs, new_conv_cache)``. With ``conv_cache`` ({stream: last conv_width - 1 inputs},
   see ``gdn_cache``) the convolutions continue from it (decoding); without it (training) they start
-  from zeros and new_conv_cache is None.
+  from zeros and new_conv_cache is None. ``segment_ids`` (B, T) (training): packed documents; no
+  convolution reads across a document start.
   """
   h, d, e = num_heads, head_dim, expand_e
   vd = value_dim or head_dim
@@ -85,7 +86,7 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   def stream(features, names, name):
     z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
     y, cache = ShortConv(conv_width, names, name=f"{name}_conv", **kw)(
-        z, None if conv_cache is None else conv_cache[name])
+        z, None if conv_cache is None else conv_cache[name], segment_ids=segment_ids)
     if conv_cache is not None:
       new_cache[name] = cache
     return y

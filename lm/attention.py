@@ -49,8 +49,10 @@ class Attention(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, cache: dict | None = None):
+  def __call__(self, x: jax.Array, cache: dict | None = None, segment_ids=None):
     """``(y, new_cache)``, x and y (B, T, d_model): training without a cache (None back).
+    ``segment_ids`` (B, T) (training only): packed documents; a token attends only to earlier
+    tokens of its own document (RoPE is relative, so positions need not restart per document).
 
     With ``cache`` (``init_cache``: a preallocated KV cache and its length) the T tokens of x come
     after the cached ones: their keys and values are written at ``length``, they attend to every
@@ -71,9 +73,14 @@ class Attention(nn.Module):
       o, cache = cached_attention(q, k, v, cache)
       return out_proj(o.astype(self.dtype)), cache
     q, k = rotary(q), rotary(k)
-    attend = lambda q, k, v: jax.nn.dot_product_attention(q, k, v, is_causal=True,
-                                                          implementation=self.implementation)
-    return out_proj(saved_op(attend)(q, k, v)), None  # named for remat="save_mixer_op"
+    def attend(q, k, v, segment_ids):
+      mask = None
+      if segment_ids is not None:  # (B, 1, T, T), combined with the causal mask by the library
+        mask = segment_ids[:, None, :, None] == segment_ids[:, None, None, :]
+      return jax.nn.dot_product_attention(q, k, v, mask=mask, is_causal=True,
+                                          implementation=self.implementation)
+
+    return out_proj(saved_op(attend)(q, k, v, segment_ids)), None  # named for "save_mixer_op"
 
   def init_cache(self, batch: int, max_len: int) -> dict:
     """Empty KV cache: k, v (B, max_len, kv_heads, head_dim) in the compute dtype, length 0."""

@@ -70,7 +70,9 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
 
 
 def validate(config, process_count: int = 1) -> ModelConfig:
-  """Check ``config``; return the ModelConfig. Raises ValueError naming the first bad key."""
+  """Check ``config``; return the ModelConfig. Raises ValueError naming the first bad key.
+  A text config's ``data.vocab_size`` of 0 is set from its dataset here."""
+  data.resolve_vocab_size(config.data)
   cfg = ModelConfig.from_config(config)
   t = config.train
   for key in ("num_steps", "batch_size", "log_every", "checkpoint_every", "keep_checkpoints"):
@@ -95,11 +97,6 @@ def validate(config, process_count: int = 1) -> ModelConfig:
         raise ValueError(f"{where} = {length} exceeds what the model holds: model.max_segments * "
                          f"model.segment_len = {cfg.max_segments} * {cfg.segment_len} = "
                          f"{cfg.max_len}; raise model.max_segments or shorten {where}")
-  token_range = data_token_range(config.data)
-  if token_range is not None and cfg.vocab_size < token_range:
-    raise ValueError(f"data.vocab_size ({cfg.vocab_size}) is smaller than the token range of "
-                     f"data.name={config.data.name!r} ({token_range}): tokens >= vocab_size would "
-                     f"index past the embedding table")
   if not isinstance(config.seed, int) or config.seed < 0:
     raise ValueError(f"seed must be a non-negative int, got {config.seed!r}")
   return cfg
@@ -114,15 +111,6 @@ def eval_lengths(d) -> list[tuple[str, int]]:
   if d.name == "text":
     return [("data.eval_seq_len", int(d.get("eval_seq_len", 0) or d.seq_len))]
   return []
-
-
-def data_token_range(d) -> int | None:
-  """How many token ids data section ``d`` can produce, where that is fixed by the data rather
-  than by ``vocab_size``: 256 for byte-level text. None for the synthetic tasks (their generators
-  draw from ``vocab_size`` itself)."""
-  if d.name == "text" and not d.get("tokenizer", ""):
-    return 256
-  return None
 
 
 def _flat(tree: dict, prefix: str = "") -> dict:

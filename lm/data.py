@@ -1,4 +1,4 @@
-"""Training and evaluation data, through grain: MQAR, needle in a haystack, byte-level text.
+"""Training and evaluation data, through grain: MQAR, needle in a haystack, tokenized text.
 
 Every example is laid out for a causal next-token LM, as a dict of numpy arrays of length
 ``data.seq_len``:
@@ -7,7 +7,14 @@ Every example is laid out for a causal next-token LM, as a dict of numpy arrays 
   targets  int32    what each position must predict: the next token (at MQAR's answer
                     positions, the queried key's value, as in Zoology's labels);
   weights  float32  the loss weight of each position (MQAR and NIAH: 1 on the answers, 0
-                    elsewhere and on padding; text: 1 everywhere).
+                    elsewhere and on padding; text: 1, except 0 where the target is the first
+                    token of the next document);
+  segment_ids int32 text only: the document index of each input token within its row (documents
+                    are packed into rows; the model runs each as its own sequence).
+
+Text comes from a directory that ``python -m lm.text_prep`` wrote (or a Megatron PREFIX of
+.bin/.idx files), read through ``np.memmap``; ``lm.corpus`` has the layout and the packing.
+
 
 Synthetic examples are pure functions of ``(seed, stream, index)`` (numpy's SeedSequence), so a
 run is deterministic by seed, every process can build its own share without talking to the
@@ -22,8 +29,6 @@ the ``*_eval_set`` builders that ``lm.evals`` scores.
 
 from __future__ import annotations
 
-import glob
-import os
 import sys
 import dataclasses
 from collections.abc import Callable, Sequence
@@ -31,6 +36,8 @@ from collections.abc import Callable, Sequence
 import grain
 import ml_collections
 import numpy as np
+
+from lm import corpus as corpus_lib
 
 PAD = 0  # padding token (weight 0) and MQAR's empty slots before random_non_queries fills them
 NEEDLE = 1  # NIAH: opens a needle "NEEDLE key... value..."
@@ -104,13 +111,14 @@ def _niah_defaults(c: ml_collections.ConfigDict) -> None:
 
 def _text_defaults(c: ml_collections.ConfigDict) -> None:
   c.name = "text"
-  c.vocab_size = 256  # bytes
+  c.path = ""  # a directory written by `python -m lm.text_prep`, or a Megatron PREFIX (.bin/.idx)
+  c.vocab_size = 0  # 0: the dataset's (dataset.json); larger pads the embedding
   c.seq_len = 256
-  c.text_glob = ""  # files to read, e.g. "corpus/**/*.txt" (recursive glob)
-  c.eval_fraction = 0.05  # the last bytes of the corpus, held out for evaluation
+  c.eval_path = ""  # Megatron only: a held-out PREFIX; empty: hold out documents of data.path
+  c.eval_fraction = 0.01  # Megatron only, without eval_path: the last documents, held out
   c.eval_seq_len = 0  # 0: seq_len
   c.num_eval_examples = 64  # held-out windows to score (at most)
-  c.eval_num_buckets = 8  # perplexity is reported per bucket of positions
+  c.eval_num_buckets = 8  # loss is reported per bucket of positions (context before a token)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -255,37 +263,45 @@ def _spread(rng: np.random.Generator, room: int, count: int, width: int) -> np.n
 # Text
 
 
-def read_text(text_glob: str) -> np.ndarray:
-  """The bytes of every file ``text_glob`` matches (sorted, recursive), concatenated (uint8)."""
-  paths = sorted(p for p in glob.glob(text_glob, recursive=True) if os.path.isfile(p))
-  if not text_glob or not paths:
-    raise ValueError(f"data.text_glob must match at least one file; {text_glob!r} matches none")
-  return np.concatenate([np.fromfile(p, dtype=np.uint8) for p in paths])
+def text_corpus(c: ml_collections.ConfigDict, split: str) -> corpus_lib.Corpus:
+  """The "train" or "eval" documents of ``data.path`` (see ``lm.corpus``)."""
+  if not c.path:
+    raise ValueError("data.path must name a directory written by `python -m lm.text_prep "
+                     "--input=GLOB --out=DIR` (or a Megatron PREFIX of .bin/.idx files)")
+  if not corpus_lib.is_megatron(c.path):
+    return corpus_lib.load(c.path, split)
+  if c.eval_path:
+    return corpus_lib.load(c.path if split == "train" else c.eval_path, split)
+  return corpus_lib.split_documents(corpus_lib.load(c.path, split),
+                                    c.eval_fraction)[split == "eval"]
 
 
-def pack(data: np.ndarray, seq_len: int) -> np.ndarray:
-  """Non-overlapping windows of seq_len + 1 bytes, (num_windows, seq_len + 1); drops the tail."""
-  n = len(data) // (seq_len + 1)
-  return data[: n * (seq_len + 1)].reshape(n, seq_len + 1)
+def resolve_vocab_size(c: ml_collections.ConfigDict) -> None:
+  """Set ``data.vocab_size`` from the text dataset's dataset.json when it is 0; ValueError if it
+  is smaller than the dataset's, or unknown (a Megatron corpus says nothing of its vocabulary)."""
+  if c.name != "text" or (not c.path and c.vocab_size > 0):
+    return  # nothing to read it from, nothing to check it against (sizes, parameter counts)
+  if not c.path:
+    text_corpus(c, "train")  # the error that says what data.path must be
+  if corpus_lib.is_megatron(c.path):
+    if c.vocab_size < 1:
+      raise ValueError(f"data.path={c.path!r} is a Megatron corpus, which does not record its "
+                       f"vocabulary: set data.vocab_size (Llama-2's tokenizer: 32000)")
+    return
+  vocab = corpus_lib.read_meta(c.path)["vocab_size"]
+  if c.vocab_size == 0:
+    c.vocab_size = vocab
+  elif c.vocab_size < vocab:
+    raise ValueError(f"data.vocab_size={c.vocab_size} is smaller than the vocabulary of "
+                     f"data.path={c.path!r} ({vocab}); 0 takes the dataset's")
 
 
-def text_split(c: ml_collections.ConfigDict) -> tuple[np.ndarray, np.ndarray]:
-  """(train, held-out) windows: the corpus's last ``eval_fraction`` of bytes is held out."""
-  if not 0.0 < c.eval_fraction < 1.0:
-    raise ValueError(f"data.eval_fraction must be in (0, 1); got {c.eval_fraction}")
-  data = read_text(c.text_glob)
-  eval_len = c.eval_seq_len or c.seq_len
-  cut = len(data) - max(int(len(data) * c.eval_fraction), eval_len + 1)
-  train, held_out = pack(data[:max(cut, 0)], c.seq_len), pack(data[max(cut, 0):], eval_len)
-  if len(train) == 0 or len(held_out) == 0:
-    raise ValueError(f"data.text_glob={c.text_glob!r}: {len(data)} bytes are too few for one "
-                     f"training window of seq_len + 1 = {c.seq_len + 1} bytes plus one held-out "
-                     f"window of {eval_len + 1}")
-  return train, held_out
-
-
-def _window_example(window: np.ndarray) -> dict:
-  return _example(window.astype(np.int32), np.ones(len(window) - 1, np.float32))
+def text_windows(c: ml_collections.ConfigDict, split: str, seq_len: int) -> corpus_lib.PackedWindows:
+  windows = corpus_lib.PackedWindows(text_corpus(c, split), seq_len)
+  if len(windows) == 0:
+    raise ValueError(f"data.path={c.path!r}: its {split} split has {windows.num_tokens} tokens, "
+                     f"too few for one window of {seq_len} + 1")
+  return windows
 
 
 # ---------------------------------------------------------------------------------------------
@@ -371,8 +387,7 @@ def _synthetic_train_set(check: Callable, example: Callable) -> Callable:
 
 
 def _text_train_set(c: ml_collections.ConfigDict, seed: int) -> grain.MapDataset:
-  windows, _ = text_split(c)
-  return grain.MapDataset.source(windows).shuffle(seed).repeat().map(_window_example)
+  return grain.MapDataset.source(text_windows(c, "train", c.seq_len)).shuffle(seed).repeat()
 
 
 def _pad(x: np.ndarray, n: int) -> np.ndarray:
@@ -387,8 +402,8 @@ def make_train_iterator(data_config: ml_collections.ConfigDict, *, seed: int,
   Each batch is a dict of ``inputs``/``targets`` int32 and ``weights`` float32, all
   (global_batch_size // process_count, data.seq_len). The global stream of examples is fixed
   by ``seed``; process p takes examples p, p + P, p + 2P, ... so the processes' shares are
-  disjoint and together batch k of every process is global batch k. Text windows are
-  reshuffled every epoch. Save and restore the iterator with ``iterator_checkpoint_args``.
+  disjoint and together batch k of every process is global batch k. Text windows (packed
+  documents, with ``segment_ids``) are reshuffled every epoch. Save and restore the iterator with ``iterator_checkpoint_args``.
   """
   c = data_config
   if global_batch_size < 1 or process_count < 1 or global_batch_size % process_count:
@@ -458,9 +473,21 @@ def niah_eval_set(data_config: ml_collections.ConfigDict, length_index: int,
 
 
 def text_eval_set(data_config: ml_collections.ConfigDict) -> dict[str, np.ndarray]:
-  """The first ``num_eval_examples`` held-out windows of eval_seq_len (or seq_len), stacked."""
-  _, held_out = text_split(data_config)
-  return _stack([_window_example(w) for w in held_out[:data_config.num_eval_examples]])
+  """The first ``num_eval_examples`` windows of eval_seq_len (or seq_len) over the held-out
+  documents, stacked, with two more fields: ``positions`` (how many earlier tokens of its own
+  document each input token sees in its row) and ``target_bytes`` (UTF-8 bytes of each target
+  token, when the dataset records them; else absent)."""
+  c = data_config
+  windows = text_windows(c, "eval", c.eval_seq_len or c.seq_len)
+  ex = _stack([windows[i] for i in range(min(c.num_eval_examples, len(windows)))])
+  seg = ex["segment_ids"]
+  t = np.arange(seg.shape[1])
+  first = np.maximum.accumulate(np.where(np.diff(seg, axis=1, prepend=-1) != 0, t, 0), axis=1)
+  ex["positions"] = (t - first).astype(np.int32)
+  token_bytes = text_corpus(c, "eval").token_bytes
+  if token_bytes is not None:
+    ex["target_bytes"] = token_bytes[ex["targets"]].astype(np.int32)
+  return ex
 
 
 # ---------------------------------------------------------------------------------------------

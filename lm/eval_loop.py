@@ -25,7 +25,7 @@ import ml_collections
 import numpy as np
 from absl import logging
 
-from lm import checkpoint, costs, evals, generate, sharding, state as state_lib
+from lm import checkpoint, costs, data, evals, generate, sharding, state as state_lib
 from lm.config import config_changes
 from lm.model import ModelConfig
 
@@ -81,6 +81,7 @@ def config_variant(config, workdir: str, *, allow_model_change: bool = False) ->
 
 def count(config) -> dict:
   """Parameter counts and per-sequence decode memory of ``config``'s model (nothing allocated)."""
+  data.resolve_vocab_size(config.data)
   cfg = ModelConfig.from_config(config)
   return {**costs.count_params(cfg), **costs.state_bytes(cfg, config.data.seq_len),
           "flops_per_token": costs.flops_per_token(cfg, config.data.seq_len)}
@@ -102,16 +103,18 @@ def evaluate(config, workdir: str, step: int | None = None, mode: str | None = N
     with open(os.path.join(out_root, "config.json"), "w") as f:
       f.write(config.to_json_best_effort(indent=2))
     logging.info("config differs from %s/config.json: results go to %s", workdir, out_root)
+  data.resolve_vocab_size(config.data)
   cfg = ModelConfig.from_config(config)
   mesh = sharding.make_mesh(config.mesh)
   rules = sharding.rules(config)
   setup = state_lib.create(cfg, config.train, mesh, rules, config.data.seq_len)
   params, step_dir = checkpoint.load_newest_params(workdir, setup.abstract_state.params, step)
   logging.info("evaluating %s", step_dir)
-  apply = jax.jit(lambda p, x: setup.model.apply({"params": p}, x))
+  apply = jax.jit(lambda p, x, s: setup.model.apply({"params": p}, x, segment_ids=s))
 
-  def logits_fn(inputs: np.ndarray) -> np.ndarray:
-    return np.asarray(apply(params, np.asarray(inputs, np.int32)))
+  def logits_fn(inputs: np.ndarray, segment_ids: np.ndarray | None = None) -> np.ndarray:
+    seg = None if segment_ids is None else np.asarray(segment_ids, np.int32)
+    return np.asarray(apply(params, np.asarray(inputs, np.int32), seg))
 
   batch_shards = mesh.shape["data"] * mesh.shape["fsdp"]
   split = jax.process_count() == 1 and config.eval.batch_size % batch_shards == 0

@@ -6,7 +6,8 @@ example; "generate" (needle retrieval only) feeds the prompt up to the query and
 continuation, written as ``<task>_generate_step<step>.json``. For greedy decoding the two agree
 exactly: every teacher-forced argmax of the answer is right iff generation reproduces it.
 
-The model enters only as ``logits_fn(inputs int32 (b, t)) -> logits (b, t, vocab)`` or
+The model enters only as ``logits_fn(inputs int32 (b, t)) -> logits (b, t, vocab)`` (text:
+``logits_fn(inputs, segment_ids)``, packed documents) or
 ``generate_fn(prompts int32 (b, p), num_tokens) -> tokens int32 (b, num_tokens)``, so this module
 knows nothing of Flax, meshes or checkpoints. Evaluation sets come from ``lm.data`` and depend on
 ``data.eval_seed`` only, so runs with different training seeds meet the same examples.
@@ -38,12 +39,15 @@ def _score(logits_fn: LogitsFn, examples: dict, batch_size: int, pbar) -> tuple:
   results are dropped), so a jitted ``logits_fn`` compiles once per sequence length.
   """
   inputs, targets = examples["inputs"], examples["targets"]
+  segments = examples.get("segment_ids")
+  pad = lambda x: np.pad(x, ((0, batch_size - len(x)), (0, 0)), constant_values=data.PAD)
   preds, nll = [], []
   for i in range(0, len(inputs), batch_size):
     rows = inputs[i:i + batch_size]
     b = len(rows)
-    batch = np.pad(rows, ((0, batch_size - b), (0, 0)), constant_values=data.PAD)
-    logits = np.asarray(logits_fn(batch), np.float32)
+    batch = pad(rows)
+    logits = np.asarray(logits_fn(batch) if segments is None else
+                        logits_fn(batch, pad(segments[i:i + batch_size])), np.float32)
     if logits.ndim != 3 or logits.shape[:2] != batch.shape or logits.shape[2] <= targets.max():
       raise ValueError(f"logits_fn must map int32 inputs {batch.shape} to logits of shape "
                        f"(b, t, vocab) = ({batch_size}, {batch.shape[1]}, >= "
@@ -155,19 +159,47 @@ def _niah_metrics(grid: np.ndarray, lengths: list, depths: list) -> dict:
           "accuracy_by_length": grid.mean(axis=0).tolist()}
 
 
+def _text_scores(nll, w, nbytes) -> dict:
+  """Loss per token, perplexity and bits per byte of the scored tokens (weights w)."""
+  tokens = float(w.sum())
+  out = {"tokens": int(tokens), "loss": float((nll * w).sum() / max(tokens, 1.0))}
+  out["perplexity"] = float(np.exp(out["loss"]))
+  if nbytes is not None:
+    total = float((nbytes * w).sum())
+    out["bytes"] = int(total)
+    out["bits_per_byte"] = float((nll * w).sum() / (np.log(2) * total)) if total else None
+  return out
+
+
 def eval_text(c: ml_collections.ConfigDict, logits_fn: LogitsFn, batch_size: int) -> dict:
-  """Perplexity of held-out byte windows, overall and per bucket of positions."""
+  """Held-out documents packed into windows of eval_seq_len: loss per token (nats), perplexity and
+  bits per byte (total nats / (ln 2 * total UTF-8 bytes of the scored targets): comparable across
+  tokenizers), overall and per bucket of positions, a token's position being how many earlier
+  tokens of its own document it sees (the context it has, up to the window length).
+
+  Scored: every target of the same document as its input (weights 1), the end-of-document token
+  included (0 bytes: its nats count against the document's bytes); not a document's first token
+  predicted from the previous one. Bits per byte needs the dataset's per-token byte lengths
+  (``lm.text_prep`` writes them; a Megatron corpus has none, so it is left out there).
+  """
   ex = data.text_eval_set(c)
   with _progress(len(ex["inputs"]), "text") as pbar:
     _, nll = _score(logits_fn, ex, batch_size, pbar)
-  per_position = nll.mean(axis=0)
-  buckets = np.array_split(np.arange(nll.shape[1]), min(c.eval_num_buckets, nll.shape[1]))
-  bucket_nll = [float(per_position[b].mean()) for b in buckets]
-  return {"perplexity": float(np.exp(nll.mean())), "bits_per_byte": float(nll.mean() / np.log(2)),
-          "windows": int(nll.shape[0]),
-          "bucket_edges": [int(b[0]) for b in buckets] + [int(nll.shape[1])],
-          "nll_by_bucket": bucket_nll, "perplexity_by_bucket": np.exp(bucket_nll).tolist(),
-          "perplexity_by_position": np.exp(per_position).tolist()}
+  w, pos, nbytes = ex["weights"], ex["positions"], ex.get("target_bytes")
+  length = nll.shape[1]
+  buckets = np.array_split(np.arange(length), min(c.eval_num_buckets, length))
+  edges = [int(b[0]) for b in buckets] + [length]
+  by_bucket = [_text_scores(nll, w * ((pos >= lo) & (pos < hi)), nbytes)
+               for lo, hi in zip(edges[:-1], edges[1:])]
+  nats = np.bincount(pos.ravel(), weights=(nll * w).ravel(), minlength=length)
+  counts = np.bincount(pos.ravel(), weights=w.ravel(), minlength=length)
+  per_position = [float(a / n) if n else None for a, n in zip(nats, counts)]
+  return {**_text_scores(nll, w, nbytes), "windows": int(nll.shape[0]), "context": length,
+          "bucket_edges": edges, "by_bucket": by_bucket,
+          "nll_by_bucket": [b["loss"] if b["tokens"] else None for b in by_bucket],
+          "perplexity_by_bucket": [b["perplexity"] if b["tokens"] else None for b in by_bucket],
+          "bits_per_byte_by_bucket": [b.get("bits_per_byte") for b in by_bucket],
+          "perplexity_by_position": [None if x is None else float(np.exp(x)) for x in per_position]}
 
 
 _EVALUATORS = {"mqar": eval_mqar, "niah": eval_niah, "text": eval_text}
@@ -205,9 +237,11 @@ def _plot(name: str, m: dict, out: epath.Path, step: int) -> list[str]:
                           f"needle accuracy, step {step}"),
             plots.depth_curve(out / f"niah_depth_step{step}.png", m["depths"], grid,
                               m["lengths"], f"needle accuracy by depth, step {step}")]
+  nan = lambda xs: np.asarray([np.nan if x is None else x for x in xs], np.float64)
   return [plots.perplexity_curve(out / f"text_perplexity_step{step}.png",
-                                 np.asarray(m["perplexity_by_position"]), m["bucket_edges"],
-                                 m["perplexity_by_bucket"], f"perplexity by position, step {step}")]
+                                 nan(m["perplexity_by_position"]), m["bucket_edges"],
+                                 nan(m["perplexity_by_bucket"]),
+                                 f"perplexity by position in the document, step {step}")]
 
 
 def evaluate(data_config: ml_collections.ConfigDict, logits_fn: LogitsFn | None, workdir: str, *,

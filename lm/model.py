@@ -154,12 +154,13 @@ class Block(nn.Module):
   mixer: str
 
   @nn.compact
-  def __call__(self, x, cache=None):
+  def __call__(self, x, cache=None, segment_ids=None):
     """``(x, new_cache)``: the mixer's convention (cache None in training; see ``LM.__call__``)."""
     dt = self.cfg.compute_dtype
     x = nn.with_logical_constraint(x, ("batch", None, "embed_act"))
     h = RMSNorm(dtype=dt, name="mixer_norm")(x)
-    y, cache = mixers.make_mixer(self.mixer, self.cfg, dtype=dt, name="mixer")(h, cache)
+    mixer = mixers.make_mixer(self.mixer, self.cfg, dtype=dt, name="mixer")
+    y, cache = mixer(h, cache) if segment_ids is None else mixer(h, cache, segment_ids=segment_ids)
     x = x + y.astype(x.dtype)
     h = RMSNorm(dtype=dt, name="mlp_norm")(x)
     x = x + Mlp(self.cfg.mlp_dim, dtype=dt, name="mlp")(h).astype(x.dtype)
@@ -172,12 +173,13 @@ class Group(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, x, cache):
+  def __call__(self, x, cache, segment_ids=None):
     """(x, None) -> (x, None) for training; (x, {block_i: cache}) -> (x, new caches) to decode."""
     new = {}
     for i, mixer in enumerate(self.cfg.pattern()):
       name = f"block{i}"
-      x, new[name] = Block(self.cfg, mixer, name=name)(x, None if cache is None else cache[name])
+      x, new[name] = Block(self.cfg, mixer, name=name)(x, None if cache is None else cache[name],
+                                                       segment_ids)
     return x, None if cache is None else new
 
 
@@ -187,8 +189,12 @@ class LM(nn.Module):
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, cache: dict | None = None):
+  def __call__(self, tokens: jax.Array, cache: dict | None = None, segment_ids=None):
     """Logits (B, T, vocab) for tokens (B, T): the training forward.
+
+    ``segment_ids`` (B, T) int32 (packed documents, the document index of each token in its row):
+    every token sees only its own document: attention is masked, recurrent states reset and short
+    convolutions do not reach into the previous document.
 
     With ``cache`` (``init_cache``, or returned by the previous call) the tokens continue the cached
     sequence and the result is ``(logits, new_cache)``: a prompt (prefill, the parallel form) or one
@@ -197,6 +203,11 @@ class LM(nn.Module):
     cfg = self.cfg
     if tokens.ndim != 2:
       raise ValueError(f"tokens must have shape (B, T), got shape {tokens.shape}")
+    if segment_ids is not None and cache is not None:
+      raise ValueError("segment_ids applies to the training forward; a cache continues one document")
+    if segment_ids is not None and segment_ids.shape != tokens.shape:
+      raise ValueError(f"segment_ids must have the shape of tokens {tokens.shape}, got "
+                       f"{segment_ids.shape}")
     if cfg.max_len is not None and tokens.shape[1] > cfg.max_len:
       raise ValueError(f"sequence length {tokens.shape[1]} exceeds model.max_segments * "
                        f"model.segment_len = {cfg.max_segments} * {cfg.segment_len} = {cfg.max_len}")
@@ -208,9 +219,9 @@ class LM(nn.Module):
     group = Group if remat == "none" else nn.remat(Group, prevent_cse=False,
                                                     policy=REMAT_POLICIES[remat])
     stack = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
-                    length=cfg.num_layers // len(cfg.pattern()),
+                    in_axes=(0, nn.broadcast), length=cfg.num_layers // len(cfg.pattern()),
                     metadata_params={nn.PARTITION_NAME: "layers"})
-    x, cache = stack(cfg, name="layers")(x, cache)
+    x, cache = stack(cfg, name="layers")(x, cache, segment_ids)
     x = RMSNorm(dtype=cfg.compute_dtype, name="final_norm")(x)
     if cfg.tie_embeddings:
       logits = embed.attend(x.astype(cfg.compute_dtype))

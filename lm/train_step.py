@@ -14,8 +14,10 @@ from lm.state import Setup, TrainState, schedule
 
 
 def loss_fn(model: LM, params, batch):
-  """Weighted next-token cross-entropy and accuracy over positions with weight > 0."""
-  logits = model.apply({"params": params}, batch["inputs"])
+  """Weighted next-token cross-entropy and accuracy over positions with weight > 0. A batch with
+  ``segment_ids`` (packed documents) runs each document as its own sequence; its ``weights`` are
+  already 0 where a target opens the next document (``lm.data``)."""
+  logits = model.apply({"params": params}, batch["inputs"], segment_ids=batch.get("segment_ids"))
   ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   w = batch["weights"]
   denom = jnp.maximum(jnp.sum(w), 1e-9)

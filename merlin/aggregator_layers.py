@@ -1,7 +1,8 @@
 """The aggregators as Flax Linen modules: one class per kind, built by ``make_aggregator``.
 
 Each maps the hidden state x (B, T, d_model) to segment weights lam (B, T, H, N) and is called as
-``aggregator(x, cache=None, position=None) -> (lam, cache)``:
+``aggregator(x, cache=None, position=None, segment_ids=None) -> (lam, cache)`` (segment_ids
+(B, T), training only: packed documents, segments counted from each document's start):
 
 - training (``cache=None``): lam for every token; the returned cache is None;
 - prefill (``cache`` from ``init_cache``, T > 1, from the start of the sequence): lam as in
@@ -55,7 +56,7 @@ class VanillaAggregator(_AggregatorBase):
   """lam = 1: the sum of the segment states, i.e. the single-state layer."""
 
   @nn.compact
-  def __call__(self, x: jax.Array, cache: dict | None = None, position=None):
+  def __call__(self, x: jax.Array, cache: dict | None = None, position=None, segment_ids=None):
     del position
     b, t = x.shape[:2]
     return vanilla_weights(b, t, self.num_heads, self.max_segments), cache
@@ -65,7 +66,7 @@ class PositionAggregator(_AggregatorBase):
   """lam_ti = softplus(p_t[s(t) - i]): a weight per distance in segments, p = W x + b."""
 
   @nn.compact
-  def __call__(self, x: jax.Array, cache: dict | None = None, position=None):
+  def __call__(self, x: jax.Array, cache: dict | None = None, position=None, segment_ids=None):
     h, n = self.num_heads, self.max_segments
     logical = nn.with_logical_partitioning
     p = nn.DenseGeneral(
@@ -74,7 +75,7 @@ class PositionAggregator(_AggregatorBase):
         bias_init=logical(nn.initializers.constant(softplus_inverse(1.0)), ("heads", None)),
         dtype=self.dtype, param_dtype=self.param_dtype)(x)
     if cache is None or x.shape[1] > 1:
-      return position_weights(p, segment_len=self.segment_len), cache
+      return position_weights(p, segment_len=self.segment_len, segment_ids=segment_ids), cache
     distance = jnp.clip(position // self.segment_len - jnp.arange(n), 0, n - 1)
     lam = jax.nn.softplus(jnp.take(p.astype(jnp.float32), distance, axis=-1))
     return jnp.where(visible_now(position, n, self.segment_len), lam, 0.0), cache
@@ -147,12 +148,13 @@ class MeanpoolAggregator(_MomentAggregator):
   SECOND_MOMENT = False  # reads only the mean: no k' k'^T sums in its cache
 
   @nn.compact
-  def __call__(self, x: jax.Array, cache: dict | None = None, position=None):
+  def __call__(self, x: jax.Array, cache: dict | None = None, position=None, segment_ids=None):
     qr, kr = self.small_keys(x)
     tau_mu = self.temperature("tau_mu", self.d_r ** 0.5)
     scores, cache = self.moments(qr, kr, cache, position)
     if scores is None:
-      return meanpool_weights(qr, kr, tau_mu, **self.segment_kwargs()), cache
+      return meanpool_weights(qr, kr, tau_mu, segment_ids=segment_ids,
+                              **self.segment_kwargs()), cache
     r_mu, _ = scores
     return _softmax(r_mu[:, None], tau_mu, self.visible(position)), cache
 
@@ -161,7 +163,7 @@ class MerlinAggregator(_MomentAggregator):
   """lam = gamma softmax(tau_mu r_mu) + (1 - gamma) softmax(tau_sigma r_sigma) over i <= s(t)."""
 
   @nn.compact
-  def __call__(self, x: jax.Array, cache: dict | None = None, position=None):
+  def __call__(self, x: jax.Array, cache: dict | None = None, position=None, segment_ids=None):
     qr, kr = self.small_keys(x)
     tau_mu = self.temperature("tau_mu", self.d_r ** 0.5)
     scores, cache = self.moments(qr, kr, cache, position)
@@ -170,7 +172,8 @@ class MerlinAggregator(_MomentAggregator):
                                  param_dtype=self.param_dtype)(x).astype(jnp.float32))
     tau_sigma = self.temperature("tau_sigma", float(self.d_r))
     if scores is None:
-      return merlin_weights(qr, kr, gamma, tau_mu, tau_sigma, **self.segment_kwargs()), cache
+      return merlin_weights(qr, kr, gamma, tau_mu, tau_sigma, segment_ids=segment_ids,
+                            **self.segment_kwargs()), cache
     r_mu, r_sigma = scores
     mask = self.visible(position)
     gamma = gamma[..., None]

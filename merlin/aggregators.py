@@ -7,6 +7,10 @@
 
 Every weight is zero for i > s(t) (segments not yet started). ``impl`` picks how the segment
 moments are computed: "scan" (running sums), "parallel" or "auto" (= "parallel").
+
+``segment_ids`` (B, T) (packed rows, as ``merlin.multistate_attention`` takes them): s(t) and the
+segments i are counted from the start of the token's document, and only its own document's
+segments are visible, as if each document were its own row.
 """
 
 from __future__ import annotations
@@ -15,8 +19,17 @@ import jax
 import jax.numpy as jnp
 
 from merlin.moments import IMPLS, moment_scores
-from merlin.segments import check_segments, segment_ids, visible
+from merlin.segments import (check_segments, document_segments, document_visible, segment_ids,
+                             visible)
 from triadic.ops import check_array
+
+
+def _segments(t, segment_len, n, doc_ids):
+  """(s(t) (T,) or (B, T), visible (T, N) or (B, T, N)) for rows or packed rows."""
+  if doc_ids is None:
+    return segment_ids(t, segment_len), visible(t, segment_len, n)
+  seg = document_segments(doc_ids, segment_len)[0]
+  return seg, document_visible(seg, n)
 
 
 def _check_moment_inputs(qr, kr, segment_len, max_segments, impl):
@@ -48,11 +61,14 @@ def _heads(qr, tau_mu):
 
 
 def _softmax(scores, tau, mask):
-  """softmax over the visible segments of tau_h * scores; zero elsewhere. (B,T,G,N), (H,) -> (B,T,H,N)."""
-  return jax.nn.softmax(tau.astype(jnp.float32)[:, None] * scores, axis=-1, where=mask[:, None, :])
+  """softmax over the visible segments of tau_h * scores; zero elsewhere. (B,T,G,N), (H,) -> (B,T,H,N).
+  mask: (T, N), or (B, T, N) for packed rows."""
+  mask = mask[:, None, :] if mask.ndim == 2 else mask[:, :, None, :]
+  return jax.nn.softmax(tau.astype(jnp.float32)[:, None] * scores, axis=-1, where=mask)
 
 
-def meanpool_weights(qr, kr, tau_mu, *, segment_len: int, max_segments: int, impl: str = "auto"):
+def meanpool_weights(qr, kr, tau_mu, *, segment_len: int, max_segments: int, impl: str = "auto",
+                     segment_ids=None):
   """Meanpool lam: softmax over visible segments of tau_mu * (mean key . query).
 
   qr, kr: (B, T, H, R) (or (B, T, 1, R), one group shared by all heads); tau_mu: (H,) positive.
@@ -60,12 +76,13 @@ def meanpool_weights(qr, kr, tau_mu, *, segment_len: int, max_segments: int, imp
   """
   _check_moment_inputs(qr, kr, segment_len, max_segments, impl)
   _heads(qr, tau_mu)
-  r_mu, _ = moment_scores(qr, kr, segment_len=segment_len, num_segments=max_segments, impl=impl)
-  return _softmax(r_mu, tau_mu, visible(qr.shape[1], segment_len, max_segments))
+  r_mu, _ = moment_scores(qr, kr, segment_len=segment_len, num_segments=max_segments, impl=impl,
+                          doc_ids=segment_ids)
+  return _softmax(r_mu, tau_mu, _segments(qr.shape[1], segment_len, max_segments, segment_ids)[1])
 
 
 def merlin_weights(qr, kr, gamma, tau_mu, tau_sigma, *, segment_len: int, max_segments: int,
-                   impl: str = "auto"):
+                   impl: str = "auto", segment_ids=None):
   """MERLIN lam: a gamma-gated mix of the softmaxes of the mean alignment and of its variance.
 
   qr, kr: (B, T, H, R) (or (B, T, 1, R), shared); gamma: (B, T, H) in (0, 1); tau_mu,
@@ -75,13 +92,14 @@ def merlin_weights(qr, kr, gamma, tau_mu, tau_sigma, *, segment_len: int, max_se
   h = _heads(qr, tau_mu)
   _check_per_head("tau_sigma", tau_sigma, (h,))
   _check_per_head("gamma", gamma, qr.shape[:2] + (h,))
-  r_mu, r_sigma = moment_scores(qr, kr, segment_len=segment_len, num_segments=max_segments, impl=impl)
-  mask = visible(qr.shape[1], segment_len, max_segments)
+  r_mu, r_sigma = moment_scores(qr, kr, segment_len=segment_len, num_segments=max_segments,
+                                impl=impl, doc_ids=segment_ids)
+  mask = _segments(qr.shape[1], segment_len, max_segments, segment_ids)[1]
   gamma = gamma.astype(jnp.float32)[..., None]
   return gamma * _softmax(r_mu, tau_mu, mask) + (1.0 - gamma) * _softmax(r_sigma, tau_sigma, mask)
 
 
-def position_weights(p, *, segment_len: int):
+def position_weights(p, *, segment_len: int, segment_ids=None):
   """Position lam_ti = softplus(p_t[s(t) - i]) for i <= s(t): a weight per distance in segments.
 
   p: (B, T, H, N). Returns (B, T, H, N) float32.
@@ -89,9 +107,12 @@ def position_weights(p, *, segment_len: int):
   check_array("p", p, 4, "(B, T, H, N)")
   t, n = p.shape[1], p.shape[-1]
   check_segments(t, segment_len, n, "p.shape[-1] (N, the number of segments)")
-  distance = jnp.clip(segment_ids(t, segment_len)[:, None] - jnp.arange(n), 0, n - 1)  # (T, N)
-  lam = jax.nn.softplus(jnp.take_along_axis(p.astype(jnp.float32), distance[None, :, None, :], -1))
-  return jnp.where(visible(t, segment_len, n)[:, None, :], lam, 0.0)
+  seg, vis = _segments(t, segment_len, n, segment_ids)
+  distance = jnp.clip(seg[..., None] - jnp.arange(n), 0, n - 1)  # (T, N) or (B, T, N)
+  distance = distance[None] if distance.ndim == 2 else distance
+  lam = jax.nn.softplus(jnp.take_along_axis(p.astype(jnp.float32), distance[:, :, None, :], -1))
+  vis = vis[None] if vis.ndim == 2 else vis
+  return jnp.where(vis[:, :, None, :], lam, 0.0)
 
 
 def vanilla_weights(b: int, t: int, h: int, n: int):

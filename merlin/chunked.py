@@ -31,7 +31,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from merlin.segments import segment_ids
+from merlin.segments import document_segments, segment_ids
 from triadic.chunked import to_chunks, unit_lower_inverse
 
 
@@ -42,32 +42,57 @@ def _group_size(n: int) -> int:
   return max(g for g in range(1, root + 1) if n % g == 0)
 
 
-def intra_chunk(q, k, v, g, beta, erase: bool):
+def intra_chunk(q, k, v, g, beta, erase: bool, docs=None):
   """Everything inside a chunk that does not touch a state. Inputs (..., C, D|V) and (..., C).
 
-  Returns (uv, w, q_eff, k_write, chunk_decay, intra): Uv (.., C, V); W (.., C, D) or None;
-  Qe (.., C, D); Kw (.., C, D); exp(gc_C) (..,); and P Uv (.., C, V).
+  ``docs`` (None: one document) is ``chunk_documents``'s (same, fresh, last): token pairs of one
+  document (.., C, C), tokens that still see the chunk-start state (.., C), tokens of the chunk's
+  last document (.., C); every mask that crosses a document start is zeroed, so the g of a
+  document's first token enters no exponent.
+
+  Returns (uv, w, q_eff, k_write, chunk_decay, intra, ut, qk): Uv (.., C, V); W (.., C, D) or
+  None; Qe (.., C, D); Kw (.., C, D); exp(gc_C) (..,); P Uv (.., C, V); A (.., C, C) or None; P.
   """
   c = q.shape[-2]
   gc = jnp.cumsum(g, axis=-1)  # chunk-local, non-increasing, <= 0
   causal = jnp.tril(jnp.ones((c, c), bool))
+  strict = jnp.tril(jnp.ones((c, c), bool), -1)
+  decay_s0, k_end, chunk_decay = jnp.exp(gc), jnp.exp(gc[..., -1:] - gc), jnp.exp(gc[..., -1])
+  if docs is not None:
+    same, fresh, last = docs
+    causal, strict = causal & same, strict & same
+    decay_s0 = jnp.where(fresh, decay_s0, 0.0)
+    k_end = jnp.where(last, k_end, 0.0)
+    chunk_decay = jnp.where(fresh[..., -1], chunk_decay, 0.0)
   diff = gc[..., :, None] - gc[..., None, :]
   decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)  # D_ts, zero for s > t
   qk = jnp.einsum("...td,...sd->...ts", q, k) * decay  # P
   uv = beta[..., None] * v
-  w = None
-  q_eff = jnp.exp(gc)[..., None] * q
+  w = ut = None
+  q_eff = decay_s0[..., None] * q
   if erase:
-    strict = jnp.tril(jnp.ones((c, c), bool), -1)
     kk = jnp.einsum("...td,...sd->...ts", k, k)
     ut = unit_lower_inverse(jnp.where(strict, beta[..., None] * kk * decay, 0.0))
-    rhs = jnp.concatenate([uv, (beta * jnp.exp(gc))[..., None] * k], axis=-1)
+    rhs = jnp.concatenate([uv, (beta * decay_s0)[..., None] * k], axis=-1)
     sol = jnp.einsum("...ts,...sx->...tx", ut, rhs)
     uv, w = sol[..., :v.shape[-1]], sol[..., v.shape[-1]:]
     q_eff = q_eff - jnp.einsum("...ts,...sd->...td", qk, w)
-  k_write = jnp.exp(gc[..., -1:] - gc)[..., None] * k
+  k_write = k_end[..., None] * k
   intra = jnp.einsum("...ts,...sv->...tv", qk, uv)
-  return uv, w, q_eff, k_write, jnp.exp(gc[..., -1]), intra
+  return uv, w, q_eff, k_write, chunk_decay, intra, ut, qk
+
+
+def chunk_documents(starts: jax.Array, n: int, c: int):
+  """Per-chunk document masks from starts (B, T) bool (a token opens a new document).
+
+  With r_t the number of document starts in the chunk up to and including t: tokens s <= t are in
+  one document iff r_s = r_t; t sees the chunk-start state iff r_t = 0; t is in the chunk's last
+  document iff r_t = r_C. Returns (same (B, 1, n, C, C), fresh (B, 1, n, C), last (B, 1, n, C)),
+  with a head axis to broadcast against (B, H, n, C, .).
+  """
+  b, t = starts.shape
+  r = jnp.cumsum(jnp.pad(starts, ((0, 0), (0, n * c - t))).reshape(b, 1, n, c), axis=-1)
+  return r[..., :, None] == r[..., None, :], r == 0, r == r[..., -1:]
 
 
 def multistate_chunked(q, k, v, g, beta, lam, *, segment_len: int, scale: float, erase: bool,
@@ -84,7 +109,7 @@ def multistate_chunked(q, k, v, g, beta, lam, *, segment_len: int, scale: float,
   # Padded tokens have q = k = v = beta = lam = 0 and g = 0: no write, no erase, no decay.
   q, k, v, lam = (to_chunks(x, n, c) for x in (q, k, v, lam))
   g, beta = to_chunks(g, n, c), to_chunks(beta, n, c)
-  uv, w, q_eff, k_write, chunk_decay, intra = intra_chunk(q, k, v, g, beta, erase)
+  uv, w, q_eff, k_write, chunk_decay, intra, _, _ = intra_chunk(q, k, v, g, beta, erase)
 
   owner = jax.nn.one_hot(segment_ids(n, segment_len // c), n_states, dtype=jnp.float32)  # (n, N)
   lam_cur = jnp.einsum("bhncm,nm->bhnc", lam, owner)
@@ -114,4 +139,58 @@ def multistate_chunked(q, k, v, g, beta, lam, *, segment_len: int, scale: float,
   _, o_prev = jax.lax.scan(jax.checkpoint(group), init, xs)
   o_prev = jnp.moveaxis(o_prev.reshape(n, b, h, c, vdim), 0, 2)
   o = scale * (o_prev + o_intra)  # (B, H, n, C, V)
+  return jnp.moveaxis(o, 1, 3).reshape(b, n * c, h, vdim)[:, :t]
+
+
+def multistate_chunked_documents(q, k, v, g, beta, lam, doc_ids, *, segment_len: int, scale: float,
+                                 erase: bool, chunk_size: int):
+  """``multistate_chunked`` for packed rows: documents (doc_ids (B, T)) start anywhere, each with
+  its own segments counted from its start, so a chunk may hold several documents and segments.
+
+  By linearity of the UT transform, state i's corrected values are U^i = A diag(m_i) (beta V) -
+  W S0^i with m_i(s) = [seg(s) = i]. So, per chunk, the intra-chunk output is
+  ((P A) * Lam) (beta V) with Lam_tr = lam_t,seg(r) (C x C), and state i's write is
+  (A^T Kw)^T diag(m_i) (beta V): one einsum with the one-hot of seg over the N states. The reads
+  of S0 (Qe) and its carry (Phi) are ``multistate_chunked``'s. ``chunk_documents``' masks keep
+  every product inside one document (A, P block-diagonal; no S0 read or carry across a start).
+  ``lam`` must already be zero for segments a token may not read. Returns o (B, T, H, V) float32.
+  """
+  b, t, h, d = q.shape
+  n_states, vdim = lam.shape[-1], v.shape[-1]
+  c = chunk_size
+  n = -(-t // c)
+  seg, starts = document_segments(doc_ids, segment_len)
+  docs = chunk_documents(starts, n, c)
+  q, k, v, lam = (to_chunks(x, n, c) for x in (q, k, v, lam))
+  g, beta = to_chunks(g, n, c), to_chunks(beta, n, c)
+  _, w, q_eff, k_write, chunk_decay, _, ut, qk = intra_chunk(q, k, v, g, beta, erase, docs)
+  bv = beta[..., None] * v  # (B, H, n, C, V)
+  seg = jnp.pad(seg, ((0, 0), (0, n * c - t))).reshape(b, 1, n, 1, c)
+  lam_r = jnp.take_along_axis(lam, jnp.broadcast_to(seg, (b, h, n, c, c)), axis=-1)  # lam_t,seg(r)
+  pa = qk if ut is None else jnp.einsum("...ts,...sr->...tr", qk, ut)
+  o_intra = jnp.einsum("...tr,...rv->...tv", pa * lam_r, bv)
+  k_out = k_write if ut is None else jnp.einsum("...tr,...td->...rd", ut, k_write)  # A^T Kw
+  owner = jax.nn.one_hot(seg[:, 0, :, 0], n_states, dtype=jnp.float32)  # (B, n, C, N)
+
+  def step(states, xs):
+    lam_c, qe_c, w_c, kt_c, kw_c, bv_c, dec_c, owner_c = xs
+    query = (lam_c[..., :, None] * qe_c[..., None, :]).reshape(b, h, c, n_states * d)
+    o = jnp.einsum("bhcx,bhxv->bhcv", query, states.reshape(b, h, n_states * d, vdim))
+    carried = dec_c[..., None, None, None] * states
+    if w_c is not None:
+      carried = carried - jnp.einsum("bhcd,bhncv->bhndv", kw_c,
+                                     jnp.einsum("bhcd,bhndv->bhncv", w_c, states))
+    return carried + jnp.einsum("bhcd,bcn,bhcv->bhndv", kt_c, owner_c, bv_c), o
+
+  def group(states, xs):
+    return jax.lax.scan(step, states, xs)
+
+  per_group = _group_size(n)
+  split = lambda x, axis=2: None if x is None else jnp.moveaxis(x, axis, 0).reshape(
+      n // per_group, per_group, *(m for i, m in enumerate(x.shape) if i != axis))
+  xs = tuple(map(split, (lam, q_eff, w, k_out, k_write, bv, chunk_decay))) + (split(owner, 1),)
+  init = jnp.zeros((b, h, n_states, d, vdim), jnp.float32)
+  _, o_prev = jax.lax.scan(jax.checkpoint(group), init, xs)
+  o_prev = jnp.moveaxis(o_prev.reshape(n, b, h, c, vdim), 0, 2)
+  o = scale * (o_prev + o_intra)
   return jnp.moveaxis(o, 1, 3).reshape(b, n * c, h, vdim)[:, :t]

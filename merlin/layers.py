@@ -76,8 +76,9 @@ class MultiStateGDN(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, cache: dict | None = None):
-    """``(y, new_cache)``, x and y (B, T, d_model).
+  def __call__(self, x: jax.Array, cache: dict | None = None, segment_ids=None):
+    """``(y, new_cache)``, x and y (B, T, d_model). ``segment_ids`` (B, T) (training only): packed
+    documents, each computed as if it were its own row (``multistate_attention``'s contract).
 
     Training passes no cache and gets None back. With ``cache`` (``init_cache``): T > 1 is a
     prefill, which must start the sequence (an empty cache; checked when the length is concrete):
@@ -89,14 +90,14 @@ class MultiStateGDN(nn.Module):
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     (q, k, v, _, _, g, beta), conv = gdn_inputs(
         x, self.num_heads, self.head_dim, self.value_dim, 1, self.conv_width,
-        conv_cache=None if cache is None else cache["conv"], **kw)
+        conv_cache=None if cache is None else cache["conv"], segment_ids=segment_ids, **kw)
     aggregator = _aggregator(self, groups=self.num_heads, impl=self.impl, name="aggregator", **kw)
-    lam, moments = aggregator(x, *_moments_and_length(cache))
+    lam, moments = aggregator(x, *_moments_and_length(cache), segment_ids=segment_ids)
     if cache is None:
-      op = lambda *z: multistate_attention(*z, segment_len=self.segment_len, erase=self.erase,
-                                           impl=self.impl,
-                                           chunk_size=min(self.chunk_size, self.segment_len))
-      o = saved_op(op)(q, k, v, g[..., 0], beta, lam)  # named for remat="save_mixer_op"
+      op = lambda *z: multistate_attention(
+          *z[:-1], segment_len=self.segment_len, erase=self.erase, impl=self.impl,
+          chunk_size=min(self.chunk_size, self.segment_len), segment_ids=z[-1])
+      o = saved_op(op)(q, k, v, g[..., 0], beta, lam, segment_ids)  # named for "save_mixer_op"
       return gdn_output(o, x, **kw), None
     o, cache = multistate_decode(self, q, k, v, g[..., 0], beta, lam, moments, cache,
                                  erase=self.erase, scale=self.head_dim ** -0.5)
@@ -133,20 +134,22 @@ class MultiStateMamba2(Mamba2):
   d_r: int = 128
 
   @nn.compact
-  def __call__(self, x: jax.Array, cache: dict | None = None):
+  def __call__(self, x: jax.Array, cache: dict | None = None, segment_ids=None):
     """``(y, new_cache)``, x and y (B, T, d_model): training without a cache (None back); with
     ``cache`` (``init_cache``) T > 1 is a prefill from the start of the sequence, T = 1 one decoding
-    step (see ``MultiStateGDN``)."""
+    step (see ``MultiStateGDN``). ``segment_ids`` (B, T) (training): packed documents."""
     check_sizes(self, *_MAMBA_SIZES)
-    (xs, z, b, c, dt, g), conv = self.ssd_inputs(x, None if cache is None else cache["conv"])
+    (xs, z, b, c, dt, g), conv = self.ssd_inputs(x, None if cache is None else cache["conv"],
+                                                 segment_ids)
     q, k, v = self.heads(b, c, xs, dt)
     aggregator = _aggregator(self, groups=1, impl=self.impl, name="aggregator", dtype=self.dtype,
                              param_dtype=self.param_dtype)
-    lam, moments = aggregator(x, *_moments_and_length(cache))
+    lam, moments = aggregator(x, *_moments_and_length(cache), segment_ids=segment_ids)
     if cache is None:
       y = multistate_attention(q, k, v, g, jnp.ones_like(g), lam, segment_len=self.segment_len,
                                erase=False, scale=1.0, impl=self.impl,
-                               chunk_size=min(self.chunk_size, self.segment_len))
+                               chunk_size=min(self.chunk_size, self.segment_len),
+                               segment_ids=segment_ids)
       return self.ssd_output(y, xs, z, x), None
     y, cache = multistate_decode(self, q, k, v, g, jnp.ones_like(g), lam, moments, cache,
                                  erase=False, scale=1.0)

@@ -34,13 +34,14 @@ class Mamba2(nn.Module):
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
 
-  def ssd_inputs(self, x, conv_cache=None):
+  def ssd_inputs(self, x, conv_cache=None, segment_ids=None):
     """(xs, z, b, c, dt, g): xs, z (B, T, H, P); b, c (B, T, state_dim); dt, g (B, T, H).
 
     Creates the shared parameters; call from the compact ``__call__``. Returns
     ``((xs, z, b, c, dt, g), new_conv_cache)``: with ``conv_cache`` ({"x", "b", "c"}: each
     convolution's last conv_width - 1 inputs) the convolutions continue from it (decoding);
-    without it they start from zeros and new_conv_cache is None (training).
+    without it they start from zeros and new_conv_cache is None (training). ``segment_ids``
+    (B, T) (training): packed documents; no convolution reads across a document start.
     """
     h, p, kw = self.num_heads, self.head_dim, dict(dtype=self.dtype, param_dtype=self.param_dtype)
     new_cache = None if conv_cache is None else {}
@@ -48,7 +49,7 @@ class Mamba2(nn.Module):
     def stream(features, names, name):
       z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
       y, cache = ShortConv(self.conv_width, names, name=f"{name}_conv", **kw)(
-          z, None if conv_cache is None else conv_cache[name])
+          z, None if conv_cache is None else conv_cache[name], segment_ids=segment_ids)
       if conv_cache is not None:
         new_cache[name] = cache
       return jax.nn.silu(y)
@@ -87,17 +88,19 @@ class Mamba2(nn.Module):
     return per_head(c), per_head(b), xs.astype(jnp.float32) * dt[..., None]
 
   @nn.compact
-  def __call__(self, x: jax.Array, cache: dict | None = None):
+  def __call__(self, x: jax.Array, cache: dict | None = None, segment_ids=None):
     """``(y, new_cache)``, x and y (B, T, d_model): training without a cache (None back); with
     ``cache`` (``init_cache``) it continues the cached sequence: T > 1 by the parallel form from the
-    cached state (prefill), T = 1 by the one-token recurrence (decode)."""
-    (xs, z, b, c, dt, g), conv = self.ssd_inputs(x, None if cache is None else cache["conv"])
+    cached state (prefill), T = 1 by the one-token recurrence (decode). ``segment_ids`` (B, T)
+    (training): packed documents, each as if it were its own row."""
+    (xs, z, b, c, dt, g), conv = self.ssd_inputs(x, None if cache is None else cache["conv"],
+                                                 segment_ids)
     q, k, v = self.heads(b, c, xs, dt)
     ones = jnp.ones(g.shape + (1,), jnp.float32)
     ssd = dict(scale=1.0, erase=False)
     if cache is None:
       y, _ = triadic_gdn(q, k, v, ones, ones, g[..., None], jnp.ones_like(g), impl=self.impl,
-                         chunk_size=self.chunk_size, **ssd)
+                         chunk_size=self.chunk_size, segment_ids=segment_ids, **ssd)
       return self.ssd_output(y, xs, z, x), None
     if x.shape[1] == 1:
       y, state = triadic_gdn_step(cache["state"], *(a[:, 0] for a in (q, k, v, ones, ones)),

@@ -14,6 +14,10 @@ up to t, so the scores are causal. Two implementations give the same numbers:
   segment), so nothing per-token of size R^2 is ever materialised.
 
 q', k' have G groups: G = H (per head, Gated DeltaNet) or G = 1 (shared, Mamba-2).
+
+Packed rows (``doc_ids``, the ops' segment_ids): segments are counted from each document's start
+and J holds only the token's own document. That runs the ``scan`` form with its sums reset at each
+document start, whatever ``impl`` says: the parallel form's L x L blocks are aligned to the row.
 """
 
 from __future__ import annotations
@@ -21,36 +25,45 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from merlin.segments import num_segments_needed, segment_ids
+from merlin.segments import document_segments, num_segments_needed, segment_ids
 
 IMPLS = ("auto", "scan", "parallel")
 
 
-def moment_scores(qr, kr, *, segment_len: int, num_segments: int, impl: str = "auto"):
-  """(r_mu, r_sigma), each (B, T, G, N) float32, zero for i > s(t). qr, kr: (B, T, G, R)."""
-  if impl == "scan":
-    return _scan(qr, kr, segment_len, num_segments)
+def moment_scores(qr, kr, *, segment_len: int, num_segments: int, impl: str = "auto",
+                  doc_ids=None):
+  """(r_mu, r_sigma), each (B, T, G, N) float32, zero for i > s(t). qr, kr: (B, T, G, R);
+  doc_ids (B, T) int or None: the document of each token (segments counted from its start)."""
+  if impl == "scan" or doc_ids is not None:
+    return _scan(qr, kr, segment_len, num_segments, doc_ids)
   return _parallel(qr, kr, segment_len, num_segments)
 
 
-def _scan(qr, kr, segment_len, n):
+def _scan(qr, kr, segment_len, n, doc_ids=None):
   b, t, grp, r = qr.shape
   time_major = lambda x: jnp.moveaxis(x.astype(jnp.float32), 1, 0)
-  owner = jax.nn.one_hot(segment_ids(t, segment_len), n, dtype=jnp.float32)
+  if doc_ids is None:
+    owner = jnp.broadcast_to(jax.nn.one_hot(segment_ids(t, segment_len), n)[:, None], (t, b, n))
+    keep = jnp.ones((t, b), jnp.float32)
+  else:
+    seg, starts = document_segments(doc_ids, segment_len)
+    owner, keep = time_major(jax.nn.one_hot(seg, n)), time_major(~starts)
 
   def step(sums, x):
-    s1, s2, count = sums  # (B,G,N,R), (B,G,N,R,R), (N,)
-    q_t, k_t, owner_t = x
-    s1 = s1 + owner_t[:, None] * k_t[:, :, None]
-    s2 = s2 + owner_t[:, None, None] * (k_t[..., :, None] * k_t[..., None, :])[:, :, None]
+    s1, s2, count = sums  # (B,G,N,R), (B,G,N,R,R), (B,N)
+    q_t, k_t, owner_t, keep_t = x  # owner_t (B, N), keep_t (B,): 0 at a document start
+    s1, s2, count = (z * keep_t.reshape((b,) + (1,) * (z.ndim - 1)) for z in (s1, s2, count))
+    s1 = s1 + owner_t[:, None, :, None] * k_t[:, :, None]
+    s2 = s2 + owner_t[:, None, :, None, None] * (k_t[..., :, None] * k_t[..., None, :])[:, :, None]
     count = count + owner_t
     inv = jnp.where(count > 0, 1.0 / jnp.maximum(count, 1.0), 0.0)
-    r_mu = jnp.einsum("bgr,bgnr->bgn", q_t, s1) * inv
-    second = jnp.einsum("bgr,bgnrs,bgs->bgn", q_t, s2, q_t) * inv
+    r_mu = jnp.einsum("bgr,bgnr->bgn", q_t, s1) * inv[:, None]
+    second = jnp.einsum("bgr,bgnrs,bgs->bgn", q_t, s2, q_t) * inv[:, None]
     return (s1, s2, count), (r_mu, second - r_mu ** 2)
 
-  init = (jnp.zeros((b, grp, n, r)), jnp.zeros((b, grp, n, r, r)), jnp.zeros((n,)))
-  _, (r_mu, r_sigma) = jax.lax.scan(step, init, (time_major(qr), time_major(kr), owner))
+  init = (jnp.zeros((b, grp, n, r)), jnp.zeros((b, grp, n, r, r)), jnp.zeros((b, n)))
+  _, (r_mu, r_sigma) = jax.lax.scan(step, init, (time_major(qr), time_major(kr),
+                                                 owner.astype(jnp.float32), keep))
   return jnp.moveaxis(r_mu, 0, 1), jnp.moveaxis(r_sigma, 0, 1)
 
 

@@ -7,10 +7,10 @@ import math
 import jax
 import jax.numpy as jnp
 
-from merlin.chunked import multistate_chunked
+from merlin.chunked import multistate_chunked, multistate_chunked_documents
 from merlin.scan import multistate_scan
-from merlin.segments import check_segments, visible
-from triadic.ops import check_array, check_log_decay, clamp_log_decay
+from merlin.segments import check_segments, document_segments, document_visible, visible
+from triadic.ops import check_array, check_log_decay, check_segment_ids, clamp_log_decay
 
 IMPLS = ("auto", "scan", "chunked")
 
@@ -42,7 +42,8 @@ def validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size):
 
 
 def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool = True,
-                         scale: float | None = None, impl: str = "auto", chunk_size: int | None = None):
+                         scale: float | None = None, impl: str = "auto", chunk_size: int | None = None,
+                         segment_ids=None):
   """Multi-state gated linear attention (docs/spec.md section 2).
 
   Segment i = t // segment_len owns state S^i; every state decays (and is erased, if ``erase``)
@@ -63,20 +64,35 @@ def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool
     impl: "scan" (per-token oracle), "chunked" (chunk-parallel) or "auto" (= "chunked").
     chunk_size: chunk length C of the chunked form; must divide segment_len. Default
       gcd(segment_len, 64).
+    segment_ids: (B, T) int, the document of each token (packed rows). Each row then behaves
+      exactly as if each of its documents were its own row: every state is zero at a change of
+      id, segments are counted from the document's start (s(t) = (t - start) // L) and lam's index
+      i is relative to that document.
 
   Returns:
     o (B, T, H, V) in q's dtype.
   """
-  _, t, _, d, _, n = validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size)
+  b, t, _, d, _, n = validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size)
   scale = d ** -0.5 if scale is None else scale
-  lam = jnp.where(visible(t, segment_len, n)[:, None, :], lam.astype(jnp.float32), 0.0)
+  if segment_ids is None:
+    mask = visible(t, segment_len, n)[:, None, :]
+  else:
+    check_segment_ids(segment_ids, b, t)
+    mask = document_visible(document_segments(segment_ids, segment_len)[0], n)[:, :, None, :]
+  lam = jnp.where(mask, lam.astype(jnp.float32), 0.0)
   # Materialise lam: XLA:CPU otherwise fuses the aggregator's softmax into the chunk relayout and
   # recomputes it there (orders of magnitude slower at long T).
   lam = jax.lax.optimization_barrier(lam)
   if impl == "scan":
-    o = multistate_scan(q, k, v, g, beta, lam, segment_len=segment_len, scale=scale, erase=erase)
-  else:
+    o = multistate_scan(q, k, v, g, beta, lam, segment_len=segment_len, scale=scale, erase=erase,
+                        doc_ids=segment_ids)
+  elif segment_ids is None:
     chunk_size = chunk_size or math.gcd(segment_len, 64)
     o = multistate_chunked(q, k, v, clamp_log_decay(g), beta, lam, segment_len=segment_len,
                            scale=scale, erase=erase, chunk_size=chunk_size)
+  else:
+    chunk_size = chunk_size or math.gcd(segment_len, 64)
+    o = multistate_chunked_documents(q, k, v, clamp_log_decay(g), beta, lam, segment_ids,
+                                     segment_len=segment_len, scale=scale, erase=erase,
+                                     chunk_size=chunk_size)
   return o.astype(q.dtype)

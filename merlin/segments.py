@@ -3,6 +3,7 @@ segment states token t may read, and the checks that go with them."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 
 
@@ -32,3 +33,21 @@ def segment_ids(t: int, segment_len: int) -> jnp.ndarray:
 def visible(t: int, segment_len: int, n: int) -> jnp.ndarray:
   """(T, N) bool: segment i is readable by token t iff i <= s(t)."""
   return jnp.arange(n)[None, :] <= segment_ids(t, segment_len)[:, None]
+
+
+def document_segments(doc_ids: jnp.ndarray, segment_len: int):
+  """Segments counted from each document's start, for packed rows with document ids (B, T).
+
+  Returns (seg, starts): seg (B, T) int32 = (t - start of t's document) // L, and starts (B, T)
+  bool, true where a token opens a new document (never at t = 0; ``triadic.ops.document_starts``).
+  """
+  from triadic.ops import document_starts
+  starts = document_starts(doc_ids)
+  pos = jnp.arange(doc_ids.shape[1], dtype=jnp.int32)
+  first = jax.lax.cummax(jnp.where(starts, pos, 0), axis=1)  # start of each token's document
+  return ((pos - first) // segment_len).astype(jnp.int32), starts
+
+
+def document_visible(seg: jnp.ndarray, n: int) -> jnp.ndarray:
+  """(B, T, N) bool: segment i of a token's own document is readable iff i <= seg (B, T)."""
+  return jnp.arange(n)[None, None, :] <= seg[..., None]

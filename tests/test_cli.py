@@ -7,9 +7,10 @@ import subprocess
 import sys
 
 import jax
+import numpy as np
 import pytest
 
-from lm import costs, logger
+from lm import costs, logger, text_prep
 from lm.config import base_config, validate
 from lm.model import ModelConfig
 
@@ -51,10 +52,15 @@ def test_eval_takes_a_saved_config_json_with_overrides(tmp_path):
   assert json.loads(r.stdout.strip().splitlines()[-1])["total"] == eval_loop.count(config)["total"]
 
 
-def test_text_vocab_smaller_than_the_bytes_is_a_startup_error():
+def test_text_vocab_smaller_than_the_dataset_is_a_startup_error(tmp_path):
+  docs = [np.array([5, 200, 7, 0]), np.array([9, 255, 0]), np.array([3, 0])]
+  text_prep.write_dataset(str(tmp_path / "text"), (("eval" if i == 2 else "train", d)
+                                                   for i, d in enumerate(docs)),
+                          vocab_size=256, eod_id=0)
   c = base_config("text")
+  c.data.path = str(tmp_path / "text")
   c.data.vocab_size = 64
-  with pytest.raises(ValueError, match=r"data.vocab_size \(64\)"):
+  with pytest.raises(ValueError, match=r"data.vocab_size=64 is smaller than the vocabulary"):
     validate(c)
 
 

@@ -6,7 +6,7 @@ import numpy as np
 import orbax.checkpoint as ocp
 import pytest
 
-from lm import data
+from lm import data, text_prep
 
 
 def _mqar_config(**overrides):
@@ -16,16 +16,18 @@ def _mqar_config(**overrides):
   return c
 
 
-def _text_config(tmp_path, seq_len=15, size=3000):
-  corpus = np.random.default_rng(0).integers(0, 256, size, dtype=np.uint8)
-  (tmp_path / "docs").mkdir()
-  corpus[: size // 2].tofile(tmp_path / "docs" / "a.txt")
-  corpus[size // 2:].tofile(tmp_path / "docs" / "b.txt")
+def _text_config(tmp_path, seq_len=15, num_docs=100):
+  """A prepared text dataset of random documents (vocab 256; lm.text_prep's writer)."""
+  rng = np.random.default_rng(0)
+  docs = [np.append(rng.integers(1, 256, rng.integers(1, 60)), 0) for _ in range(num_docs)]
+  text_prep.write_dataset(str(tmp_path / "text"), (("eval" if i % 10 == 0 else "train", d)
+                                                   for i, d in enumerate(docs)),
+                          vocab_size=256, eod_id=0)
   c = data.default_config("text")
-  c.text_glob = str(tmp_path / "docs" / "*.txt")
+  c.path = str(tmp_path / "text")
   c.seq_len = seq_len
-  c.eval_fraction = 0.1
-  return c, corpus
+  data.resolve_vocab_size(c)
+  return c, docs
 
 
 def _iterator(c, seed=0, batch=4, index=0, count=1):
@@ -216,12 +218,12 @@ def test_bad_niah_training_fields_name_the_field(overrides, match):
 def test_batches_have_the_interface_shapes_and_dtypes(name, tmp_path):
   c = _text_config(tmp_path)[0] if name == "text" else data.default_config(name)
   batch = next(_iterator(c, batch=6, index=1, count=2))
-  assert set(batch) == {"inputs", "targets", "weights"}
+  assert set(batch) == {"inputs", "targets", "weights"} | ({"segment_ids"} if name == "text" else set())
   for k, dtype in [("inputs", np.int32), ("targets", np.int32), ("weights", np.float32)]:
     assert batch[k].shape == (3, c.seq_len) and batch[k].dtype == dtype
   assert batch["inputs"].max() < c.vocab_size and batch["targets"].max() < c.vocab_size
-  if name == "text":
-    assert (batch["weights"] == 1).all()
+  if name == "text":  # 0 only where the target opens the next document
+    assert 0 < (batch["weights"] == 0).sum() < batch["weights"].size / 4
   else:
     assert 0 < batch["weights"].sum() < batch["weights"].size
 
@@ -247,27 +249,12 @@ def test_synthetic_stream_is_determined_by_seed(name):
     assert not np.array_equal(x["inputs"], z["inputs"])
 
 
-def test_text_windows_are_packed_bytes_of_the_corpus_and_cover_an_epoch(tmp_path):
-  c, corpus = _text_config(tmp_path)
-  train, held_out = data.text_split(c)
-  window = c.seq_len + 1
-  assert len(train) == (len(corpus) - 300) // window and held_out.shape[1] == window
-  it = _iterator(c, seed=5, batch=2)
-  rows = np.concatenate([next(it)["inputs"] for _ in range(len(train) // 2)])
-  first = next(_iterator(c, seed=5, batch=2))
-  np.testing.assert_array_equal(first["targets"][:, :-1], first["inputs"][:, 1:])
-  for r, t in zip(first["inputs"], first["targets"]):
-    start = corpus.tobytes().index(r.astype(np.uint8).tobytes())
-    assert start % window == 0 and corpus[start + window - 1] == t[-1]
-  # One epoch is a permutation of the training windows, not their stored order.
-  assert _rows({"inputs": rows}) == _rows({"inputs": train[:len(rows), :-1].astype(np.int32)})
-  assert not np.array_equal(rows, train[:len(rows), :-1])
-
-
-def test_text_glob_matching_nothing_is_a_clear_error(tmp_path):
+def test_text_without_a_prepared_path_is_a_clear_error(tmp_path):
   c = data.default_config("text")
-  c.text_glob = str(tmp_path / "missing" / "*.txt")
-  with pytest.raises(ValueError, match="data.text_glob"):
+  with pytest.raises(ValueError, match="data.path must name a directory"):
+    _iterator(c)
+  c.path = str(tmp_path / "missing")
+  with pytest.raises(ValueError, match="lm.text_prep"):
     _iterator(c)
 
 

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 
-from lm import data, evals
+from lm import data, evals, text_prep
 
 
 def _configs(tmp_path):
@@ -15,10 +15,13 @@ def _configs(tmp_path):
   niah = data.default_config("niah")
   niah.eval_lengths, niah.eval_depths = (32, 48), (0.0, 0.5, 1.0)
   niah.num_eval_examples = 5
-  corpus = np.random.default_rng(0).integers(0, 256, 4000, dtype=np.uint8)
-  corpus.tofile(tmp_path / "corpus.bin")
+  rng = np.random.default_rng(0)
+  docs = [np.append(rng.integers(1, 256, rng.integers(1, 80)), 0) for _ in range(40)]
+  text_prep.write_dataset(str(tmp_path / "text"), (("eval" if i % 4 == 0 else "train", d)
+                                                   for i, d in enumerate(docs)),
+                          vocab_size=256, eod_id=0, token_bytes=np.ones(256))
   text = data.default_config("text")
-  text.text_glob, text.seq_len, text.eval_fraction = str(tmp_path / "*.bin"), 31, 0.25
+  text.path, text.seq_len, text.vocab_size = str(tmp_path / "text"), 31, 256
   text.num_eval_examples, text.eval_num_buckets = 12, 4
   return {"mqar": mqar, "niah": niah, "text": text}
 
@@ -41,7 +44,7 @@ def _oracle(examples, vocab, keep=lambda row: True):
       if keep(r):
         answers[x.tobytes()] = y
 
-  def logits_fn(inputs):
+  def logits_fn(inputs, segment_ids=None):
     out = np.zeros((*inputs.shape, vocab), np.float32)
     for b, x in enumerate(inputs):
       if x.tobytes() in answers:
@@ -52,7 +55,7 @@ def _oracle(examples, vocab, keep=lambda row: True):
 
 def _random(vocab):
   rng = np.random.default_rng(0)
-  return lambda inputs: rng.normal(size=(*inputs.shape, vocab)).astype(np.float32)
+  return lambda inputs, *_: rng.normal(size=(*inputs.shape, vocab)).astype(np.float32)
 
 
 @pytest.mark.parametrize("name", ["mqar", "niah", "text"])
@@ -91,7 +94,7 @@ def test_random_logits_score_near_chance(tmp_path):
 
 def test_uniform_logits_have_perplexity_vocab_size(tmp_path):
   c = _configs(tmp_path)["text"]
-  m = evals.evaluate(c, lambda x: np.zeros((*x.shape, 256), np.float32), "", step=0,
+  m = evals.evaluate(c, lambda x, s: np.zeros((*x.shape, 256), np.float32), "", step=0,
                      batch_size=5, write=False)
   assert m["perplexity"] == pytest.approx(256.0, rel=1e-5)
   assert m["windows"] == 12

@@ -46,8 +46,10 @@ class TriadicGDN(nn.Module):
   param_dtype: Any = jnp.float32
 
   @nn.compact
-  def __call__(self, x: jax.Array, cache: dict | None = None):
-    """``(y, new_cache)``, x and y (B, T, d_model).
+  def __call__(self, x: jax.Array, cache: dict | None = None, segment_ids=None):
+    """``(y, new_cache)``, x and y (B, T, d_model). ``segment_ids`` (B, T) (training only): packed
+    documents, each computed as if it were its own row (``triadic_gdn``'s contract; the short
+    convolutions do not reach across a document start).
 
     Training passes no cache and gets None back. With ``cache`` (from ``init_cache``, or returned by
     an earlier call) the layer continues a sequence: T > 1 runs the parallel form (chunked /
@@ -58,11 +60,11 @@ class TriadicGDN(nn.Module):
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     (q, k, v, k2, q2, g, beta), conv = gdn_inputs(
         x, self.num_heads, self.head_dim, self.value_dim, self.expand_e, self.conv_width,
-        conv_cache=None if cache is None else cache["conv"], **kw)
+        conv_cache=None if cache is None else cache["conv"], segment_ids=segment_ids, **kw)
     ops = dict(erase=self.erase, impl=self.impl, chunk_size=self.chunk_size)
     if cache is None:
-      op = lambda *z: triadic_gdn(*z, **ops)[0]
-      o = saved_op(op)(q, k, v, k2, q2, g, beta)  # named for remat="save_mixer_op"
+      op = lambda *z: triadic_gdn(*z[:-1], segment_ids=z[-1], **ops)[0]
+      o = saved_op(op)(q, k, v, k2, q2, g, beta, segment_ids)  # named for remat="save_mixer_op"
       return gdn_output(o, x, **kw), None
     if x.shape[1] == 1:
       o, state = triadic_gdn_step(cache["state"], *(z[:, 0] for z in (q, k, v, k2, q2, g, beta)),

@@ -14,6 +14,11 @@ IMPLS = ("auto", "scan", "chunked", "pallas")
 # resolution (a state reset, like exp(-inf) = 0 in the scan), and chunk-local cumulative sums of
 # it stay finite, so their differences never become inf - inf = NaN.
 G_FLOOR = -30.0
+# The log decay that stands for a document reset (``reset_decay``): the floor itself, so every
+# impl sees the same value. The decayed state is zero to float32 rounding, while chunk-local
+# cumulative sums that include it (magnitude ~30 per reset) keep the small per-token differences
+# to ~30 * 6e-8 absolute error per reset in the chunk (tests/test_documents.py measures it).
+RESET = G_FLOOR
 
 
 def check_array(name, x, rank, what, *, floating=True):
@@ -95,6 +100,30 @@ def validate(q, k, v, k2, q2, g, beta, initial_state, impl, chunk_size, state_na
   return b, t, h, d, vdim, e
 
 
+def check_segment_ids(segment_ids, b: int, t: int):
+  """ValueError/TypeError unless ``segment_ids`` is an integer (B, T) array."""
+  if segment_ids.shape != (b, t):
+    raise ValueError(f"segment_ids must have shape (B, T) = {(b, t)}, got {segment_ids.shape}")
+  if not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+    raise TypeError(f"segment_ids must be an integer array (document index per token), got dtype "
+                    f"{segment_ids.dtype}")
+
+
+def document_starts(segment_ids: jax.Array) -> jax.Array:
+  """(B, T) bool: token t starts a new document (its id differs from token t - 1's); never t = 0,
+  whose state is the row's initial state."""
+  change = segment_ids[:, 1:] != segment_ids[:, :-1]
+  return jnp.pad(change, ((0, 0), (1, 0)))
+
+
+def reset_decay(g: jax.Array, segment_ids: jax.Array) -> jax.Array:
+  """g (B, T, H, E) with RESET at every document start: the state is zeroed before that token
+  writes, as if each document were its own row. The gradient of g there is zero, which is the
+  true gradient of separate rows (the first token's decay multiplies a zero state)."""
+  starts = document_starts(segment_ids)[:, :, None, None]
+  return jnp.where(starts, jnp.asarray(RESET, g.dtype), g)
+
+
 def _auto_impl(d, vdim, chunk_size):
   """Pallas on GPU when the kernels take these sizes; chunked JAX otherwise (CPU runs Pallas only
   in interpret mode, far slower; the TPU kernels are checked to lower, not run)."""
@@ -105,7 +134,7 @@ def _auto_impl(d, vdim, chunk_size):
 
 
 def triadic_gdn(q, k, v, k2, q2, g, beta, *, scale=None, initial_state=None, erase=True,
-                impl="auto", chunk_size=64):
+                impl="auto", chunk_size=64, segment_ids=None):
   """Triadic gated delta rule (docs/spec.md section 1).
 
   Args:
@@ -120,11 +149,19 @@ def triadic_gdn(q, k, v, k2, q2, g, beta, *, scale=None, initial_state=None, era
     erase: True for the delta rule (Triadic GDN), False for no erase term (Triadic sGLA).
     impl: "scan" (the oracle), "chunked" (chunk-parallel JAX), "pallas" (kernels) or "auto".
     chunk_size: chunk length C of the chunked and Pallas forms.
+    segment_ids: (B, T) int, the document of each token (packed rows). Each row then behaves
+      exactly as if each of its documents were its own row: the state is zero at every change of
+      id, ``initial_state`` applies to the row's first document, and the final state is the state
+      after the row's last token. Every impl honours it through ``reset_decay`` (applied here,
+      before dispatch).
 
   Returns:
     o (B, T, H, V) in q's dtype, final_state (B, H, E, D, V) float32.
   """
   b, t, h, d, vdim, e = validate(q, k, v, k2, q2, g, beta, initial_state, impl, chunk_size)
+  if segment_ids is not None:
+    check_segment_ids(segment_ids, b, t)
+    g = reset_decay(g, segment_ids)
   if scale is None:
     scale = d ** -0.5
   if initial_state is None:
