@@ -52,6 +52,18 @@ def median_ms(fn, args, *, reps: int | None = None, budget_s: float = 1.0, max_r
   return 1e3 * statistics.median(times)
 
 
+def ceilings(n: int = 8192, dtype=jnp.bfloat16, copy_mib: int = 2048, reps: int = 5):
+  """This device's matmul TFLOP/s (n^3 in ``dtype``, float32 accumulation) and memory GB/s (a
+  ``copy_mib`` float32 scaled copy: one read, one write), measured now: the ceilings a measured
+  time is compared against (a CPU wants a smaller n and copy)."""
+  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), dtype)
+  mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(x.dtype))
+  tflops = 2 * n ** 3 / (median_ms(mm, (a, a), reps=reps) * 1e-3) / 1e12
+  x = jnp.ones((copy_mib, 256, 1024), jnp.float32)
+  gbs = 2 * x.nbytes / (median_ms(jax.jit(lambda y: y * 1.5), (x,), reps=reps) * 1e-3) / 1e9
+  return tflops, gbs
+
+
 def is_oom(err: BaseException) -> bool:
   """Whether ``err`` (from compiling or running a jitted function) is the device running out of
   memory."""

@@ -6,7 +6,10 @@
 "scan" is the oracle (per-token scan of the N-state stack, running-sum moments); "chunked" is the
 default (chunk-parallel stack, parallel moments). Each row times the whole aggregator + attention
 pipeline, reports the compiled program's temporary memory (XLA ``memory_analysis``) and the
-relative-RMS distance between the two outputs, and names the machine.
+relative-RMS distance between the two outputs, and names the machine. Beside the times, the
+floor of the chunked algorithm (``multistate_cost``: its matmul FLOPs at the matmul ceiling, or
+its HBM bytes at the copy bandwidth, whichever is larger; both ceilings measured in the same run)
+and the same for the single-state GDN op at this shape (``--floors`` off skips the ceilings).
 
 On a CPU shared with other jobs, XLA's multi-threaded kernels stall under oversubscription (the
 chunked form, which has the larger parallel ops, by up to 100x); pin one core for stable numbers:
@@ -32,7 +35,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import merlin  # noqa: E402
-from benchmarks.common import machine  # noqa: E402
+from benchmarks.common import ceilings, machine  # noqa: E402
 
 MOMENTS = {"scan": "scan", "chunked": "parallel"}
 
@@ -68,6 +71,41 @@ def pipeline(aggregator, impl, segment_len, n, chunk):
   return run
 
 
+def multistate_cost(b, t, h, d, vd, r, segment_len, c, *, erase=True, aggregator="merlin",
+                    itemsize=4):
+  """(forward FLOPs, forward HBM bytes) of the chunk-parallel multi-state algorithm, counting the
+  matmuls as 2 m n k and the bytes as every input read once and the output written once (the
+  state stack kept on chip: the floor, not what the JAX form moves). Per chunk of C tokens and
+  head, with n_i visible segment states at chunk i (n_i = i C // L + 1):
+
+    intra-chunk (as the single state)   Q K^T and P Uv, 2 C^2 D + 2 C^2 V; with erase also
+                                        K K^T, A [V | K] and P W, 2 C^2 (2 D + V)
+    state stack                         erase: W S and Kw^T (W S) for every visible state,
+                                        4 n_i C D V; the read Qe S over the stack, 2 n_i C D V;
+                                        the current state's write Kw^T Uv, 2 C D V
+    aggregator (merlin / meanpool)      per token and visible segment, r_mu = mu q' (2 R) and
+                                        (merlin) r_sigma = q'^T Sigma q' (2 R^2); the moments'
+                                        sums R + R^2 per token
+
+  Forward+backward is counted as 3x forward. ``n_i = 1`` with no aggregator is the single-state
+  GDN (``segment_len >= t``)."""
+  n_chunks = -(-t // c)
+  vis = sum(i * c // segment_len + 1 for i in range(n_chunks))   # sum over chunks of n_i
+  per_head = n_chunks * (2 * c * c * d + 2 * c * c * vd)
+  if erase:
+    per_head += n_chunks * 2 * c * c * (2 * d + vd) + vis * 4 * c * d * vd
+  per_head += vis * 2 * c * d * vd + n_chunks * 2 * c * d * vd
+  if aggregator in ("merlin", "meanpool"):
+    quad = r * r if aggregator == "merlin" else 0
+    per_head += vis * c * (2 * r + 2 * quad) + t * (r + quad)
+  flops = b * h * per_head
+  n_states = -(-t // segment_len)
+  per_token = (2 * d + vd) + 2 + n_states + vd          # q, k, v, g, beta, lam in; o out
+  if aggregator in ("merlin", "meanpool"):
+    per_token += 2 * r + 1
+  return flops, b * t * h * per_token * itemsize
+
+
 def measure(fn, x, repeats):
   """(median seconds, temp MiB, output) of a jitted fn; compile excluded."""
   compiled = jax.jit(fn).lower(x).compile()
@@ -96,6 +134,7 @@ def main(argv=None):
   ap.add_argument("--aggregators", default=",".join(merlin.AGGREGATORS))
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--no-backward", action="store_true", help="forward only")
+  ap.add_argument("--no-floors", action="store_true", help="skip the ceilings and floors")
   args = ap.parse_args(argv)
 
   lengths = [int(t) for t in args.T.split(",")]
@@ -103,8 +142,16 @@ def main(argv=None):
   print(machine())
   print(f"B={args.B} H={args.H} D={args.D} V={args.V} R={args.R} L={args.segment_len} N={n} "
         f"C={args.chunk} float32; times in ms (median of {args.repeats}), temp = XLA temporary MiB")
+  peak = hbm = None
+  if not args.no_floors:
+    gpu = jax.default_backend() == "gpu"
+    peak, hbm = ceilings(8192 if gpu else 1024, jnp.bfloat16 if gpu else jnp.float32,
+                         2048 if gpu else 256)
+    print(f"ceilings measured now: matmul {peak:.1f} TFLOP/s, memory {hbm:.0f} GB/s; floor = "
+          "max(counted FLOPs / matmul ceiling, counted bytes / memory ceiling), f+b = 3x fwd FLOPs")
   cols = ["aggregator", "T", "scan fwd", "chunk fwd", "x", "scan f+b", "chunk f+b", "x",
-          "scan temp", "chunk temp", "rel err"]
+          "scan temp", "chunk temp", "rel err", "floor fwd", "floor f+b", "GDN floor f+b",
+          "chunk f+b/floor"]
   print(" | ".join(f"{c:>10}" for c in cols))
   for t in lengths:
     x = inputs(jax.random.PRNGKey(t), args.B, t, args.H, args.D, args.V, args.R, n)
@@ -125,6 +172,15 @@ def main(argv=None):
               row["scan", "fwd"] / row["chunked", "fwd"], 1e3 * row["scan", "fwd_bwd"],
               1e3 * row["chunked", "fwd_bwd"], row["scan", "fwd_bwd"] / row["chunked", "fwd_bwd"],
               row["scan", "mem"], row["chunked", "mem"], err]
+      if peak:
+        floor = lambda fl, by, mult: 1e3 * max(mult * fl / (peak * 1e12), by / (hbm * 1e9))
+        dims = (args.B, t, args.H, args.D, args.V, args.R)
+        fl, by = multistate_cost(*dims, args.segment_len, args.chunk, aggregator=agg)
+        gfl, gby = multistate_cost(*dims, t, args.chunk, aggregator="vanilla")
+        fb = floor(fl, by, 3)
+        vals += [floor(fl, by, 1), fb, floor(gfl, gby, 3), 1e3 * row["chunked", "fwd_bwd"] / fb]
+      else:
+        vals += [np.nan] * 4
       print(" | ".join(f"{v:>10}" if isinstance(v, (str, int)) else
                        (f"{v:>10.1e}" if v is err else f"{v:>10.1f}") for v in vals), flush=True)
 

@@ -44,6 +44,7 @@ from triadic import xla_flags  # noqa: E402
 xla_flags.apply_cpu_workaround()
 
 from benchmarks import peers  # noqa: E402
+from benchmarks.common import ceilings  # noqa: E402
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
 from testkit import rel_rms as rel  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
@@ -73,18 +74,6 @@ def stage_flops(b, t, h, d, vd, e, c=64):
   n = b * t * h
   return (n * 4 * c * d, n * (6 * e * d * vd + 4 * c * vd), n * (6 * e * d * vd + 4 * c * vd),
           n * (12 * e * d * vd + 6 * c * vd + 12 * c * d + 4 * c * c))
-
-
-def ceilings(reps):
-  """This device's bf16 matmul TFLOP/s (8192^3, f32 accumulation) and HBM GB/s (2 GiB f32 scaled
-  copy: one read, one write), measured now, the reference for each stage's achieved rate."""
-  n = 8192
-  a = jax.random.normal(jax.random.PRNGKey(0), (n, n), jnp.bfloat16)
-  mm = jax.jit(lambda x, y: jnp.dot(x, y, preferred_element_type=jnp.float32).astype(x.dtype))
-  tflops = 2 * n ** 3 / (timeit(mm, (a, a), reps) * 1e-3) / 1e12
-  x = jnp.ones((512, 1024, 1024), jnp.float32)
-  gbs = 2 * x.nbytes / (timeit(jax.jit(lambda y: y * 1.5), (x,), reps) * 1e-3) / 1e9
-  return tflops, gbs
 
 
 def timeit(fn, args, reps):
@@ -186,7 +175,7 @@ def stages(t, e_list, reps, variants=False, slices=()):
   from triadic.pallas.chunk_prep import chunk_prep
   b, h, d, vd, c = SHAPES.get(t, 1), 16, 128, 128, 64
   nc = t // c
-  peak, hbm = ceilings(reps)
+  peak, hbm = ceilings(reps=reps)
   print(f"# ceilings measured now: bf16 matmul {peak:.0f} TFLOP/s, HBM {hbm:.0f} GB/s; "
         f"B={b} T={t} H={h} D=V={d}; each cell: ms (TFLOP/s of the counted matmuls, "
         "``stage_flops``)")
