@@ -130,6 +130,20 @@ def _peak_bytes(device):
   return (stats or {}).get("peak_bytes_in_use")
 
 
+def timed_steps(run, warmup: int, steps: int):
+  """(seconds of the first call, seconds of each call after ``warmup``) of ``run()``, which must
+  return only once its step has finished on the device."""
+  times, first = [], None
+  for i in range(warmup + steps):
+    start = time.perf_counter()
+    run()
+    took = time.perf_counter() - start
+    first = took if i == 0 else first
+    if i >= warmup:
+      times.append(took)
+  return first, times
+
+
 def run_ours(job: dict) -> dict:
   import jax
   import numpy as np
@@ -149,17 +163,14 @@ def run_ours(job: dict) -> dict:
   tokens = rng.integers(0, config.data.vocab_size, (job["batch"], job["seq"] + 1), dtype=np.int32)
   batch = sharding.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
                                  "weights": np.ones((job["batch"], job["seq"]), np.float32)}, mesh)
-  times = []
-  start = time.perf_counter()
-  for i in range(job["warmup"] + job["steps"]):
-    state, metrics = step(state, batch)
-    jax.block_until_ready(metrics)
-    now = time.perf_counter()
-    if i == 0:
-      first = now - start
-    if i >= job["warmup"]:
-      times.append(now - start)
-    start = now
+  carry = {"state": state}
+
+  def run():
+    carry["state"], carry["metrics"] = step(carry["state"], batch)
+    jax.block_until_ready(carry["metrics"])
+
+  first, times = timed_steps(run, job["warmup"], job["steps"])
+  metrics = carry["metrics"]
   counts = costs.count_params(cfg)
   return dict(step_s=statistics.median(times), first_step_s=first,
               peak_bytes=_peak_bytes(jax.devices()[0]), loss=float(metrics["loss"]),
@@ -206,18 +217,15 @@ def run_fla(job: dict) -> dict:
     opt.zero_grad(set_to_none=True)
     return loss
 
-  times = []
-  torch.cuda.synchronize()
-  start = time.perf_counter()
-  for i in range(job["warmup"] + job["steps"]):
-    loss = step()
+  out = {}
+
+  def run():
+    out["loss"] = step()
     torch.cuda.synchronize()
-    now = time.perf_counter()
-    if i == 0:
-      first = now - start
-    if i >= job["warmup"]:
-      times.append(now - start)
-    start = now
+
+  torch.cuda.synchronize()
+  first, times = timed_steps(run, job["warmup"], job["steps"])
+  loss = out["loss"]
   import fla
   return dict(step_s=statistics.median(times), first_step_s=first,
               peak_bytes=torch.cuda.max_memory_allocated(), loss=float(loss.item()),

@@ -44,7 +44,7 @@ from triadic import xla_flags  # noqa: E402
 xla_flags.apply_cpu_workaround()
 
 from benchmarks import peers  # noqa: E402
-from benchmarks.common import ceilings  # noqa: E402
+from benchmarks.common import ceilings, median_ms  # noqa: E402
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
 from testkit import rel_rms as rel  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
@@ -77,14 +77,8 @@ def stage_flops(b, t, h, d, vd, e, c=64):
 
 
 def timeit(fn, args, reps):
-  out = fn(*args)
-  jax.block_until_ready(out)
-  times = []
-  for _ in range(reps):
-    start = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append(time.perf_counter() - start)
-  return 1e3 * statistics.median(times)
+  """Median ms of ``fn(*args)`` over ``reps`` calls after a warm-up (``common.median_ms``)."""
+  return median_ms(fn, args, reps=reps)
 
 
 def pallas_config(e, vd, **fields):
