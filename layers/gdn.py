@@ -9,6 +9,7 @@ checkpoints by name. ``DecayGate`` is the per-slice log decay, also used by ``Ma
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -16,7 +17,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from layers.blocks import RMSNorm, ShortConv, dense, l2norm, softplus_inverse
+from layers.blocks import (Param, RMSNorm, causal_conv, dense, dense_kernel_init, l2norm,
+                           short_conv_init, softplus_inverse)
 
 
 def a_log_init(key, shape, dtype=jnp.float32):
@@ -66,6 +68,16 @@ def gdn_cache(batch, num_heads, head_dim, value_dim=None, expand_e=1, conv_width
   return cache
 
 
+def _streams(num_heads, head_dim, value_dim, expand_e):
+  """(name, per-token shape, logical names) of each stream of the fused projection, in order."""
+  h, d, vd, e = num_heads, head_dim, value_dim or head_dim, expand_e
+  streams = [("q", (h, d), ("heads", "head_dim")), ("k", (h, d), ("heads", "head_dim")),
+             ("v", (h, vd), ("heads", "head_dim"))]
+  if e > 1:
+    streams += [("k2", (h, e), ("heads", "expand")), ("q2", (h, e), ("heads", "expand"))]
+  return streams
+
+
 def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4, *,
                dtype=jnp.float32, param_dtype=jnp.float32, conv_cache=None, segment_ids=None):
   """The input side of ``TriadicGDN``: (q, k, v, k2, q2, g, beta) from x (B, T, d_model).
@@ -73,33 +85,51 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   Call it inside a compact method: its parameters (q_proj, q_conv, ..., decay, beta_proj) belong to
   the calling module, under the same names in every layer that uses it, so checkpoints of the
   single-state layer load into the multi-state one (``merlin.MultiStateGDN``) by name.
+
+  Each stream (q, k, v and, for E > 1, k2, q2) has its own projection kernel ``{s}_proj/kernel``
+  (d_model, H, .) and convolution kernel ``{s}_conv/kernel`` (width, H, .), so an E = 1 checkpoint
+  maps onto an E = 8 model by name; the call concatenates them along the channels and runs one
+  matmul and one depthwise convolution over all streams (the authors' fused form: one pass over x
+  and over the projected activations), then splits the channels into (B, T, H, .) views (no
+  transposes) for the activations and norms. Identical to a projection and a convolution per stream.
+
   Returns ``(inputs, new_conv_cache)``. With ``conv_cache`` ({stream: last conv_width - 1 inputs},
   see ``gdn_cache``) the convolutions continue from it (decoding); without it (training) they start
   from zeros and new_conv_cache is None. ``segment_ids`` (B, T) (training): packed documents; no
   convolution reads across a document start.
   """
-  h, d, e = num_heads, head_dim, expand_e
-  vd = value_dim or head_dim
-  kw = dict(dtype=dtype, param_dtype=param_dtype)
-  new_cache = None if conv_cache is None else {}
+  h, e = num_heads, expand_e
+  streams = _streams(num_heads, head_dim, value_dim, expand_e)
+  d_model = x.shape[-1]
+  proj_init, conv_init = dense_kernel_init(), short_conv_init(conv_width)
+  proj = [Param((d_model,) + shape, proj_init, ("embed",) + names, param_dtype, name=f"{s}_proj")()
+          for s, shape, names in streams]
+  conv = [Param((conv_width,) + shape, conv_init, ("conv",) + names, param_dtype, name=f"{s}_conv")()
+          for s, shape, names in streams]
+  sizes = [math.prod(shape) for _, shape, _ in streams]
+  flat = lambda z, lead: z.reshape(z.shape[:lead] + (-1,))
+  w_in = jnp.concatenate([flat(w, 1) for w in proj], axis=-1).astype(dtype)  # (d_model, C)
+  z = jax.lax.dot_general(x.astype(dtype), w_in, (((x.ndim - 1,), (0,)), ((), ())))  # (B, T, C)
+  w_conv = jnp.concatenate([flat(w, 1) for w in conv], axis=-1)  # (width, C)
+  cache_in = None
+  if conv_cache is not None:
+    cache_in = jnp.concatenate([flat(conv_cache[s], 2) for s, _, _ in streams], axis=-1)
+  y, cache_out = causal_conv(z, w_conv, cache_in, segment_ids)
+  split = lambda z: {s: part.reshape(z.shape[:-1] + shape) for (s, shape, _), part in
+                     zip(streams, jnp.split(z, np.cumsum(sizes)[:-1], axis=-1))}
+  y = split(y)
+  new_cache = None if cache_out is None else split(cache_out)
 
-  def stream(features, names, name):
-    z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
-    y, cache = ShortConv(conv_width, names, name=f"{name}_conv", **kw)(
-        z, None if conv_cache is None else conv_cache[name], segment_ids=segment_ids)
-    if conv_cache is not None:
-      new_cache[name] = cache
-    return y
-
-  q = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "q")))
-  k = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "k")))
-  v = jax.nn.silu(stream((h, vd), ("heads", "head_dim"), "v"))
+  q = l2norm(jax.nn.silu(y["q"]))
+  k = l2norm(jax.nn.silu(y["k"]))
+  v = jax.nn.silu(y["v"])
   b, t = x.shape[:2]
   if e > 1:
-    k2 = l2norm(jax.nn.softplus(stream((h, e), ("heads", "expand"), "k2").astype(jnp.float32)))
-    q2 = l2norm(jax.nn.softplus(stream((h, e), ("heads", "expand"), "q2").astype(jnp.float32)))
+    k2 = l2norm(jax.nn.softplus(y["k2"].astype(jnp.float32)))
+    q2 = l2norm(jax.nn.softplus(y["q2"].astype(jnp.float32)))
   else:
     k2 = q2 = jnp.ones((b, t, h, 1), jnp.float32)
+  kw = dict(dtype=dtype, param_dtype=param_dtype)
   g = DecayGate(h, e, name="decay", **kw)(x)
   beta = jax.nn.sigmoid(dense((h,), ("embed", "heads"), name="beta_proj", **kw)(x).astype(jnp.float32))
   inputs = (q, k, v, k2.astype(q.dtype), q2.astype(q.dtype), g, beta)

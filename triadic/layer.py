@@ -5,10 +5,10 @@ of them, SiLU on q, k, v -> q, k l2-normalised over D; k2, q2 = l2norm_E(softplu
 per-slice decay g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(.) -> triadic_gdn ->
 RMSNorm(o) * sigmoid(gate) -> output projection. E = 1 drops k2/q2 (they are 1): Gated DeltaNet.
 
-Parameters are separate DenseGeneral kernels per stream (mathematically the one fused projection
-of the paper) so that a checkpoint of an E = 1 model maps onto an E = 8 one by name: the q, k, v,
-gate, beta and output kernels carry over, the decay parameters (shape (.., H, 1)) broadcast along
-E, and k2/q2 are new.
+Parameters are separate kernels per stream so that a checkpoint of an E = 1 model maps onto an
+E = 8 one by name: the q, k, v, gate, beta and output kernels carry over, the decay parameters
+(shape (.., H, 1)) broadcast along E, and k2/q2 are new. The call concatenates them: q, k, v, k2,
+q2 come from one matmul and one depthwise convolution, as in the paper (``layers.gdn.gdn_inputs``).
 """
 
 from __future__ import annotations

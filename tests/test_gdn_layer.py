@@ -1,0 +1,89 @@
+"""The GDN-style layers' input and output sides (layers/gdn.py): the fused projection + short
+convolution against one projection and one convolution per stream (same parameters, same
+initialisation, same outputs and decoding caches)."""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from layers.blocks import ShortConv, dense, l2norm
+from layers.gdn import DecayGate, gdn_cache, gdn_inputs
+from testkit import rel_rms
+
+
+def per_stream_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4, *,
+                      conv_cache=None, segment_ids=None):
+  """gdn_inputs written as one DenseGeneral and one ShortConv per stream (the unfused form)."""
+  h, d, e = num_heads, head_dim, expand_e
+  vd = value_dim or head_dim
+  new_cache = None if conv_cache is None else {}
+
+  def stream(features, names, name):
+    z = dense(features, ("embed",) + names, name=f"{name}_proj")(x)
+    y, cache = ShortConv(conv_width, names, name=f"{name}_conv")(
+        z, None if conv_cache is None else conv_cache[name], segment_ids=segment_ids)
+    if conv_cache is not None:
+      new_cache[name] = cache
+    return y
+
+  q = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "q")))
+  k = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "k")))
+  v = jax.nn.silu(stream((h, vd), ("heads", "head_dim"), "v"))
+  b, t = x.shape[:2]
+  if e > 1:
+    k2 = l2norm(jax.nn.softplus(stream((h, e), ("heads", "expand"), "k2")))
+    q2 = l2norm(jax.nn.softplus(stream((h, e), ("heads", "expand"), "q2")))
+  else:
+    k2 = q2 = jnp.ones((b, t, h, 1), jnp.float32)
+  g = DecayGate(h, e, name="decay")(x)
+  beta = jax.nn.sigmoid(dense((h,), ("embed", "heads"), name="beta_proj")(x))
+  return (q, k, v, k2, q2, g, beta), new_cache
+
+
+class Inputs(nn.Module):
+  fn: object
+  e: int
+  vd: int | None
+
+  @nn.compact
+  def __call__(self, x, conv_cache=None, segment_ids=None):
+    return self.fn(x, 2, 8, self.vd, self.e, 4, conv_cache=conv_cache, segment_ids=segment_ids)
+
+
+@pytest.mark.parametrize("e,vd", [(1, None), (3, 4)])
+def test_fused_inputs_equal_one_projection_and_conv_per_stream(e, vd):
+  x = jax.random.normal(jax.random.key(0), (2, 13, 16))
+  fused, ref = Inputs(gdn_inputs, e, vd), Inputs(per_stream_inputs, e, vd)
+  params = fused.init(jax.random.key(1), x)
+  ref_params = ref.init(jax.random.key(1), x)
+  # the same tree with the same fresh values: checkpoints and initialisation are unchanged
+  assert jax.tree.structure(params) == jax.tree.structure(ref_params)
+  jax.tree.map(np.testing.assert_array_equal, nn.unbox(params), nn.unbox(ref_params))
+  params = jax.tree.map(lambda z: z + 0.1 * jax.random.normal(jax.random.key(2), z.shape),
+                        nn.unbox(params))  # not the initialisation (whose conv kernels are all < 1/2)
+  got, none = fused.apply(params, x)
+  want, _ = ref.apply(params, x)
+  assert none is None
+  for a, b in zip(got, want):
+    assert a.shape == b.shape and a.dtype == b.dtype
+    assert rel_rms(a, b) < 1e-6
+  # packed documents (a start at token 5 in row 0, at 1 and 11 in row 1): the same masked taps
+  segment_ids = jnp.array([[0] * 5 + [1] * 8, [0] + [1] * 10 + [2] * 2])
+  got, _ = fused.apply(params, x, segment_ids=segment_ids)
+  want, _ = ref.apply(params, x, segment_ids=segment_ids)
+  assert rel_rms(got[0], fused.apply(params, x)[0][0]) > 1e-3  # the mask changes q
+  for a, b in zip(got, want):
+    assert rel_rms(a, b) < 1e-6
+
+  # decoding: a prompt then one token, each continuing the cached convolution inputs
+  cache = gdn_cache(2, 2, 8, vd, e, 4, state=False)["conv"]
+  for lo, hi in ((0, 9), (9, 10), (10, 13)):
+    got, new = fused.apply(params, x[:, lo:hi], cache)
+    want, ref_cache = ref.apply(params, x[:, lo:hi], cache)
+    assert jax.tree.structure(new) == jax.tree.structure(cache)
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), new, ref_cache)
+    for a, b in zip(got, want):
+      assert rel_rms(a, b) < 1e-6
+    cache = new
