@@ -21,9 +21,18 @@ from layers.blocks import (Param, RMSNorm, causal_conv, dense, dense_kernel_init
                            short_conv_init, softplus_inverse)
 
 
-def a_log_init(key, shape, dtype=jnp.float32):
-  """A_log = log U(1, 16) (Mamba-2 / GDN)."""
-  return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+A_MIN = 1e-6  # the lower end of U(0, 16) for A_log: keeps log(A) finite
+
+
+def a_log_init(key, shape, dtype=jnp.float32, minval=A_MIN, maxval=16.0):
+  """A_log = log A, A ~ U(minval, maxval).
+
+  The default is the authors' and FLA's Gated DeltaNet initialisation, A ~ U(0, 16), with the lower
+  end at ``A_MIN`` = 1e-6 instead of 0: a draw of exactly 0 would give A_log = -inf (and a NaN at
+  the first weight-decay update); A below 1e-6 is no decay at any length anyway. Mamba-2 draws
+  A ~ U(1, 16) (``merlin.Mamba2`` passes minval=1).
+  """
+  return jnp.log(jax.random.uniform(key, shape, dtype, minval, maxval))
 
 
 def dt_bias_init(key, shape, dtype=jnp.float32, dt_min=1e-3, dt_max=1e-1):

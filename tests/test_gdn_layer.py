@@ -9,7 +9,8 @@ import numpy as np
 import pytest
 
 from layers.blocks import ShortConv, dense, l2norm
-from layers.gdn import DecayGate, gdn_cache, gdn_inputs
+from layers.gdn import A_MIN, DecayGate, a_log_init, gdn_cache, gdn_inputs
+from merlin import Mamba2
 from testkit import rel_rms
 
 
@@ -87,3 +88,15 @@ def test_fused_inputs_equal_one_projection_and_conv_per_stream(e, vd):
     for a, b in zip(got, want):
       assert rel_rms(a, b) < 1e-6
     cache = new
+
+
+def test_a_log_is_log_uniform_0_16_with_a_finite_lower_end():
+  a = np.exp(np.asarray(a_log_init(jax.random.key(3), (200_000,))))
+  assert np.all(np.isfinite(a)) and a.min() >= A_MIN and a.max() < 16
+  assert abs(np.mean(a < 1) - 1 / 16) < 0.003 and abs(a.mean() - 8) < 0.05  # U(0, 16), not U(1, 16)
+  # the layers: GDN's decay gate draws from U(0, 16), Mamba-2 keeps its own U(1, 16)
+  x = jnp.zeros((1, 2, 4))
+  gate = nn.unbox(DecayGate(256, 8).init(jax.random.key(4), x))["params"]
+  assert 0 < np.mean(np.exp(gate["A_log"]) < 1) < 0.2
+  mamba = nn.unbox(Mamba2(512, 2, state_dim=2).init(jax.random.key(5), x))["params"]
+  assert np.exp(mamba["A_log"]).min() >= 1
