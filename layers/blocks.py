@@ -3,7 +3,7 @@
 Every parameter carries logical axis names (``nn.with_logical_partitioning``); the training code
 maps them to mesh axes with the rules in the config. Names used here:
 ``embed`` (d_model), ``heads``, ``head_dim`` (D or V), ``expand`` (E), ``moment`` (d_r), ``conv``
-(the convolution's width).
+(the convolution's width), ``gate_rank`` (the output gate's rank).
 """
 
 from __future__ import annotations

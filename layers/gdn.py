@@ -2,7 +2,7 @@
 
 ``gdn_inputs`` builds (q, k, v, k2, q2, g, beta) from the hidden state and ``gdn_output`` the gated,
 normalised output projection, both inside the calling module's compact method so their parameters
-(q_proj, q_conv, ..., decay, beta_proj, gate_proj, o_norm, out_proj) carry the same names in every
+(q_proj, q_conv, ..., decay, beta_proj, gate_down, gate_up, o_norm, out_proj) carry the same names in every
 layer that uses them: ``triadic.TriadicGDN`` and ``merlin.MultiStateGDN`` load each other's
 checkpoints by name. ``DecayGate`` is the per-slice log decay, also used by ``Mamba2``'s initialisers.
 """
@@ -145,12 +145,22 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   return inputs, new_cache
 
 
-def gdn_output(o, x, *, dtype=jnp.float32, param_dtype=jnp.float32):
-  """The output side of ``TriadicGDN``: out_proj(RMSNorm(o) * sigmoid(gate_proj(x))), o (B, T, H, V).
+def gdn_output(o, x, gate_rank: int = 128, *, dtype=jnp.float32, param_dtype=jnp.float32):
+  """The output side of ``TriadicGDN``: out_proj(RMSNorm(o) * sigmoid(gate)), o (B, T, H, V).
 
-  Like ``gdn_inputs``, call it inside a compact method (parameters gate_proj, o_norm, out_proj).
+  The gate is the authors' rank-``gate_rank`` projection of x, gate_up(gate_down(x)): x -> rank
+  (no bias) -> H x V (with bias). ``gate_rank=0`` is a full-rank gate, gate_proj(x) (d_model ->
+  H x V, no bias). Like ``gdn_inputs``, call it inside a compact method (parameters gate_down and
+  gate_up, or gate_proj; o_norm, out_proj).
   """
+  if not isinstance(gate_rank, int) or gate_rank < 0:
+    raise ValueError(f"gate_rank must be a non-negative int (0: a full-rank gate), got {gate_rank!r}")
   kw = dict(dtype=dtype, param_dtype=param_dtype)
-  gate = dense(o.shape[-2:], ("embed", "heads", "head_dim"), name="gate_proj", **kw)(x)
+  heads = o.shape[-2:]
+  if gate_rank:
+    gate = dense(gate_rank, ("embed", "gate_rank"), name="gate_down", **kw)(x)
+    gate = dense(heads, ("gate_rank", "heads", "head_dim"), use_bias=True, name="gate_up", **kw)(gate)
+  else:
+    gate = dense(heads, ("embed", "heads", "head_dim"), name="gate_proj", **kw)(x)
   o = RMSNorm(names=("head_dim",), name="o_norm", **kw)(o) * jax.nn.sigmoid(gate)
   return dense(x.shape[-1], ("heads", "head_dim", "embed"), axis=(-2, -1), name="out_proj", **kw)(o)

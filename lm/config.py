@@ -27,6 +27,7 @@ LOGICAL_AXIS_RULES = [
     ("expand", None),
     ("moment", None),
     ("conv", None),
+    ("gate_rank", None),
     ("layers", None),
 ]
 
@@ -46,6 +47,7 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       expand_e=1,  # E of triadic_gdn / triadic_sgla
       aggregator="merlin", segment_len=64, max_segments=16, d_r=16,  # multi-state mixers
       state_dim=64,  # Mamba-2's N
+      gate_rank=128,  # GDN-style mixers' output gate x -> gate_rank -> H x V (0: full rank)
       conv_width=4, impl="auto", chunk_size=64, attention_impl="",
       dtype="float32",  # compute dtype; params stay float32
       remat="none",  # none | full | save_mixer_op | dots | dots_no_batch | save_mixer_op_and_dots

@@ -65,6 +65,7 @@ class ModelConfig:
   d_r: int = 128
   state_dim: int = 64
   conv_width: int = 4
+  gate_rank: int = 128  # GDN-style mixers' output gate: x -> rank -> H x V (0: full rank)
   impl: str = "auto"
   chunk_size: int = 64
   attention_impl: str | None = None
@@ -89,6 +90,9 @@ class ModelConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"model.{name} must be a positive int, got {value!r}")
+    if not isinstance(self.gate_rank, int) or self.gate_rank < 0:
+      raise ValueError(f"model.gate_rank must be a non-negative int (0: a full-rank output gate), "
+                       f"got {self.gate_rank!r}")
     if self.remat_name() not in REMAT_POLICIES:
       raise ValueError(f"model.remat must be one of {tuple(REMAT_POLICIES)} (or a bool), got "
                        f"{self.remat!r}")

@@ -1,6 +1,7 @@
 """The GDN-style layers' input and output sides (layers/gdn.py): the fused projection + short
 convolution against one projection and one convolution per stream (same parameters, same
-initialisation, same outputs and decoding caches)."""
+initialisation, same outputs and decoding caches), the A_log initialisation and the output side
+(the rank-r gate inside the sigmoid-gated RMSNorm)."""
 
 import flax.linen as nn
 import jax
@@ -9,7 +10,7 @@ import numpy as np
 import pytest
 
 from layers.blocks import ShortConv, dense, l2norm
-from layers.gdn import A_MIN, DecayGate, a_log_init, gdn_cache, gdn_inputs
+from layers.gdn import A_MIN, DecayGate, a_log_init, gdn_cache, gdn_inputs, gdn_output
 from merlin import Mamba2
 from testkit import rel_rms
 
@@ -100,3 +101,33 @@ def test_a_log_is_log_uniform_0_16_with_a_finite_lower_end():
   assert 0 < np.mean(np.exp(gate["A_log"]) < 1) < 0.2
   mamba = nn.unbox(Mamba2(512, 2, state_dim=2).init(jax.random.key(5), x))["params"]
   assert np.exp(mamba["A_log"]).min() >= 1
+
+
+class Output(nn.Module):
+  rank: int
+
+  @nn.compact
+  def __call__(self, o, x):
+    return gdn_output(o, x, self.rank)
+
+
+@pytest.mark.parametrize("rank", [3, 0])
+def test_output_is_the_gated_rmsnorm_with_a_low_rank_gate(rank):
+  """out_proj(RMSNorm(o) * sigmoid(gate_up(gate_down(x)))) (rank 0: sigmoid(gate_proj(x)))."""
+  o = jax.random.normal(jax.random.key(6), (2, 5, 2, 4))
+  x = jax.random.normal(jax.random.key(7), (2, 5, 16))
+  params = nn.unbox(Output(rank).init(jax.random.key(8), o, x))["params"]
+  params = jax.tree.map(lambda z: z + 0.1 * jax.random.normal(jax.random.key(9), z.shape), params)
+  if rank:
+    assert params["gate_down"]["kernel"].shape == (16, rank) and "bias" not in params["gate_down"]
+    assert params["gate_up"]["kernel"].shape == (rank, 2, 4) and params["gate_up"]["bias"].shape == (2, 4)
+    gate = jnp.einsum("btr,rhv->bthv", x @ params["gate_down"]["kernel"], params["gate_up"]["kernel"])
+    gate = gate + params["gate_up"]["bias"]
+  else:
+    assert set(params) == {"gate_proj", "o_norm", "out_proj"}
+    gate = jnp.einsum("btd,dhv->bthv", x, params["gate_proj"]["kernel"])
+  normed = o * jax.lax.rsqrt(jnp.mean(o * o, -1, keepdims=True) + 1e-6) * params["o_norm"]["scale"]
+  want = jnp.einsum("bthv,hvd->btd", normed * jax.nn.sigmoid(gate), params["out_proj"]["kernel"])
+  assert rel_rms(Output(rank).apply({"params": params}, o, x), want) < 1e-6
+  with pytest.raises(ValueError, match="gate_rank must be a non-negative int"):
+    Output(-2).init(jax.random.key(8), o, x)

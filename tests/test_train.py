@@ -75,7 +75,8 @@ def test_init_from_e1_to_e8(tmp_path):
                                   state_lib.create(validate(src), src.train, mesh,
                                                    sharding.rules(src), 32).abstract_state.params)
   mixer, src_mixer = params["layers"]["block0"]["mixer"], source["layers"]["block0"]["mixer"]
-  np.testing.assert_array_equal(mixer["q_proj"]["kernel"], src_mixer["q_proj"]["kernel"])
+  for name in ("q_proj", "gate_down", "gate_up"):  # the low-rank output gate carries over by name
+    np.testing.assert_array_equal(mixer[name]["kernel"], src_mixer[name]["kernel"])
   a_log = np.asarray(mixer["decay"]["A_log"])
   assert a_log.shape == (2, 4, 8)
   np.testing.assert_array_equal(a_log, np.broadcast_to(src_mixer["decay"]["A_log"], (2, 4, 8)))
@@ -96,3 +97,4 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
   with pytest.raises(FloatingPointError, match="at step 3: stopping. The last good checkpoint is step 2"):
     train_loop.train(c, str(tmp_path))
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+
