@@ -52,6 +52,7 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       dtype="float32",  # compute dtype; params stay float32
       remat="none",  # none | full | save_mixer_op | dots | dots_no_batch | save_mixer_op_and_dots
       tie_embeddings=False,  # the output head is the input embedding's transpose
+      loss_chunk=1024,  # training loss: logits of this many tokens per row at a time (0: all)
   ))
 
   c.train = ml_collections.ConfigDict(dict(
