@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import math
 import os
 import sys
 
@@ -50,7 +51,7 @@ import numpy as np  # noqa: E402
 from benchmarks.common import is_oom, machine, median_ms  # noqa: E402
 from lm.mixers import make_mixer  # noqa: E402
 from lm.model import Group, ModelConfig  # noqa: E402
-from layers.blocks import RMSNorm, ShortConv, l2norm  # noqa: E402
+from layers.blocks import RMSNorm, causal_conv, l2norm  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
 
 PAPER = dict(d_model=2048, num_heads=16, head_dim=128, mlp_dim=5504, batch=4)
@@ -204,18 +205,22 @@ def triadic_parts(cfg: ModelConfig, e: int):
   streams = ("q", "k", "v") + (("k2", "q2") if e > 1 else ())
 
   def projections(p, x):
-    z = {s: _proj(x, p[f"{s}_proj"]["kernel"], dt) for s in streams}
-    z["a"] = _proj(x, p["decay"]["a_proj"]["kernel"], dt)
-    z["beta"] = _proj(x, p["beta_proj"]["kernel"], dt)
-    return z
+    """One matmul over the concatenated q, k, v (k2, q2) kernels, as ``gdn_inputs``."""
+    w_in = jnp.concatenate([p[f"{s}_proj"]["kernel"].reshape(x.shape[-1], -1) for s in streams], -1)
+    return {"qkv": _proj(x, w_in, dt), "a": _proj(x, p["decay"]["a_proj"]["kernel"], dt),
+            "beta": _proj(x, p["beta_proj"]["kernel"], dt)}
 
   def glue(p, z):
-    conv = lambda s: ShortConv(w, dtype=dt).apply({"params": p[f"{s}_conv"]}, z[s])[0]
-    q, k = l2norm(jax.nn.silu(conv("q"))), l2norm(jax.nn.silu(conv("k")))
-    v = jax.nn.silu(conv("v"))
+    kernels = [p[f"{s}_conv"]["kernel"] for s in streams]
+    w_conv = jnp.concatenate([c.reshape(w, -1) for c in kernels], -1)
+    y = causal_conv(z["qkv"], w_conv)[0]
+    parts = jnp.split(y, np.cumsum([math.prod(c.shape[1:]) for c in kernels])[:-1], axis=-1)
+    y = {s: part.reshape(y.shape[:2] + c.shape[1:]) for s, part, c in zip(streams, parts, kernels)}
+    q, k = l2norm(jax.nn.silu(y["q"])), l2norm(jax.nn.silu(y["k"]))
+    v = jax.nn.silu(y["v"])
     if e > 1:
-      k2 = l2norm(jax.nn.softplus(conv("k2").astype(jnp.float32)))
-      q2 = l2norm(jax.nn.softplus(conv("q2").astype(jnp.float32)))
+      k2 = l2norm(jax.nn.softplus(y["k2"].astype(jnp.float32)))
+      q2 = l2norm(jax.nn.softplus(y["q2"].astype(jnp.float32)))
     else:
       k2 = q2 = jnp.ones(q.shape[:3] + (1,), jnp.float32)
     decay = p["decay"]
@@ -229,7 +234,11 @@ def triadic_parts(cfg: ModelConfig, e: int):
                        chunk_size=cfg.chunk_size)[0]
 
   def output(p, o, x):
-    gate = _proj(x, p["gate_proj"]["kernel"], dt)
+    if "gate_proj" in p:  # gate_rank = 0
+      gate = _proj(x, p["gate_proj"]["kernel"], dt)
+    else:
+      gate = _proj(_proj(x, p["gate_down"]["kernel"], dt), p["gate_up"]["kernel"], dt)
+      gate = gate + p["gate_up"]["bias"].astype(dt)
     o = RMSNorm(names=("head_dim",), dtype=dt).apply({"params": p["o_norm"]}, o)
     o = o * jax.nn.sigmoid(gate)
     kernel = p["out_proj"]["kernel"].astype(dt)

@@ -1,14 +1,15 @@
 """Building blocks shared by the triadic, multi-state and LM code (neither method's own package).
 
 ``layers.blocks``: RMSNorm, ``dense`` (DenseGeneral with logical axis names), ShortConv (causal
-depthwise convolution), ``l2norm``, ``softplus_inverse``. ``layers.gdn``: the decay gate and the
+depthwise convolution; ``causal_conv`` its pure function), ``Param`` (one named parameter, for
+projections fused at call time), ``l2norm``, ``softplus_inverse``. ``layers.gdn``: the decay gate and the
 Gated-DeltaNet input / output projections (``gdn_inputs``, ``gdn_output``, ``gdn_cache``).
 ``layers.remat``: ``saved_op``, which names a mixing op's forward for ``jax.checkpoint`` policies.
 """
 
-from layers.blocks import RMSNorm, ShortConv, dense, l2norm, softplus_inverse
+from layers.blocks import Param, RMSNorm, ShortConv, causal_conv, dense, l2norm, softplus_inverse
 from layers.gdn import DecayGate, a_log_init, dt_bias_init, gdn_cache, gdn_inputs, gdn_output
 from layers.remat import saved_op
 
-__all__ = ["RMSNorm", "ShortConv", "dense", "l2norm", "softplus_inverse", "DecayGate", "a_log_init",
-           "dt_bias_init", "gdn_cache", "gdn_inputs", "gdn_output", "saved_op"]
+__all__ = ["Param", "RMSNorm", "ShortConv", "causal_conv", "dense", "l2norm", "softplus_inverse",
+           "DecayGate", "a_log_init", "dt_bias_init", "gdn_cache", "gdn_inputs", "gdn_output", "saved_op"]

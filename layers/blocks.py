@@ -3,7 +3,7 @@
 Every parameter carries logical axis names (``nn.with_logical_partitioning``); the training code
 maps them to mesh axes with the rules in the config. Names used here:
 ``embed`` (d_model), ``heads``, ``head_dim`` (D or V), ``expand`` (E), ``moment`` (d_r), ``conv``
-(the convolution's width).
+(the convolution's width), ``gate_rank`` (the output gate's rank).
 """
 
 from __future__ import annotations
@@ -53,15 +53,90 @@ def dense(features: Sequence[int] | int, names: Sequence[str], *, axis=-1, use_b
       name=name)
 
 
+def dense_kernel_init(kernel_init=None, in_axes: int = 1):
+  """The initialiser of ``dense``'s kernel as a plain function of (key, shape, dtype).
+
+  ``nn.DenseGeneral`` initialises its kernel as the 2-D matrix (inputs, outputs), ``in_axes``
+  leading axes flattened into the rows, then reshapes it: the fan-in is the input features only.
+  With the same key this gives exactly the kernel ``dense`` would create.
+  """
+  kernel_init = kernel_init or nn.initializers.lecun_normal()
+
+  def init(key, shape, dtype=jnp.float32):
+    flat = (math.prod(shape[:in_axes]), math.prod(shape[in_axes:]))
+    return jnp.reshape(kernel_init(key, flat, dtype), shape)
+
+  return init
+
+
+class Param(nn.Module):
+  """One parameter, ``param_name`` (default ``kernel``), of the given shape, initialiser and logical
+  axis ``names``, returned by calling the module.
+
+  Used where several projections (or convolutions) run as one fused operation: each keeps its own
+  module name and parameter (e.g. ``q_proj/kernel``, same shape and initialiser as ``dense``
+  creates with ``dense_kernel_init``), and the caller concatenates them at call time.
+  """
+
+  shape: tuple[int, ...]
+  initializer: Any
+  names: Sequence[str]
+  param_dtype: Dtype = jnp.float32
+  param_name: str = "kernel"
+
+  @nn.compact
+  def __call__(self) -> jax.Array:
+    init = nn.with_logical_partitioning(self.initializer, tuple(self.names))
+    return self.param(self.param_name, init, tuple(self.shape), self.param_dtype)
+
+
 def _ndim(features) -> int:
   return 1 if isinstance(features, int) else len(features)
 
 
-class ShortConv(nn.Module):
-  """Causal depthwise convolution over time: ``y_t = sum_w kernel[w] * x_{t - width + 1 + w}``.
+def short_conv_init(width: int):
+  """``ShortConv``'s kernel initialiser: U(-1/sqrt(width), 1/sqrt(width)) (fan-in = the width)."""
+  bound = 1.0 / math.sqrt(width)
+  uniform = nn.initializers.uniform(scale=2.0 * bound)  # U(0, 2 bound)
+  return lambda key, shape, dtype=jnp.float32: uniform(key, shape, dtype) - bound
 
-  Input (B, T, *channels); the kernel is (width, *channels), one filter per channel, so a
-  convolution over a concatenation of streams is the same as one convolution per stream.
+
+def causal_conv(x: jax.Array, kernel: jax.Array, cache: jax.Array | None = None,
+                segment_ids: jax.Array | None = None):
+  """Causal depthwise convolution over time, ``y_t = sum_w kernel[w] * x_{t - width + 1 + w}``.
+
+  x (B, T, *channels), kernel (width, *channels): one filter per channel, so the convolution of a
+  concatenation of streams along the channels is the concatenation of their convolutions. Computed
+  in x's dtype. Returns ``(y, new_cache)``: without ``cache`` the input is causally zero-padded and
+  new_cache is None; with ``cache`` (B, width - 1, *channels), the inputs before x, the convolution
+  continues from there (zeros = a fresh start) and new_cache is x's last width - 1 inputs.
+  ``segment_ids`` (B, T) (packed documents, training only): an input of another document counts
+  as the causal padding's zero, so no output reads the previous document.
+  """
+  width, t, channel_dims = kernel.shape[0], x.shape[1], x.ndim - 2
+  kernel = kernel.astype(x.dtype)
+  if cache is None:
+    padded = jnp.pad(x, [(0, 0), (width - 1, 0)] + [(0, 0)] * channel_dims)
+  elif segment_ids is not None:
+    raise ValueError("segment_ids applies to the training forward; a cache continues one document")
+  else:
+    padded = jnp.concatenate([cache.astype(x.dtype), x], axis=1)
+  if segment_ids is None:
+    y = sum(padded[:, w:w + t] * kernel[w] for w in range(width))
+  else:  # lag width - 1 - w reads token t - lag: zero unless it is in token t's document
+    y = sum(padded[:, w:w + t] * kernel[w] * _same_document(segment_ids, width - 1 - w,
+                                                            channel_dims, x.dtype)
+            for w in range(width))
+  if cache is None:
+    return y, None
+  return y, padded[:, padded.shape[1] - (width - 1):].astype(cache.dtype)
+
+
+class ShortConv(nn.Module):
+  """``causal_conv`` with its kernel (width, *channels) as the parameter ``kernel``.
+
+  Input (B, T, *channels); one filter per channel, so a convolution over a concatenation of
+  streams is the same as one convolution per stream.
   """
 
   width: int = 4
@@ -71,40 +146,12 @@ class ShortConv(nn.Module):
 
   @nn.compact
   def __call__(self, x: jax.Array, cache: jax.Array | None = None, segment_ids=None):
-    """``(y, new_cache)`` for x (B, T, *channels).
-
-    Without ``cache`` (training) the input is causally zero-padded and new_cache is None. With
-    ``cache`` (B, width - 1, *channels), the inputs before x, the convolution continues from there
-    (zeros = a fresh start) and new_cache is x's last width - 1 inputs, for the next call.
-    ``segment_ids`` (B, T) (packed documents, training only): an input of another document counts
-    as the causal padding's zero, so no output reads the previous document.
-    """
-    channels = x.shape[2:]
-    fan_in = self.width
-    init = nn.initializers.uniform(scale=2.0 / math.sqrt(fan_in))
-    kernel = self.param(
-        "kernel",
-        nn.with_logical_partitioning(lambda k, s, d: init(k, s, d) - 1.0 / math.sqrt(fan_in),
-                                     ("conv",) + tuple(self.names)),
-        (self.width,) + tuple(channels), self.param_dtype)
-    kernel = kernel.astype(self.dtype)
-    x = x.astype(self.dtype)
-    t = x.shape[1]
-    if cache is None:
-      padded = jnp.pad(x, [(0, 0), (self.width - 1, 0)] + [(0, 0)] * len(channels))
-    elif segment_ids is not None:
-      raise ValueError("segment_ids applies to the training forward; a cache continues one document")
-    else:
-      padded = jnp.concatenate([cache.astype(self.dtype), x], axis=1)
-    if segment_ids is None:
-      y = sum(padded[:, w:w + t] * kernel[w] for w in range(self.width))
-    else:  # lag width - 1 - w reads token t - lag: zero unless it is in token t's document
-      y = sum(padded[:, w:w + t] * kernel[w] * _same_document(segment_ids, self.width - 1 - w,
-                                                              len(channels), self.dtype)
-              for w in range(self.width))
-    if cache is None:
-      return y, None
-    return y, padded[:, padded.shape[1] - (self.width - 1):].astype(cache.dtype)
+    """``(y, new_cache)`` for x (B, T, *channels); ``cache`` and ``segment_ids`` as in
+    ``causal_conv``."""
+    kernel = self.param("kernel", nn.with_logical_partitioning(short_conv_init(self.width),
+                                                               ("conv",) + tuple(self.names)),
+                        (self.width,) + tuple(x.shape[2:]), self.param_dtype)
+    return causal_conv(x.astype(self.dtype), kernel, cache, segment_ids)
 
 
 def _same_document(segment_ids: jax.Array, lag: int, channel_dims: int, dtype) -> jax.Array:

@@ -2,13 +2,14 @@
 
 ``gdn_inputs`` builds (q, k, v, k2, q2, g, beta) from the hidden state and ``gdn_output`` the gated,
 normalised output projection, both inside the calling module's compact method so their parameters
-(q_proj, q_conv, ..., decay, beta_proj, gate_proj, o_norm, out_proj) carry the same names in every
+(q_proj, q_conv, ..., decay, beta_proj, gate_down, gate_up, o_norm, out_proj) carry the same names in every
 layer that uses them: ``triadic.TriadicGDN`` and ``merlin.MultiStateGDN`` load each other's
 checkpoints by name. ``DecayGate`` is the per-slice log decay, also used by ``Mamba2``'s initialisers.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import flax.linen as nn
@@ -16,12 +17,22 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from layers.blocks import RMSNorm, ShortConv, dense, l2norm, softplus_inverse
+from layers.blocks import (Param, RMSNorm, causal_conv, dense, dense_kernel_init, l2norm,
+                           short_conv_init, softplus_inverse)
 
 
-def a_log_init(key, shape, dtype=jnp.float32):
-  """A_log = log U(1, 16) (Mamba-2 / GDN)."""
-  return jnp.log(jax.random.uniform(key, shape, dtype, 1.0, 16.0))
+A_MIN = 1e-6  # the lower end of U(0, 16) for A_log: keeps log(A) finite
+
+
+def a_log_init(key, shape, dtype=jnp.float32, minval=A_MIN, maxval=16.0):
+  """A_log = log A, A ~ U(minval, maxval).
+
+  The default is the authors' and FLA's Gated DeltaNet initialisation, A ~ U(0, 16), with the lower
+  end at ``A_MIN`` = 1e-6 instead of 0: a draw of exactly 0 would give A_log = -inf (and a NaN at
+  the first weight-decay update); A below 1e-6 is no decay at any length anyway. Mamba-2 draws
+  A ~ U(1, 16) (``merlin.Mamba2`` passes minval=1).
+  """
+  return jnp.log(jax.random.uniform(key, shape, dtype, minval, maxval))
 
 
 def dt_bias_init(key, shape, dtype=jnp.float32, dt_min=1e-3, dt_max=1e-1):
@@ -66,6 +77,16 @@ def gdn_cache(batch, num_heads, head_dim, value_dim=None, expand_e=1, conv_width
   return cache
 
 
+def _streams(num_heads, head_dim, value_dim, expand_e):
+  """(name, per-token shape, logical names) of each stream of the fused projection, in order."""
+  h, d, vd, e = num_heads, head_dim, value_dim or head_dim, expand_e
+  streams = [("q", (h, d), ("heads", "head_dim")), ("k", (h, d), ("heads", "head_dim")),
+             ("v", (h, vd), ("heads", "head_dim"))]
+  if e > 1:
+    streams += [("k2", (h, e), ("heads", "expand")), ("q2", (h, e), ("heads", "expand"))]
+  return streams
+
+
 def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4, *,
                dtype=jnp.float32, param_dtype=jnp.float32, conv_cache=None, segment_ids=None):
   """The input side of ``TriadicGDN``: (q, k, v, k2, q2, g, beta) from x (B, T, d_model).
@@ -73,45 +94,73 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   Call it inside a compact method: its parameters (q_proj, q_conv, ..., decay, beta_proj) belong to
   the calling module, under the same names in every layer that uses it, so checkpoints of the
   single-state layer load into the multi-state one (``merlin.MultiStateGDN``) by name.
+
+  Each stream (q, k, v and, for E > 1, k2, q2) has its own projection kernel ``{s}_proj/kernel``
+  (d_model, H, .) and convolution kernel ``{s}_conv/kernel`` (width, H, .), so an E = 1 checkpoint
+  maps onto an E = 8 model by name; the call concatenates them along the channels and runs one
+  matmul and one depthwise convolution over all streams (the authors' fused form: one pass over x
+  and over the projected activations), then splits the channels into (B, T, H, .) views (no
+  transposes) for the activations and norms. Identical to a projection and a convolution per stream.
+
   Returns ``(inputs, new_conv_cache)``. With ``conv_cache`` ({stream: last conv_width - 1 inputs},
   see ``gdn_cache``) the convolutions continue from it (decoding); without it (training) they start
   from zeros and new_conv_cache is None. ``segment_ids`` (B, T) (training): packed documents; no
   convolution reads across a document start.
   """
-  h, d, e = num_heads, head_dim, expand_e
-  vd = value_dim or head_dim
-  kw = dict(dtype=dtype, param_dtype=param_dtype)
-  new_cache = None if conv_cache is None else {}
+  h, e = num_heads, expand_e
+  streams = _streams(num_heads, head_dim, value_dim, expand_e)
+  d_model = x.shape[-1]
+  proj_init, conv_init = dense_kernel_init(), short_conv_init(conv_width)
+  proj = [Param((d_model,) + shape, proj_init, ("embed",) + names, param_dtype, name=f"{s}_proj")()
+          for s, shape, names in streams]
+  conv = [Param((conv_width,) + shape, conv_init, ("conv",) + names, param_dtype, name=f"{s}_conv")()
+          for s, shape, names in streams]
+  sizes = [math.prod(shape) for _, shape, _ in streams]
+  flat = lambda z, lead: z.reshape(z.shape[:lead] + (-1,))
+  w_in = jnp.concatenate([flat(w, 1) for w in proj], axis=-1).astype(dtype)  # (d_model, C)
+  z = jax.lax.dot_general(x.astype(dtype), w_in, (((x.ndim - 1,), (0,)), ((), ())))  # (B, T, C)
+  w_conv = jnp.concatenate([flat(w, 1) for w in conv], axis=-1)  # (width, C)
+  cache_in = None
+  if conv_cache is not None:
+    cache_in = jnp.concatenate([flat(conv_cache[s], 2) for s, _, _ in streams], axis=-1)
+  y, cache_out = causal_conv(z, w_conv, cache_in, segment_ids)
+  split = lambda z: {s: part.reshape(z.shape[:-1] + shape) for (s, shape, _), part in
+                     zip(streams, jnp.split(z, np.cumsum(sizes)[:-1], axis=-1))}
+  y = split(y)
+  new_cache = None if cache_out is None else split(cache_out)
 
-  def stream(features, names, name):
-    z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
-    y, cache = ShortConv(conv_width, names, name=f"{name}_conv", **kw)(
-        z, None if conv_cache is None else conv_cache[name], segment_ids=segment_ids)
-    if conv_cache is not None:
-      new_cache[name] = cache
-    return y
-
-  q = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "q")))
-  k = l2norm(jax.nn.silu(stream((h, d), ("heads", "head_dim"), "k")))
-  v = jax.nn.silu(stream((h, vd), ("heads", "head_dim"), "v"))
+  q = l2norm(jax.nn.silu(y["q"]))
+  k = l2norm(jax.nn.silu(y["k"]))
+  v = jax.nn.silu(y["v"])
   b, t = x.shape[:2]
   if e > 1:
-    k2 = l2norm(jax.nn.softplus(stream((h, e), ("heads", "expand"), "k2").astype(jnp.float32)))
-    q2 = l2norm(jax.nn.softplus(stream((h, e), ("heads", "expand"), "q2").astype(jnp.float32)))
+    k2 = l2norm(jax.nn.softplus(y["k2"].astype(jnp.float32)))
+    q2 = l2norm(jax.nn.softplus(y["q2"].astype(jnp.float32)))
   else:
     k2 = q2 = jnp.ones((b, t, h, 1), jnp.float32)
+  kw = dict(dtype=dtype, param_dtype=param_dtype)
   g = DecayGate(h, e, name="decay", **kw)(x)
   beta = jax.nn.sigmoid(dense((h,), ("embed", "heads"), name="beta_proj", **kw)(x).astype(jnp.float32))
   inputs = (q, k, v, k2.astype(q.dtype), q2.astype(q.dtype), g, beta)
   return inputs, new_cache
 
 
-def gdn_output(o, x, *, dtype=jnp.float32, param_dtype=jnp.float32):
-  """The output side of ``TriadicGDN``: out_proj(RMSNorm(o) * sigmoid(gate_proj(x))), o (B, T, H, V).
+def gdn_output(o, x, gate_rank: int = 128, *, dtype=jnp.float32, param_dtype=jnp.float32):
+  """The output side of ``TriadicGDN``: out_proj(RMSNorm(o) * sigmoid(gate)), o (B, T, H, V).
 
-  Like ``gdn_inputs``, call it inside a compact method (parameters gate_proj, o_norm, out_proj).
+  The gate is the authors' rank-``gate_rank`` projection of x, gate_up(gate_down(x)): x -> rank
+  (no bias) -> H x V (with bias). ``gate_rank=0`` is a full-rank gate, gate_proj(x) (d_model ->
+  H x V, no bias). Like ``gdn_inputs``, call it inside a compact method (parameters gate_down and
+  gate_up, or gate_proj; o_norm, out_proj).
   """
+  if not isinstance(gate_rank, int) or gate_rank < 0:
+    raise ValueError(f"gate_rank must be a non-negative int (0: a full-rank gate), got {gate_rank!r}")
   kw = dict(dtype=dtype, param_dtype=param_dtype)
-  gate = dense(o.shape[-2:], ("embed", "heads", "head_dim"), name="gate_proj", **kw)(x)
+  heads = o.shape[-2:]
+  if gate_rank:
+    gate = dense(gate_rank, ("embed", "gate_rank"), name="gate_down", **kw)(x)
+    gate = dense(heads, ("gate_rank", "heads", "head_dim"), use_bias=True, name="gate_up", **kw)(gate)
+  else:
+    gate = dense(heads, ("embed", "heads", "head_dim"), name="gate_proj", **kw)(x)
   o = RMSNorm(names=("head_dim",), name="o_norm", **kw)(o) * jax.nn.sigmoid(gate)
   return dense(x.shape[-1], ("heads", "head_dim", "embed"), axis=(-2, -1), name="out_proj", **kw)(o)

@@ -27,6 +27,7 @@ LOGICAL_AXIS_RULES = [
     ("expand", None),
     ("moment", None),
     ("conv", None),
+    ("gate_rank", None),
     ("layers", None),
 ]
 
@@ -46,10 +47,12 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       expand_e=1,  # E of triadic_gdn / triadic_sgla
       aggregator="merlin", segment_len=64, max_segments=16, d_r=16,  # multi-state mixers
       state_dim=64,  # Mamba-2's N
+      gate_rank=128,  # GDN-style mixers' output gate x -> gate_rank -> H x V (0: full rank)
       conv_width=4, impl="auto", chunk_size=64, attention_impl="",
       dtype="float32",  # compute dtype; params stay float32
       remat="none",  # none | full | save_mixer_op | dots | dots_no_batch | save_mixer_op_and_dots
       tie_embeddings=False,  # the output head is the input embedding's transpose
+      loss_chunk=1024,  # training loss: logits of this many tokens per row at a time (0: all)
   ))
 
   c.train = ml_collections.ConfigDict(dict(

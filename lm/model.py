@@ -25,7 +25,7 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
-from layers.blocks import RMSNorm, dense
+from layers.blocks import Param, RMSNorm, dense, dense_kernel_init
 from layers.remat import MIXER_OP
 from lm import mixers
 
@@ -65,12 +65,14 @@ class ModelConfig:
   d_r: int = 128
   state_dim: int = 64
   conv_width: int = 4
+  gate_rank: int = 128  # GDN-style mixers' output gate: x -> rank -> H x V (0: full rank)
   impl: str = "auto"
   chunk_size: int = 64
   attention_impl: str | None = None
   dtype: str = "float32"
   remat: bool | str = "none"  # a key of REMAT_POLICIES (True / False: "full" / "none")
   tie_embeddings: bool = False  # logits from the input embedding (no separate head)
+  loss_chunk: int = 1024  # training loss over chunks of this many tokens per row (0: all at once)
 
   @classmethod
   def from_config(cls, config) -> "ModelConfig":
@@ -89,6 +91,9 @@ class ModelConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"model.{name} must be a positive int, got {value!r}")
+    if not isinstance(self.gate_rank, int) or self.gate_rank < 0:
+      raise ValueError(f"model.gate_rank must be a non-negative int (0: a full-rank output gate), "
+                       f"got {self.gate_rank!r}")
     if self.remat_name() not in REMAT_POLICIES:
       raise ValueError(f"model.remat must be one of {tuple(REMAT_POLICIES)} (or a bool), got "
                        f"{self.remat!r}")
@@ -102,6 +107,9 @@ class ModelConfig:
     if self.num_layers % len(pattern):
       raise ValueError(f"model.num_layers ({self.num_layers}) must be a multiple of the length of "
                        f"model.layer_pattern {pattern} ({len(pattern)})")
+    if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
+      raise ValueError(f"model.loss_chunk must be a non-negative int (0: no chunking), got "
+                       f"{self.loss_chunk!r}")
     kvh = self.num_kv_heads or self.num_heads
     if "attention" in pattern and self.num_heads % kvh:
       raise ValueError(f"model.num_kv_heads ({kvh}) must divide model.num_heads ({self.num_heads})")
@@ -183,18 +191,36 @@ class Group(nn.Module):
     return x, None if cache is None else new
 
 
+def head_logits(cfg: ModelConfig, weight: jax.Array, x: jax.Array) -> jax.Array:
+  """float32 logits (..., vocab) of final-normed hidden states x (..., d_model).
+
+  ``weight``: the head kernel params["head"]["kernel"] (d_model, vocab), in the compute dtype, or
+  with ``cfg.tie_embeddings`` the input table params["embed"]["embedding"] (vocab, d_model), read
+  in float32 against x rounded to the compute dtype (``nn.Embed.attend``'s product).
+  """
+  dt = cfg.compute_dtype
+  if cfg.tie_embeddings:
+    return jnp.dot(x.astype(dt).astype(jnp.float32), weight.astype(jnp.float32).T)
+  logits = jax.lax.dot_general(x.astype(dt), weight.astype(dt), (((x.ndim - 1,), (0,)), ((), ())))
+  return logits.astype(jnp.float32)
+
+
 class LM(nn.Module):
   """Decoder LM: int32 tokens (B, T) -> float32 logits (B, T, vocab_size)."""
 
   cfg: ModelConfig
 
   @nn.compact
-  def __call__(self, tokens: jax.Array, cache: dict | None = None, segment_ids=None):
+  def __call__(self, tokens: jax.Array, cache: dict | None = None, segment_ids=None, *,
+               head: bool = True):
     """Logits (B, T, vocab) for tokens (B, T): the training forward.
 
     ``segment_ids`` (B, T) int32 (packed documents, the document index of each token in its row):
     every token sees only its own document: attention is masked, recurrent states reset and short
     convolutions do not reach into the previous document.
+
+    ``head=False`` returns the final-normed hidden states (B, T, d_model) instead, for a loss that
+    applies the output head itself (``head_logits``) a chunk of tokens at a time.
 
     With ``cache`` (``init_cache``, or returned by the previous call) the tokens continue the cached
     sequence and the result is ``(logits, new_cache)``: a prompt (prefill, the parallel form) or one
@@ -224,10 +250,13 @@ class LM(nn.Module):
     x, cache = stack(cfg, name="layers")(x, cache, segment_ids)
     x = RMSNorm(dtype=cfg.compute_dtype, name="final_norm")(x)
     if cfg.tie_embeddings:
-      logits = embed.attend(x.astype(cfg.compute_dtype))
-    else:
-      logits = dense(cfg.vocab_size, ("embed", "vocab"), dtype=cfg.compute_dtype, name="head")(x)
-    logits = logits.astype(jnp.float32)
+      weight = embed.embedding
+    else:  # the kernel of dense(vocab_size, ("embed", "vocab"), name="head")
+      weight = Param((cfg.d_model, cfg.vocab_size), dense_kernel_init(), ("embed", "vocab"),
+                     name="head")()
+    if not head:
+      return x if cache is None else (x, cache)
+    logits = head_logits(cfg, weight, x)
     return logits if cache is None else (logits, cache)
 
   def init_cache(self, batch: int, max_len: int) -> dict:

@@ -9,20 +9,67 @@ import jax.numpy as jnp
 import optax
 
 from lm import sharding
-from lm.model import LM
+from lm.model import LM, head_logits
 from lm.state import Setup, TrainState, schedule
 
 
 def loss_fn(model: LM, params, batch):
   """Weighted next-token cross-entropy and accuracy over positions with weight > 0. A batch with
   ``segment_ids`` (packed documents) runs each document as its own sequence; its ``weights`` are
-  already 0 where a target opens the next document (``lm.data``)."""
-  logits = model.apply({"params": params}, batch["inputs"], segment_ids=batch.get("segment_ids"))
-  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
+  already 0 where a target opens the next document (``lm.data``).
+
+  With ``model.loss_chunk`` = c > 0 and sequences longer than c, the (B, T, vocab) float32 logits
+  are never materialised at once: ``chunked_cross_entropy`` computes them c tokens per row at a
+  time and recomputes each chunk's in the backward pass. Same loss and gradients either way.
+  """
+  cfg = model.cfg
   w = batch["weights"]
   denom = jnp.maximum(jnp.sum(w), 1e-9)
+  segment_ids = batch.get("segment_ids")
+  if cfg.loss_chunk and batch["inputs"].shape[1] > cfg.loss_chunk:
+    hidden = model.apply({"params": params}, batch["inputs"], segment_ids=segment_ids, head=False)
+    weight = params["embed"]["embedding"] if cfg.tie_embeddings else params["head"]["kernel"]
+    ce, correct = chunked_cross_entropy(lambda h: head_logits(cfg, weight, h), hidden,
+                                        batch["targets"], w, cfg.loss_chunk)
+    return ce / denom, {"accuracy": correct / denom}
+  logits = model.apply({"params": params}, batch["inputs"], segment_ids=segment_ids)
+  ce = optax.softmax_cross_entropy_with_integer_labels(logits, batch["targets"])
   correct = (jnp.argmax(logits, -1) == batch["targets"]).astype(jnp.float32)
   return jnp.sum(ce * w) / denom, {"accuracy": jnp.sum(correct * w) / denom}
+
+
+def chunked_cross_entropy(logits_fn, hidden, targets, weights, chunk: int):
+  """(sum of weights * cross-entropy, sum of weights * [argmax == target]) over (B, T) tokens.
+
+  ``logits_fn``: hidden (B, c, d) -> float32 logits (B, c, vocab). The sequence is cut into chunks
+  of ``chunk`` tokens (the last one zero-padded, with weight 0), scanned one at a time under
+  ``jax.checkpoint``: the backward pass recomputes a chunk's logits instead of keeping them, so
+  the loss holds B x chunk x vocab float32 logits at a time, not B x T x vocab. The batch axis
+  stays whole in every chunk (its data-parallel sharding is untouched).
+  """
+  b, t, d = hidden.shape
+  n = -(-t // chunk)
+  pad = n * chunk - t
+  if pad:
+    hidden = jnp.pad(hidden, ((0, 0), (0, pad), (0, 0)))
+    targets = jnp.pad(targets, ((0, 0), (0, pad)))
+    weights = jnp.pad(weights, ((0, 0), (0, pad)))
+  split = lambda z: jnp.moveaxis(z.reshape((b, n, chunk) + z.shape[2:]), 1, 0)  # (n, B, c, ...)
+
+  @jax.checkpoint
+  def one(h, y, w):
+    logits = logits_fn(h)
+    ce = optax.softmax_cross_entropy_with_integer_labels(logits, y)
+    correct = (jnp.argmax(logits, -1) == y).astype(jnp.float32)
+    return jnp.sum(ce * w), jnp.sum(jax.lax.stop_gradient(correct) * w)
+
+  def body(carry, xs):
+    ce, correct = one(*xs)
+    return (carry[0] + ce, carry[1] + correct), None
+
+  zero = jnp.zeros((), jnp.float32)
+  (ce, correct), _ = jax.lax.scan(body, (zero, zero), (split(hidden), split(targets), split(weights)))
+  return ce, correct
 
 
 def make_train_step(model: LM, tx, train_config):

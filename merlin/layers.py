@@ -58,7 +58,8 @@ class MultiStateGDN(nn.Module):
   """Multi-state Gated DeltaNet (``erase=True``) or multi-state sGLA (``erase=False``) mixer.
 
   x (B, T, d_model) -> (B, T, d_model); T <= max_segments * segment_len. The chunk length is
-  min(chunk_size, segment_len) and must divide segment_len.
+  min(chunk_size, segment_len) and must divide segment_len. ``gate_rank``: the output gate's rank
+  (as ``triadic.TriadicGDN``).
   """
 
   num_heads: int
@@ -70,6 +71,7 @@ class MultiStateGDN(nn.Module):
   d_r: int = 128
   erase: bool = True
   conv_width: int = 4
+  gate_rank: int = 128
   impl: str = "auto"
   chunk_size: int = 64
   dtype: Any = jnp.float32
@@ -98,10 +100,10 @@ class MultiStateGDN(nn.Module):
           *z[:-1], segment_len=self.segment_len, erase=self.erase, impl=self.impl,
           chunk_size=min(self.chunk_size, self.segment_len), segment_ids=z[-1])
       o = saved_op(op)(q, k, v, g[..., 0], beta, lam, segment_ids)  # named for "save_mixer_op"
-      return gdn_output(o, x, **kw), None
+      return gdn_output(o, x, self.gate_rank, **kw), None
     o, cache = multistate_decode(self, q, k, v, g[..., 0], beta, lam, moments, cache,
                                  erase=self.erase, scale=self.head_dim ** -0.5)
-    return gdn_output(o, x, **kw), {**cache, "conv": conv}
+    return gdn_output(o, x, self.gate_rank, **kw), {**cache, "conv": conv}
 
   def init_cache(self, batch: int, max_len: int | None = None) -> dict:
     """Empty decoding cache: N segment states (B, H, N, D, V) float32, the aggregator's running

@@ -5,6 +5,7 @@
 
 from __future__ import annotations
 
+import functools
 from typing import Any
 
 import flax.linen as nn
@@ -62,7 +63,7 @@ class Mamba2(nn.Module):
                                              (h,), self.param_dtype).astype(jnp.float32)
     dt = dense(h, ("embed", "heads"), name="dt_proj", **kw)(x).astype(jnp.float32)
     dt = jax.nn.softplus(dt + per_head("dt_bias", dt_bias_init))
-    g = -jnp.exp(per_head("A_log", a_log_init)) * dt
+    g = -jnp.exp(per_head("A_log", functools.partial(a_log_init, minval=1.0))) * dt  # A ~ U(1, 16)
     return (xs, z, b, c, dt, g), new_cache
 
   def conv_cache(self, batch: int) -> dict:

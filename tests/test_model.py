@@ -72,6 +72,7 @@ def test_params_carry_logical_axis_names():
     (dict(d_model=0), "model.d_model must be a positive int"),
     (dict(dtype="float8"), "model.dtype must be one of"),
     (dict(mixer="attention", num_kv_heads=3), "num_kv_heads (3) must divide"),
+    (dict(gate_rank=-1), "model.gate_rank must be a non-negative int"),
 ])
 def test_bad_model_values_are_named(change, message):
   c = base_config("mqar")
@@ -123,16 +124,29 @@ def _paper(d_model, heads, mlp, e):
                      head_dim=128, mlp_dim=mlp, mixer="triadic_gdn", expand_e=e)
 
 
+def authors_count(d_model, heads, mlp, e, vocab=32768, layers=24, rank=128, d=128):
+  """The parameter count of the authors' GPT (OliverSieberling/TriadicLinearAttention, model.py):
+  per layer qkv_proj + its conv (width 4), gate_proj (decay, beta, gate input), A_log,
+  decay_bias, gate_out (with bias), o_norm, o_proj, two RMSNorms, SwiGLU; then the embedding,
+  an untied head and the final norm."""
+  qkv = 3 * heads * d + (2 * heads * e if e > 1 else 0)
+  layer = (d_model * qkv + 4 * qkv + d_model * (heads * e + heads + rank) + 2 * heads * e
+           + rank * heads * d + heads * d + d + heads * d * d_model + 2 * d_model + 3 * d_model * mlp)
+  return layers * layer + 2 * vocab * d_model + d_model
+
+
 def test_paper_400m_size_and_the_cost_of_e8():
   e1, e8 = costs.count_params(_paper(1024, 8, 2816, 1)), costs.count_params(_paper(1024, 8, 2816, 8))
-  assert 0.39e9 < e1["total"] < 0.41e9  # "400M"
+  # the authors' layer exactly (their 32000-token vocabulary: 380.9M at E = 1, 385.4M at E = 8)
+  assert e1["total"] == authors_count(1024, 8, 2816, 1) == 382_448_000
+  assert e8["total"] == authors_count(1024, 8, 2816, 8) == 386_984_960
   extra = e8["total"] / e1["total"] - 1  # the paper: "about 1.2%"
   assert 0.010 < extra < 0.014, extra
 
 
 def test_paper_1p3b_size():
   n = costs.count_params(_paper(2048, 16, 5504, 8))["total"]
-  assert 1.3e9 < n < 1.5e9, n  # 24 x (d 2048, SwiGLU 5504) + 2 x 32k x 2048 tables
+  assert n == authors_count(2048, 16, 5504, 8) == 1_381_485_568  # theirs at 32000 tokens: 1.378B
 
 
 def test_mqar_scale_cost_of_e16():
@@ -159,17 +173,19 @@ def test_state_bytes_of_a_triadic_layer():
 
 
 # sha256 (first 16 hex digits) of the sorted "path:shape" lines of each mixer's parameter tree in
-# a tiny LM: checkpoints and init_from load by these names, so a refactor must keep them.
+# a tiny LM: checkpoints and init_from load by these names, so a refactor must keep them. The
+# GDN-style mixers' entries changed deliberately with the rank-128 output gate (gate_down, gate_up
+# instead of gate_proj); model.gate_rank=0 gives the earlier trees (FULL_RANK_GATE_DIGESTS).
 PARAM_TREE_DIGESTS = {
     ("attention", ""): "93aa946aa21f5c87",
-    ("gdn", ""): "b4a0aef4652686d1",
-    ("triadic_gdn", ""): "e8a83a14383c1941",
-    ("triadic_sgla", ""): "e8a83a14383c1941",
+    ("gdn", ""): "3138f64faf03b506",
+    ("triadic_gdn", ""): "dacb6958bd2b79a4",
+    ("triadic_sgla", ""): "dacb6958bd2b79a4",
     ("mamba2", ""): "f2c04c2db1291cb2",
-    ("multistate_gdn", "vanilla"): "b4a0aef4652686d1",
-    ("multistate_gdn", "position"): "6761ca340eb447c8",
-    ("multistate_gdn", "meanpool"): "3a19a29e193e8940",
-    ("multistate_gdn", "merlin"): "af9437ef9345464e",
+    ("multistate_gdn", "vanilla"): "3138f64faf03b506",
+    ("multistate_gdn", "position"): "4a287496f0b31bb1",
+    ("multistate_gdn", "meanpool"): "783ff7201c38aa40",
+    ("multistate_gdn", "merlin"): "902579c8170ea89a",
     ("multistate_mamba2", "vanilla"): "f2c04c2db1291cb2",
     ("multistate_mamba2", "position"): "ca752ceeedaf1b31",
     ("multistate_mamba2", "meanpool"): "040eb67c8f9ae955",
@@ -177,14 +193,31 @@ PARAM_TREE_DIGESTS = {
 }
 
 
-@pytest.mark.parametrize("mixer,aggregator", sorted(PARAM_TREE_DIGESTS))
-def test_parameter_names_and_shapes_are_pinned(mixer, aggregator):
+FULL_RANK_GATE_DIGESTS = {
+    ("gdn", ""): "b4a0aef4652686d1",
+    ("triadic_gdn", ""): "e8a83a14383c1941",
+    ("multistate_gdn", "merlin"): "af9437ef9345464e",
+}
+
+
+def _tree_digest(mixer, aggregator, **kw):
   import hashlib
 
   cfg = ModelConfig(vocab_size=32, num_layers=2, d_model=16, num_heads=2, head_dim=8, mlp_dim=32,
                     mixer=mixer, aggregator=aggregator or "merlin", expand_e=4, segment_len=8,
-                    max_segments=4, d_r=4, state_dim=8)
+                    max_segments=4, d_r=4, state_dim=8, **kw)
   leaves = jax.tree_util.tree_flatten_with_path(costs.param_shapes(cfg))[0]
   lines = sorted(f"{jax.tree_util.keystr(path)}:{tuple(x.shape)}" for path, x in leaves)
-  digest = hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16]
-  assert digest == PARAM_TREE_DIGESTS[mixer, aggregator], "\n".join(lines)
+  return hashlib.sha256("\n".join(lines).encode()).hexdigest()[:16], "\n".join(lines)
+
+
+@pytest.mark.parametrize("mixer,aggregator", sorted(PARAM_TREE_DIGESTS))
+def test_parameter_names_and_shapes_are_pinned(mixer, aggregator):
+  digest, lines = _tree_digest(mixer, aggregator)
+  assert digest == PARAM_TREE_DIGESTS[mixer, aggregator], lines
+
+
+@pytest.mark.parametrize("mixer,aggregator", sorted(FULL_RANK_GATE_DIGESTS))
+def test_full_rank_gate_keeps_the_earlier_parameter_trees(mixer, aggregator):
+  digest, lines = _tree_digest(mixer, aggregator, gate_rank=0)
+  assert digest == FULL_RANK_GATE_DIGESTS[mixer, aggregator], lines

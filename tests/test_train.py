@@ -75,7 +75,8 @@ def test_init_from_e1_to_e8(tmp_path):
                                   state_lib.create(validate(src), src.train, mesh,
                                                    sharding.rules(src), 32).abstract_state.params)
   mixer, src_mixer = params["layers"]["block0"]["mixer"], source["layers"]["block0"]["mixer"]
-  np.testing.assert_array_equal(mixer["q_proj"]["kernel"], src_mixer["q_proj"]["kernel"])
+  for name in ("q_proj", "gate_down", "gate_up"):  # the low-rank output gate carries over by name
+    np.testing.assert_array_equal(mixer[name]["kernel"], src_mixer[name]["kernel"])
   a_log = np.asarray(mixer["decay"]["A_log"])
   assert a_log.shape == (2, 4, 8)
   np.testing.assert_array_equal(a_log, np.broadcast_to(src_mixer["decay"]["A_log"], (2, 4, 8)))
@@ -96,3 +97,60 @@ def test_nan_loss_stops_and_keeps_the_last_good_checkpoint(tmp_path, monkeypatch
   with pytest.raises(FloatingPointError, match="at step 3: stopping. The last good checkpoint is step 2"):
     train_loop.train(c, str(tmp_path))
   assert sorted(os.listdir(tmp_path / "checkpoints")) == ["2"]
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_chunked_loss_equals_the_plain_loss_and_holds_one_chunk_of_logits(tied):
+  """loss_chunk = 8 over 37 tokens (4 chunks and a padded one) == the loss over all logits at once:
+  loss, accuracy and every gradient (packed documents included); and the backward pass never holds
+  the (B, T, vocab) logits."""
+  import dataclasses
+
+  import flax.linen as nn
+  import jax
+  import jax.extend.core
+  import jax.numpy as jnp
+
+  from lm.model import LM, ModelConfig, head_logits
+  from testkit import rel_rms
+
+  cfg = ModelConfig(vocab_size=96, num_layers=1, d_model=16, num_heads=2, head_dim=8, mlp_dim=32,
+                    mixer="gdn", impl="chunked", chunk_size=8, tie_embeddings=tied, loss_chunk=8)
+  b, t = 2, 37
+  keys = jax.random.split(jax.random.key(0), 4)
+  tokens = jax.random.randint(keys[0], (b, t), 0, cfg.vocab_size)
+  batch = {"inputs": tokens, "targets": jax.random.randint(keys[1], (b, t), 0, cfg.vocab_size),
+           "weights": (jax.random.uniform(keys[2], (b, t)) < 0.7).astype(jnp.float32),
+           "segment_ids": (jnp.arange(t)[None] >= jnp.array([[20], [9]])).astype(jnp.int32)}
+  params = nn.unbox(LM(cfg).init(keys[3], tokens)["params"])
+  # the head of the chunked loss is the model's own
+  hidden = LM(cfg).apply({"params": params}, tokens, head=False)
+  weight = params["embed"]["embedding"] if tied else params["head"]["kernel"]
+  np.testing.assert_array_equal(head_logits(cfg, weight, hidden),
+                                LM(cfg).apply({"params": params}, tokens))
+
+  def value_and_grad(c):
+    fn = lambda p: train_step.loss_fn(LM(c), p, batch)
+    return jax.value_and_grad(fn, has_aux=True)(params), fn
+
+  (loss, aux), grads = value_and_grad(cfg)[0]
+  (want, want_aux), want_grads = value_and_grad(dataclasses.replace(cfg, loss_chunk=0))[0]
+  assert abs(float(loss) / float(want) - 1) < 1e-6
+  assert float(aux["accuracy"]) == float(want_aux["accuracy"])
+  for g, h in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
+    assert rel_rms(g, h) < 1e-5
+
+  def logit_sizes(jaxpr):  # sizes of every array with a vocabulary axis, nested jaxprs included
+    for eqn in jaxpr.eqns:
+      yield from (v.aval.size for v in eqn.outvars
+                  if cfg.vocab_size in getattr(v.aval, "shape", ()))
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        yield from logit_sizes(sub)
+
+  for c, most in ((cfg, b * 8 * cfg.vocab_size), (dataclasses.replace(cfg, loss_chunk=0), None)):
+    fn = value_and_grad(c)[1]
+    biggest = max(logit_sizes(jax.make_jaxpr(jax.grad(lambda p: fn(p)[0]))(params).jaxpr))
+    if most:  # one chunk of logits (and the head's weight and gradient, d_model x vocab)
+      assert biggest <= max(most, cfg.d_model * cfg.vocab_size), biggest
+    else:  # the plain loss: all of them
+      assert biggest == b * t * cfg.vocab_size

@@ -3,12 +3,13 @@
 x -> q, k, v (H x D, H x D, H x V) and k2, q2 (H x E) -> causal depthwise conv (width 4) on all
 of them, SiLU on q, k, v -> q, k l2-normalised over D; k2, q2 = l2norm_E(softplus(.)) ->
 per-slice decay g = -exp(A_log) softplus(a + dt_bias), beta = sigmoid(.) -> triadic_gdn ->
-RMSNorm(o) * sigmoid(gate) -> output projection. E = 1 drops k2/q2 (they are 1): Gated DeltaNet.
+RMSNorm(o) * sigmoid(gate), the gate a rank-128 projection of x (x -> 128 -> H x V, with bias) ->
+output projection. E = 1 drops k2/q2 (they are 1): Gated DeltaNet.
 
-Parameters are separate DenseGeneral kernels per stream (mathematically the one fused projection
-of the paper) so that a checkpoint of an E = 1 model maps onto an E = 8 one by name: the q, k, v,
-gate, beta and output kernels carry over, the decay parameters (shape (.., H, 1)) broadcast along
-E, and k2/q2 are new.
+Parameters are separate kernels per stream so that a checkpoint of an E = 1 model maps onto an
+E = 8 one by name: the q, k, v, gate, beta and output kernels carry over, the decay parameters
+(shape (.., H, 1)) broadcast along E, and k2/q2 are new. The call concatenates them: q, k, v, k2,
+q2 come from one matmul and one depthwise convolution, as in the paper (``layers.gdn.gdn_inputs``).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ class TriadicGDN(nn.Module):
   """Triadic Gated DeltaNet (``erase=True``) or Triadic sGLA (``erase=False``) mixer.
 
   Input and output (B, T, d_model). ``expand_e`` = E; E = 1 is Gated DeltaNet / Mamba-2's SSD core.
+  ``gate_rank``: the output gate's rank (the authors' 128; 0: a full-rank gate, ``gdn_output``).
   """
 
   num_heads: int
@@ -40,6 +42,7 @@ class TriadicGDN(nn.Module):
   expand_e: int = 1
   erase: bool = True
   conv_width: int = 4
+  gate_rank: int = 128
   impl: str = "auto"
   chunk_size: int = 64
   dtype: Any = jnp.float32
@@ -65,14 +68,14 @@ class TriadicGDN(nn.Module):
     if cache is None:
       op = lambda *z: triadic_gdn(*z[:-1], segment_ids=z[-1], **ops)[0]
       o = saved_op(op)(q, k, v, k2, q2, g, beta, segment_ids)  # named for remat="save_mixer_op"
-      return gdn_output(o, x, **kw), None
+      return gdn_output(o, x, self.gate_rank, **kw), None
     if x.shape[1] == 1:
       o, state = triadic_gdn_step(cache["state"], *(z[:, 0] for z in (q, k, v, k2, q2, g, beta)),
                                   erase=self.erase)
       o = o[:, None]
     else:
       o, state = triadic_gdn(q, k, v, k2, q2, g, beta, initial_state=cache["state"], **ops)
-    return gdn_output(o, x, **kw), {"state": state, "conv": conv}
+    return gdn_output(o, x, self.gate_rank, **kw), {"state": state, "conv": conv}
 
   def init_cache(self, batch: int, max_len: int | None = None) -> dict:
     """The empty decoding cache: the recurrent state (B, H, E, D, V) float32 (zeros) and, per short
