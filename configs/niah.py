@@ -31,9 +31,11 @@ def get_config(size: str = ""):
   if size not in ("", "cpu"):
     raise ValueError(f"configs/niah.py takes '' or 'cpu' after the colon, got {size!r}")
   c = base_config("niah")
+  # Full-rank output gate (gate_rank=0): at d_model 64 the authors' rank-128 gate would be the
+  # larger matrix, not a low-rank one.
   c.model.update(mixer="multistate_gdn", aggregator="merlin", segment_len=64, max_segments=16,
                  d_r=16, num_layers=2, d_model=64, num_heads=4, head_dim=16, mlp_dim=128,
-                 tie_embeddings=True)
+                 tie_embeddings=True, gate_rank=0)
   c.data.update(seq_len=1024, train_min_len=96, train_lengths="log_uniform", num_needles=8,
                 train_num_queries=4, eval_lengths=(256, 512, 1024), num_eval_examples=64)
   c.train.update(num_steps=1500, batch_size=32, learning_rate=3e-3, warmup_steps=100,

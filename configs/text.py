@@ -17,8 +17,9 @@ from lm.config import base_config
 
 def get_config():
   c = base_config("text")
+  # Full-rank output gate (gate_rank=0): at d_model 128 a rank-128 gate is no factorisation.
   c.model.update(mixer="triadic_gdn", expand_e=4, num_layers=4, d_model=128, num_heads=4,
-                 head_dim=32, mlp_dim=352)
+                 head_dim=32, mlp_dim=352, gate_rank=0)
   c.train.update(num_steps=400, batch_size=16, learning_rate=2e-3, warmup_steps=40,
                  log_every=20, checkpoint_every=200)
   return c
