@@ -9,6 +9,8 @@ checkpoints by name. ``DecayGate`` is the per-slice log decay, also used by ``Ma
 
 from __future__ import annotations
 
+import functools
+
 import math
 from typing import Any
 
@@ -47,6 +49,7 @@ class DecayGate(nn.Module):
 
   num_heads: int
   expand_e: int = 1
+  a_min: float = A_MIN  # A ~ U(a_min, 16) at init (``a_log_init``)
   dtype: Any = jnp.float32
   param_dtype: Any = jnp.float32
 
@@ -55,7 +58,8 @@ class DecayGate(nn.Module):
     shape = (self.num_heads, self.expand_e)
     names = ("heads", "expand")
     a = dense(shape, ("embed",) + names, dtype=self.dtype, param_dtype=self.param_dtype, name="a_proj")(x)
-    a_log = self.param("A_log", nn.with_logical_partitioning(a_log_init, names), shape, self.param_dtype)
+    init = functools.partial(a_log_init, minval=self.a_min)
+    a_log = self.param("A_log", nn.with_logical_partitioning(init, names), shape, self.param_dtype)
     dt_bias = self.param("dt_bias", nn.with_logical_partitioning(dt_bias_init, names), shape,
                          self.param_dtype)
     a = a.astype(jnp.float32) + dt_bias.astype(jnp.float32)
@@ -88,7 +92,8 @@ def _streams(num_heads, head_dim, value_dim, expand_e):
 
 
 def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4, *,
-               dtype=jnp.float32, param_dtype=jnp.float32, conv_cache=None, segment_ids=None):
+               a_min=A_MIN, dtype=jnp.float32, param_dtype=jnp.float32, conv_cache=None,
+               segment_ids=None):
   """The input side of ``TriadicGDN``: (q, k, v, k2, q2, g, beta) from x (B, T, d_model).
 
   Call it inside a compact method: its parameters (q_proj, q_conv, ..., decay, beta_proj) belong to
@@ -139,7 +144,7 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   else:
     k2 = q2 = jnp.ones((b, t, h, 1), jnp.float32)
   kw = dict(dtype=dtype, param_dtype=param_dtype)
-  g = DecayGate(h, e, name="decay", **kw)(x)
+  g = DecayGate(h, e, a_min=a_min, name="decay", **kw)(x)
   beta = jax.nn.sigmoid(dense((h,), ("embed", "heads"), name="beta_proj", **kw)(x).astype(jnp.float32))
   inputs = (q, k, v, k2.astype(q.dtype), q2.astype(q.dtype), g, beta)
   return inputs, new_cache

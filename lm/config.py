@@ -48,6 +48,7 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       aggregator="merlin", segment_len=64, max_segments=16, d_r=16,  # multi-state mixers
       state_dim=64,  # Mamba-2's N
       gate_rank=128,  # GDN-style mixers' output gate x -> gate_rank -> H x V (0: full rank)
+      a_min=1e-6,  # GDN-style mixers' decay at init: A ~ U(a_min, 16) (1.0: Mamba-2's U(1, 16))
       conv_width=4, impl="auto", chunk_size=64, attention_impl="",
       dtype="float32",  # compute dtype; params stay float32
       remat="none",  # none | full | save_mixer_op | dots | dots_no_batch | save_mixer_op_and_dots

@@ -26,6 +26,7 @@ from triadic import TriadicGDN
 
 # The fields every recurrent mixer reads besides num_heads and head_dim (GDN-style ones also gate_rank).
 _OPS = ("conv_width", "impl", "chunk_size")
+_GDN = ("gate_rank", "a_min")  # the GDN-style mixers' output gate and decay initialisation
 _MULTISTATE = ("aggregator", "segment_len", "max_segments", "d_r")
 
 
@@ -107,7 +108,7 @@ def _triadic(expand_e: Callable, erase: bool, fields: tuple[str, ...]) -> Mixer:
   """TriadicGDN with E = expand_e(cfg)."""
   return _recurrent(
       lambda cfg, **kw: TriadicGDN(cfg.num_heads, cfg.head_dim, expand_e=expand_e(cfg), erase=erase,
-                                   gate_rank=cfg.gate_rank, **_ops(cfg), **kw),
+                                   gate_rank=cfg.gate_rank, a_min=cfg.a_min, **_ops(cfg), **kw),
       fields, state_shape=lambda cfg: (expand_e(cfg), cfg.head_dim, cfg.head_dim))
 
 
@@ -116,17 +117,18 @@ MIXERS: dict[str, Mixer] = {
         lambda cfg, **kw: Attention(cfg.num_heads, cfg.head_dim, num_kv_heads=cfg.num_kv_heads,
                                     implementation=cfg.attention_impl, **kw),
         ("num_kv_heads", "attention_impl"), _attention_flops, _attention_bytes),
-    "gdn": _triadic(lambda cfg: 1, True, ("gate_rank",) + _OPS),
-    "triadic_gdn": _triadic(lambda cfg: cfg.expand_e, True, ("expand_e", "gate_rank") + _OPS),
-    "triadic_sgla": _triadic(lambda cfg: cfg.expand_e, False, ("expand_e", "gate_rank") + _OPS),
+    "gdn": _triadic(lambda cfg: 1, True, _GDN + _OPS),
+    "triadic_gdn": _triadic(lambda cfg: cfg.expand_e, True, ("expand_e",) + _GDN + _OPS),
+    "triadic_sgla": _triadic(lambda cfg: cfg.expand_e, False, ("expand_e",) + _GDN + _OPS),
     "mamba2": _recurrent(
         lambda cfg, **kw: Mamba2(cfg.num_heads, cfg.head_dim, state_dim=cfg.state_dim, **_ops(cfg),
                                  **kw),
         ("state_dim",) + _OPS, state_shape=lambda cfg: (1, cfg.state_dim, cfg.head_dim)),
     "multistate_gdn": _recurrent(
         lambda cfg, **kw: MultiStateGDN(cfg.num_heads, cfg.head_dim, **_multistate(cfg),
-                                        gate_rank=cfg.gate_rank, **_ops(cfg), **kw),
-        _MULTISTATE + ("gate_rank",) + _OPS, state_shape=lambda cfg: (1, cfg.head_dim, cfg.head_dim),
+                                        gate_rank=cfg.gate_rank, a_min=cfg.a_min, **_ops(cfg),
+                                        **kw),
+        _MULTISTATE + _GDN + _OPS, state_shape=lambda cfg: (1, cfg.head_dim, cfg.head_dim),
         multistate=True),
     "multistate_mamba2": _recurrent(
         lambda cfg, **kw: MultiStateMamba2(cfg.num_heads, cfg.head_dim, state_dim=cfg.state_dim,

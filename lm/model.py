@@ -66,6 +66,7 @@ class ModelConfig:
   state_dim: int = 64
   conv_width: int = 4
   gate_rank: int = 128  # GDN-style mixers' output gate: x -> rank -> H x V (0: full rank)
+  a_min: float = 1e-6  # GDN-style mixers' decay at init: A ~ U(a_min, 16)
   impl: str = "auto"
   chunk_size: int = 64
   attention_impl: str | None = None
@@ -91,6 +92,9 @@ class ModelConfig:
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"model.{name} must be a positive int, got {value!r}")
+    if not isinstance(self.a_min, (int, float)) or not 0 < self.a_min < 16:
+      raise ValueError(f"model.a_min must be a number in (0, 16) (A ~ U(a_min, 16) at init), got "
+                       f"{self.a_min!r}")
     if not isinstance(self.gate_rank, int) or self.gate_rank < 0:
       raise ValueError(f"model.gate_rank must be a non-negative int (0: a full-rank output gate), "
                        f"got {self.gate_rank!r}")

@@ -15,7 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from layers.blocks import check_sizes
-from layers.gdn import gdn_cache, gdn_inputs, gdn_output
+from layers.gdn import A_MIN, gdn_cache, gdn_inputs, gdn_output
 from layers.remat import saved_op
 from merlin.aggregator_layers import make_aggregator
 from merlin.decode import multistate_decode
@@ -72,6 +72,7 @@ class MultiStateGDN(nn.Module):
   erase: bool = True
   conv_width: int = 4
   gate_rank: int = 128
+  a_min: float = A_MIN
   impl: str = "auto"
   chunk_size: int = 64
   dtype: Any = jnp.float32
@@ -91,7 +92,7 @@ class MultiStateGDN(nn.Module):
     check_sizes(self, *_GDN_SIZES)
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     (q, k, v, _, _, g, beta), conv = gdn_inputs(
-        x, self.num_heads, self.head_dim, self.value_dim, 1, self.conv_width,
+        x, self.num_heads, self.head_dim, self.value_dim, 1, self.conv_width, a_min=self.a_min,
         conv_cache=None if cache is None else cache["conv"], segment_ids=segment_ids, **kw)
     aggregator = _aggregator(self, groups=self.num_heads, impl=self.impl, name="aggregator", **kw)
     lam, moments = aggregator(x, *_moments_and_length(cache), segment_ids=segment_ids)

@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 
 from layers.blocks import check_sizes
-from layers.gdn import gdn_cache, gdn_inputs, gdn_output
+from layers.gdn import A_MIN, gdn_cache, gdn_inputs, gdn_output
 from triadic.ops import triadic_gdn, triadic_gdn_step
 from layers.remat import saved_op
 
@@ -34,6 +34,8 @@ class TriadicGDN(nn.Module):
 
   Input and output (B, T, d_model). ``expand_e`` = E; E = 1 is Gated DeltaNet / Mamba-2's SSD core.
   ``gate_rank``: the output gate's rank (the authors' 128; 0: a full-rank gate, ``gdn_output``).
+  ``a_min``: the decay's A ~ U(a_min, 16) at init (the authors' U(0, 16) by default; Mamba-2's
+  U(1, 16) with 1.0).
   """
 
   num_heads: int
@@ -43,6 +45,7 @@ class TriadicGDN(nn.Module):
   erase: bool = True
   conv_width: int = 4
   gate_rank: int = 128
+  a_min: float = A_MIN
   impl: str = "auto"
   chunk_size: int = 64
   dtype: Any = jnp.float32
@@ -63,7 +66,8 @@ class TriadicGDN(nn.Module):
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     (q, k, v, k2, q2, g, beta), conv = gdn_inputs(
         x, self.num_heads, self.head_dim, self.value_dim, self.expand_e, self.conv_width,
-        conv_cache=None if cache is None else cache["conv"], segment_ids=segment_ids, **kw)
+        a_min=self.a_min, conv_cache=None if cache is None else cache["conv"],
+        segment_ids=segment_ids, **kw)
     ops = dict(erase=self.erase, impl=self.impl, chunk_size=self.chunk_size)
     if cache is None:
       op = lambda *z: triadic_gdn(*z[:-1], segment_ids=z[-1], **ops)[0]
