@@ -207,7 +207,7 @@ def stages(t, e_list, reps, variants=False, slices=()):
       bst = jax.jit(functools.partial(state_bwd, scale=0.1, erase=True))
       bst_args = (q, k, do, k2, q2, gc_col, beta, a, p, h0)
       du, dst, _ = bst(*bst_args)
-      cbw = jax.jit(functools.partial(pops.chunk_backward_kernel(cfg, q, v, k2), scale=0.1,
+      cbw = jax.jit(functools.partial(pops.chunk_gradients_kernel(cfg, q, v, k2), scale=0.1,
                                       erase=True))
       cbw_args = (q, k, v, do, u, du, st, dst, k2, rows(k2), q2, gc_col, gc_row, beta, a)
       ms = [timeit(f, xs, reps) for f, xs in ((pre, prep_args), (fwd, fwd_args),
@@ -278,10 +278,11 @@ def mosaic_backward_parts(cbw_args, reps, value_slices=None):
   return [f"{e_dim // size} x {size} slices, bv{bv} {n_stages} st"] + [f"{x:.2f}" for x in times]
 
 
-def peer_table(t, b, h, d, vd, names, reps):
-  """Time the PyTorch peers on E = 1 inputs of this shape, print one line each, and return the
-  fastest forward and forward+backward (ms; nan where no peer ran)."""
-  q, k, v, _, _, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, 1, jnp.bfloat16)
+def peer_table(e1_inputs, names, reps):
+  """Time the PyTorch peers on our E = 1 inputs (``inputs(..., e=1)``), print one line each, and
+  return the fastest forward and forward+backward (ms; nan where no peer ran)."""
+  q, k, v, _, _, g, beta = e1_inputs
+  b, t = q.shape[:2]
   res = peers.time_gdn_peers(q, k, v, g[..., 0], beta, reps, names) if names else {}
   for name, r in res.items():
     cell = f"{r[0]:.2f} / {r[1]:.2f} ms" if isinstance(r, tuple) else f"missing ({r})"
@@ -349,13 +350,14 @@ def op_table(args):
     b = SHAPES.get(t, max(1, 32768 // t))
     key = jax.random.PRNGKey(0)
     att_fwd, att_fb = attention_fns()
-    qa, ka, va = inputs(key, b, t, h, d, vd, 1, jnp.bfloat16)[:3]
+    e1_inputs = inputs(key, b, t, h, d, vd, 1, jnp.bfloat16)
+    qa, ka, va = e1_inputs[:3]
     try:
       att = (timeit(att_fwd, (qa, ka, va), args.reps), timeit(att_fb, (qa, ka, va), args.reps))
     except Exception as err:  # cuDNN missing or shape refused: report, do not stop the table
       print(f"# cudnn attention failed at T={t}: {type(err).__name__}: {err}"[:300])
       att = (nan, nan)
-    best = peer_table(t, b, h, d, vd, args.peers, args.reps)
+    best = peer_table(e1_inputs, args.peers, args.reps)
     e1 = None
     for e in args.e:
       xs = inputs(key, b, t, h, d, vd, e, jnp.bfloat16)

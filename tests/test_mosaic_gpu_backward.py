@@ -179,7 +179,7 @@ def test_hopper_op_matches_scan():
                value_slices=2)
   q, v, k2 = (jnp.zeros((1, 1, 64, n), dt) for n, dt in ((64, jnp.bfloat16), (32, jnp.bfloat16),
                                                          (4, jnp.float32)))
-  fn = pops.chunk_backward_kernel(cfg, q, v, k2)
+  fn = pops.chunk_gradients_kernel(cfg, q, v, k2)
   assert fn.func is mosaic_backward.chunk_gradients and fn.keywords["value_slices"] == 2
   check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 1.0, jnp.bfloat16, config=cfg)
 

@@ -125,7 +125,7 @@ def test_mosaic_gpu_kernels_match_scan(b, t, h, d, vdim, e, erase, decay, chunk_
   q, v, k2 = (jnp.zeros((1, 1, 64, n), dt) for n, dt in ((d, jnp.bfloat16), (vdim, jnp.bfloat16),
                                                          (4, jnp.float32)))
   assert pops.state_pass_kernels(cfg, q, v, k2)[0].func is mosaic.state_pass
-  assert (pops.chunk_backward_kernel(cfg, q, v,
+  assert (pops.chunk_gradients_kernel(cfg, q, v,
                                      k2).func is mosaic_backward.chunk_gradients) == chunk_bwd
   check_against_scan(b, t, h, d, vdim, e, 64, erase, decay, jnp.bfloat16, config=cfg)
 

@@ -102,6 +102,7 @@ def validate(q, k, v, k2, q2, g, beta, initial_state, impl, chunk_size, state_na
 
 def check_segment_ids(segment_ids, b: int, t: int):
   """ValueError/TypeError unless ``segment_ids`` is an integer (B, T) array."""
+  check_array("segment_ids", segment_ids, 2, "(B, T)", floating=False)
   if segment_ids.shape != (b, t):
     raise ValueError(f"segment_ids must have shape (B, T) = {(b, t)}, got {segment_ids.shape}")
   if not jnp.issubdtype(segment_ids.dtype, jnp.integer):

@@ -181,8 +181,7 @@ def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2_col
 
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
-                    beta_col, a, *,
-                   scale, erase, cfg):
+                    beta_col, a, *, scale, erase, cfg):
   """Run the chunk-parallel backward. Layout (BH, NC, ...) as the forward kernels.
 
   Returns float32 dq, dk (BH,NC,C,D), dv (BH,NC,C,V), dk2 column and row parts ((C,E), (E,C)),

@@ -28,12 +28,12 @@ from jax.experimental import pallas as pl
 from triadic.chunked import unit_lower_inverse
 from triadic.pallas import masks
 from triadic.pallas.common import F32, call, mm
-from triadic.pallas.common import masks as tri_masks
+from triadic.pallas.common import masks as causal_masks
 
 
 def _prep_kernel(q_ref, k_ref, beta_ref, mq_ref, *rest, c, erase, dtype):
   lower_ref, p_ref = rest[-2:]
-  causal, strict, _, _ = tri_masks(c)
+  causal, strict, _, _ = causal_masks(c)
   k = k_ref[...]
   p_ref[...] = jnp.where(causal, mm(q_ref[...], k, dtype, tb=True) * mq_ref[...], 0.0)
   if erase:
@@ -43,17 +43,16 @@ def _prep_kernel(q_ref, k_ref, beta_ref, mq_ref, *rest, c, erase, dtype):
     lower_ref[...] = jnp.zeros((c, c), F32)
 
 
-def chunk_prep(q, k, k2_col, q2_col, g_c, beta_col, *, erase, cfg):
+def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg):
   """gc, its transpose, A and P for every chunk. Inputs in the kernels' (BH, NC, C, X) layout.
 
   Returns gc (BH, NC, C, E), gc transposed (BH, NC, E, C), A and P (BH, NC, C, C), float32.
   """
   bh, nc, c, d = q.shape
-  gc_col = masks.chunk_cumsum(g_c)
+  gc_col = masks.chunk_cumsum(g_col)
   gc_row = jnp.swapaxes(gc_col, -1, -2)
-  m, mq = masks.decay_masks(k2_col, jnp.swapaxes(k2_col, -1, -2).astype(F32), q2_col, gc_col,
-                            gc_row,
-                            erase=erase)
+  k2_row = jnp.swapaxes(k2_col, -1, -2).astype(F32)
+  m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))
   kernel = functools.partial(_prep_kernel, c=c, erase=erase, dtype=q.dtype)
   shape = jax.ShapeDtypeStruct((bh, nc, c, c), F32)

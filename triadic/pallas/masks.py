@@ -64,9 +64,9 @@ def decay(gc_col, gc_row, *, transpose=False):
   return jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
 
 
-def chunk_cumsum(g_c):
+def chunk_cumsum(g_col):
   """gc: the chunk-local inclusive cumsum of g (BH, NC, C, E) float32, non-increasing, <= 0."""
-  return jnp.cumsum(g_c.astype(jnp.float32), axis=-2)
+  return jnp.cumsum(g_col.astype(jnp.float32), axis=-2)
 
 
 def decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, *, erase):

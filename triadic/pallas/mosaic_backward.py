@@ -558,8 +558,8 @@ def default_value_slices(d: int, vd: int, c: int, e: int) -> int:
 
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
-                    beta_col, a, *,
-                   scale, erase, block_v=None, stages=None, value_slices=None, interpret=False):
+                    beta_col, a, *, scale, erase, block_v=None, stages=None, value_slices=None,
+                    interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs:
   float32 dq, dk (BH,NC,C,D), dv (BH,NC,C,V), dk2 column and row parts ((C,E), (E,C)), dq2 (C,E),
   d gc column and row parts, dbeta (C,1). The value kernel runs once per group of

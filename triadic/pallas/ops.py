@@ -147,10 +147,10 @@ def state_pass_kernels(cfg, q, v, k2):
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))
 
 
-def chunk_backward_kernel(cfg, q, v, k2):
+def chunk_gradients_kernel(cfg, q, v, k2):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (``cfg.value_slices`` slices per
   value-kernel pass) or ``backward.chunk_gradients``."""
-  if _plan(cfg, q, v, k2).mosaic_chunk_backward:
+  if _plan(cfg, q, v, k2).mosaic_chunk_gradients:
     return functools.partial(mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
                              value_slices=cfg.value_slices)
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
@@ -180,7 +180,8 @@ def _backward(scale, erase, cfg, q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u,
   backward = state_pass_kernels(cfg, q, do, k2)[1]
   du, dstates, dh0 = backward(q, k, do.astype(q.dtype), k2, q2, gc_col, beta, a, p, dht.astype(F32),
                               scale=scale, erase=erase)
-  dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = chunk_backward_kernel(cfg, q, v, k2)(
+  chunk_gradients = chunk_gradients_kernel(cfg, q, v, k2)
+  dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = chunk_gradients(
       q, k, v, do, u, du, states, dstates, k2, _rows(k2), q2, gc_col, gc_row, beta, a, scale=scale,
       erase=erase)
   dgc = dgc_col + _rows(dgc_row)

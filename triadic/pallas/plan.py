@@ -50,7 +50,7 @@ class Plan:
     return self.forward.backend.startswith("mosaic_gpu")
 
   @property
-  def mosaic_chunk_backward(self) -> bool:
+  def mosaic_chunk_gradients(self) -> bool:
     return self.chunk_gradients.backend.startswith("mosaic_gpu")
 
   def __str__(self) -> str:
@@ -60,10 +60,9 @@ class Plan:
 
 
 def _base(cfg: Config) -> str:
-  name = {"gpu": "triton", "tpu": "mosaic_tpu", "cpu": "triton"}[cfg.platform]
-  if cfg.platform == "cpu":
-    name = "mosaic_tpu/interpret" if cfg.chunk_grid else "triton/interpret"
-  return name
+  """The platform's own Pallas backend: Mosaic TPU for the TPU structure, else Triton."""
+  name = "mosaic_tpu" if cfg.chunk_grid else "triton"
+  return name + ("/interpret" if cfg.platform == "cpu" else "")
 
 
 def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
