@@ -44,6 +44,9 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       mixer="triadic_gdn",  # attention | gdn | triadic_gdn | triadic_sgla | mamba2 | multistate_*
       layer_pattern="",  # e.g. "triadic_gdn,triadic_gdn,triadic_gdn,attention" (repeated)
       num_layers=2, d_model=64, num_heads=4, head_dim=16, num_kv_heads=0, mlp_dim=128,
+      # attention: QK-norm (RMSNorm of queries and keys over head_dim), RoPE's base, RoPE
+      # positions counted from each packed document's start (relative attention: rounding only)
+      qk_norm=False, rope_base=10000.0, rope_per_document=True,
       expand_e=1,  # E of triadic_gdn / triadic_sgla
       aggregator="merlin", segment_len=64, max_segments=16, d_r=16,  # multi-state mixers
       state_dim=64,  # Mamba-2's N
@@ -59,7 +62,7 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
   c.train = ml_collections.ConfigDict(dict(
       num_steps=1000, batch_size=32,
       learning_rate=3e-3, warmup_steps=100, min_lr_ratio=0.1,  # warmup + cosine to 10%
-      b1=0.9, b2=0.95, weight_decay=0.1, grad_clip=1.0,
+      b1=0.9, b2=0.95, adam_eps=1e-8, weight_decay=0.1, grad_clip=1.0,
       log_every=50, checkpoint_every=500, keep_checkpoints=3,
       peak_tflops=0.0,  # per device, for MFU; 0: lm.costs.PEAK_TFLOPS by device kind (none on CPU)
   ))

@@ -115,8 +115,11 @@ def _triadic(expand_e: Callable, erase: bool, fields: tuple[str, ...]) -> Mixer:
 MIXERS: dict[str, Mixer] = {
     "attention": Mixer(
         lambda cfg, **kw: Attention(cfg.num_heads, cfg.head_dim, num_kv_heads=cfg.num_kv_heads,
+                                    qk_norm=cfg.qk_norm, rope_base=cfg.rope_base,
+                                    rope_per_document=cfg.rope_per_document,
                                     implementation=cfg.attention_impl, **kw),
-        ("num_kv_heads", "attention_impl"), _attention_flops, _attention_bytes),
+        ("num_kv_heads", "qk_norm", "rope_base", "rope_per_document", "attention_impl"),
+        _attention_flops, _attention_bytes),
     "gdn": _triadic(lambda cfg: 1, True, _GDN + _OPS),
     "triadic_gdn": _triadic(lambda cfg: cfg.expand_e, True, ("expand_e",) + _GDN + _OPS),
     "triadic_sgla": _triadic(lambda cfg: cfg.expand_e, False, ("expand_e",) + _GDN + _OPS),

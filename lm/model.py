@@ -58,6 +58,9 @@ class ModelConfig:
   mixer: str = "triadic_gdn"
   layer_pattern: str = ""
   num_kv_heads: int = 0
+  qk_norm: bool = False  # attention: RMSNorm over head_dim of queries and keys, before RoPE
+  rope_base: float = 10000.0  # attention: RoPE's base
+  rope_per_document: bool = True  # attention: RoPE positions restart at each document start
   expand_e: int = 1
   aggregator: str = "merlin"
   segment_len: int = 256
@@ -95,6 +98,12 @@ class ModelConfig:
     if not isinstance(self.a_min, (int, float)) or not 0 < self.a_min < 16:
       raise ValueError(f"model.a_min must be a number in (0, 16) (A ~ U(a_min, 16) at init), got "
                        f"{self.a_min!r}")
+    for name in ("qk_norm", "rope_per_document"):
+      if not isinstance(getattr(self, name), bool):
+        raise ValueError(f"model.{name} must be a bool, got {getattr(self, name)!r}")
+    if not isinstance(self.rope_base, (int, float)) or isinstance(self.rope_base, bool) \
+        or not self.rope_base > 1:
+      raise ValueError(f"model.rope_base must be a number > 1, got {self.rope_base!r}")
     if not isinstance(self.gate_rank, int) or self.gate_rank < 0:
       raise ValueError(f"model.gate_rank must be a non-negative int (0: a full-rank output gate), "
                        f"got {self.gate_rank!r}")

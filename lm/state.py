@@ -36,7 +36,10 @@ def schedule(t) -> optax.Schedule:
 
 
 def _decay_mask(params):
-  """Weight decay on matrices (kernels, embeddings) only, not on norms, biases or gate constants."""
+  """Weight decay on matrices (kernels: projections, short convolutions, the head; embeddings)
+  only, not on vectors: norm scales, biases, A_log, dt_bias and the other per-head constants. The
+  triadic authors decay exactly their parameters of two or more dimensions, the same split (their
+  convolution weights are (channels, width) matrices too)."""
   def leaf(path, _):
     keys = [k.key for k in path if isinstance(k, jax.tree_util.DictKey)]
     return keys[-1] in ("kernel", "embedding")
@@ -44,10 +47,13 @@ def _decay_mask(params):
 
 
 def optimizer(t) -> optax.GradientTransformation:
-  """AdamW (betas 0.9 / 0.95, weight decay 0.1) after global-norm clipping (1.0)."""
+  """AdamW (``train.b1``, ``b2``, ``adam_eps``, ``weight_decay`` on matrices only) after
+  global-norm clipping at ``train.grad_clip``. A config saved without ``adam_eps`` gets optax's
+  default, 1e-8."""
   return optax.chain(
       optax.clip_by_global_norm(t.grad_clip),
-      optax.adamw(schedule(t), b1=t.b1, b2=t.b2, weight_decay=t.weight_decay, mask=_decay_mask))
+      optax.adamw(schedule(t), b1=t.b1, b2=t.b2, eps=t.get("adam_eps", 1e-8),
+                  weight_decay=t.weight_decay, mask=_decay_mask))
 
 
 @dataclasses.dataclass

@@ -3,7 +3,6 @@ segment states token t may read, and the checks that go with them."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
 
@@ -41,11 +40,8 @@ def document_segments(doc_ids: jnp.ndarray, segment_len: int):
   Returns (seg, starts): seg (B, T) int32 = (t - start of t's document) // L, and starts (B, T)
   bool, true where a token opens a new document (never at t = 0; ``triadic.ops.document_starts``).
   """
-  from triadic.ops import document_starts
-  starts = document_starts(doc_ids)
-  pos = jnp.arange(doc_ids.shape[1], dtype=jnp.int32)
-  first = jax.lax.cummax(jnp.where(starts, pos, 0), axis=1)  # start of each token's document
-  return ((pos - first) // segment_len).astype(jnp.int32), starts
+  from triadic.ops import document_positions, document_starts
+  return document_positions(doc_ids) // segment_len, document_starts(doc_ids)
 
 
 def document_visible(seg: jnp.ndarray, n: int) -> jnp.ndarray:

@@ -34,6 +34,8 @@ LAYERS = {
     "triadic_sgla_e2": lambda: TriadicGDN(2, 8, value_dim=4, expand_e=2, erase=False, impl="chunked",
                                           chunk_size=8),
     "attention_gqa": lambda: Attention(4, 8, num_kv_heads=2),
+    # the cache path normalises the new queries and keys and uses the layer's RoPE base
+    "attention_qk_norm": lambda: Attention(4, 8, num_kv_heads=2, qk_norm=True, rope_base=500.0),
     "mamba2": lambda: Mamba2(2, 8, state_dim=4, impl="chunked", chunk_size=8),
     # segments of 4: the prompt of 11 ends mid-segment (and mid-chunk), decoding crosses into a new one
     "multistate_gdn_merlin": lambda: MultiStateGDN(2, 8, aggregator="merlin", segment_len=4,
@@ -105,9 +107,10 @@ def small(**kw):
 
 
 @pytest.mark.parametrize("cfg", [small(layer_pattern="triadic_sgla,attention", num_layers=4),
+                                 small(layer_pattern="gdn,attention", qk_norm=True),
                                  small(layer_pattern="multistate_gdn,mamba2", segment_len=4,
                                        max_segments=4, d_r=4, state_dim=4)],
-                         ids=["triadic_hybrid", "multistate_hybrid"])
+                         ids=["triadic_hybrid", "gdn_qk_norm_hybrid", "multistate_hybrid"])
 def test_lm_prefill_then_decode_equals_parallel_forward(cfg):
   model = LM(cfg)
   tokens = jax.random.randint(jax.random.key(2), (2, 13), 0, cfg.vocab_size)

@@ -222,9 +222,10 @@ MODEL = 16
 
 
 def layer_config(mixer):
+  # attention with QK-norm and per-document RoPE positions, as the paper configs have it
   return ModelConfig(vocab_size=32, num_layers=1, d_model=MODEL, num_heads=2, head_dim=8,
                      mlp_dim=32, mixer=mixer, expand_e=2, impl="chunked", chunk_size=4,
-                     segment_len=4, max_segments=12, d_r=3, state_dim=6)
+                     segment_len=4, max_segments=12, d_r=3, state_dim=6, qk_norm=True)
 
 
 @pytest.mark.parametrize("mixer", ["attention", "triadic_gdn", "mamba2", "multistate_gdn",

@@ -39,6 +39,8 @@ def value_biased_model(cfg: ModelConfig, seed: int):
 
 MODELS = {
     "triadic_gdn_e2": dict(mixer="triadic_gdn", expand_e=2),
+    # the authors' Transformer baseline's attention: GQA, QK-norm
+    "attention_qk_norm": dict(mixer="attention", num_kv_heads=1, qk_norm=True),
     # segments of 8, 4 of them: max_len 32 = the longest needle context (generation's bound)
     "multistate_gdn_merlin": dict(mixer="multistate_gdn", aggregator="merlin", segment_len=8,
                                   max_segments=4, d_r=4),

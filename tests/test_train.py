@@ -5,10 +5,15 @@ import json
 import os
 import signal
 
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from lm import eval_loop, state as state_lib, train_loop, train_step
+from lm.config import base_config
+from lm.model import LM, ModelConfig
 from tests.train_util import tiny_config
 
 
@@ -154,3 +159,28 @@ def test_chunked_loss_equals_the_plain_loss_and_holds_one_chunk_of_logits(tied):
       assert biggest <= max(most, cfg.d_model * cfg.vocab_size), biggest
     else:  # the plain loss: all of them
       assert biggest == b * t * cfg.vocab_size
+
+
+@pytest.mark.parametrize("mixer", ["attention", "triadic_gdn", "mamba2", "multistate_gdn"])
+def test_weight_decay_shrinks_matrices_and_leaves_vectors(mixer):
+  """One AdamW step on zero gradients: every kernel and embedding shrinks by lr * weight_decay;
+  norm scales, biases, A_log, dt_bias and the other per-head constants do not move."""
+  cfg = ModelConfig(vocab_size=32, num_layers=2, d_model=16, num_heads=2, head_dim=8, mlp_dim=32,
+                    mixer=mixer, expand_e=2, segment_len=8, max_segments=2, d_r=4, state_dim=4,
+                    qk_norm=True)
+  params = nn.unbox(LM(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  t = base_config("mqar").train
+  t.update(warmup_steps=0, num_steps=10, learning_rate=0.5, weight_decay=0.1)
+  tx = state_lib.optimizer(t)
+  zeros = jax.tree.map(jnp.zeros_like, params)
+  updates, _ = tx.update(zeros, tx.init(params), params)
+  vectors = set()
+  for (path, p), u in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(updates)):
+    name = path[-1].key
+    if name in ("kernel", "embedding"):
+      np.testing.assert_allclose(u, -0.5 * 0.1 * p, rtol=1e-6, atol=1e-8)
+    else:
+      assert not np.any(u), jax.tree_util.keystr(path)
+      vectors.add(name)
+  assert vectors >= {"scale"}  # every mixer has norms
+  assert mixer == "attention" or {"A_log", "dt_bias"} <= vectors

@@ -117,6 +117,14 @@ def document_starts(segment_ids: jax.Array) -> jax.Array:
   return jnp.pad(change, ((0, 0), (1, 0)))
 
 
+def document_positions(segment_ids: jax.Array) -> jax.Array:
+  """(B, T) int32: each token's position counted from the start of its document (t - the index of
+  the document's first token), the positions the token would have if its document were its own row."""
+  pos = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)
+  first = jax.lax.cummax(jnp.where(document_starts(segment_ids), pos, 0), axis=1)
+  return pos - first
+
+
 def reset_decay(g: jax.Array, segment_ids: jax.Array) -> jax.Array:
   """g (B, T, H, E) with RESET at every document start: the state is zeroed before that token
   writes, as if each document were its own row. The gradient of g there is zero, which is the
