@@ -37,15 +37,23 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   K^T W into the carried state's own registers. The interpreter runs no ``run_state`` and no store
   into an accumulator, so interpret mode computes K^T W in a fresh accumulator and adds it (same
   values). Likewise ``plgpu.layout_cast`` is skipped in interpret mode (it has no CPU rule).
-* One warpgroup, synchronous: each chunk's inputs are TMA-copied gmem -> SMEM (one barrier per
-  copy) at the top of the chunk, outputs leave by TMA smem -> gmem; no double buffering and no
-  warp specialisation (SMEM at D = 64, E*BV = 256 is ~170 KiB in the loop, so double-buffering
-  the inputs needs the K^T copies gone first). Ordering rules kept by hand (the interpreter does
-  not check them): ``commit_smem`` (fence + warpgroup barrier) after every register -> SMEM store
-  that a wgmma or TMA reads; ``wait_smem_to_gmem(0, wait_read_only=True)`` (also a warpgroup
-  barrier) before the per-chunk output buffers are rewritten; every register read of a chunk's
-  input buffers (factors, lam, V / dO) happens before the chunk's last ``commit_smem``, so the next
-  chunk's TMA cannot overwrite data another warp is still reading.
+* One warpgroup. Each chunk input has its own SMEM buffer and barrier (``_Inputs``), and every
+  input is waited for where it is first read, not all at the chunk's top. The forward pass
+  starts its copies one chunk ahead: chunk n + 1's copy of an input starts as soon as every warp
+  is done with chunk n's (after the ``commit_smem`` that follows its last reader: K after R, A
+  after U, Q and P after the output, V after rhs, lam after the decay), so each wait finds its
+  data landed; K^T is read only by the state update at the chunk's end, so its copy starts at
+  the chunk's top; the row factors are read until the chunk's end and needed again at its start,
+  so they have two buffers (the loop step's parity); without erase K and A are not loaded. The
+  reverse pass starts its copies at each chunk's top (Q^T, K^T, read only by its final state
+  update, after the others), which measured as fast or faster than starting them a chunk ahead
+  (benchmarks/RESULTS.md). No warp specialisation. Outputs leave by TMA smem -> gmem. Ordering
+  rules kept by hand (the interpreter does not check them): ``commit_smem`` (fence + warpgroup
+  barrier) after every register -> SMEM store that a wgmma or TMA reads, and between a buffer's
+  last reader and the copy that refills it; ``wgmma_wait(0)`` before the copies that refill
+  what the previous state update read; ``wait_smem_to_gmem(0, wait_read_only=True)`` (also a
+  warpgroup barrier) before the per-chunk output buffers are rewritten; no copy is in flight
+  when the loop's SMEM scope ends (the next-chunk copies are under ``pl.when``).
 * SMEM scopes: the chunk loop's buffers live in one ``run_scoped``; the (D, E*BV) float32 buffer
   for the initial / final state in separate scopes before and after it (together they exceed the
   227 KiB at D = 64, E*BV = 256).
@@ -75,6 +83,7 @@ BLOCK_VS = (16, 32, 64)
 MAX_N = 256                 # wgmma N limit: E * BV
 REG_BUDGET = 192 * 128      # (D + C) * E * BV: default block_v choice (state + one C x E*BV acc)
 STATE_BUDGET = 128 * 128    # D * E * BV: hard limit, the state alone at 128 registers a thread
+CAT_BARRIER = 9             # barriers 0..8: the chunk inputs (the factors take two); 9: h0 / dht
 
 
 def _interpret_params(interpret):
@@ -276,20 +285,61 @@ def _store_blocks(x, ref, e_dim, bv, dtype):
     ref[e] = x[:, e * bv:(e + 1) * bv].astype(dtype)
 
 
-def _begin_chunk(loads, bars, carry, carry_s, out_s, out_at):
-  """Start a chunk: issue its input copies, publish the carried (D, E*BV) state as the chunk's
-  bf16 wgmma operand (``carry_s``) and as its per-chunk output (``out_s`` -> ``out_at(e)`` for
-  each slice e), then wait for the inputs. The previous chunk's TMA stores must have read the
-  output buffers before they are overwritten."""
-  _load(loads, bars)
+class _Inputs:
+  """A state pass's per-chunk inputs: each a TMA copy gmem -> its own SMEM buffer, with its own
+  barrier, started one chunk ahead of its use (``start_next``) into the buffer its last reader has
+  just released. ``copies`` maps a name to (chunk -> gmem ref, smem ref, barrier slot); a name in
+  ``double`` has two SMEM buffers and two barriers (slots b, b + 1), picked by the parity of the
+  loop step, for inputs that are read until the chunk's end and needed again at its start.
+
+  ``order(step)`` is the chunk that loop step ``step`` works on (reversed in the backward pass).
+  Each barrier has at most one copy in flight and is waited once per copy, in issue order."""
+
+  def __init__(self, bars, copies, double, order, nc):
+    self.bars, self.copies, self.double, self.order, self.nc = bars, copies, double, order, nc
+
+  def _slot(self, name, step):
+    src, dst, bar = self.copies[name]
+    if name in self.double:
+      parity = step % 2
+      return src, dst.at[parity], bar + parity
+    return src, dst, bar
+
+  def ref(self, name, step):
+    return self._slot(name, step)[1]
+
+  def start(self, names, step):
+    for name in names:
+      src, dst, bar = self._slot(name, step)
+      plgpu.copy_gmem_to_smem(src(self.order(step)), dst, self.bars.at[bar])
+
+  def start_next(self, names, step):
+    """Start step + 1's copies of ``names`` (none after the last step). Every thread must be done
+    with the buffers (a ``commit_smem``, i.e. a warpgroup barrier, after their last reads)."""
+    @pl.when(step + 1 < self.nc)
+    def _():
+      self.start(names, step + 1)
+
+  def wait(self, name, step):
+    plgpu.barrier_wait(self.bars.at[self._slot(name, step)[2]])
+
+
+def _begin_chunk(carry, carry_s, out_s):
+  """Publish the carried (D, E*BV) state as the chunk's bf16 wgmma operand (``carry_s``) and write
+  it to the per-chunk output (``out_s`` -> ``out_at(e)`` for each slice e). The previous chunk's
+  TMA stores must have read the output buffers, and its last wgmma (the state update, which
+  reads the buffers refilled right after this) must be complete in every warp."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+  plgpu.wgmma_wait(0)
   carry_s[...] = carry.astype(BF16)
   e_dim, _, bv = out_s.shape
   _store_blocks(carry, out_s, e_dim, bv, out_s.dtype)
-  plgpu.commit_smem()
-  for e in range(e_dim):
+
+
+def _publish_chunk(out_s, out_at):
+  """Start the TMA stores of the per-chunk state output (after a ``commit_smem``)."""
+  for e in range(out_s.shape[0]):
     plgpu.copy_smem_to_gmem(out_s.at[e], out_at(e))
-  _wait(len(loads), bars)
 
 
 def _load_cat(ops, src, cat, barrier):
@@ -310,10 +360,12 @@ def _store_cat(x, dst, cat):
   pl.run_scoped(body, cat)
 
 
-def _chunk_loop(chunk, nc, init, scratch):
-  """fori_loop over the chunks inside one SMEM scope (``scratch``), which is released before the
-  final state's buffer is allocated (the two do not fit together at D * E * BV = 64 * 256)."""
+def _chunk_loop(chunk, nc, init, scratch, prologue):
+  """fori_loop over the chunks inside one SMEM scope (``scratch``), after ``prologue(*refs)`` (the
+  first chunk's copies); the scope is released before the final state's buffer is allocated (the
+  two do not fit together at D * E * BV = 64 * 256)."""
   def body(*refs):
+    prologue(*refs)
     out = lax.fori_loop(0, nc, lambda n, s: chunk(n, s, *refs), init)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     return out
@@ -335,28 +387,47 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
   erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
-  state0 = _load_cat(ops, h0_g.at[i, j], cat, bars.at[8])
+  state0 = _load_cat(ops, h0_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
-  def chunk(n, s, q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s, state_bf16_s, w_s, rhs_bf16_s,
-            u_bf16_s, o_s, u_s,
-            st_s):
+  def copies(q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s):
+    return _Inputs(bars, {
+        "q": (lambda n: q_g.at[i, n], q_s, 0), "k": (lambda n: k_g.at[i, n], k_s, 1),
+        "kt": (lambda n: kt_g.at[i, n], kt_s, 2), "v": (lambda n: v_g.at[i, n, :, cols], v_s, 3),
+        "a": (lambda n: a_g.at[i, n], a_s, 4), "p": (lambda n: p_g.at[i, n], p_s, 5),
+        "lam": (lambda n: lam_g.at[i, n], lam_s, 6), "f": (lambda n: f_g.at[i, n], f_s, 7),
+    }, double=("f",), order=lambda n: n, nc=nc)
+
+  # K and A only enter through the erase term.
+  first = ("q", "k", "v", "a", "p", "lam", "f") if erase else ("q", "v", "p", "lam", "f")
+
+  def prologue(*refs):
+    copies(*refs[:8]).start(first, 0)
+
+  def chunk(n, s, q_s, k_s, kt_s, v_s, a_s, p_s, f2_s, lam_s, state_bf16_s, w_s, rhs_bf16_s,
+            u_bf16_s, o_s, u_s, st_s):
+    ins = copies(q_s, k_s, kt_s, v_s, a_s, p_s, f2_s, lam_s)
+    f_s = ins.ref("f", n)
     d = q_s.shape[1]
-    # The chunk-start state: the bf16 wgmma operand and the per-chunk output.
-    _begin_chunk([(q_g.at[i, n], q_s), (k_g.at[i, n], k_s), (kt_g.at[i, n], kt_s),
-                  (v_g.at[i, n, :, cols], v_s), (a_g.at[i, n], a_s), (p_g.at[i, n], p_s),
-                  (f_g.at[i, n], f_s), (lam_g.at[i, n], lam_s)], bars,
-                 s, state_bf16_s, st_s, lambda e: st_g.at[i, n, e, :, cols])
-    # lam * S now: every thread's SMEM reads of this chunk's inputs must precede the last
-    # commit_smem (a warpgroup barrier) before the next chunk's TMA overwrites them.
+    _begin_chunk(s, state_bf16_s, st_s)
+    ins.wait("lam", n)
     decayed = ops.colvec(lam_s, d) * s
+    plgpu.commit_smem()
+    _publish_chunk(st_s, lambda e: st_g.at[i, n, e, :, cols])
+    ins.start_next(("lam",), n)
+    ins.start(("kt",), n)                 # read only by the state update at the chunk's end
 
+    ins.wait("f", n)
+    ins.wait("v", n)
     rhs = ops.rowvec(f_s, beta_row, bv) * ops.acc(v_s[...].astype(F32))
     if erase:
+      ins.wait("k", n)
       r = ops.mm(k_s, state_bf16_s)
       for e in range(e_dim):
         rhs = rhs - ops.rowvec(f_s, erase_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
       rhs_bf16_s[...] = rhs.astype(BF16)
       plgpu.commit_smem()
+      ins.start_next(("k", "v"), n)
+      ins.wait("a", n)
       u = ops.mm(a_s, rhs_bf16_s)
     else:
       u = rhs
@@ -365,19 +436,24 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
     for e in range(e_dim):
       w_s[:, e * bv:(e + 1) * bv] = (ops.rowvec(f_s, write_rows + e, bv) * u).astype(BF16)
     plgpu.commit_smem()
+    ins.start_next(("a",) if erase else ("v",), n)
     plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
 
+    ins.wait("q", n)
     y = ops.mm(q_s, state_bf16_s)
+    ins.wait("p", n)
     out = ops.mm(p_s, u_bf16_s)
     for e in range(e_dim):
       out = out + ops.rowvec(f_s, read_rows + e, bv) * y[:, e * bv:(e + 1) * bv]
     o_s[...] = (scale * out).astype(o_s.dtype)
     plgpu.commit_smem()
+    ins.start_next(("q", "p", "f"), n)
     plgpu.copy_smem_to_gmem(o_s, o_g.at[i, n, :, cols])
 
+    ins.wait("kt", n)
     return ops.mm_add(decayed, [(kt_s, w_s)])
 
-  state = _chunk_loop(chunk, nc, state0, scratch)
+  state = _chunk_loop(chunk, nc, state0, scratch, prologue)
   _store_cat(state, ht_g.at[i, j], cat)
 
 
@@ -398,7 +474,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
       _smem((c, bv), BF16, sw_v),         # v block
       _smem((c, c), BF16, sw_v),          # A
       _smem((c, c), BF16, sw_v),          # P
-      _smem((3 * e_dim + 1, c), F32),     # row factors
+      _smem((2, 3 * e_dim + 1, c), F32),  # row factors (two chunks' buffers)
       _smem((n_cat,), F32),               # lam_cat
       _smem((d, n_cat), BF16, sw_n),      # S_cat (bf16 operand)
       _smem((c, n_cat), BF16, sw_v),      # W = [diag(fw_e) U]_e
@@ -417,7 +493,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
                 jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
                 jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
                 jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
-      scratch_types=[plgpu.Barrier(num_barriers=9)], grid=(bh, vd // bv), grid_names=("bh", "v"),
+      scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv), grid_names=("bh", "v"),
       compiler_params=_compiler_params(),
       interpret=_interpret_params(interpret), kernel_name="triadic_forward_mgpu",
   )(*ins)
@@ -435,22 +511,40 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
   erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
-  dstate0 = _load_cat(ops, dht_g.at[i, j], cat, bars.at[8])
+  dstate0 = _load_cat(ops, dht_g.at[i, j], cat, bars.at[CAT_BARRIER])
+
+  def copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s):
+    return _Inputs(bars, {
+        "k": (lambda n: k_g.at[i, n], k_s, 0), "kt": (lambda n: kt_g.at[i, n], kt_s, 1),
+        "qt": (lambda n: qt_g.at[i, n], qt_s, 2), "do": (lambda n: do_g.at[i, n, :, cols], do_s, 3),
+        "at": (lambda n: at_g.at[i, n], at_s, 4), "pt": (lambda n: pt_g.at[i, n], pt_s, 5),
+        "lam": (lambda n: lam_g.at[i, n], lam_s, 6), "f": (lambda n: f_g.at[i, n], f_s, 7),
+    }, double=(), order=lambda step: nc - 1 - step, nc=nc)
+
+  first = ("k", "do", "pt", "lam", "f") + (("at",) if erase else ())
+  at_end = ("qt", "kt") if erase else ("qt",)      # read only by the state update at the end
 
   def chunk(step, ds, k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s, state_bf16_s, x_s, z_s,
-            u_bf16_s, u_s,
-            st_s):
+            u_bf16_s, u_s, st_s):
+    ins = copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s)
     n = nc - 1 - step
     d = k_s.shape[1]
-    # The chunk-end state gradient: bf16 wgmma operand and per-chunk output.
-    _begin_chunk([(k_g.at[i, n], k_s), (kt_g.at[i, n], kt_s), (qt_g.at[i, n], qt_s),
-                  (do_g.at[i, n, :, cols], do_s), (at_g.at[i, n], at_s), (pt_g.at[i, n], pt_s),
-                  (f_g.at[i, n], f_s), (lam_g.at[i, n], lam_s)], bars,
-                 ds, state_bf16_s, st_s, lambda e: dst_g.at[i, n, e, :, cols])
-    decayed = ops.colvec(lam_s, d) * ds   # before the last commit_smem, as in the forward
+    plgpu.wgmma_wait(0)                   # the previous state update has read K^T, Q^T
+    plgpu.commit_smem()
+    ins.start(first, step)
+    _begin_chunk(ds, state_bf16_s, st_s)
+    ins.wait("lam", step)
+    decayed = ops.colvec(lam_s, d) * ds
+    plgpu.commit_smem()
+    _publish_chunk(st_s, lambda e: dst_g.at[i, n, e, :, cols])
+    ins.start(at_end, step)
 
+    ins.wait("k", step)
     r = ops.mm(k_s, state_bf16_s)
+    ins.wait("pt", step)
+    ins.wait("do", step)
     du = scale * ops.mm(pt_s, do_s)
+    ins.wait("f", step)
     for e in range(e_dim):
       du = du + ops.rowvec(f_s, write_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
     u_s[...] = du
@@ -461,21 +555,24 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
     if erase:
       u_bf16_s[...] = du.astype(BF16)
       plgpu.commit_smem()
+      ins.wait("at", step)
       drhs = ops.mm(at_s, u_bf16_s)
       for e in range(e_dim):
         z_s[:, e * bv:(e + 1) * bv] = (-ops.rowvec(f_s, erase_rows + e, bv) * drhs).astype(BF16)
       pairs.append((kt_s, z_s))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(u_s, du_g.at[i, n, :, cols])
+    ins.wait("qt", step)
+    if erase:
+      ins.wait("kt", step)
     return ops.mm_add(decayed, pairs)
 
-  dstate = _chunk_loop(chunk, nc, dstate0, scratch)
+  dstate = _chunk_loop(chunk, nc, dstate0, scratch, lambda *refs: None)
   _store_cat(dstate, dh0_g.at[i, j], cat)
 
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
-                       block_v=None,
-             interpret=False):
+                       block_v=None, interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   float32, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
   (BH,E,D,V) float32."""
@@ -509,7 +606,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
       out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
                 jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
                 jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
-      scratch_types=[plgpu.Barrier(num_barriers=9)], grid=(bh, vd // bv), grid_names=("bh", "v"),
+      scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv), grid_names=("bh", "v"),
       compiler_params=_compiler_params(),
       interpret=_interpret_params(interpret), kernel_name="triadic_backward_states_mgpu",
   )(*ins)

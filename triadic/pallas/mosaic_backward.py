@@ -522,9 +522,10 @@ def tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a, *, scale
 
 
 def tail_config(interpret: bool) -> Config:
-  """The tail kernels' Pallas config: Triton on the GPU, interpret mode on the CPU."""
+  """The tail kernel's Pallas config: Triton on the GPU (4 warps: measured faster than 8, see
+  benchmarks/RESULTS.md), interpret mode on the CPU."""
   return (Config("cpu", block_v=16, bwd_block_v=16) if interpret
-          else Config("gpu", block_v=32, bwd_block_v=32))
+          else Config("gpu", block_v=32, bwd_block_v=32, bwd_num_warps=4))
 
 
 def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
@@ -594,8 +595,12 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   x = v.astype(F32) if not erase else sum(xs) - (len(xs) - 1) * v.astype(F32)
   dcoef, dqcoef, dkcoef = (jnp.concatenate([cf[..., j * size:(j + 1) * size] for cf in coefs],
                                            axis=-1) for j in range(3))
+  # The tail kernel's products over V take bf16 operands anyway (``mm``), so its C x V inputs
+  # travel in the inputs' dtype (half the kernel's traffic; dbeta's rowsum(drhs X) then sees
+  # bf16-rounded factors, summed in float32).
+  low = lambda y: y.astype(q.dtype)
   dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta = tail(
-      q, k, x, do, u, du, drhs, sum(dqps), sum(dkps), dcoef, dqcoef, dkcoef,
+      q, k, low(x), do, low(u), low(du), low(drhs), sum(dqps), sum(dkps), dcoef, dqcoef, dkcoef,
       jnp.concatenate(lams, axis=-1), k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
       scale=scale, erase=erase, cfg=tail_config(interpret))
   return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta

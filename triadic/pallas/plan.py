@@ -76,9 +76,10 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   state_reason = mosaic.supported(d, vd, c, e, dtype) if cfg.mosaic_gpu else "Config.mosaic_gpu off"
   if state_reason is None:
     bv = mosaic.default_block_v(d, vd, c, e)
-    tiles = f"block_v {bv}, S_cat D x {e * bv}"
-    forward = Stage("forward", "mosaic_gpu" + interp, tiles, "Config.mosaic_gpu")
-    bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles, "Config.mosaic_gpu")
+    tiles = f"block_v {bv}, S_cat D x {e * bv}, copies "
+    forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead", "Config.mosaic_gpu")
+    bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles + "at chunk start",
+                       "Config.mosaic_gpu")
   else:
     tiles = f"block_v {cfg.block_v}, {loop}"
     forward = Stage("forward", base, tiles, state_reason)
