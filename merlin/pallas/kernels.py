@@ -26,8 +26,8 @@ Backward (dS^i_{n+1}, the gradient of the state leaving chunk n, zero after the 
     dW_n    = -sum_i (Kw_n dS^i_{n+1}) S_n^iT      dgamma_n = sum_i <dS^i_{n+1}, S_n^i>
 
 The reverse state pass (same grid as the forward) stores dS^i_{n+1} at ``index(i, n)`` and dUv;
-the chunk-gradients kernel, one program per (batch*head, chunk), sums the stack terms over i and
-the value axis, so no two programs write one output (no atomics).
+the chunk-gradients kernel, one program per (batch*head, chunk, gradient part), sums the stack's
+terms over i and the value axis, so no two programs write one output (no atomics).
 
 Layout: (BH, NC, C, X) for per-token operands, lam (BH, NS, NC, C, 1), gamma (BH, NC, 1, 1);
 D, V padded to powers of two (Triton), NS = ceil(NC / cps) the segments the tokens occupy.
@@ -120,48 +120,73 @@ def _reverse_kernel(*refs, nc, cps, erase, dtype):
 
 
 def _gradients_kernel(*refs, nc, cps, vd, bv, erase, dtype):
+  """Program (bh, chunk n, part): part 0 dQe and dlam, part 1 dKw and dgamma, part 2 (erase) dW,
+  each summed over the visible states i <= s(n) and the value blocks. One (C, D) float32
+  accumulator per program: the three parts need disjoint products (dO S^T, Qe S; W S, X dS^T;
+  Kw dS, Y S^T), so splitting them costs only their reads of the stored states."""
   if erase:
     (qe_ref, w_ref, kw_ref, uv_ref, lam_ref, do_ref, states_ref, dstates_ref,
      dqe_ref, dw_ref, dkw_ref, dgam_ref, dlam_ref) = refs
   else:
     (qe_ref, kw_ref, uv_ref, lam_ref, do_ref, states_ref, dstates_ref,
      dqe_ref, dkw_ref, dgam_ref, dlam_ref) = refs
-  n = pl.program_id(1)
+  n, part = pl.program_id(1), pl.program_id(2)
   cur = n // cps
-  qe = qe_ref[...].astype(F32)
-  kw = kw_ref[...].astype(F32)
-  w = w_ref[...].astype(F32) if erase else None
-  c, d = qe.shape
+  c, d = qe_ref.shape
   blocks = [pl.ds(j * bv, bv) for j in range(vd // bv)] if vd > bv else [slice(None)]
-
-  def state(i, carry):
-    dqe, dkw, dw, dgam = carry
-    at = index(i, n, nc, cps)
-    dlam = jnp.zeros((c, 1), F32)
-    dq = jnp.zeros((c, d), F32)
-    for cols in blocks:
-      s, ds = states_ref[at, :, cols], dstates_ref[at, :, cols]
-      do = do_ref[:, cols]
-      dq = dq + mm(do, s, dtype, tb=True)
-      dlam = dlam + rowsum(do.astype(F32) * mm(qe, s, dtype))
-      dgam = dgam + total(ds.astype(F32) * s.astype(F32))
-      if erase:
-        dkw = dkw - mm(mm(w, s, dtype), ds, dtype, tb=True)
-        dw = dw - mm(mm(kw, ds, dtype), s, dtype, tb=True)
-    dlam_ref[i] = dlam
-    return dqe + lam_ref[i] * dq, dkw, dw, dgam
-
   zero = jnp.zeros((c, d), F32)
-  dqe, dkw, dw, dgam = jax.lax.fori_loop(0, cur + 1, state, (zero, zero, zero,
-                                                             jnp.zeros((1, 1), F32)))
-  at = index(cur, n, nc, cps)
-  for cols in blocks:  # the write: Kw^T Uv into the current state
-    dkw = dkw + mm(uv_ref[:, cols], dstates_ref[at, :, cols], dtype, tb=True)
-  dqe_ref[...] = dqe
-  dkw_ref[...] = dkw
+  over_states = lambda body, init: jax.lax.fori_loop(0, cur + 1, body, init)
+
+  @pl.when(part == 0)
+  def _():
+    qe = qe_ref[...]
+
+    def state(i, dqe):
+      at = index(i, n, nc, cps)
+      dq, dlam = zero, jnp.zeros((c, 1), F32)
+      for cols in blocks:
+        s, do = states_ref[at, :, cols], do_ref[:, cols]
+        dq = dq + mm(do, s, dtype, tb=True)
+        dlam = dlam + rowsum(do.astype(F32) * mm(qe, s, dtype))
+      dlam_ref[i] = dlam
+      return dqe + lam_ref[i] * dq
+
+    dqe_ref[...] = over_states(state, zero)
+
+  @pl.when(part == 1)
+  def _():
+    w = w_ref[...] if erase else None
+
+    def state(i, carry):
+      dkw, dgam = carry
+      at = index(i, n, nc, cps)
+      for cols in blocks:
+        s, ds = states_ref[at, :, cols], dstates_ref[at, :, cols]
+        dgam = dgam + total(ds.astype(F32) * s.astype(F32))
+        if erase:
+          dkw = dkw - mm(mm(w, s, dtype), ds, dtype, tb=True)
+      return dkw, dgam
+
+    dkw, dgam = over_states(state, (zero, jnp.zeros((1, 1), F32)))
+    at = index(cur, n, nc, cps)
+    for cols in blocks:  # the write Kw^T Uv into the current state
+      dkw = dkw + mm(uv_ref[:, cols], dstates_ref[at, :, cols], dtype, tb=True)
+    dkw_ref[...] = dkw
+    dgam_ref[...] = dgam
+
   if erase:
-    dw_ref[...] = dw
-  dgam_ref[...] = dgam
+    @pl.when(part == 2)
+    def _():
+      kw = kw_ref[...]
+
+      def state(i, dw):
+        at = index(i, n, nc, cps)
+        for cols in blocks:
+          s, ds = states_ref[at, :, cols], dstates_ref[at, :, cols]
+          dw = dw - mm(mm(kw, ds, dtype), s, dtype, tb=True)
+        return dw
+
+      dw_ref[...] = over_states(state, zero)
 
 
 def _whole(*shape):
@@ -228,21 +253,22 @@ def reverse_state_pass(qe, w, kw, lam, gam, do, *, cps, erase, cfg):
 
 def chunk_gradients(qe, w, kw, uv, lam, do, states, dstates, *, cps, erase, cfg):
   """dQe, dW (None without erase), dKw (BH, NC, C, D), dgamma (BH, NC, 1, 1) and dlam
-  (BH, NC, NS, C, 1; entries i > s(n) unwritten), float32. Grid (BH, NC)."""
+  (BH, NC, NS, C, 1; entries i > s(n) unwritten), float32. Grid (BH, NC, 3 parts; 2 without
+  erase)."""
   bh, nc, c, d = qe.shape
   vis, vd = states.shape[1], states.shape[-1]
   ns = lam.shape[1]
-  chunk = lambda *s: pl.BlockSpec((None, None, *s), lambda b, n: (b, n) + (0,) * len(s))
-  stack = pl.BlockSpec((None, vis, d, vd), lambda b, n: (b, 0, 0, 0))
+  chunk = lambda *s: pl.BlockSpec((None, None, *s), lambda b, n, p: (b, n) + (0,) * len(s))
+  stack = pl.BlockSpec((None, vis, d, vd), lambda b, n, p: (b, 0, 0, 0))
   ins = [qe] + ([w] if erase else []) + [kw, uv, lam, do, states, dstates]
   in_specs = [chunk(c, d)] * (3 if erase else 2) + [
-      chunk(c, vd), pl.BlockSpec((None, ns, None, c, 1), lambda b, n: (b, 0, n, 0, 0)),
+      chunk(c, vd), pl.BlockSpec((None, ns, None, c, 1), lambda b, n, p: (b, 0, n, 0, 0)),
       chunk(c, vd), stack, stack]
   n_mat = 3 if erase else 2
   shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
   kernel = functools.partial(_gradients_kernel, nc=nc, cps=cps, vd=vd,
                              bv=min(cfg.bwd_block_v, vd), erase=erase, dtype=qe.dtype)
-  outs = call(kernel, cfg=cfg, grid=(bh, nc), in_specs=in_specs,
+  outs = call(kernel, cfg=cfg, grid=(bh, nc, n_mat), in_specs=in_specs,
               out_specs=[chunk(c, d)] * n_mat + [chunk(1, 1), chunk(ns, c, 1)],
               out_shape=[shape(c, d)] * n_mat + [shape(1, 1), shape(ns, c, 1)],
               semantics=None, name="merlin_chunk_gradients",
