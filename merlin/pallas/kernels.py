@@ -120,10 +120,11 @@ def _reverse_kernel(*refs, nc, cps, erase, dtype):
 
 
 def _gradients_kernel(*refs, nc, cps, vd, bv, erase, dtype):
-  """Program (bh, chunk n, part): part 0 dQe and dlam, part 1 dKw and dgamma, part 2 (erase) dW,
-  each summed over the visible states i <= s(n) and the value blocks. One (C, D) float32
-  accumulator per program: the three parts need disjoint products (dO S^T, Qe S; W S, X dS^T;
-  Kw dS, Y S^T), so splitting them costs only their reads of the stored states."""
+  """Program (bh, chunk n, part): part 0 dQe and dlam (from dO and the states), part 1 dKw, dW and
+  dgamma (from the states and their gradients), each summed over the visible states i <= s(n) and
+  the value blocks. The parts need disjoint products (dO S^T, Qe S; W S, X dS^T, Kw dS, Y S^T), so
+  splitting them costs one more read of the stored states and halves the float32 (C, D)
+  accumulators a program holds."""
   if erase:
     (qe_ref, w_ref, kw_ref, uv_ref, lam_ref, do_ref, states_ref, dstates_ref,
      dqe_ref, dw_ref, dkw_ref, dgam_ref, dlam_ref) = refs
@@ -155,38 +156,27 @@ def _gradients_kernel(*refs, nc, cps, vd, bv, erase, dtype):
 
   @pl.when(part == 1)
   def _():
-    w = w_ref[...] if erase else None
+    w, kw = (w_ref[...], kw_ref[...]) if erase else (None, None)
 
     def state(i, carry):
-      dkw, dgam = carry
+      dkw, dw, dgam = carry
       at = index(i, n, nc, cps)
       for cols in blocks:
         s, ds = states_ref[at, :, cols], dstates_ref[at, :, cols]
         dgam = dgam + total(ds.astype(F32) * s.astype(F32))
         if erase:
           dkw = dkw - mm(mm(w, s, dtype), ds, dtype, tb=True)
-      return dkw, dgam
+          dw = dw - mm(mm(kw, ds, dtype), s, dtype, tb=True)
+      return dkw, dw, dgam
 
-    dkw, dgam = over_states(state, (zero, jnp.zeros((1, 1), F32)))
+    dkw, dw, dgam = over_states(state, (zero, zero, jnp.zeros((1, 1), F32)))
     at = index(cur, n, nc, cps)
     for cols in blocks:  # the write Kw^T Uv into the current state
       dkw = dkw + mm(uv_ref[:, cols], dstates_ref[at, :, cols], dtype, tb=True)
     dkw_ref[...] = dkw
     dgam_ref[...] = dgam
-
-  if erase:
-    @pl.when(part == 2)
-    def _():
-      kw = kw_ref[...]
-
-      def state(i, dw):
-        at = index(i, n, nc, cps)
-        for cols in blocks:
-          s, ds = states_ref[at, :, cols], dstates_ref[at, :, cols]
-          dw = dw - mm(mm(kw, ds, dtype), s, dtype, tb=True)
-        return dw
-
-      dw_ref[...] = over_states(state, zero)
+    if erase:
+      dw_ref[...] = dw
 
 
 def _whole(*shape):
@@ -253,8 +243,7 @@ def reverse_state_pass(qe, w, kw, lam, gam, do, *, cps, erase, cfg):
 
 def chunk_gradients(qe, w, kw, uv, lam, do, states, dstates, *, cps, erase, cfg):
   """dQe, dW (None without erase), dKw (BH, NC, C, D), dgamma (BH, NC, 1, 1) and dlam
-  (BH, NC, NS, C, 1; entries i > s(n) unwritten), float32. Grid (BH, NC, 3 parts; 2 without
-  erase)."""
+  (BH, NC, NS, C, 1; entries i > s(n) unwritten), float32. Grid (BH, NC, 2 parts)."""
   bh, nc, c, d = qe.shape
   vis, vd = states.shape[1], states.shape[-1]
   ns = lam.shape[1]
@@ -268,7 +257,7 @@ def chunk_gradients(qe, w, kw, uv, lam, do, states, dstates, *, cps, erase, cfg)
   shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
   kernel = functools.partial(_gradients_kernel, nc=nc, cps=cps, vd=vd,
                              bv=min(cfg.bwd_block_v, vd), erase=erase, dtype=qe.dtype)
-  outs = call(kernel, cfg=cfg, grid=(bh, nc, n_mat), in_specs=in_specs,
+  outs = call(kernel, cfg=cfg, grid=(bh, nc, 2), in_specs=in_specs,
               out_specs=[chunk(c, d)] * n_mat + [chunk(1, 1), chunk(ns, c, 1)],
               out_shape=[shape(c, d)] * n_mat + [shape(1, 1), shape(ns, c, 1)],
               semantics=None, name="merlin_chunk_gradients",
