@@ -8,11 +8,18 @@ Error bounds (relative RMS, ||a - b|| / ||b||):
   float32: 1e-5 for the output and every gradient (float32 matmuls in the kernels).
   bfloat16 inputs (the scan runs on the same bf16-rounded values in float32): output 1.5e-2 (o is
   returned in bf16), gradients 2e-2 (bf16 tensor-core operands, chunk-start states kept in bf16).
-The plan (which impl "auto" picks, and why), the bad-input errors and the Triton lowering of the
-forward and backward for CUDA are checked too.
+The plan (which impl "auto" picks, and why), the bad-input errors, the Triton lowering of the
+forward and backward for CUDA and the per-(B, H)-shard run under jit (a subprocess with 4 fake CPU
+devices) are checked too.
 """
 
 from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
 
 import jax
 import jax.numpy as jnp
@@ -26,6 +33,7 @@ from testkit import rel_rms
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ("q", "k", "v", "g", "beta", "lam")
 BOUNDS = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (1.5e-2, 2e-2)}
 KERNELS = ("merlin_state_pass", "merlin_readout", "merlin_reverse_state_pass",
@@ -166,3 +174,54 @@ def test_kernels_lower_for_cuda(erase):
       lowering_platforms=("cuda",)).as_text()
   for kernel in KERNELS:
     assert kernel in text, kernel
+
+
+SHARDED_SCRIPT = textwrap.dedent("""
+    import json, re, sys
+    import jax, jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    jax.config.update("jax_default_matmul_precision", "highest")
+    sys.path.insert(0, "tests")
+    from test_merlin_pallas import NAMES, grads, make_inputs
+    from testkit import rel_rms
+
+    b, t, h, d, vd, segment_len, n = 2, 70, 2, 16, 16, 32, 3
+    args, do = make_inputs(0, b, t, h, d, vd, n, segment_len, "weak", "random", jnp.float32)
+    kw = dict(segment_len=segment_len, chunk_size=16)
+    ref, o_ref = grads("scan", args, do, **kw)
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor")))
+    report = {}
+    for partitioner in ("shardy", "gspmd"):
+      jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
+      got, o = grads("pallas", tuple(map(put, args)), put(do), **kw)
+      hlo = jax.jit(lambda *a: grads("pallas", a, put(do), **kw)).lower(
+          *map(put, args)).compile().as_text()
+      clean = lambda x: jnp.nan_to_num(x, nan=0.0)
+      report[partitioner] = dict(
+          errors={"o": rel_rms(o, o_ref),
+                  **{"d" + m: rel_rms(clean(x), clean(y)) for m, x, y in zip(NAMES, got, ref)}},
+          # the kernels' (B, H, NC, C, X) operands: global (2, 2, 5, 16, .), per device (1, 1, ...)
+          local_kernel_shape=bool(re.search(r"\\[1,1,5,16,", hlo)),
+          global_kernel_shape=bool(re.search(r"\\[2,2,5,16,", hlo)),
+          all_gathers=len(re.findall(r"all-gather", hlo)))
+    print("RESULT", json.dumps(report))
+""")
+
+
+def test_pallas_runs_per_shard_under_jit():
+  """Batch over "data" and heads over "tensor" on 4 fake CPU devices, under Shardy and GSPMD:
+  values and gradients match the unsharded scan, and every device runs the kernels on its own
+  (B/2, H/2) slice (no all-gather, no array of the global kernel layout). In a subprocess so the
+  device count flag stays out of this pytest session."""
+  env = dict(os.environ, PYTHONPATH=ROOT,
+             XLA_FLAGS=os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4")
+  out = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  report = json.loads(out.stdout.split("RESULT", 1)[1])
+  for partitioner, r in report.items():
+    for name, err in r["errors"].items():
+      assert err < 1e-5, (partitioner, name, err)
+    assert r["local_kernel_shape"] and not r["global_kernel_shape"], partitioner
+    assert r["all_gathers"] == 0, partitioner

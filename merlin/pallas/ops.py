@@ -11,6 +11,9 @@ number of segment states N is in ``kernels.py``, behind one ``jax.custom_vjp``:
 
 The custom_vjp saves its inputs and the stacked chunk-start states (in the input dtype). Kernel
 operands are the input dtype (bf16 inputs: bf16 tensor-core operands, float32 accumulation).
+Under jit with B and/or H sharded, the forward and the backward each run per (B, H) shard
+(``triadic.pallas.partition.batch_head_partitioned``; every operand and result keeps (B, H) as
+leading dims, merged to B*H only inside).
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ import jax.numpy as jnp
 
 from merlin.chunked import intra_chunk
 from merlin.pallas import kernels
+from triadic.pallas import partition
 from merlin.segments import segment_ids
 from triadic.chunked import to_chunks
 from triadic.pallas.common import F32, Config
@@ -44,30 +48,75 @@ def _visible(nc, cps, ns):
   return jnp.arange(ns)[None, :] <= (jnp.arange(nc) // cps)[:, None]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8))
-def _stack_read(qe, w, kw, uv, gam, lam, cps, erase, cfg):
-  """sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i for every chunk n: (BH, NC, C, V) float32."""
-  return _stack_read_fwd(qe, w, kw, uv, gam, lam, cps, erase, cfg)[0]
+def _split(x, b, h):
+  return x.reshape(b, h, *x.shape[1:])
 
 
-def _stack_read_fwd(qe, w, kw, uv, gam, lam, cps, erase, cfg):
+def _forward(cps, erase, cfg, qe, *rest):
+  """State pass and readout on (B, H, ...) operands (qe, [w,] kw, uv, gam (B, H, NC), lam
+  (B, H, NS, NC, C)). Returns the stack read (B, H, NC, C, V) float32 and the stacked states."""
+  b, h = qe.shape[:2]
+  w, (kw, uv, gam, lam) = (rest[0], rest[1:]) if erase else (None, rest)
+  qe, w, kw, uv = (None if x is None else _merge(x) for x in (qe, w, kw, uv))
+  gam, lam = _merge(gam)[..., None, None], _merge(lam)[..., None]
   states = kernels.state_pass(qe, w, kw, uv, gam, cps=cps, erase=erase, cfg=cfg)
   o = kernels.readout(qe, lam, states, cps=cps, cfg=cfg)
-  return o, (qe, w, kw, uv, lam, gam, states)
+  return _split(o, b, h), _split(states, b, h)
 
 
-def _stack_read_bwd(cps, erase, cfg, saved, do):
-  qe, w, kw, uv, lam, gam, states = saved
-  do = do.astype(qe.dtype)
+def _backward(cps, erase, cfg, qe, *rest):
+  """Reverse state pass and chunk gradients: ``_forward``'s operands, its states and the
+  cotangent do, all (B, H, ...). Returns the operands' gradients (lam's zero for i > s(n))."""
+  b, h, nc = qe.shape[:3]
+  w, (kw, uv, gam, lam, states, do) = (rest[0], rest[1:]) if erase else (None, rest)
+  qe, w, kw, uv, states = (None if x is None else _merge(x) for x in (qe, w, kw, uv, states))
+  gam, lam = _merge(gam)[..., None, None], _merge(lam)[..., None]
+  do = _merge(do).astype(qe.dtype)
   dstates, duv = kernels.reverse_state_pass(qe, w, kw, lam, gam, do, cps=cps, erase=erase,
                                             cfg=cfg)
   dqe, dw, dkw, dgam, dlam = kernels.chunk_gradients(qe, w, kw, uv, lam, do, states, dstates,
                                                      cps=cps, erase=erase, cfg=cfg)
-  nc, ns = qe.shape[1], lam.shape[1]
-  dlam = jnp.moveaxis(dlam, 2, 1)  # (BH, NS, NC, C, 1)
-  dlam = jnp.where(_visible(nc, cps, ns).T[None, :, :, None, None], dlam, 0.0)
-  cast = lambda x, like: None if x is None else x.astype(like.dtype)
-  return (cast(dqe, qe), cast(dw, w), cast(dkw, kw), cast(duv, uv), dgam, dlam)
+  ns = lam.shape[1]
+  dlam = jnp.moveaxis(dlam[..., 0], 2, 1)  # (BH, NS, NC, C)
+  dlam = jnp.where(_visible(nc, cps, ns).T[None, :, :, None], dlam, 0.0)
+  grads = [dqe.astype(qe.dtype)] + ([dw.astype(w.dtype)] if erase else [])
+  grads += [dkw.astype(kw.dtype), duv.astype(uv.dtype), dgam[:, :, 0, 0], dlam]
+  return tuple(_split(x, b, h) for x in grads)
+
+
+# Shardy rules: b, h may be sharded on any mesh axes; chunks n, tokens c, segments s, the stacked
+# states i, D and V must be whole on every device (the recurrence runs along them).
+_REPLICATED = ("n", "c", "d", "v", "s", "i")
+
+
+def _rules(erase):
+  mats = "b h n c d, " * (2 if erase else 1) + "b h n c d, b h n c v, b h n, b h s n c"
+  fwd = f"{mats} -> b h n c v, b h i d v"
+  bwd = f"{mats}, b h i d v, b h n c v -> " + mats
+  return fwd, bwd
+
+
+_PARTITIONED = {
+    erase: tuple(partition.batch_head_partitioned(fn, n_static=3, rule=rule,
+                                                  replicated=_REPLICATED)
+                 for fn, rule in zip((_forward, _backward), _rules(erase)))
+    for erase in (True, False)}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _stack_read(cps, erase, cfg, *operands):
+  """sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i for every chunk n: (B, H, NC, C, V) float32."""
+  return _PARTITIONED[erase][0](cps, erase, cfg, *operands)[0]
+
+
+def _stack_read_fwd(cps, erase, cfg, *operands):
+  o, states = _PARTITIONED[erase][0](cps, erase, cfg, *operands)
+  return o, (operands, states)
+
+
+def _stack_read_bwd(cps, erase, cfg, saved, do):
+  operands, states = saved
+  return _PARTITIONED[erase][1](cps, erase, cfg, *operands, states, do)
 
 
 _stack_read.defvjp(_stack_read_fwd, _stack_read_bwd)
@@ -94,10 +143,9 @@ def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, 
   o_intra = jnp.einsum("bhncm,nm->bhnc", lamc, owner)[..., None] * intra
 
   dp, vp = _pow2(d), _pow2(vd)
-  kernel_op = lambda x, width: _merge(_pad_last(x, width)).astype(dtype)
-  lam_k = _merge(jnp.moveaxis(lamc, -1, 2))[..., None]  # (BH, NS, NC, C, 1)
-  o = _stack_read(kernel_op(qe, dp), None if w is None else kernel_op(w, dp), kernel_op(kw, dp),
-                  kernel_op(uv, vp), _merge(gam)[..., None, None], lam_k, cps, erase, config)
-  o = o.reshape(b, h, nc, c, vp)[..., :vd]
+  kernel_op = lambda x, width: _pad_last(x, width).astype(dtype)
+  mats = [kernel_op(qe, dp)] + ([kernel_op(w, dp)] if erase else [])
+  mats += [kernel_op(kw, dp), kernel_op(uv, vp), gam, jnp.moveaxis(lamc, -1, 2)]
+  o = _stack_read(cps, erase, config, *mats)[..., :vd]
   o = scale * (o + o_intra)
   return jnp.moveaxis(o, 1, 3).reshape(b, nc * c, h, vd)[:, :t]
