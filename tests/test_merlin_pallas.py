@@ -36,8 +36,10 @@ jax.config.update("jax_default_matmul_precision", "highest")
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ("q", "k", "v", "g", "beta", "lam")
 BOUNDS = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (1.5e-2, 2e-2)}
-KERNELS = ("merlin_state_pass", "merlin_readout", "merlin_reverse_state_pass",
-           "merlin_chunk_gradients")
+KERNELS = {True: ("merlin_state_pass", "merlin_readout", "merlin_reverse_state_pass",
+                  "merlin_chunk_gradients"),
+           False: ("merlin_write_pass", "merlin_readout", "merlin_reverse_write_pass",
+                   "merlin_read_gradients")}
 
 
 def make_lam(kind, key, b, t, h, n, segment_len):
@@ -172,7 +174,7 @@ def test_kernels_lower_for_cuda(erase):
 
   text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
-  for kernel in KERNELS:
+  for kernel in KERNELS[erase]:
     assert kernel in text, kernel
 
 
@@ -187,30 +189,32 @@ SHARDED_SCRIPT = textwrap.dedent("""
 
     b, t, h, d, vd, segment_len, n = 2, 70, 2, 16, 16, 32, 3
     args, do = make_inputs(0, b, t, h, d, vd, n, segment_len, "weak", "random", jnp.float32)
-    kw = dict(segment_len=segment_len, chunk_size=16)
-    ref, o_ref = grads("scan", args, do, **kw)
     mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
     put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor")))
+    clean = lambda x: jnp.nan_to_num(x, nan=0.0)
     report = {}
-    for partitioner in ("shardy", "gspmd"):
-      jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
-      got, o = grads("pallas", tuple(map(put, args)), put(do), **kw)
-      hlo = jax.jit(lambda *a: grads("pallas", a, put(do), **kw)).lower(
-          *map(put, args)).compile().as_text()
-      clean = lambda x: jnp.nan_to_num(x, nan=0.0)
-      report[partitioner] = dict(
-          errors={"o": rel_rms(o, o_ref),
-                  **{"d" + m: rel_rms(clean(x), clean(y)) for m, x, y in zip(NAMES, got, ref)}},
-          # the kernels' (B, H, NC, C, X) operands: global (2, 2, 5, 16, .), per device (1, 1, ...)
-          local_kernel_shape=bool(re.search(r"\\[1,1,5,16,", hlo)),
-          global_kernel_shape=bool(re.search(r"\\[2,2,5,16,", hlo)),
-          all_gathers=len(re.findall(r"all-gather", hlo)))
+    for erase in (True, False):
+      kw = dict(segment_len=segment_len, chunk_size=16, erase=erase)
+      ref, o_ref = grads("scan", args, do, **kw)
+      for partitioner in ("shardy", "gspmd"):
+        jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
+        got, o = grads("pallas", tuple(map(put, args)), put(do), **kw)
+        hlo = jax.jit(lambda *a: grads("pallas", a, put(do), **kw)).lower(
+            *map(put, args)).compile().as_text()
+        report[f"{partitioner} erase={erase}"] = dict(
+            errors={"o": rel_rms(o, o_ref),
+                    **{"d" + m: rel_rms(clean(x), clean(y)) for m, x, y in zip(NAMES, got, ref)}},
+            # the kernels' (B, H, NC, C, X) operands: global (2, 2, 5, 16, .), per device (1, 1, ..)
+            local_kernel_shape=bool(re.search(r"\\[1,1,5,16,", hlo)),
+            global_kernel_shape=bool(re.search(r"\\[2,2,5,16,", hlo)),
+            all_gathers=len(re.findall(r"all-gather", hlo)))
     print("RESULT", json.dumps(report))
 """)
 
 
 def test_pallas_runs_per_shard_under_jit():
-  """Batch over "data" and heads over "tensor" on 4 fake CPU devices, under Shardy and GSPMD:
+  """Batch over "data" and heads over "tensor" on 4 fake CPU devices, under Shardy and GSPMD,
+  both erase modes:
   values and gradients match the unsharded scan, and every device runs the kernels on its own
   (B/2, H/2) slice (no all-gather, no array of the global kernel layout). In a subprocess so the
   device count flag stays out of this pytest session."""

@@ -5,11 +5,14 @@ intra-chunk output P Uv and the chunk decay: ``merlin.chunked.intra_chunk``) sta
 batched over all chunks, float32, differentiated by JAX. Everything whose cost grows with the
 number of segment states N is in ``kernels.py``, behind one ``jax.custom_vjp``:
 
-  forward   state pass (every visible chunk-start state, grid over segments) -> readout
-  backward  reverse state pass (state gradients, dUv) -> chunk gradients (dQe, dW, dKw, dgamma,
-            dlam)
+  erase     forward: state pass (every visible chunk-start state, grid over segments) ->
+            readout; backward: reverse state pass (state gradients, dUv) -> chunk gradients
+            (dQe, dW, dKw, dgamma, dlam)
+  no erase  forward: write pass (each chunk's current state, each segment's end state) ->
+            readout, with a finished state's decay folded into lam here; backward: reverse
+            write pass (dUv, dKw, dgamma) and the read's gradients (dQe, dlam)
 
-The custom_vjp saves its inputs and the stacked chunk-start states (in the input dtype). Kernel
+The custom_vjp saves its inputs and the states the forward stored (in the input dtype). Kernel
 operands are the input dtype (bf16 inputs: bf16 tensor-core operands, float32 accumulation).
 Under jit with B and/or H sharded, the forward and the backward each run per (B, H) shard
 (``triadic.pallas.partition.batch_head_partitioned``; every operand and result keeps (B, H) as
@@ -52,35 +55,56 @@ def _split(x, b, h):
   return x.reshape(b, h, *x.shape[1:])
 
 
-def _forward(cps, erase, cfg, qe, *rest):
-  """State pass and readout on (B, H, ...) operands (qe, [w,] kw, uv, gam (B, H, NC), lam
-  (B, H, NS, NC, C)). Returns the stack read (B, H, NC, C, V) float32 and the stacked states."""
-  b, h = qe.shape[:2]
-  w, (kw, uv, gam, lam) = (rest[0], rest[1:]) if erase else (None, rest)
-  qe, w, kw, uv = (None if x is None else _merge(x) for x in (qe, w, kw, uv))
-  gam, lam = _merge(gam)[..., None, None], _merge(lam)[..., None]
-  states = kernels.state_pass(qe, w, kw, uv, gam, cps=cps, erase=erase, cfg=cfg)
-  o = kernels.readout(qe, lam, states, cps=cps, cfg=cfg)
-  return _split(o, b, h), _split(states, b, h)
+def _kernel_layout(operands):
+  """(B, H, ...) operands -> the kernels' (B*H, ...) ones: gam (.., NC) -> (.., NC, 1, 1), lam
+  (.., NS, NC, C) -> (.., NS, NC, C, 1)."""
+  *mats, gam, lam = map(_merge, operands)
+  return mats, gam[..., None, None], lam[..., None]
 
 
-def _backward(cps, erase, cfg, qe, *rest):
-  """Reverse state pass and chunk gradients: ``_forward``'s operands, its states and the
-  cotangent do, all (B, H, ...). Returns the operands' gradients (lam's zero for i > s(n))."""
-  b, h, nc = qe.shape[:3]
-  w, (kw, uv, gam, lam, states, do) = (rest[0], rest[1:]) if erase else (None, rest)
-  qe, w, kw, uv, states = (None if x is None else _merge(x) for x in (qe, w, kw, uv, states))
-  gam, lam = _merge(gam)[..., None, None], _merge(lam)[..., None]
-  do = _merge(do).astype(qe.dtype)
-  dstates, duv = kernels.reverse_state_pass(qe, w, kw, lam, gam, do, cps=cps, erase=erase,
-                                            cfg=cfg)
-  dqe, dw, dkw, dgam, dlam = kernels.chunk_gradients(qe, w, kw, uv, lam, do, states, dstates,
-                                                     cps=cps, erase=erase, cfg=cfg)
-  ns = lam.shape[1]
+def _forward(cps, erase, cfg, *operands):
+  """State pass and readout on (B, H, ...) operands: qe, [w (erase),] kw, uv, gam (B, H, NC),
+  lam (B, H, NS, NC, C). Returns the stack read (B, H, NC, C, V) float32 and the stored states:
+  erase the visible chunk-start states (B, H, VIS, D, V); no erase each chunk's current state
+  (B, H, NC, D, V) and each segment's end state (B, H, NS, D, V)."""
+  b, h = operands[0].shape[:2]
+  mats, gam, lam = _kernel_layout(operands)
+  if erase:
+    qe, w, kw, uv = mats
+    states = (kernels.stack_state_pass(w, kw, uv, gam, cps=cps, cfg=cfg),)
+    o = kernels.stack_readout(qe, lam, *states, cps=cps, cfg=cfg)
+  else:
+    qe, kw, uv = mats
+    states = kernels.write_pass(kw, uv, gam, cps=cps, cfg=cfg)
+    o = kernels.rescaled_readout(qe, lam, *states, cps=cps, cfg=cfg)
+  return tuple(_split(x, b, h) for x in (o, *states))
+
+
+def _backward(cps, erase, cfg, *args):
+  """The gradients of ``_forward``'s operands (lam's zero for i > s(n)), from those operands,
+  the states it stored and the cotangent do, all (B, H, ...)."""
+  n_states = 1 if erase else 2
+  operands, states, do = args[:-n_states - 1], args[-n_states - 1:-1], args[-1]
+  b, h, nc = operands[0].shape[:3]
+  mats, gam, lam = _kernel_layout(operands)
+  states = tuple(map(_merge, states))
+  do = _merge(do).astype(mats[0].dtype)
+  if erase:
+    qe, w, kw, uv = mats
+    dstates, duv = kernels.stack_reverse_state_pass(qe, w, kw, lam, gam, do, cps=cps, cfg=cfg)
+    dqe, dw, dkw, dgam, dlam = kernels.stack_chunk_gradients(qe, w, kw, uv, lam, do, *states,
+                                                             dstates, cps=cps, cfg=cfg)
+    dmats = (dqe, dw, dkw, duv)
+  else:
+    qe, kw, uv = mats
+    duv, dkw, dgam = kernels.rescaled_reverse_pass(qe, kw, uv, lam, gam, do, states[0], cps=cps,
+                                                   cfg=cfg)
+    dqe, dlam = kernels.rescaled_read_gradients(qe, lam, do, *states, cps=cps, cfg=cfg)
+    dmats = (dqe, jnp.sum(dkw, axis=1), duv)  # dKw and dgamma: sums over the value blocks
+    dgam = jnp.sum(dgam, axis=1)
   dlam = jnp.moveaxis(dlam[..., 0], 2, 1)  # (BH, NS, NC, C)
-  dlam = jnp.where(_visible(nc, cps, ns).T[None, :, :, None], dlam, 0.0)
-  grads = [dqe.astype(qe.dtype)] + ([dw.astype(w.dtype)] if erase else [])
-  grads += [dkw.astype(kw.dtype), duv.astype(uv.dtype), dgam[:, :, 0, 0], dlam]
+  dlam = jnp.where(_visible(nc, cps, lam.shape[1]).T[None, :, :, None], dlam, 0.0)
+  grads = [dx.astype(x.dtype) for dx, x in zip(dmats, mats)] + [dgam[:, :, 0, 0], dlam]
   return tuple(_split(x, b, h) for x in grads)
 
 
@@ -90,15 +114,14 @@ _REPLICATED = ("n", "c", "d", "v", "s", "i")
 
 
 def _rules(erase):
-  mats = "b h n c d, " * (2 if erase else 1) + "b h n c d, b h n c v, b h n, b h s n c"
-  fwd = f"{mats} -> b h n c v, b h i d v"
-  bwd = f"{mats}, b h i d v, b h n c v -> " + mats
-  return fwd, bwd
+  mats = "b h n c d, " * (3 if erase else 2) + "b h n c v, b h n, b h s n c"
+  states = "b h i d v" if erase else "b h n d v, b h s d v"
+  return f"{mats} -> b h n c v, {states}", f"{mats}, {states}, b h n c v -> {mats}"
 
 
 _PARTITIONED = {
-    erase: tuple(partition.batch_head_partitioned(fn, n_static=3, rule=rule,
-                                                  replicated=_REPLICATED)
+    erase: tuple(partition.batch_head_partitioned(
+        fn, n_static=3, rule=rule, replicated=tuple(f for f in _REPLICATED if f in rule.split()))
                  for fn, rule in zip((_forward, _backward), _rules(erase)))
     for erase in (True, False)}
 
@@ -110,16 +133,28 @@ def _stack_read(cps, erase, cfg, *operands):
 
 
 def _stack_read_fwd(cps, erase, cfg, *operands):
-  o, states = _PARTITIONED[erase][0](cps, erase, cfg, *operands)
-  return o, (operands, states)
+  o, *states = _PARTITIONED[erase][0](cps, erase, cfg, *operands)
+  return o, (operands, tuple(states))
 
 
 def _stack_read_bwd(cps, erase, cfg, saved, do):
   operands, states = saved
-  return _PARTITIONED[erase][1](cps, erase, cfg, *operands, states, do)
+  return _PARTITIONED[erase][1](cps, erase, cfg, *operands, *states, do)
 
 
 _stack_read.defvjp(_stack_read_fwd, _stack_read_bwd)
+
+
+def _finished_decay(gc_end, cps, ns):
+  """F (B, H, NS, NC): prod_{e_i <= m < n} gamma_m for the chunks n >= e_i (segment i finished),
+  1 elsewhere; gc_end (B, H, NC) the chunks' log decays. A cumulative sum that starts at e_i, so
+  exp takes sums of decays (<= 0), never differences."""
+  nc = gc_end.shape[-1]
+  ends = jnp.minimum((jnp.arange(ns) + 1) * cps, nc)[:, None]  # e_i (NS, 1)
+  after = jnp.arange(nc)[None, :] >= ends                      # (NS, NC)
+  terms = jnp.where(after, gc_end[..., None, :], 0.0)
+  before_n = jnp.cumsum(terms, axis=-1) - terms                # sum over e_i <= m < n
+  return jnp.where(after, jnp.exp(jnp.where(after, before_n, 0.0)), 1.0)
 
 
 def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, erase: bool,
@@ -141,11 +176,14 @@ def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, 
   uv, w, qe, kw, gam, intra, _, _ = intra_chunk(qc, kc, vc, gc, betac, erase)
   owner = jax.nn.one_hot(segment_ids(nc, cps), ns, dtype=F32)  # (NC, NS)
   o_intra = jnp.einsum("bhncm,nm->bhnc", lamc, owner)[..., None] * intra
+  lam_k = jnp.moveaxis(lamc, -1, 2)  # (B, H, NS, NC, C)
+  if not erase:  # a finished state is its end state, decayed: the decay goes into its weight
+    lam_k = lam_k * _finished_decay(jnp.sum(gc, axis=-1), cps, ns)[..., None]
 
   dp, vp = _pow2(d), _pow2(vd)
   kernel_op = lambda x, width: _pad_last(x, width).astype(dtype)
   mats = [kernel_op(qe, dp)] + ([kernel_op(w, dp)] if erase else [])
-  mats += [kernel_op(kw, dp), kernel_op(uv, vp), gam, jnp.moveaxis(lamc, -1, 2)]
+  mats += [kernel_op(kw, dp), kernel_op(uv, vp), gam, lam_k]
   o = _stack_read(cps, erase, config, *mats)[..., :vd]
   o = scale * (o + o_intra)
   return jnp.moveaxis(o, 1, 3).reshape(b, nc * c, h, vd)[:, :t]
