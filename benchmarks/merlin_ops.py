@@ -201,14 +201,16 @@ def fmt(v):
   return f"{v:>12.1e}" if 0 < abs(v) < 0.05 else f"{v:>12.2f}"
 
 
-def op_table(args, lengths, n, dtype, floor_ms):
-  """The op table: each impl, the single-state GDN op and FLA's log-linear attention."""
+def op_table(args, lengths, dtype, floor_ms):
+  """The op table: each impl, the single-state GDN op and FLA's log-linear attention. N is
+  ``--max-segments`` or, per T, just the segments T needs."""
   gpu = jax.default_backend() == "gpu"
   print(merlin_plan.explain(args.D, args.segment_len, chunk_size=args.chunk))
   cols = ["op", "T", "fwd", "f+b", "floor fwd", "floor f+b", "f+b/floor", "f+b/GDN", "rel err"]
   print(" | ".join(f"{c:>{20 if i == 0 else 12}}" for i, c in enumerate(cols)))
   backward = not args.no_backward
   for t in lengths:
+    n = args.max_segments or -(-t // args.segment_len)
     x = inputs(jax.random.PRNGKey(t), args.B, t, args.H, args.D, args.V, args.R, n, dtype)
     lam = jax.jit(lambda x: weights("merlin", x, args.segment_len, n, "parallel"))(x)
     cot = jax.random.normal(jax.random.PRNGKey(1), (args.B, t, args.H, args.V))
@@ -270,7 +272,8 @@ def main(argv=None):
   ap.add_argument("--V", type=int, default=64, help="value dim")
   ap.add_argument("--R", type=int, default=32, help="d_r, the aggregator's key dim")
   ap.add_argument("--segment-len", type=int, default=256)
-  ap.add_argument("--max-segments", type=int, default=0, help="N; 0 = just enough for the largest T")
+  ap.add_argument("--max-segments", type=int, default=0,
+                  help="N; 0 = just enough for each T (op table) or the largest T (pipeline table)")
   ap.add_argument("--chunk", type=int, default=64)
   ap.add_argument("--impls", default="scan,chunked",
                   help="comma-separated multistate_attention impls; the first is the error reference")
@@ -288,7 +291,7 @@ def main(argv=None):
   n = args.max_segments or -(-max(lengths) // args.segment_len)
   dtype = jnp.dtype(args.dtype)
   print(machine())
-  print(f"B={args.B} H={args.H} D={args.D} V={args.V} R={args.R} L={args.segment_len} N={n} "
+  print(f"B={args.B} H={args.H} D={args.D} V={args.V} R={args.R} L={args.segment_len} N={n} (pipeline) "
         f"C={args.chunk} {dtype.name}; times in ms (median of {args.repeats}), temp = XLA "
         "temporary MiB of the f+b")
   floor_ms = lambda fl, by, mult: np.nan
@@ -300,7 +303,7 @@ def main(argv=None):
           "max(counted FLOPs / matmul ceiling, counted bytes / memory ceiling), f+b = 3x fwd")
     floor_ms = lambda fl, by, mult: 1e3 * max(mult * fl / (peak * 1e12), by / (hbm * 1e9))
   if not args.no_op_table:
-    op_table(args, lengths, n, dtype, floor_ms)
+    op_table(args, lengths, dtype, floor_ms)
   if args.aggregators:
     pipeline_table(args, lengths, n, dtype, floor_ms)
 
