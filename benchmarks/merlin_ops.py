@@ -93,7 +93,7 @@ def pipeline(aggregator, impl, segment_len, n, chunk):
 
 
 def single_state(chunk, gpu):
-  """(x, lam) -> o: the single-state GDN op (``triadic_gdn``, E = 1) on the same q, k, v, g, beta."""
+  """(x, lam) -> o: the single-state GDN op (``triadic_gdn``, E = 1) on x's q, k, v, g, beta."""
   def run(x, lam):
     ones = jnp.ones(x["q"].shape[:3] + (1,), x["q"].dtype)
     return triadic_gdn(x["q"], x["k"], x["v"], ones, ones, x["g"][..., None], x["beta"],
@@ -276,7 +276,8 @@ def main(argv=None):
                   help="N; 0 = just enough for each T (op table) or the largest T (pipeline table)")
   ap.add_argument("--chunk", type=int, default=64)
   ap.add_argument("--impls", default="scan,chunked",
-                  help="comma-separated multistate_attention impls; the first is the error reference")
+                  help="comma-separated multistate_attention impls; the first is the reference "
+                       "of the error columns")
   ap.add_argument("--dtype", default="float32", choices=("float32", "bfloat16"),
                   help="dtype of q, k, v")
   ap.add_argument("--aggregators", default=",".join(merlin.AGGREGATORS),
@@ -291,8 +292,8 @@ def main(argv=None):
   n = args.max_segments or -(-max(lengths) // args.segment_len)
   dtype = jnp.dtype(args.dtype)
   print(machine())
-  print(f"B={args.B} H={args.H} D={args.D} V={args.V} R={args.R} L={args.segment_len} N={n} (pipeline) "
-        f"C={args.chunk} {dtype.name}; times in ms (median of {args.repeats}), temp = XLA "
+  print(f"B={args.B} H={args.H} D={args.D} V={args.V} R={args.R} L={args.segment_len} "
+        f"N={n} (pipeline) C={args.chunk} {dtype.name}; times in ms (median of {args.repeats}), temp = XLA "
         "temporary MiB of the f+b")
   floor_ms = lambda fl, by, mult: np.nan
   if not args.no_floors:
