@@ -219,7 +219,7 @@ def test_pallas_runs_per_shard_under_jit():
   (B/2, H/2) slice (no all-gather, no array of the global kernel layout). In a subprocess so the
   device count flag stays out of this pytest session."""
   flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-  env = dict(os.environ, PYTHONPATH=ROOT, XLA_FLAGS=flags)
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
   out = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], cwd=ROOT, env=env,
                        capture_output=True, text=True, timeout=600)
   assert out.returncode == 0, out.stderr[-3000:]
