@@ -1,9 +1,9 @@
 """Multi-state linear attention and MERLIN segment aggregation (docs/spec.md section 2).
 
-``multistate_attention`` is the op (scan oracle and chunk-parallel form behind one ``impl``
-switch); the aggregators turn small keys/queries into segment weights lam; ``MultiStateGDN`` and
-``MultiStateMamba2`` are the Flax Linen mixers (``Mamba2`` the single-state one);
-``state_memory`` reports what the segments and their moments cost.
+``multistate_attention`` is the op (scan oracle, chunk-parallel form and Pallas kernels behind
+one ``impl`` switch); the aggregators turn small keys/queries into segment weights lam;
+``MultiStateGDN`` and ``MultiStateMamba2`` are the Flax Linen mixers (``Mamba2`` the single-state
+one); ``state_memory`` reports what the segments and their moments cost.
 """
 
 from merlin.aggregators import meanpool_weights, merlin_weights, position_weights, vanilla_weights

@@ -1,18 +1,18 @@
-"""The public multi-state op: one function, a scan oracle and a chunk-parallel form of the same math."""
+"""The public multi-state op: one function, a scan oracle, a chunk-parallel form and Pallas kernels
+of the same math; which one runs is ``merlin.pallas.plan.resolve``'s decision."""
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
 
 from merlin.chunked import multistate_chunked, multistate_chunked_documents
+from merlin.pallas import plan as plan_lib
 from merlin.scan import multistate_scan
 from merlin.segments import check_segments, document_segments, document_visible, visible
 from triadic.ops import check_array, check_log_decay, check_segment_ids, clamp_log_decay
 
-IMPLS = ("auto", "scan", "chunked")
+IMPLS = ("auto", "scan", "chunked", "pallas")
 
 
 def validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size):
@@ -43,7 +43,7 @@ def validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size):
 
 def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool = True,
                          scale: float | None = None, impl: str = "auto", chunk_size: int | None = None,
-                         segment_ids=None):
+                         segment_ids=None, platform: str | None = None):
   """Multi-state gated linear attention (docs/spec.md section 2).
 
   Segment i = t // segment_len owns state S^i; every state decays (and is erased, if ``erase``)
@@ -61,18 +61,24 @@ def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool
     segment_len: tokens per segment, L.
     erase: True for multi-state Gated DeltaNet, False for multi-state Mamba-2 / linear attention.
     scale: output scale, default D ** -0.5.
-    impl: "scan" (per-token oracle), "chunked" (chunk-parallel) or "auto" (= "chunked").
-    chunk_size: chunk length C of the chunked form; must divide segment_len. Default
-      gcd(segment_len, 64).
+    impl: "scan" (per-token oracle), "chunked" (chunk-parallel JAX), "pallas" (the state work in
+      Pallas kernels, ``merlin.pallas``) or "auto" ("pallas" on GPU where the kernels take the
+      sizes, else "chunked"; ``merlin.pallas.plan.resolve`` decides and says why).
+    chunk_size: chunk length C of the chunked and Pallas forms; must divide segment_len (Pallas:
+      16, 32, 64 or 128). Default gcd(segment_len, 64).
     segment_ids: (B, T) int, the document of each token (packed rows). Each row then behaves
       exactly as if each of its documents were its own row: every state is zero at a change of
       id, segments are counted from the document's start (s(t) = (t - start) // L) and lam's index
-      i is relative to that document.
+      i is relative to that document. Runs in the chunked form under "auto".
+    platform: the kernels' platform for impl="pallas" ("gpu" Triton, "cpu" interpret mode);
+      default from ``jax.default_backend()``.
 
   Returns:
     o (B, T, H, V) in q's dtype.
   """
   b, t, _, d, _, n = validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size)
+  plan = plan_lib.resolve(impl, d=d, segment_len=segment_len, chunk_size=chunk_size,
+                          documents=segment_ids is not None, platform=platform)
   scale = d ** -0.5 if scale is None else scale
   if segment_ids is None:
     mask = visible(t, segment_len, n)[:, None, :]
@@ -83,16 +89,18 @@ def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool
   # Materialise lam: XLA:CPU otherwise fuses the aggregator's softmax into the chunk relayout and
   # recomputes it there (orders of magnitude slower at long T).
   lam = jax.lax.optimization_barrier(lam)
-  if impl == "scan":
+  if plan.impl == "scan":
     o = multistate_scan(q, k, v, g, beta, lam, segment_len=segment_len, scale=scale, erase=erase,
                         doc_ids=segment_ids)
+  elif plan.impl == "pallas":
+    from merlin.pallas.ops import multistate_pallas
+    o = multistate_pallas(q, k, v, clamp_log_decay(g), beta, lam, segment_len=segment_len,
+                          scale=scale, erase=erase, chunk_size=plan.chunk_size, config=plan.config)
   elif segment_ids is None:
-    chunk_size = chunk_size or math.gcd(segment_len, 64)
     o = multistate_chunked(q, k, v, clamp_log_decay(g), beta, lam, segment_len=segment_len,
-                           scale=scale, erase=erase, chunk_size=chunk_size)
+                           scale=scale, erase=erase, chunk_size=plan.chunk_size)
   else:
-    chunk_size = chunk_size or math.gcd(segment_len, 64)
     o = multistate_chunked_documents(q, k, v, clamp_log_decay(g), beta, lam, segment_ids,
                                      segment_len=segment_len, scale=scale, erase=erase,
-                                     chunk_size=chunk_size)
+                                     chunk_size=plan.chunk_size)
   return o.astype(q.dtype)

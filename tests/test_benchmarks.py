@@ -51,3 +51,18 @@ def test_train_step_config_overrides():
   assert train_step.model_shape(dict(job, mixer="gdn"))["d_model"] == 1024
   with pytest.raises(ValueError, match="unknown mixer"):
     train_step.build_config(dict(job, mixer="mamba7"))
+
+
+def test_merlin_ops_table_runs(capsys):
+  """The multi-state op benchmark at tiny sizes: every impl, the single-state row, both tables."""
+  from benchmarks import merlin_ops
+  merlin_ops.main(["--T", "80", "--H", "1", "--D", "16", "--V", "16", "--R", "8",
+                   "--segment-len", "32", "--chunk", "16", "--impls", "chunked,pallas",
+                   "--aggregators", "meanpool", "--repeats", "1", "--no-floors"])
+  out = capsys.readouterr().out
+  for row in ("multistate chunked |", "multistate pallas |", "gdn E=1 chunked |", "meanpool |",
+              "fla log-linear", "multistate_attention plan: chunked"):
+    assert row in out, row
+  fl, by = merlin_ops.multistate_cost(1, 2048, 16, 128, 128, 128, 256, 64, aggregator="vanilla")
+  gfl, gby = merlin_ops.multistate_cost(1, 2048, 16, 128, 128, 128, 2048, 64, aggregator="vanilla")
+  assert fl > 2 * gfl and by > gby  # 8 segments: the stack's work dominates

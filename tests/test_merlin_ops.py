@@ -132,6 +132,6 @@ def test_bad_input_raises():
   with pytest.raises(ValueError, match="g is a log decay"):
     call(g=-g)
   with pytest.raises(ValueError, match="impl must be one of"):
-    call(impl="pallas")
+    call(impl="triton")
   with pytest.raises(ValueError, match="segment_len must be a positive int"):
     call(segment_len=0)

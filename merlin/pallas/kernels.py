@@ -1,0 +1,398 @@
+"""The Triton Pallas kernels of multi-state linear attention's state work (docs/spec.md section 2).
+
+Per (batch*head), chunk n of C tokens and segment state i, from the plain-JAX chunk prep
+(``merlin.chunked.intra_chunk``): Qe_n, W_n, Kw_n (C, D), Uv_n (C, V), the chunk decay
+gamma_n = exp(gc_C) and lam_n,i (C, 1). State i is zero before its segment's first chunk
+n_i = i cps (cps = chunks per segment), is written during its cps chunks (up to e_i) and only
+carried after:
+
+    S_{n+1}^i = gamma_n S_n^i - Kw_n^T (W_n S_n^i) + [n < e_i] Kw_n^T Uv_n     (W = 0: no erase)
+    o_n      += (lam_n,i Qe_n) S_n^i                                            (every i <= s(n))
+
+Each state carries through its own chain of chunks, independent of the others, so the state
+passes put the segment index on the grid: program (bh, value block j, segment i) walks segment i's
+chunks with the (D, block_v) float32 state S^i in registers. The readout is parallel over chunks:
+o_n = sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i, the (C, (s(n)+1) D) x ((s(n)+1) D, V) product over the
+stacked states, walked state by state (``_read``).
+
+Erase (the carried stack): a finished state keeps changing (Phi_n), so the forward stores every
+visible chunk-start state S_n^i (n >= n_i, in the input dtype) once, in a compact (BH, VIS, D, V)
+array, VIS = sum_i (NC - n_i), at ``index(i, n)``. Backward, with dS^i_{n+1} the gradient of the
+state leaving chunk n:
+
+    dS_n^i  = gamma_n dS^i_{n+1} - W_n^T (Kw_n dS^i_{n+1}) + (lam_n,i Qe_n)^T dO_n
+    dUv_n   = Kw_n dS^{s(n)}_{n+1}
+    dQe_n   = sum_i lam_n,i (dO_n S_n^iT)          dlam_n,i = rowsum(dO_n * (Qe_n S_n^i))
+    dKw_n   = Uv_n dS^{s(n)T}_{n+1} - sum_i (W_n S_n^i) dS^{iT}_{n+1}
+    dW_n    = -sum_i (Kw_n dS^i_{n+1}) S_n^iT      dgamma_n = sum_i <dS^i_{n+1}, S_n^i>
+
+The reverse state pass (same grid as the forward) stores dS^i_{n+1} at ``index(i, n)`` and dUv;
+the chunk-gradients kernel, one program per (batch*head, chunk, gradient part), sums the stack's
+terms over i and the value axis, so no two programs write one output (no atomics).
+
+No erase (rescaled states): a finished state only decays, S_n^i = F_n,i S_end^i with
+F_n,i = prod_{e_i <= m < n} gamma_m, so its contribution to every later token is a read of the one
+end state S_end^i with the weight lam_n,i F_n,i, which ``ops.py`` folds into lam (plain JAX, so
+its gradient to g is JAX's). The write pass stores only the current state of each chunk (NC of
+them) and each segment's end state (NS): no per-chunk update or store of a finished state.
+Backward: dS_end^i = sum_{n >= e_i} (lam_n,i Qe_n)^T dO_n, then segment i's write phase in
+reverse (dUv, and dKw_n = Uv_n dS_{n+1}^T, dgamma_n = <dS_{n+1}, S_n> per value block, summed over
+the value blocks in JAX), and dQe, dlam from the read as in the erase case.
+
+Layout: (BH, NC, C, X) for per-token operands, lam (BH, NS, NC, C, 1), gamma (BH, NC, 1, 1);
+D, V padded to powers of two (Triton), NS = ceil(NC / cps) the segments the tokens occupy.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from triadic.pallas.common import F32, call, mm, rowsum, total
+
+
+def num_visible(nc: int, cps: int) -> int:
+  """VIS: the number of (segment i, chunk n >= n_i) pairs, the stored states per batch*head."""
+  return sum(nc - i * cps for i in range(-(-nc // cps)))
+
+
+def index(i, n, nc: int, cps: int):
+  """Where S_n^i lives in the compact stack: the pairs of segments j < i, then n - n_i."""
+  return i * nc - cps * (i * (i - 1)) // 2 + n - i * cps
+
+
+def _segment_bounds(nc, cps):
+  """(first chunk, end of the write phase) of the program's segment, from its grid index."""
+  start = pl.program_id(2) * cps
+  return start, jnp.minimum(start + cps, nc)
+
+
+def _value_blocks(vd, bv):
+  return [pl.ds(j * bv, bv) for j in range(vd // bv)] if vd > bv else [slice(None)]
+
+
+def _read(qe, lam_ref, finished, current, cur, dtype):
+  """sum_{i < cur} (lam_i Qe) finished(i) + (lam_cur Qe) current: the readout of one chunk."""
+  acc = jax.lax.fori_loop(0, cur, lambda i, acc: acc + mm(lam_ref[i] * qe, finished(i), dtype),
+                          jnp.zeros((qe.shape[0], current.shape[-1]), F32))
+  return acc + mm(lam_ref[cur] * qe, current, dtype)
+
+
+def _read_gradients(qe, lam_ref, do_ref, dlam_ref, finished, current, cur, blocks, dtype):
+  """The read's dQe (returned) and dlam (written to ``dlam_ref[i]``, i <= cur) for one chunk:
+  dQe = sum_i lam_i (dO S_i^T), dlam_i = rowsum(dO * (Qe S_i)); finished(i, cols) and
+  current(cols) give the states' value-block tiles."""
+  c, d = qe.shape
+
+  def state(tile, i, dqe):
+    dq, dlam = jnp.zeros((c, d), F32), jnp.zeros((c, 1), F32)
+    for cols in blocks:
+      s, do = tile(cols), do_ref[:, cols]
+      dq = dq + mm(do, s, dtype, tb=True)
+      dlam = dlam + rowsum(do.astype(F32) * mm(qe, s, dtype))
+    dlam_ref[i] = dlam
+    return dqe + lam_ref[i] * dq
+
+  dqe = jax.lax.fori_loop(0, cur, lambda i, dqe: state(functools.partial(finished, i), i, dqe),
+                          jnp.zeros((c, d), F32))
+  return state(current, cur, dqe)
+
+
+# ---- erase: the carried stack ----
+
+def _stack_kernel(w_ref, kw_ref, uv_ref, gam_ref, states_ref, *, nc, cps, dtype):
+  i = pl.program_id(2)
+  start, end = _segment_bounds(nc, cps)
+
+  def chunk(n, s, write):
+    states_ref[index(i, n, nc, cps)] = s.astype(states_ref.dtype)
+    kw = kw_ref[n]
+    new = gam_ref[n] * s - mm(kw, mm(w_ref[n], s, dtype), dtype, ta=True)
+    return new + mm(kw, uv_ref[n], dtype, ta=True) if write else new
+
+  d, bv = states_ref.shape[-2:]
+  s = jax.lax.fori_loop(start, end, lambda n, s: chunk(n, s, True), jnp.zeros((d, bv), F32))
+  jax.lax.fori_loop(end, nc, lambda n, s: chunk(n, s, False), s)
+
+
+def _stack_readout_kernel(qe_ref, lam_ref, states_ref, o_ref, *, nc, cps, dtype):
+  n = pl.program_id(1)
+  cur = n // cps
+  o_ref[...] = _read(qe_ref[...].astype(F32), lam_ref,
+                     lambda i: states_ref[index(i, n, nc, cps)],
+                     states_ref[index(cur, n, nc, cps)], cur, dtype)
+
+
+def _stack_reverse_kernel(qe_ref, w_ref, kw_ref, lam_ref, gam_ref, do_ref, dstates_ref, duv_ref,
+                          *, nc, cps, dtype):
+  i = pl.program_id(2)
+  start, end = _segment_bounds(nc, cps)
+
+  def chunk(n, ds, write):
+    dstates_ref[index(i, n, nc, cps)] = ds.astype(dstates_ref.dtype)
+    y = mm(kw_ref[n], ds, dtype)
+    if write:
+      duv_ref[n] = y
+    return (gam_ref[n] * ds + mm(lam_ref[n] * qe_ref[n].astype(F32), do_ref[n], dtype, ta=True)
+            - mm(w_ref[n], y, dtype, ta=True))
+
+  d, bv = dstates_ref.shape[-2:]
+  ds = jax.lax.fori_loop(0, nc - end, lambda j, ds: chunk(nc - 1 - j, ds, False),
+                         jnp.zeros((d, bv), F32))
+  jax.lax.fori_loop(0, end - start, lambda j, ds: chunk(end - 1 - j, ds, True), ds)
+
+
+def _stack_gradients_kernel(qe_ref, w_ref, kw_ref, uv_ref, lam_ref, do_ref, states_ref,
+                            dstates_ref, dqe_ref, dw_ref, dkw_ref, dgam_ref, dlam_ref, *, nc, cps,
+                            vd, bv, dtype):
+  """Program (bh, chunk n, part): part 0 dQe and dlam (from dO and the states), part 1 dKw, dW and
+  dgamma (from the states and their gradients), each summed over the visible states i <= s(n) and
+  the value blocks. The parts need disjoint products (dO S^T, Qe S; W S, X dS^T, Kw dS, Y S^T), so
+  splitting them costs one more read of the stored states and halves the float32 (C, D)
+  accumulators a program holds."""
+  n, part = pl.program_id(1), pl.program_id(2)
+  cur = n // cps
+  c, d = qe_ref.shape
+  blocks = _value_blocks(vd, bv)
+  tile = lambda ref, i, cols: ref[index(i, n, nc, cps), :, cols]
+
+  @pl.when(part == 0)
+  def _():
+    dqe_ref[...] = _read_gradients(qe_ref[...], lam_ref, do_ref, dlam_ref,
+                                   functools.partial(tile, states_ref),
+                                   functools.partial(tile, states_ref, cur), cur, blocks, dtype)
+
+  @pl.when(part == 1)
+  def _():
+    w, kw = w_ref[...], kw_ref[...]
+    zero = jnp.zeros((c, d), F32)
+
+    def state(i, carry):
+      dkw, dw, dgam = carry
+      for cols in blocks:
+        s, ds = tile(states_ref, i, cols), tile(dstates_ref, i, cols)
+        dgam = dgam + total(ds.astype(F32) * s.astype(F32))
+        dkw = dkw - mm(mm(w, s, dtype), ds, dtype, tb=True)
+        dw = dw - mm(mm(kw, ds, dtype), s, dtype, tb=True)
+      return dkw, dw, dgam
+
+    dkw, dw, dgam = jax.lax.fori_loop(0, cur + 1, state, (zero, zero, jnp.zeros((1, 1), F32)))
+    for cols in blocks:  # the write Kw^T Uv into the current state
+      dkw = dkw + mm(uv_ref[:, cols], tile(dstates_ref, cur, cols), dtype, tb=True)
+    dkw_ref[...] = dkw
+    dw_ref[...] = dw
+    dgam_ref[...] = dgam
+
+
+# ---- no erase: rescaled states ----
+
+def _write_kernel(kw_ref, uv_ref, gam_ref, cur_ref, end_ref, *, nc, cps, dtype):
+  i = pl.program_id(2)
+  start, end = _segment_bounds(nc, cps)
+
+  def chunk(n, s):
+    cur_ref[n] = s.astype(cur_ref.dtype)
+    return gam_ref[n] * s + mm(kw_ref[n], uv_ref[n], dtype, ta=True)
+
+  d, bv = cur_ref.shape[-2:]
+  s = jax.lax.fori_loop(start, end, chunk, jnp.zeros((d, bv), F32))
+  end_ref[i] = s.astype(end_ref.dtype)
+
+
+def _rescaled_readout_kernel(qe_ref, lam_ref, end_ref, cur_ref, o_ref, *, cps, dtype):
+  cur = pl.program_id(1) // cps
+  o_ref[...] = _read(qe_ref[...].astype(F32), lam_ref, lambda i: end_ref[i], cur_ref[...], cur,
+                     dtype)
+
+
+def _rescaled_reverse_kernel(qe_ref, kw_ref, uv_ref, lam_ref, gam_ref, do_ref, cur_ref, duv_ref,
+                             dkw_ref, dgam_ref, *, nc, cps, dtype):
+  start, end = _segment_bounds(nc, cps)
+  read = lambda n: mm(lam_ref[n] * qe_ref[n].astype(F32), do_ref[n], dtype, ta=True)
+  d, bv = cur_ref.shape[-2:]
+  ds = jax.lax.fori_loop(end, nc, lambda n, ds: ds + read(n), jnp.zeros((d, bv), F32))  # dS_end
+
+  def chunk(n, ds):
+    duv_ref[n] = mm(kw_ref[n], ds, dtype)
+    dkw_ref[n] = mm(uv_ref[n], ds, dtype, tb=True)
+    dgam_ref[n] = total(ds * cur_ref[n].astype(F32))
+    return gam_ref[n] * ds + read(n)
+
+  jax.lax.fori_loop(0, end - start, lambda j, ds: chunk(end - 1 - j, ds), ds)
+
+
+def _rescaled_gradients_kernel(qe_ref, lam_ref, do_ref, end_ref, cur_ref, dqe_ref, dlam_ref, *,
+                               cps, vd, bv, dtype):
+  cur = pl.program_id(1) // cps
+  dqe_ref[...] = _read_gradients(qe_ref[...], lam_ref, do_ref, dlam_ref,
+                                 lambda i, cols: end_ref[i, :, cols],
+                                 lambda cols: cur_ref[:, cols], cur, _value_blocks(vd, bv), dtype)
+
+
+# ---- launchers ----
+
+def _whole(*shape):
+  """A block spanning a (BH, *shape) operand's trailing dims, for grids led by BH."""
+  return pl.BlockSpec((None, *shape), lambda b, *_: (b,) + (0,) * len(shape))
+
+
+def _vblock(*shape):
+  """(BH, *shape, V) blocked by value columns on a (BH, V / bv, NS) grid: shape + (bv,)."""
+  return pl.BlockSpec((None, *shape), lambda b, j, i: (b,) + (0,) * (len(shape) - 1) + (j,))
+
+
+def _chunk_spec(*shape):
+  """One chunk's block on a (BH, NC, ...) grid."""
+  return pl.BlockSpec((None, None, *shape), lambda b, n, *_: (b, n) + (0,) * len(shape))
+
+
+def _lam_of_chunk(ns, c):
+  """lam (BH, NS, NC, C, 1): every segment's weights of the program's chunk, (NS, C, 1)."""
+  return pl.BlockSpec((None, ns, None, c, 1), lambda b, n, *_: (b, 0, n, 0, 0))
+
+
+def _lam_of_segment(nc, c):
+  """lam (BH, NS, NC, C, 1): the program's segment's weights of every chunk, (NC, C, 1)."""
+  return pl.BlockSpec((None, None, nc, c, 1), lambda b, j, i: (b, i, 0, 0, 0))
+
+
+def stack_state_pass(w, kw, uv, gam, *, cps, cfg):
+  """Erase forward state pass: every visible chunk-start state, (BH, VIS, D, V) in kw's dtype.
+  Grid (BH, V / block_v, NS)."""
+  bh, nc, c, d = kw.shape
+  vd = uv.shape[-1]
+  bv = min(cfg.block_v, vd)
+  vis = num_visible(nc, cps)
+  kernel = functools.partial(_stack_kernel, nc=nc, cps=cps, dtype=kw.dtype)
+  return call(kernel, cfg=cfg, grid=(bh, vd // bv, -(-nc // cps)),
+              in_specs=[_whole(nc, c, d), _whole(nc, c, d), _vblock(nc, c, bv), _whole(nc, 1, 1)],
+              out_specs=_vblock(vis, d, bv),
+              out_shape=jax.ShapeDtypeStruct((bh, vis, d, vd), kw.dtype),
+              semantics=None, name="merlin_state_pass")(w, kw, uv, gam)
+
+
+def _readout_call(kernel, qe, lam, state_specs, states, vd, cfg):
+  bh, nc, c, d = qe.shape
+  bv = min(cfg.bwd_block_v, vd)
+  return call(kernel, cfg=cfg, grid=(bh, nc, vd // bv),
+              in_specs=[_chunk_spec(c, d), _lam_of_chunk(lam.shape[1], c)] + state_specs,
+              out_specs=pl.BlockSpec((None, None, c, bv), lambda b, n, j: (b, n, 0, j)),
+              out_shape=jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
+              semantics=None, name="merlin_readout")(qe, lam, *states)
+
+
+def stack_readout(qe, lam, states, *, cps, cfg):
+  """o_n = sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i from the stored stack, (BH, NC, C, V) float32.
+  Grid (BH, NC, V / bwd_block_v)."""
+  nc, d = qe.shape[1], qe.shape[-1]
+  vis, vd = states.shape[1], states.shape[-1]
+  bv = min(cfg.bwd_block_v, vd)
+  kernel = functools.partial(_stack_readout_kernel, nc=nc, cps=cps, dtype=qe.dtype)
+  spec = pl.BlockSpec((None, vis, d, bv), lambda b, n, j: (b, 0, 0, j))
+  return _readout_call(kernel, qe, lam, [spec], [states], vd, cfg)
+
+
+def stack_reverse_state_pass(qe, w, kw, lam, gam, do, *, cps, cfg):
+  """Erase reverse state pass: dS^i_{n+1} at ``index(i, n)`` (BH, VIS, D, V) in qe's dtype, and
+  dUv (BH, NC, C, V) float32. Grid (BH, V / block_v, NS); do (BH, NC, C, V) in qe's dtype."""
+  bh, nc, c, d = qe.shape
+  vd = do.shape[-1]
+  bv = min(cfg.block_v, vd)
+  vis = num_visible(nc, cps)
+  kernel = functools.partial(_stack_reverse_kernel, nc=nc, cps=cps, dtype=qe.dtype)
+  return call(kernel, cfg=cfg, grid=(bh, vd // bv, lam.shape[1]),
+              in_specs=[_whole(nc, c, d)] * 3 + [_lam_of_segment(nc, c), _whole(nc, 1, 1),
+                                                 _vblock(nc, c, bv)],
+              out_specs=[_vblock(vis, d, bv), _vblock(nc, c, bv)],
+              out_shape=[jax.ShapeDtypeStruct((bh, vis, d, vd), qe.dtype),
+                         jax.ShapeDtypeStruct((bh, nc, c, vd), F32)],
+              semantics=None, name="merlin_reverse_state_pass")(qe, w, kw, lam, gam, do)
+
+
+def stack_chunk_gradients(qe, w, kw, uv, lam, do, states, dstates, *, cps, cfg):
+  """Erase: dQe, dW, dKw (BH, NC, C, D), dgamma (BH, NC, 1, 1) and dlam (BH, NC, NS, C, 1;
+  entries i > s(n) unwritten), float32. Grid (BH, NC, 2 parts)."""
+  bh, nc, c, d = qe.shape
+  vis, vd = states.shape[1], states.shape[-1]
+  ns = lam.shape[1]
+  stack = pl.BlockSpec((None, vis, d, vd), lambda b, n, p: (b, 0, 0, 0))
+  shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
+  kernel = functools.partial(_stack_gradients_kernel, nc=nc, cps=cps, vd=vd,
+                             bv=min(cfg.bwd_block_v, vd), dtype=qe.dtype)
+  return call(kernel, cfg=cfg, grid=(bh, nc, 2),
+              in_specs=[_chunk_spec(c, d)] * 3 + [_chunk_spec(c, vd), _lam_of_chunk(ns, c),
+                                                  _chunk_spec(c, vd), stack, stack],
+              out_specs=[_chunk_spec(c, d)] * 3 + [_chunk_spec(1, 1), _chunk_spec(ns, c, 1)],
+              out_shape=[shape(c, d)] * 3 + [shape(1, 1), shape(ns, c, 1)],
+              semantics=None, name="merlin_chunk_gradients",
+              num_warps=cfg.bwd_num_warps)(qe, w, kw, uv, lam, do, states, dstates)
+
+
+def write_pass(kw, uv, gam, *, cps, cfg):
+  """No-erase forward: each chunk's current-segment chunk-start state (BH, NC, D, V) and each
+  segment's end state (BH, NS, D, V), in kw's dtype. Grid (BH, V / block_v, NS)."""
+  bh, nc, c, d = kw.shape
+  vd = uv.shape[-1]
+  bv = min(cfg.block_v, vd)
+  ns = -(-nc // cps)
+  kernel = functools.partial(_write_kernel, nc=nc, cps=cps, dtype=kw.dtype)
+  return call(kernel, cfg=cfg, grid=(bh, vd // bv, ns),
+              in_specs=[_whole(nc, c, d), _vblock(nc, c, bv), _whole(nc, 1, 1)],
+              out_specs=[_vblock(nc, d, bv), _vblock(ns, d, bv)],
+              out_shape=[jax.ShapeDtypeStruct((bh, nc, d, vd), kw.dtype),
+                         jax.ShapeDtypeStruct((bh, ns, d, vd), kw.dtype)],
+              semantics=None, name="merlin_write_pass")(kw, uv, gam)
+
+
+def rescaled_readout(qe, lam, cur, end, *, cps, cfg):
+  """No-erase readout: o_n = sum_{i < s(n)} (lam_n,i Qe_n) S_end^i + (lam_n,s(n) Qe_n) S_n, with
+  lam already carrying the finished states' decay. (BH, NC, C, V) float32."""
+  ns, d, vd = end.shape[1:]
+  bv = min(cfg.bwd_block_v, vd)
+  kernel = functools.partial(_rescaled_readout_kernel, cps=cps, dtype=qe.dtype)
+  specs = [pl.BlockSpec((None, ns, d, bv), lambda b, n, j: (b, 0, 0, j)),
+           pl.BlockSpec((None, None, d, bv), lambda b, n, j: (b, n, 0, j))]
+  return _readout_call(kernel, qe, lam, specs, [end, cur], vd, cfg)
+
+
+def rescaled_reverse_pass(qe, kw, uv, lam, gam, do, cur, *, cps, cfg):
+  """No-erase reverse pass: dUv (BH, NC, C, V), and per value block of ``block_v`` columns the
+  partial dKw (BH, V / block_v, NC, C, D) and dgamma (BH, V / block_v, NC, 1, 1), float32.
+  Grid (BH, V / block_v, NS)."""
+  bh, nc, c, d = qe.shape
+  vd = uv.shape[-1]
+  bv = min(cfg.block_v, vd)
+  nv = vd // bv
+  per_block = lambda *s: pl.BlockSpec((None, None, nc, *s), lambda b, j, i: (b, j) + (0,) * (
+      len(s) + 1))
+  kernel = functools.partial(_rescaled_reverse_kernel, nc=nc, cps=cps, dtype=qe.dtype)
+  return call(kernel, cfg=cfg, grid=(bh, nv, lam.shape[1]),
+              in_specs=[_whole(nc, c, d), _whole(nc, c, d), _vblock(nc, c, bv),
+                        _lam_of_segment(nc, c), _whole(nc, 1, 1), _vblock(nc, c, bv),
+                        _vblock(nc, d, bv)],
+              out_specs=[_vblock(nc, c, bv), per_block(c, d), per_block(1, 1)],
+              out_shape=[jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
+                         jax.ShapeDtypeStruct((bh, nv, nc, c, d), F32),
+                         jax.ShapeDtypeStruct((bh, nv, nc, 1, 1), F32)],
+              semantics=None, name="merlin_reverse_write_pass")(qe, kw, uv, lam, gam, do, cur)
+
+
+def rescaled_read_gradients(qe, lam, do, cur, end, *, cps, cfg):
+  """No-erase: dQe (BH, NC, C, D) and dlam (BH, NC, NS, C, 1; entries i > s(n) unwritten) of the
+  read, float32. Grid (BH, NC)."""
+  bh, nc, c, d = qe.shape
+  ns, vd = end.shape[1], end.shape[-1]
+  shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
+  kernel = functools.partial(_rescaled_gradients_kernel, cps=cps, vd=vd,
+                             bv=min(cfg.bwd_block_v, vd), dtype=qe.dtype)
+  return call(kernel, cfg=cfg, grid=(bh, nc),
+              in_specs=[_chunk_spec(c, d), _lam_of_chunk(ns, c), _chunk_spec(c, vd),
+                        pl.BlockSpec((None, ns, d, vd), lambda b, n: (b, 0, 0, 0)),
+                        _chunk_spec(d, vd)],
+              out_specs=[_chunk_spec(c, d), _chunk_spec(ns, c, 1)],
+              out_shape=[shape(c, d), shape(ns, c, 1)],
+              semantics=None, name="merlin_read_gradients",
+              num_warps=cfg.bwd_num_warps)(qe, lam, do, end, cur)

@@ -1,0 +1,189 @@
+"""``multistate_pallas``: multi-state linear attention with its state work in Pallas kernels.
+
+The E-independent, state-free part of each chunk (gc, the UT transform A, Uv, W, Qe, Kw, the
+intra-chunk output P Uv and the chunk decay: ``merlin.chunked.intra_chunk``) stays in plain JAX,
+batched over all chunks, float32, differentiated by JAX. Everything whose cost grows with the
+number of segment states N is in ``kernels.py``, behind one ``jax.custom_vjp``:
+
+  erase     forward: state pass (every visible chunk-start state, grid over segments) ->
+            readout; backward: reverse state pass (state gradients, dUv) -> chunk gradients
+            (dQe, dW, dKw, dgamma, dlam)
+  no erase  forward: write pass (each chunk's current state, each segment's end state) ->
+            readout, with a finished state's decay folded into lam here; backward: reverse
+            write pass (dUv, dKw, dgamma) and the read's gradients (dQe, dlam)
+
+The custom_vjp saves its inputs and the states the forward stored (in the input dtype). Kernel
+operands are the input dtype (bf16 inputs: bf16 tensor-core operands, float32 accumulation).
+Under jit with B and/or H sharded, the forward and the backward each run per (B, H) shard
+(``triadic.pallas.partition.batch_head_partitioned``; every operand and result keeps (B, H) as
+leading dims, merged to B*H only inside).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from merlin.chunked import intra_chunk
+from merlin.pallas import kernels
+from triadic.pallas import partition
+from merlin.segments import segment_ids
+from triadic.chunked import to_chunks
+from triadic.pallas.common import F32, Config
+
+
+def _pow2(n: int) -> int:
+  return max(16, 1 << (n - 1).bit_length())
+
+
+def _merge(x):
+  return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+
+def _pad_last(x, width):
+  return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
+
+
+def _visible(nc, cps, ns):
+  """(NC, NS) bool: chunk n reads segment i iff i <= n // cps."""
+  return jnp.arange(ns)[None, :] <= (jnp.arange(nc) // cps)[:, None]
+
+
+def _split(x, b, h):
+  return x.reshape(b, h, *x.shape[1:])
+
+
+def _kernel_layout(operands):
+  """(B, H, ...) operands -> the kernels' (B*H, ...) ones: gam (.., NC) -> (.., NC, 1, 1), lam
+  (.., NS, NC, C) -> (.., NS, NC, C, 1)."""
+  *mats, gam, lam = map(_merge, operands)
+  return mats, gam[..., None, None], lam[..., None]
+
+
+def _forward(cps, erase, cfg, *operands):
+  """State pass and readout on (B, H, ...) operands: qe, [w (erase),] kw, uv, gam (B, H, NC),
+  lam (B, H, NS, NC, C). Returns the stack read (B, H, NC, C, V) float32 and the stored states:
+  erase the visible chunk-start states (B, H, VIS, D, V); no erase each chunk's current state
+  (B, H, NC, D, V) and each segment's end state (B, H, NS, D, V)."""
+  b, h = operands[0].shape[:2]
+  mats, gam, lam = _kernel_layout(operands)
+  if erase:
+    qe, w, kw, uv = mats
+    states = (kernels.stack_state_pass(w, kw, uv, gam, cps=cps, cfg=cfg),)
+    o = kernels.stack_readout(qe, lam, *states, cps=cps, cfg=cfg)
+  else:
+    qe, kw, uv = mats
+    states = kernels.write_pass(kw, uv, gam, cps=cps, cfg=cfg)
+    o = kernels.rescaled_readout(qe, lam, *states, cps=cps, cfg=cfg)
+  return tuple(_split(x, b, h) for x in (o, *states))
+
+
+def _backward(cps, erase, cfg, *args):
+  """The gradients of ``_forward``'s operands (lam's zero for i > s(n)), from those operands,
+  the states it stored and the cotangent do, all (B, H, ...)."""
+  n_states = 1 if erase else 2
+  operands, states, do = args[:-n_states - 1], args[-n_states - 1:-1], args[-1]
+  b, h, nc = operands[0].shape[:3]
+  mats, gam, lam = _kernel_layout(operands)
+  states = tuple(map(_merge, states))
+  do = _merge(do).astype(mats[0].dtype)
+  if erase:
+    qe, w, kw, uv = mats
+    dstates, duv = kernels.stack_reverse_state_pass(qe, w, kw, lam, gam, do, cps=cps, cfg=cfg)
+    dqe, dw, dkw, dgam, dlam = kernels.stack_chunk_gradients(qe, w, kw, uv, lam, do, *states,
+                                                             dstates, cps=cps, cfg=cfg)
+    dmats = (dqe, dw, dkw, duv)
+  else:
+    qe, kw, uv = mats
+    duv, dkw, dgam = kernels.rescaled_reverse_pass(qe, kw, uv, lam, gam, do, states[0], cps=cps,
+                                                   cfg=cfg)
+    dqe, dlam = kernels.rescaled_read_gradients(qe, lam, do, *states, cps=cps, cfg=cfg)
+    dmats = (dqe, jnp.sum(dkw, axis=1), duv)  # dKw and dgamma: sums over the value blocks
+    dgam = jnp.sum(dgam, axis=1)
+  dlam = jnp.moveaxis(dlam[..., 0], 2, 1)  # (BH, NS, NC, C)
+  dlam = jnp.where(_visible(nc, cps, lam.shape[1]).T[None, :, :, None], dlam, 0.0)
+  grads = [dx.astype(x.dtype) for dx, x in zip(dmats, mats)] + [dgam[:, :, 0, 0], dlam]
+  return tuple(_split(x, b, h) for x in grads)
+
+
+# Shardy rules: b, h may be sharded on any mesh axes; chunks n, tokens c, segments s, the stacked
+# states i, D and V must be whole on every device (the recurrence runs along them).
+_REPLICATED = ("n", "c", "d", "v", "s", "i")
+
+
+def _rules(erase):
+  mats = "b h n c d, " * (3 if erase else 2) + "b h n c v, b h n, b h s n c"
+  states = "b h i d v" if erase else "b h n d v, b h s d v"
+  return f"{mats} -> b h n c v, {states}", f"{mats}, {states}, b h n c v -> {mats}"
+
+
+_PARTITIONED = {
+    erase: tuple(partition.batch_head_partitioned(
+        fn, n_static=3, rule=rule, replicated=tuple(f for f in _REPLICATED if f in rule.split()))
+                 for fn, rule in zip((_forward, _backward), _rules(erase)))
+    for erase in (True, False)}
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _stack_read(cps, erase, cfg, *operands):
+  """sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i for every chunk n: (B, H, NC, C, V) float32."""
+  return _PARTITIONED[erase][0](cps, erase, cfg, *operands)[0]
+
+
+def _stack_read_fwd(cps, erase, cfg, *operands):
+  o, *states = _PARTITIONED[erase][0](cps, erase, cfg, *operands)
+  return o, (operands, tuple(states))
+
+
+def _stack_read_bwd(cps, erase, cfg, saved, do):
+  operands, states = saved
+  return _PARTITIONED[erase][1](cps, erase, cfg, *operands, *states, do)
+
+
+_stack_read.defvjp(_stack_read_fwd, _stack_read_bwd)
+
+
+def _finished_decay(gc_end, cps, ns):
+  """F (B, H, NS, NC): prod_{e_i <= m < n} gamma_m for the chunks n >= e_i (segment i finished),
+  1 elsewhere; gc_end (B, H, NC) the chunks' log decays. A cumulative sum that starts at e_i, so
+  exp takes sums of decays (<= 0), never differences."""
+  nc = gc_end.shape[-1]
+  ends = jnp.minimum((jnp.arange(ns) + 1) * cps, nc)[:, None]  # e_i (NS, 1)
+  after = jnp.arange(nc)[None, :] >= ends                      # (NS, NC)
+  terms = jnp.where(after, gc_end[..., None, :], 0.0)
+  before_n = jnp.cumsum(terms, axis=-1) - terms                # sum over e_i <= m < n
+  return jnp.where(after, jnp.exp(jnp.where(after, before_n, 0.0)), 1.0)
+
+
+def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, erase: bool,
+                      chunk_size: int, config: Config):
+  """Chunk-parallel multi-state recurrence with the state stack in Pallas kernels; shapes as
+  ``merlin.multistate_attention``. ``lam`` must already be zero for i > s(t), ``g`` clamped
+  (``triadic.ops.clamp_log_decay``); ``chunk_size`` must divide ``segment_len`` and be one of
+  ``plan.CHUNK_SIZES``. Returns o (B, T, H, V) float32."""
+  b, t, h, d = q.shape
+  vd = v.shape[-1]
+  c = chunk_size
+  nc = -(-t // c)
+  cps = segment_len // c
+  ns = -(-nc // cps)
+  dtype = q.dtype
+  # Padded tokens have q = k = v = beta = lam = 0 and g = 0: no write, no erase, no decay.
+  qc, kc, vc, lamc = (to_chunks(x, nc, c) for x in (q, k, v, lam[..., :ns]))
+  gc, betac = to_chunks(g, nc, c), to_chunks(beta, nc, c)
+  uv, w, qe, kw, gam, intra, _, _ = intra_chunk(qc, kc, vc, gc, betac, erase)
+  owner = jax.nn.one_hot(segment_ids(nc, cps), ns, dtype=F32)  # (NC, NS)
+  o_intra = jnp.einsum("bhncm,nm->bhnc", lamc, owner)[..., None] * intra
+  lam_k = jnp.moveaxis(lamc, -1, 2)  # (B, H, NS, NC, C)
+  if not erase:  # a finished state is its end state, decayed: the decay goes into its weight
+    lam_k = lam_k * _finished_decay(jnp.sum(gc, axis=-1), cps, ns)[..., None]
+
+  dp, vp = _pow2(d), _pow2(vd)
+  kernel_op = lambda x, width: _pad_last(x, width).astype(dtype)
+  mats = [kernel_op(qe, dp)] + ([kernel_op(w, dp)] if erase else [])
+  mats += [kernel_op(kw, dp), kernel_op(uv, vp), gam, lam_k]
+  o = _stack_read(cps, erase, config, *mats)[..., :vd]
+  o = scale * (o + o_intra)
+  return jnp.moveaxis(o, 1, 3).reshape(b, nc * c, h, vd)[:, :t]

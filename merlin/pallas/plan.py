@@ -1,0 +1,112 @@
+"""Which implementation ``multistate_attention`` runs, with its tiles and the reason: one place.
+
+``resolve`` maps the requested impl ("auto", "pallas", "chunked", "scan"), the platform and the
+sizes to a ``Plan``. "auto" is the Pallas kernels on GPU wherever they take the sizes and the
+chunk-parallel JAX form elsewhere: on CPU the kernels run only in interpret mode (far slower than
+XLA), and they are Triton kernels whose blocks span the whole sequence, which Mosaic TPU cannot
+hold in VMEM. An explicit "pallas" that the kernels cannot take is a ValueError giving the
+reason. ``str(plan)`` is one line; ``multistate_attention`` logs each distinct plan once (logger
+``merlin.pallas``) and ``explain`` returns it for given sizes without running anything.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import logging
+import math
+
+import jax
+
+from triadic.pallas.common import Config
+
+log = logging.getLogger("merlin.pallas")
+
+CHUNK_SIZES = (16, 32, 64, 128)
+MAX_D = 256
+
+
+@dataclasses.dataclass(frozen=True)
+class Plan:
+  """impl ("scan", "chunked" or "pallas"), chunk_size (None for the scan), the kernels' launch
+  ``config`` (pallas only: block_v the state passes' value columns per program, bwd_block_v the
+  readout's and the chunk-gradients' value block) and why this impl runs."""
+  impl: str
+  chunk_size: int | None
+  reason: str
+  config: Config | None = None
+
+  def __str__(self) -> str:
+    tiles = ""
+    if self.config is not None:
+      tiles = (f", {self.config.platform} block_v {self.config.block_v}, "
+               f"bwd_block_v {self.config.bwd_block_v}")
+    return f"multistate_attention plan: {self.impl} (chunk {self.chunk_size}{tiles}): {self.reason}"
+
+
+def default_platform() -> str:
+  backend = jax.default_backend()
+  return "gpu" if backend in ("gpu", "cuda", "rocm") else ("tpu" if backend == "tpu" else "cpu")
+
+
+def default_config(platform: str) -> Config:
+  """GPU: block_v 32 (a (D, 32) float32 state in registers per program, 16 KiB at D = 128) and
+  64-column readout / gradient blocks. CPU (interpret): 16, so small test shapes still run several
+  value blocks."""
+  if platform == "gpu":
+    return Config("gpu", block_v=32, bwd_block_v=64)
+  return Config("cpu", block_v=16, bwd_block_v=16)
+
+
+def unsupported(platform: str, d: int, segment_len: int, chunk_size: int | None,
+                documents: bool) -> str | None:
+  """Why the kernels cannot run this call, or None if they can."""
+  if platform == "tpu":
+    return "the kernels are Triton (GPU; interpret mode on CPU), not Mosaic TPU"
+  if documents:
+    return "segment_ids (packed documents) run in the chunked form"
+  c = chunk_size or math.gcd(segment_len, 64)
+  if c not in CHUNK_SIZES:
+    what = "chunk_size" if chunk_size else f"gcd(segment_len = {segment_len}, 64)"
+    return f"{what} must be one of {CHUNK_SIZES} for impl='pallas', got {c}"
+  if d > MAX_D:
+    return f"q/k last dim D must be <= {MAX_D} for impl='pallas', got {d}"
+  return None
+
+
+def resolve(impl: str, *, d: int, segment_len: int, chunk_size: int | None, documents: bool,
+            platform: str | None = None, config: Config | None = None) -> Plan:
+  """The plan for an ``impl`` request ("auto", "scan", "chunked", "pallas") at these sizes."""
+  platform = platform or default_platform()
+  default_chunk = chunk_size or math.gcd(segment_len, 64)
+  if impl == "scan":
+    return _logged(Plan("scan", None, "impl='scan' (the oracle)"))
+  if impl == "chunked":
+    return _logged(Plan("chunked", default_chunk, "impl='chunked'"))
+  why_not = unsupported(platform, d, segment_len, chunk_size, documents)
+  if impl == "pallas" and why_not:
+    raise ValueError(why_not)
+  if impl == "auto" and why_not:
+    return _logged(Plan("chunked", default_chunk, f"auto: {why_not}"))
+  if impl == "auto" and platform != "gpu":
+    return _logged(Plan("chunked", default_chunk,
+                        f"auto on {platform}: the kernels run only in interpret mode there"))
+  reason = "impl='pallas'" if impl == "pallas" else "auto on gpu"
+  return _logged(Plan("pallas", default_chunk, reason, config or default_config(platform)))
+
+
+def explain(d: int, segment_len: int, *, chunk_size: int | None = None, documents: bool = False,
+            impl: str = "auto", platform: str | None = None) -> Plan:
+  """The plan ``multistate_attention`` follows for these sizes (``resolve``)."""
+  return resolve(impl, d=d, segment_len=segment_len, chunk_size=chunk_size, documents=documents,
+                 platform=platform)
+
+
+def _logged(plan: Plan) -> Plan:
+  _log_once(plan)
+  return plan
+
+
+@functools.lru_cache(maxsize=None)
+def _log_once(plan: Plan) -> None:
+  log.info("%s", plan)

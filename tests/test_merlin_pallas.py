@@ -1,0 +1,231 @@
+"""multistate_attention(impl="pallas"): the kernels (interpret mode on the CPU) against the scan.
+
+Every case checks the output and the gradients of all six inputs (q, k, v, g, beta, lam) through
+loss = sum(o * do) with a random do, with lam drawn from one of the four aggregators or random
+with NaN in the entries of segments not yet started (which must be ignored). T = 150 is not a
+multiple of the chunk and crosses several segments; D, V of 24 are padded to 32 inside.
+Error bounds (relative RMS, ||a - b|| / ||b||):
+  float32: 1e-5 for the output and every gradient (float32 matmuls in the kernels).
+  bfloat16 inputs (the scan runs on the same bf16-rounded values in float32): output 1.5e-2 (o is
+  returned in bf16), gradients 2e-2 (bf16 tensor-core operands, chunk-start states kept in bf16).
+The plan (which impl "auto" picks, and why), the bad-input errors, the Triton lowering of the
+forward and backward for CUDA and the per-(B, H)-shard run under jit (a subprocess with 4 fake CPU
+devices) are checked too.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+import merlin
+from merlin import multistate_attention
+from merlin.pallas import plan as plan_lib
+from testkit import rel_rms
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NAMES = ("q", "k", "v", "g", "beta", "lam")
+BOUNDS = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (1.5e-2, 2e-2)}
+KERNELS = {True: ("merlin_state_pass", "merlin_readout", "merlin_reverse_state_pass",
+                  "merlin_chunk_gradients"),
+           False: ("merlin_write_pass", "merlin_readout", "merlin_reverse_write_pass",
+                   "merlin_read_gradients")}
+
+
+def make_lam(kind, key, b, t, h, n, segment_len):
+  """lam (B, T, H, N) from an aggregator kind, or "random" with NaN for segments not started."""
+  ks = jax.random.split(key, 4)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  qr, kr = (unit(jax.random.normal(kk, (b, t, h, 8))) for kk in ks[:2])
+  kw = dict(segment_len=segment_len, max_segments=n)
+  if kind == "vanilla":
+    return merlin.vanilla_weights(b, t, h, n)
+  if kind == "position":
+    return merlin.position_weights(jax.random.normal(ks[2], (b, t, h, n)), segment_len=segment_len)
+  if kind == "meanpool":
+    return merlin.meanpool_weights(qr, kr, jnp.full((h,), 3.0), **kw)
+  if kind == "merlin":
+    gamma = jax.nn.sigmoid(jax.random.normal(ks[3], (b, t, h)))
+    return merlin.merlin_weights(qr, kr, gamma, jnp.full((h,), 3.0), jnp.full((h,), 8.0), **kw)
+  lam = jax.random.uniform(ks[2], (b, t, h, n), minval=0.1, maxval=2.0)
+  future = np.arange(n)[None, :] > (np.arange(t) // segment_len)[:, None]
+  return jnp.where(future[None, :, None, :], jnp.nan, lam)
+
+
+def make_inputs(seed, b, t, h, d, vd, n, segment_len, decay, lam_kind, dtype):
+  ks = jax.random.split(jax.random.PRNGKey(seed), 7)
+  unit = lambda x: x / jnp.linalg.norm(x, axis=-1, keepdims=True)
+  q = unit(jax.random.normal(ks[0], (b, t, h, d))).astype(dtype)
+  k = unit(jax.random.normal(ks[1], (b, t, h, d))).astype(dtype)
+  v = jax.random.normal(ks[2], (b, t, h, vd)).astype(dtype)
+  if decay == "strong":  # down to -30 per token, with some tokens near 0
+    g = -30.0 * jax.random.uniform(ks[3], (b, t, h)) ** 3
+  else:
+    g = -0.1 * jax.random.uniform(ks[3], (b, t, h))
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h)))
+  lam = make_lam(lam_kind, ks[5], b, t, h, n, segment_len)
+  do = jax.random.normal(ks[6], (b, t, h, vd))
+  return (q, k, v, g, beta, lam), do
+
+
+def grads(impl, args, do, **kw):
+  def loss(*a):
+    o = multistate_attention(*a, impl=impl, **kw)
+    return jnp.sum(o.astype(jnp.float32) * do), o
+  return jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
+
+
+CASES = [
+    # b, t, h, d, v, segment_len, chunk, erase, decay, lam, dtype
+    pytest.param(2, 150, 2, 16, 32, 32, 16, True, "weak", "random", jnp.float32, id="erase-random"),
+    pytest.param(1, 150, 2, 24, 24, 32, 16, True, "strong", "merlin", jnp.float32,
+                 id="erase-strong-merlin-D24"),
+    pytest.param(1, 150, 2, 16, 32, 64, 16, False, "weak", "meanpool", jnp.float32,
+                 id="noerase-meanpool-L64"),
+    pytest.param(1, 150, 2, 32, 16, 32, 16, False, "strong", "position", jnp.float32,
+                 id="noerase-strong-position"),
+    pytest.param(1, 150, 2, 32, 32, 64, 32, True, "weak", "vanilla", jnp.bfloat16,
+                 id="erase-bf16-vanilla-C32"),
+    pytest.param(1, 150, 2, 16, 32, 32, 16, False, "weak", "random", jnp.bfloat16,
+                 id="noerase-bf16-random"),
+]
+
+
+@pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype", CASES)
+def test_pallas_matches_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, lam_kind, dtype):
+  n = -(-t // segment_len) + 1  # one more state than the tokens need
+  args, do = make_inputs(0, b, t, h, d, vd, n, segment_len, decay, lam_kind, dtype)
+  kw = dict(segment_len=segment_len, erase=erase, chunk_size=chunk)
+  got, o = grads("pallas", args, do, **kw)
+  ref_args = tuple(x.astype(jnp.float32) for x in args)
+  want, o_ref = grads("scan", ref_args, do, **kw)
+  out_bound, grad_bound = BOUNDS[dtype]
+  assert o.dtype == dtype and o.shape == (b, t, h, vd)
+  assert rel_rms(o, o_ref) < out_bound, rel_rms(o, o_ref)
+  visible = np.arange(n)[None, :] <= (np.arange(t) // segment_len)[:, None]
+  for name, x, gx, gw in zip(NAMES, args, got, want):
+    assert gx.shape == x.shape and gx.dtype == x.dtype, name
+    gx, gw = np.asarray(gx, np.float32), np.asarray(gw, np.float32)
+    if name == "lam":  # ignored entries get a zero gradient (NaN inputs there included)
+      gx, gw = np.moveaxis(gx, 2, 1), np.moveaxis(gw, 2, 1)  # (B, H, T, N)
+      assert np.all(gx[:, :, ~visible] == 0), name
+      gx, gw = gx[:, :, visible], gw[:, :, visible]
+    assert np.all(np.isfinite(gx)), name
+    assert np.linalg.norm(gw) > 0, name
+    assert rel_rms(gx, gw) < grad_bound, f"d{name}: rel RMS {rel_rms(gx, gw):.2e}"
+
+
+def test_plan():
+  """"auto" picks the kernels on GPU only, and says why it does not elsewhere."""
+  explain = plan_lib.explain
+  gpu = explain(128, 256, platform="gpu")
+  assert (gpu.impl, gpu.chunk_size, gpu.config.platform) == ("pallas", 64, "gpu")
+  assert "pallas" in str(gpu) and "block_v" in str(gpu)
+  cpu = explain(128, 256, platform="cpu")
+  assert cpu.impl == "chunked" and "interpret" in cpu.reason
+  assert explain(128, 256, platform="tpu").impl == "chunked"
+  docs = explain(128, 256, platform="gpu", documents=True)
+  assert docs.impl == "chunked" and "segment_ids" in docs.reason
+  small = explain(128, 24, platform="gpu")  # gcd(24, 64) = 8: no kernel chunk
+  assert small.impl == "chunked" and "chunk_size" not in small.reason and "gcd" in small.reason
+  assert explain(128, 256, impl="pallas", platform="cpu").config.interpret
+  assert explain(128, 256, impl="scan").impl == "scan"
+
+
+def test_bad_input_raises():
+  args, _ = make_inputs(1, 1, 40, 1, 16, 16, 2, 32, "weak", "random", jnp.float32)
+  call = lambda **kw: multistate_attention(*args, **{"segment_len": 32, "impl": "pallas", **kw})
+  with pytest.raises(ValueError, match="chunk_size must be one of"):
+    call(chunk_size=8)
+  with pytest.raises(ValueError, match="gcd"):
+    call(segment_len=24, chunk_size=None)
+  with pytest.raises(ValueError, match="segment_ids"):
+    call(segment_ids=jnp.zeros((1, 40), jnp.int32))
+  with pytest.raises(ValueError, match="q/k last dim D"):
+    q = jnp.zeros((1, 40, 1, 512))
+    multistate_attention(q, q, *args[2:], segment_len=32, impl="pallas")
+  with pytest.raises(ValueError, match="Mosaic TPU"):
+    call(platform="tpu")
+
+
+@pytest.mark.parametrize("erase", [True, False])
+def test_kernels_lower_for_cuda(erase):
+  """Forward and backward lower to Triton for CUDA on this CPU machine (bf16, padded D and V)."""
+  b, t, h, d, vd, segment_len, n = 1, 300, 2, 48, 80, 128, 3
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  f32 = jnp.float32
+  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, dt=f32),
+          spec(b, t, h, dt=f32), spec(b, t, h, n, dt=f32)]
+
+  def loss(*a):
+    o = multistate_attention(*a, segment_len=segment_len, erase=erase, impl="pallas",
+                             platform="gpu")
+    return jnp.sum(o.astype(f32))
+
+  text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  for kernel in KERNELS[erase]:
+    assert kernel in text, kernel
+
+
+SHARDED_SCRIPT = textwrap.dedent("""
+    import json, re, sys
+    import jax, jax.numpy as jnp
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    jax.config.update("jax_default_matmul_precision", "highest")
+    sys.path.insert(0, "tests")
+    from test_merlin_pallas import NAMES, grads, make_inputs
+    from testkit import rel_rms
+
+    b, t, h, d, vd, segment_len, n = 2, 70, 2, 16, 16, 32, 3
+    args, do = make_inputs(0, b, t, h, d, vd, n, segment_len, "weak", "random", jnp.float32)
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    put = lambda x: jax.device_put(x, NamedSharding(mesh, P("data", None, "tensor")))
+    clean = lambda x: jnp.nan_to_num(x, nan=0.0)
+    report = {}
+    for erase in (True, False):
+      kw = dict(segment_len=segment_len, chunk_size=16, erase=erase)
+      ref, o_ref = grads("scan", args, do, **kw)
+      for partitioner in ("shardy", "gspmd"):
+        jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
+        got, o = grads("pallas", tuple(map(put, args)), put(do), **kw)
+        hlo = jax.jit(lambda *a: grads("pallas", a, put(do), **kw)).lower(
+            *map(put, args)).compile().as_text()
+        report[f"{partitioner} erase={erase}"] = dict(
+            errors={"o": rel_rms(o, o_ref),
+                    **{"d" + m: rel_rms(clean(x), clean(y)) for m, x, y in zip(NAMES, got, ref)}},
+            # the kernels' (B, H, NC, C, X) operands: global (2, 2, 5, 16, .), per device (1, 1, ..)
+            local_kernel_shape=bool(re.search(r"\\[1,1,5,16,", hlo)),
+            global_kernel_shape=bool(re.search(r"\\[2,2,5,16,", hlo)),
+            all_gathers=len(re.findall(r"all-gather", hlo)))
+    print("RESULT", json.dumps(report))
+""")
+
+
+def test_pallas_runs_per_shard_under_jit():
+  """Batch over "data" and heads over "tensor" on 4 fake CPU devices, under Shardy and GSPMD,
+  both erase modes:
+  values and gradients match the unsharded scan, and every device runs the kernels on its own
+  (B/2, H/2) slice (no all-gather, no array of the global kernel layout). In a subprocess so the
+  device count flag stays out of this pytest session."""
+  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
+  out = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], cwd=ROOT, env=env,
+                       capture_output=True, text=True, timeout=600)
+  assert out.returncode == 0, out.stderr[-3000:]
+  report = json.loads(out.stdout.split("RESULT", 1)[1])
+  for partitioner, r in report.items():
+    for name, err in r["errors"].items():
+      assert err < 1e-5, (partitioner, name, err)
+    assert r["local_kernel_shape"] and not r["global_kernel_shape"], partitioner
+    assert r["all_gathers"] == 0, partitioner
