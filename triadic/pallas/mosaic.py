@@ -287,8 +287,9 @@ def _store_blocks(x, ref, e_dim, bv, dtype):
 
 class _Inputs:
   """A state pass's per-chunk inputs: each a TMA copy gmem -> its own SMEM buffer, with its own
-  barrier, started one chunk ahead of its use (``start_next``) into the buffer its last reader has
-  just released. ``copies`` maps a name to (chunk -> gmem ref, smem ref, barrier slot); a name in
+  barrier, so that each is waited for where it is first read. ``start`` begins a loop step's
+  copies, ``start_next`` the next step's (the forward pass: into the buffer its last reader has
+  just released). ``copies`` maps a name to (chunk -> gmem ref, smem ref, barrier slot); a name in
   ``double`` has two SMEM buffers and two barriers (slots b, b + 1), picked by the parity of the
   loop step, for inputs that are read until the chunk's end and needed again at its start.
 
@@ -325,10 +326,11 @@ class _Inputs:
 
 
 def _begin_chunk(carry, carry_s, out_s):
-  """Publish the carried (D, E*BV) state as the chunk's bf16 wgmma operand (``carry_s``) and write
-  it to the per-chunk output (``out_s`` -> ``out_at(e)`` for each slice e). The previous chunk's
-  TMA stores must have read the output buffers, and its last wgmma (the state update, which
-  reads the buffers refilled right after this) must be complete in every warp."""
+  """Write the carried (D, E*BV) state as the chunk's bf16 wgmma operand (``carry_s``) and into
+  the per-chunk output buffer ``out_s`` (E, D, BV), which ``_publish_chunk`` stores after the next
+  ``commit_smem``. First the previous chunk's TMA stores must have read the output buffers and its
+  last wgmma (the state update, which read ``carry_s`` and the buffers refilled after this) be
+  complete."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   plgpu.wgmma_wait(0)
   carry_s[...] = carry.astype(BF16)
