@@ -299,6 +299,21 @@ class _Inputs:
   def __init__(self, bars, copies, double, order, nc):
     self.bars, self.copies, self.double, self.order, self.nc = bars, copies, double, order, nc
 
+  @classmethod
+  def of(cls, bars, inputs, *, row, cols, value, **kw):
+    """From (name, gmem ref, smem ref) triples, barrier slots in their order (two for a ``double``
+    one): every input is copied whole per chunk of its (BH, NC, ...) ref at ``row``, except
+    ``value``, whose value block ``cols`` is copied."""
+    copies, slot = {}, 0
+    for name, gmem, smem in inputs:
+      if name == value:
+        src = lambda n, g=gmem: g.at[row, n, :, cols]
+      else:
+        src = lambda n, g=gmem: g.at[row, n]
+      copies[name] = (src, smem, slot)
+      slot += 2 if name in kw.get("double", ()) else 1
+    return cls(bars, copies, **kw)
+
   def _slot(self, name, step):
     src, dst, bar = self.copies[name]
     if name in self.double:
@@ -392,12 +407,10 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
   state0 = _load_cat(ops, h0_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
   def copies(q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s):
-    return _Inputs(bars, {
-        "q": (lambda n: q_g.at[i, n], q_s, 0), "k": (lambda n: k_g.at[i, n], k_s, 1),
-        "kt": (lambda n: kt_g.at[i, n], kt_s, 2), "v": (lambda n: v_g.at[i, n, :, cols], v_s, 3),
-        "a": (lambda n: a_g.at[i, n], a_s, 4), "p": (lambda n: p_g.at[i, n], p_s, 5),
-        "lam": (lambda n: lam_g.at[i, n], lam_s, 6), "f": (lambda n: f_g.at[i, n], f_s, 7),
-    }, double=("f",), order=lambda n: n, nc=nc)
+    return _Inputs.of(bars, [("q", q_g, q_s), ("k", k_g, k_s), ("kt", kt_g, kt_s), ("v", v_g, v_s),
+                             ("a", a_g, a_s), ("p", p_g, p_s), ("lam", lam_g, lam_s),
+                             ("f", f_g, f_s)],
+                      row=i, cols=cols, value="v", double=("f",), order=lambda n: n, nc=nc)
 
   # K and A only enter through the erase term.
   first = ("q", "k", "v", "a", "p", "lam", "f") if erase else ("q", "v", "p", "lam", "f")
@@ -516,12 +529,11 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
   dstate0 = _load_cat(ops, dht_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
   def copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s):
-    return _Inputs(bars, {
-        "k": (lambda n: k_g.at[i, n], k_s, 0), "kt": (lambda n: kt_g.at[i, n], kt_s, 1),
-        "qt": (lambda n: qt_g.at[i, n], qt_s, 2), "do": (lambda n: do_g.at[i, n, :, cols], do_s, 3),
-        "at": (lambda n: at_g.at[i, n], at_s, 4), "pt": (lambda n: pt_g.at[i, n], pt_s, 5),
-        "lam": (lambda n: lam_g.at[i, n], lam_s, 6), "f": (lambda n: f_g.at[i, n], f_s, 7),
-    }, double=(), order=lambda step: nc - 1 - step, nc=nc)
+    return _Inputs.of(bars, [("k", k_g, k_s), ("kt", kt_g, kt_s), ("qt", qt_g, qt_s),
+                             ("do", do_g, do_s), ("at", at_g, at_s), ("pt", pt_g, pt_s),
+                             ("lam", lam_g, lam_s), ("f", f_g, f_s)],
+                      row=i, cols=cols, value="do", double=(), order=lambda step: nc - 1 - step,
+                      nc=nc)
 
   first = ("k", "do", "pt", "lam", "f") + (("at",) if erase else ())
   at_end = ("qt", "kt") if erase else ("qt",)      # read only by the state update at the end
