@@ -9,6 +9,7 @@ import numpy as np
 from absl import flags, logging
 from etils import epath
 from matplotlib.figure import Figure
+from ml_collections import config_flags
 
 from experiments import sweep
 
@@ -34,6 +35,15 @@ def run(runs: list[sweep.Run]) -> dict[str, dict | None]:
   if REPORT_ONLY.value:
     return {r.name: sweep.eval_result(run_dir(r)) for r in runs}
   return sweep.run_sweep(runs, WORKDIR.value, parallel=PARALLEL.value, deadline_s=DEADLINE.value)
+
+
+def run_config(r: sweep.Run):
+  """The config ``r`` trains with: its config file and overrides, parsed as train.py parses them."""
+  argv = ["run_config", *r.overrides]
+  fv = flags.FlagValues()
+  config_flags.DEFINE_config_file("config", r.config, flag_values=fv, sys_argv=argv)
+  fv(argv)
+  return fv.config
 
 
 def run_dir(r: sweep.Run) -> str:

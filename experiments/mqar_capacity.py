@@ -28,11 +28,20 @@ E_VALUES = flags.DEFINE_list("e", ["1", "2", "4", "8", "16"], "Values of E.")
 MQAR_SEEDS = flags.DEFINE_integer("mqar_seeds", None, "Seeds of this sweep (default: --seeds).")
 
 
+def seeds() -> range:
+  return range(MQAR_SEEDS.value or common.SEEDS.value)
+
+
+def mqar_run(stem: str, seed: int, *items: str, **group) -> sweep.Run:
+  """The run ``mqar_<stem>_seed<seed>``: --mqar_config with the overrides ``items`` (and --set),
+  grouped by ``group`` and its seed."""
+  return sweep.Run(f"mqar_{stem}_seed{seed}", CONFIG_FLAG.value,
+                   common.overrides(*items, f"config.seed={seed}"), group={**group, "seed": seed})
+
+
 def runs() -> list[sweep.Run]:
-  return [sweep.Run(f"mqar_e{e}_seed{s}", CONFIG_FLAG.value,
-                    common.overrides(f"config.model.expand_e={e}", f"config.seed={s}"),
-                    group={"e": int(e), "seed": s})
-          for e in E_VALUES.value for s in range(MQAR_SEEDS.value or common.SEEDS.value)]
+  return [mqar_run(f"e{e}", s, f"config.model.expand_e={e}", e=int(e))
+          for e in E_VALUES.value for s in seeds()]
 
 
 def crossing(pairs: list[int], acc: list[float], level: float = 0.5) -> float:
@@ -57,50 +66,73 @@ def _crossing_text(c: float, pairs: list[int]) -> str:
   return f"> {pairs[-1]}" if math.isinf(c) else (f"< {pairs[0]}" if c == 0 else f"{c:.0f}")
 
 
-def plot(pairs: list[int], per_seed: dict[int, list[list[float]]]) -> Figure:
-  """Accuracy against pairs, one colour per E: the mean over seeds (thick) and each seed (thin),
-  so that a seed stuck at chance shows as its own line instead of pulling a band down."""
-  fig = Figure(figsize=(6.5, 4.2))
-  ax = fig.subplots()
-  for e in sorted(per_seed):
-    accs = np.asarray(per_seed[e])
-    line, = ax.plot(pairs, accs.mean(axis=0), "o-", lw=2, label=f"E={e} (mean of {len(accs)})")
+def plot_curves(ax, pairs: list[int], per_seed: dict, label=str) -> None:
+  """Accuracy against pairs on ``ax``, one colour per key of ``per_seed`` (named ``label(key)``):
+  the mean over seeds (thick) and each seed (thin), so that a seed stuck at chance shows as its
+  own line instead of pulling a band down."""
+  for key, accs in per_seed.items():
+    accs = np.asarray(accs)
+    line, = ax.plot(pairs, accs.mean(axis=0), "o-", lw=2, label=f"{label(key)} (mean of {len(accs)})")
     if len(accs) > 1:
       for a in accs:
         ax.plot(pairs, a, "-", color=line.get_color(), lw=0.8, alpha=0.45)
   ax.axhline(0.5, color="gray", lw=0.8, ls="--")
   ax.set_xscale("log", base=2)
-  ax.set(xlabel="key-value pairs", ylabel="accuracy",
-         ylim=(-0.03, 1.05), title="MQAR accuracy by E (2 layers, 4 heads, d=16); thin: seeds")
+  ax.set(xlabel="key-value pairs", ylabel="accuracy", ylim=(-0.03, 1.05))
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
+
+
+def plot(pairs: list[int], per_seed: dict[int, list[list[float]]]) -> Figure:
+  """Accuracy against pairs, one colour per E (``plot_curves``)."""
+  fig = Figure(figsize=(6.5, 4.2))
+  ax = fig.subplots()
+  plot_curves(ax, pairs, dict(sorted(per_seed.items())), label=lambda e: f"E={e}")
+  ax.set_title("MQAR accuracy by E (2 layers, 4 heads, d=16); thin: seeds")
   return fig
 
 
-def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
-  by_e: dict[int, list[dict]] = {}
+def curves(results: dict[str, dict | None], all_runs: list[sweep.Run], key: str):
+  """``(pairs, {group[key]: summary})`` over the runs with a result: per value of ``key``, the
+  accuracy per seed and its mean over seeds at every number of pairs, the 50% crossing per seed
+  (``crossing``), the non-embedding parameter count and the steps the results come from."""
+  by_key: dict = {}
   params = {}
   for r in all_runs:
     if results[r.name]:
-      by_e.setdefault(r.group["e"], []).append(results[r.name])
-      params[r.group["e"]] = non_embedding_params(r)
-  if not by_e:
+      by_key.setdefault(r.group[key], []).append(results[r.name])
+      params[r.group[key]] = non_embedding_params(r)
+  if not by_key:
     raise RuntimeError("no run of the sweep has a result")
-  pairs = sorted({int(k) for res in by_e.values() for k in res[0]["accuracy_by_num_pairs"]})
+  pairs = sorted({int(k) for res in by_key.values() for k in res[0]["accuracy_by_num_pairs"]})
+  summary = {}
+  for k, res in by_key.items():
+    accs = np.array([[r["accuracy_by_num_pairs"][str(p)] for p in pairs] for r in res])
+    summary[k] = {"accuracy_mean": accs.mean(axis=0).tolist(), "accuracy_per_seed": accs.tolist(),
+                  "pairs_at_50pct_per_seed": [crossing(pairs, list(a)) for a in accs],
+                  "non_embedding_params": params[k], "steps": [r["step"] for r in res]}
+  return pairs, summary
+
+
+def accuracy_cells(s: dict, pairs: list[int]) -> list[str]:
+  """The table cells of one ``curves`` summary: mean ± half-range per pairs, then the 50%
+  crossing of every seed."""
+  accs = np.asarray(s["accuracy_per_seed"])
+  spread = (accs.max(axis=0) - accs.min(axis=0)) / 2
+  return [*[common.fmt(m, d) for m, d in zip(accs.mean(axis=0), spread)],
+          " / ".join(_crossing_text(c, pairs) for c in s["pairs_at_50pct_per_seed"])]
+
+
+def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
+  pairs, summary = curves(results, all_runs, "e")
+  summary = dict(sorted(summary.items()))
+  params = {e: s["non_embedding_params"] for e, s in summary.items()}
   base = params.get(1, min(params.values()))
-  summary, rows = {}, []
-  for e in sorted(by_e):
-    accs = np.array([[res["accuracy_by_num_pairs"][str(p)] for p in pairs] for res in by_e[e]])
-    cross = [crossing(pairs, list(a)) for a in accs]
-    mean = accs.mean(axis=0)
-    summary[e] = {"accuracy_mean": mean.tolist(), "accuracy_per_seed": accs.tolist(),
-                  "pairs_at_50pct_per_seed": cross, "non_embedding_params": params[e],
-                  "params_ratio": params[e] / base, "steps": [res["step"] for res in by_e[e]]}
-    spread = (accs.max(axis=0) - accs.min(axis=0)) / 2
-    rows.append([str(e), f"{params[e] / base:.3f}",
-                 *[common.fmt(m, s) for m, s in zip(mean, spread)],
-                 " / ".join(_crossing_text(c, pairs) for c in cross)])
-  common.save(plot(pairs, {e: summary[e]["accuracy_per_seed"] for e in summary}),
+  rows = []
+  for e, s in summary.items():
+    s["params_ratio"] = params[e] / base
+    rows.append([str(e), f"{params[e] / base:.3f}", *accuracy_cells(s, pairs)])
+  common.save(plot(pairs, {e: s["accuracy_per_seed"] for e, s in summary.items()}),
               "mqar_capacity.png")
   common.write_json("mqar_capacity.json", {"pairs": pairs, "by_e": summary})
   header = ["E", "non-emb. params vs E=1", *[str(p) for p in pairs], "pairs at 50% (per seed)"]

@@ -20,10 +20,10 @@ Dtype = Any
 
 def check_sizes(layer, *names: str) -> None:
   """ValueError naming the first of the module fields ``names`` that is not a positive int
-  (``value_dim`` may also be None)."""
+  (``value_dim`` and ``num_v_heads`` may also be None)."""
   for name in names:
     value = getattr(layer, name)
-    if name == "value_dim" and value is None:
+    if name in ("value_dim", "num_v_heads") and value is None:
       continue
     if not isinstance(value, int) or isinstance(value, bool) or value < 1:
       raise ValueError(f"{type(layer).__name__}.{name} must be a positive int, got {value!r}")

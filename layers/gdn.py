@@ -67,33 +67,44 @@ class DecayGate(nn.Module):
 
 
 def gdn_cache(batch, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
-              dtype=jnp.float32, state=True) -> dict:
-  """Zero cache of ``gdn_inputs``'s short convolutions ({"conv": {stream: (B, W-1, H, .)}}) plus,
-  if ``state``, the single recurrent state (B, H, E, D, V) float32 of ``TriadicGDN``."""
-  h, d, e, vd = num_heads, head_dim, expand_e, value_dim or head_dim
-  widths = {"q": d, "k": d, "v": vd}
-  if e > 1:
-    widths.update(k2=e, q2=e)
-  conv = {name: jnp.zeros((batch, conv_width - 1, h, w), dtype) for name, w in widths.items()}
+              dtype=jnp.float32, state=True, *, num_v_heads=None) -> dict:
+  """Zero cache of ``gdn_inputs``'s short convolutions ({"conv": {stream: (B, W-1, heads, .)}},
+  q, k, k2, q2 with H heads, v with ``num_v_heads``) plus, if ``state``, the single recurrent
+  state (B, num_v_heads, E, D, V) float32 of ``TriadicGDN``."""
+  streams = _streams(num_heads, head_dim, value_dim, expand_e, num_v_heads)
+  conv = {name: jnp.zeros((batch, conv_width - 1) + shape, dtype) for name, shape, _ in streams}
   cache = {"conv": conv}
   if state:
-    cache["state"] = jnp.zeros((batch, h, e, d, vd), jnp.float32)
+    hv, vd = num_v_heads or num_heads, value_dim or head_dim
+    cache["state"] = jnp.zeros((batch, hv, expand_e, head_dim, vd), jnp.float32)
   return cache
 
 
-def _streams(num_heads, head_dim, value_dim, expand_e):
+def _streams(num_heads, head_dim, value_dim, expand_e, num_v_heads=None):
   """(name, per-token shape, logical names) of each stream of the fused projection, in order."""
   h, d, vd, e = num_heads, head_dim, value_dim or head_dim, expand_e
   streams = [("q", (h, d), ("heads", "head_dim")), ("k", (h, d), ("heads", "head_dim")),
-             ("v", (h, vd), ("heads", "head_dim"))]
+             ("v", (num_v_heads or h, vd), ("heads", "head_dim"))]
   if e > 1:
     streams += [("k2", (h, e), ("heads", "expand")), ("q2", (h, e), ("heads", "expand"))]
   return streams
 
 
+def check_value_heads(num_heads: int, num_v_heads: int | None) -> int:
+  """The number of value heads (``num_v_heads``, None: ``num_heads``); ValueError unless it is a
+  positive multiple of ``num_heads``."""
+  if num_v_heads is None:
+    return num_heads
+  if not isinstance(num_v_heads, int) or isinstance(num_v_heads, bool) or num_v_heads < 1 \
+      or num_v_heads % num_heads:
+    raise ValueError(f"num_v_heads must be a positive multiple of num_heads ({num_heads}), got "
+                     f"{num_v_heads!r}")
+  return num_v_heads
+
+
 def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4, *,
                a_min=A_MIN, dtype=jnp.float32, param_dtype=jnp.float32, conv_cache=None,
-               segment_ids=None):
+               segment_ids=None, num_v_heads=None):
   """The input side of ``TriadicGDN``: (q, k, v, k2, q2, g, beta) from x (B, T, d_model).
 
   Call it inside a compact method: its parameters (q_proj, q_conv, ..., decay, beta_proj) belong to
@@ -111,9 +122,15 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   see ``gdn_cache``) the convolutions continue from it (decoding); without it (training) they start
   from zeros and new_conv_cache is None. ``segment_ids`` (B, T) (training): packed documents; no
   convolution reads across a document start.
+
+  ``num_v_heads`` (None: ``num_heads``): grouped value heads (FLA's GVA), a multiple G of
+  ``num_heads``. v, the decay and beta have ``num_v_heads`` heads; q, k (and k2, q2) are
+  projected for ``num_heads`` heads and key head i serves value heads i G .. i G + G - 1, so every
+  returned stream has ``num_v_heads`` heads.
   """
   h, e = num_heads, expand_e
-  streams = _streams(num_heads, head_dim, value_dim, expand_e)
+  hv = check_value_heads(num_heads, num_v_heads)
+  streams = _streams(num_heads, head_dim, value_dim, expand_e, num_v_heads)
   d_model = x.shape[-1]
   proj_init, conv_init = dense_kernel_init(), short_conv_init(conv_width)
   proj = [Param((d_model,) + shape, proj_init, ("embed",) + names, param_dtype, name=f"{s}_proj")()
@@ -144,8 +161,10 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   else:
     k2 = q2 = jnp.ones((b, t, h, 1), jnp.float32)
   kw = dict(dtype=dtype, param_dtype=param_dtype)
-  g = DecayGate(h, e, a_min=a_min, name="decay", **kw)(x)
-  beta = jax.nn.sigmoid(dense((h,), ("embed", "heads"), name="beta_proj", **kw)(x).astype(jnp.float32))
+  g = DecayGate(hv, e, a_min=a_min, name="decay", **kw)(x)
+  beta = jax.nn.sigmoid(dense((hv,), ("embed", "heads"), name="beta_proj", **kw)(x).astype(jnp.float32))
+  if hv != h:  # each key head's q, k, k2, q2 shared by its group of value heads
+    q, k, k2, q2 = (jnp.repeat(z, hv // h, axis=-2) for z in (q, k, k2, q2))
   inputs = (q, k, v, k2.astype(q.dtype), q2.astype(q.dtype), g, beta)
   return inputs, new_cache
 

@@ -48,6 +48,9 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       # positions counted from each packed document's start (relative attention: rounding only)
       qk_norm=False, rope_base=10000.0, rope_per_document=True,
       expand_e=1,  # E of triadic_gdn / triadic_sgla
+      # GDN / triadic state value width V (0: head_dim) and value heads (0: num_heads; a multiple:
+      # grouped values, each key head's q, k shared by num_v_heads / num_heads value heads)
+      value_dim=0, num_v_heads=0,
       aggregator="merlin", segment_len=64, max_segments=16, d_r=16,  # multi-state mixers
       state_dim=64,  # Mamba-2's N
       gate_rank=128,  # GDN-style mixers' output gate x -> gate_rank -> H x V (0: full rank)

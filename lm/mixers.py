@@ -69,11 +69,12 @@ def _attention_bytes(cfg, seq_len):
   return {"recurrent_state": 0, "kv_cache": _cache_bytes(MIXERS["attention"].build, cfg, seq_len, None)}
 
 
-def _recurrent(build, fields, *, state_shape, multistate=False) -> Mixer:
+def _recurrent(build, fields, *, state_shape, state_heads=lambda cfg: cfg.num_heads,
+               multistate=False) -> Mixer:
   """A linear-attention mixer's entry.
 
-  state_shape: cfg -> (E, key dim, value dim) of one head's state; multistate: one state per
-  segment, T <= max_segments * segment_len.
+  state_shape: cfg -> (E, key dim, value dim) of one head's state; state_heads: cfg -> the number
+  of such states; multistate: one state per segment, T <= max_segments * segment_len.
   """
 
   def flops(cfg, seq_len):
@@ -83,7 +84,7 @@ def _recurrent(build, fields, *, state_shape, multistate=False) -> Mixer:
     per_head = 4.0 * e * d * v + 2.0 * min(cfg.chunk_size, seq_len) * (d + v + e)
     if multistate:
       per_head += 2.0 * d * v * max(1.0, seq_len / (2 * cfg.segment_len))
-    return 3.0 * cfg.num_heads * per_head
+    return 3.0 * state_heads(cfg) * per_head
 
   max_len = (lambda cfg: cfg.max_segments * cfg.segment_len) if multistate else (lambda cfg: None)
 
@@ -104,12 +105,19 @@ def _multistate(cfg) -> dict:
               max_segments=cfg.max_segments, d_r=cfg.d_r)
 
 
+_VALUES = ("value_dim", "num_v_heads")  # TriadicGDN's value width and grouped value heads
+
+
 def _triadic(expand_e: Callable, erase: bool, fields: tuple[str, ...]) -> Mixer:
-  """TriadicGDN with E = expand_e(cfg)."""
+  """TriadicGDN with E = expand_e(cfg); value_dim / num_v_heads 0 are the layer's defaults."""
   return _recurrent(
-      lambda cfg, **kw: TriadicGDN(cfg.num_heads, cfg.head_dim, expand_e=expand_e(cfg), erase=erase,
-                                   gate_rank=cfg.gate_rank, a_min=cfg.a_min, **_ops(cfg), **kw),
-      fields, state_shape=lambda cfg: (expand_e(cfg), cfg.head_dim, cfg.head_dim))
+      lambda cfg, **kw: TriadicGDN(cfg.num_heads, cfg.head_dim, value_dim=cfg.value_dim or None,
+                                   num_v_heads=cfg.num_v_heads or None, expand_e=expand_e(cfg),
+                                   erase=erase, gate_rank=cfg.gate_rank, a_min=cfg.a_min,
+                                   **_ops(cfg), **kw),
+      fields + _VALUES,
+      state_shape=lambda cfg: (expand_e(cfg), cfg.head_dim, cfg.value_dim or cfg.head_dim),
+      state_heads=lambda cfg: cfg.num_v_heads or cfg.num_heads)
 
 
 MIXERS: dict[str, Mixer] = {

@@ -56,6 +56,8 @@ class ModelConfig:
   head_dim: int
   mlp_dim: int
   mixer: str = "triadic_gdn"
+  value_dim: int = 0  # GDN-style mixers' state value width V (0: head_dim, the key width D)
+  num_v_heads: int = 0  # GDN-style mixers' value heads, a multiple of num_heads (0: num_heads)
   layer_pattern: str = ""
   num_kv_heads: int = 0
   qk_norm: bool = False  # attention: RMSNorm over head_dim of queries and keys, before RoPE
@@ -120,6 +122,16 @@ class ModelConfig:
     if self.num_layers % len(pattern):
       raise ValueError(f"model.num_layers ({self.num_layers}) must be a multiple of the length of "
                        f"model.layer_pattern {pattern} ({len(pattern)})")
+    for name in ("value_dim", "num_v_heads"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+        raise ValueError(f"model.{name} must be a non-negative int (0: the default), got {value!r}")
+      ignored = [m for m in pattern if name not in mixers.get(m).fields]
+      if value and ignored:
+        raise ValueError(f"model.{name} is set but mixer(s) {ignored} do not read it")
+    if self.num_v_heads % self.num_heads:
+      raise ValueError(f"model.num_v_heads ({self.num_v_heads}) must be a multiple of "
+                       f"model.num_heads ({self.num_heads})")
     if not isinstance(self.loss_chunk, int) or self.loss_chunk < 0:
       raise ValueError(f"model.loss_chunk must be a non-negative int (0: no chunking), got "
                        f"{self.loss_chunk!r}")

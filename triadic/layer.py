@@ -26,7 +26,7 @@ from triadic.ops import triadic_gdn, triadic_gdn_step
 from layers.remat import saved_op
 
 
-_SIZES = ("num_heads", "head_dim", "value_dim", "expand_e", "conv_width", "chunk_size")
+_SIZES = ("num_heads", "head_dim", "value_dim", "num_v_heads", "expand_e", "conv_width", "chunk_size")
 
 
 class TriadicGDN(nn.Module):
@@ -36,11 +36,16 @@ class TriadicGDN(nn.Module):
   ``gate_rank``: the output gate's rank (the authors' 128; 0: a full-rank gate, ``gdn_output``).
   ``a_min``: the decay's A ~ U(a_min, 16) at init (the authors' U(0, 16) by default; Mamba-2's
   U(1, 16) with 1.0).
+  ``value_dim``: V, each state's value width (None: head_dim, the key width D).
+  ``num_v_heads``: grouped value heads (FLA's GVA; None: num_heads), a multiple G of num_heads:
+  num_v_heads states, each with its own v, decay and beta, the G of a group reading and writing
+  with their key head's q, k (``gdn_inputs``).
   """
 
   num_heads: int
   head_dim: int
   value_dim: int | None = None
+  num_v_heads: int | None = None
   expand_e: int = 1
   erase: bool = True
   conv_width: int = 4
@@ -67,7 +72,7 @@ class TriadicGDN(nn.Module):
     (q, k, v, k2, q2, g, beta), conv = gdn_inputs(
         x, self.num_heads, self.head_dim, self.value_dim, self.expand_e, self.conv_width,
         a_min=self.a_min, conv_cache=None if cache is None else cache["conv"],
-        segment_ids=segment_ids, **kw)
+        segment_ids=segment_ids, num_v_heads=self.num_v_heads, **kw)
     ops = dict(erase=self.erase, impl=self.impl, chunk_size=self.chunk_size)
     if cache is None:
       op = lambda *z: triadic_gdn(*z[:-1], segment_ids=z[-1], **ops)[0]
@@ -82,9 +87,10 @@ class TriadicGDN(nn.Module):
     return gdn_output(o, x, self.gate_rank, **kw), {"state": state, "conv": conv}
 
   def init_cache(self, batch: int, max_len: int | None = None) -> dict:
-    """The empty decoding cache: the recurrent state (B, H, E, D, V) float32 (zeros) and, per short
-    convolution, its last conv_width - 1 inputs. ``max_len`` is unused (the cost is constant)."""
+    """The empty decoding cache: the recurrent state (B, num_v_heads, E, D, V) float32 (zeros)
+    and, per short convolution, its last conv_width - 1 inputs. ``max_len`` is unused (the cost
+    is constant)."""
     del max_len
     check_sizes(self, *_SIZES)
     return gdn_cache(batch, self.num_heads, self.head_dim, self.value_dim, self.expand_e,
-                     self.conv_width, self.dtype)
+                     self.conv_width, self.dtype, num_v_heads=self.num_v_heads)
