@@ -33,6 +33,9 @@ LAYERS = {
     "triadic_gdn_e3": lambda: TriadicGDN(2, 8, expand_e=3, erase=True, impl="chunked", chunk_size=8),
     "triadic_sgla_e2": lambda: TriadicGDN(2, 8, value_dim=4, expand_e=2, erase=False, impl="chunked",
                                           chunk_size=8),
+    # grouped value heads: 2 value heads per key head, each with its own state
+    "triadic_gdn_e2_grouped_values": lambda: TriadicGDN(2, 8, value_dim=4, num_v_heads=4, expand_e=2,
+                                                        impl="chunked", chunk_size=8),
     "attention_gqa": lambda: Attention(4, 8, num_kv_heads=2),
     # the cache path normalises the new queries and keys and uses the layer's RoPE base
     "attention_qk_norm": lambda: Attention(4, 8, num_kv_heads=2, qk_norm=True, rope_base=500.0),

@@ -131,3 +131,46 @@ def test_output_is_the_gated_rmsnorm_with_a_low_rank_gate(rank):
   assert rel_rms(Output(rank).apply({"params": params}, o, x), want) < 1e-6
   with pytest.raises(ValueError, match="gate_rank must be a non-negative int"):
     Output(-2).init(jax.random.key(8), o, x)
+
+
+@pytest.mark.parametrize("e", [1, 2])
+def test_grouped_value_heads_are_heads_with_their_key_heads_q_k_repeated(e):
+  """num_v_heads = G num_heads is the num_v_heads-head layer whose q, k (k2, q2) projection and
+  conv kernels are the key heads' repeated G times (key head i serving value heads iG .. iG+G-1);
+  num_v_heads = num_heads and value_dim = head_dim are the defaults' trees and outputs."""
+  from triadic import TriadicGDN
+  x = jax.random.normal(jax.random.key(0), (2, 11, 16))
+  kw = dict(expand_e=e, impl="chunked", chunk_size=8)
+  grouped = TriadicGDN(2, 8, value_dim=4, num_v_heads=6, **kw)
+  params = nn.unbox(grouped.init(jax.random.key(1), x))["params"]
+  assert params["q_proj"]["kernel"].shape == (16, 2, 8)
+  assert params["v_proj"]["kernel"].shape == (16, 6, 4)
+  assert params["beta_proj"]["kernel"].shape == (16, 6)
+  assert params["decay"]["A_log"].shape == (6, e)
+  assert params["out_proj"]["kernel"].shape == (6, 4, 16)
+  params = jax.tree.map(lambda z: z + 0.1 * jax.random.normal(jax.random.key(2), z.shape), params)
+  y, _ = grouped.apply({"params": params}, x)
+  assert y.shape == x.shape
+  cache = grouped.init_cache(2)
+  assert cache["state"].shape == (2, 6, e, 8, 4)
+  assert cache["conv"]["q"].shape == (2, 3, 2, 8) and cache["conv"]["v"].shape == (2, 3, 6, 4)
+
+  keys = ("q_proj", "k_proj", "q_conv", "k_conv") + (("k2_proj", "q2_proj", "k2_conv", "q2_conv")
+                                                     if e > 1 else ())
+  wide = dict(params)
+  for name in keys:
+    wide[name] = {"kernel": jnp.repeat(params[name]["kernel"], 3, axis=-2)}
+  ref, _ = TriadicGDN(6, 8, value_dim=4, **kw).apply({"params": wide}, x)
+  assert rel_rms(y, ref) < 1e-5
+  other = dict(params, q_proj={"kernel": jnp.tile(params["q_proj"]["kernel"], (1, 3, 1))})
+  assert rel_rms(y, TriadicGDN(6, 8, value_dim=4, **kw).apply(
+      {"params": dict(wide, q_proj=other["q_proj"])}, x)[0]) > 1e-3  # the head order matters
+
+  plain = TriadicGDN(2, 8, **kw)
+  explicit = TriadicGDN(2, 8, value_dim=8, num_v_heads=2, **kw)
+  p0 = plain.init(jax.random.key(3), x)
+  p1 = explicit.init(jax.random.key(3), x)
+  jax.tree.map(np.testing.assert_array_equal, nn.unbox(p0), nn.unbox(p1))
+  np.testing.assert_array_equal(plain.apply(p0, x)[0], explicit.apply(p0, x)[0])
+  with pytest.raises(ValueError, match="num_v_heads must be a positive multiple of num_heads"):
+    TriadicGDN(2, 8, num_v_heads=3, **kw).init(jax.random.key(1), x)

@@ -73,6 +73,9 @@ def test_params_carry_logical_axis_names():
     (dict(dtype="float8"), "model.dtype must be one of"),
     (dict(mixer="attention", num_kv_heads=3), "num_kv_heads (3) must divide"),
     (dict(gate_rank=-1), "model.gate_rank must be a non-negative int"),
+    (dict(mixer="gdn", num_v_heads=6), "model.num_v_heads (6) must be a multiple of model.num_heads (4)"),
+    (dict(mixer="gdn", value_dim=-1), "model.value_dim must be a non-negative int"),
+    (dict(mixer="attention", value_dim=8), "model.value_dim is set but mixer(s)"),
 ])
 def test_bad_model_values_are_named(change, message):
   c = base_config("mqar")
