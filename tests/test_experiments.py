@@ -8,7 +8,7 @@ import os
 import pytest
 from absl import flags
 
-from experiments import mqar_capacity, niah_aggregators, sweep, upgrade
+from experiments import common, equal_state, mqar_capacity, niah_aggregators, sweep, upgrade
 
 
 @pytest.fixture
@@ -110,3 +110,60 @@ def test_niah_curriculum_chains_stages_and_reports_them(parsed_flags):
   fv(["test", f"--workdir={parsed_flags / 'runs'}", "--curriculum=n4_len128,easy"])
   with pytest.raises(ValueError, match="unknown stage.*easy"):
     niah_aggregators.runs()
+
+
+def test_equal_state_runs_are_2x_and_4x_the_gdn_state(parsed_flags):
+  runs = equal_state.runs()
+  assert len({r.name for r in runs}) == len(runs) == 2 * 11  # gdn + 5 kinds at 2x and 4x, 2 seeds
+  first = {r.group["variant"]: r for r in runs if r.group["seed"] == 0}
+  states = {v: equal_state.state_size(common.run_config(r)) for v, r in first.items()}
+  assert states["gdn"] == 4 * 16 * 16  # 4 heads of a 16 x 16 state
+  for v, r in first.items():
+    assert states[v] == r.group["multiple"] * states["gdn"], v
+    assert r.group["multiple"] == (1 if v == "gdn" else int(v[-1]))
+  # the gdn and triadic runs are experiments.mqar_capacity's (trained once in a shared workdir)
+  capacity = {r.name: r for r in mqar_capacity.runs()}
+  for v in ("gdn", "triadic_e2", "triadic_e4"):
+    assert capacity[first[v].name].overrides == first[v].overrides
+  cfg = common.run_config(first["grouped_values_x4"]).model
+  assert (cfg.num_heads, cfg.num_v_heads, cfg.head_dim, cfg.value_dim, cfg.expand_e) == (4, 16, 16, 0, 1)
+  table = equal_state.params_table(runs)
+  assert "| gdn | 1x | 1024 | 93040 | 1.000 | 128 | — |" in table
+  assert "| heads_x4 | 4x | 4096 | 223648 | 2.404 | 128 | none (< 1) |" in table
+  assert "| head_dim_x2 | 2x | 2048 | 110448 | 1.187 | 128 | 89 |" in table
+
+
+def test_equal_state_report_table_and_plot(parsed_flags):
+  runs = equal_state.runs()
+  pairs = [8, 16, 32]
+  results = {}
+  for r in runs:  # triadic keeps 0.9 up to more pairs, gdn falls at 16
+    good = 3 if r.group["variant"].startswith("triadic") else 1
+    acc = {str(p): (0.9 if i < good else 0.1) + 0.02 * r.group["seed"] for i, p in enumerate(pairs)}
+    results[r.name] = {"task": "mqar", "step": 9, "accuracy_by_num_pairs": acc}
+    _write_result(common.run_dir(r), results[r.name], common.run_config(r))
+  text = equal_state.report(results, runs)
+  assert "| gdn | 1x | 93040 | 1.000 | 0.91 ± 0.01 | 0.11 ± 0.01 | 0.11 ± 0.01 | 11 / 12 |" in text
+  assert "| triadic_e4 | 4x | 98976 | 1.064 | 0.91 ± 0.01 | 0.91 ± 0.01 | 0.91 ± 0.01 | > 32 / > 32 |" \
+      in text
+  summary = json.loads((parsed_flags / "out" / "equal_state.json").read_text())
+  assert list(summary["by_variant"])[:3] == ["gdn", "triadic_e2", "head_dim_x2"]
+  assert summary["by_variant"]["heads_x2"]["non_embedding_params"] == 136576
+  assert (parsed_flags / "out" / "equal_state.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_equal_state_trains_and_reports_a_grouped_values_run(parsed_flags):
+  """End to end: train.py + eval.py of one variant (a few steps of the CPU config), then the report."""
+  fv = flags.FLAGS
+  fv.unparse_flags()
+  fv(["test", f"--workdir={parsed_flags / 'runs'}", f"--out={parsed_flags / 'out'}",
+      "--mqar_config=configs/mqar.py", "--mqar_seeds=1", "--variants=grouped_values",
+      "--set=config.train.num_steps=2", "--set=config.train.warmup_steps=1",
+      "--set=config.data.num_eval_examples=4",
+      "--set=config.data.eval_settings=((64,2),(64,4))", "--parallel=1"])
+  runs = [r for r in equal_state.runs() if r.group["variant"] == "grouped_values_x2"]
+  results = common.run(runs)
+  assert results[runs[0].name]["step"] == 2
+  text = equal_state.report(results, runs)
+  assert "| grouped_values_x2 | 2x |" in text and "| 2 | 4 |" in text
