@@ -296,7 +296,7 @@ class _Inputs:
   ``order(step)`` is the chunk that loop step ``step`` works on (reversed in the backward pass).
   Each barrier has at most one copy in flight and is waited once per copy, in issue order."""
 
-  def __init__(self, bars, copies, double, order, nc):
+  def __init__(self, bars, copies, *, order, nc, double=()):
     self.bars, self.copies, self.double, self.order, self.nc = bars, copies, double, order, nc
 
   @classmethod
@@ -343,11 +343,10 @@ class _Inputs:
 def _begin_chunk(carry, carry_s, out_s):
   """Write the carried (D, E*BV) state as the chunk's bf16 wgmma operand (``carry_s``) and into
   the per-chunk output buffer ``out_s`` (E, D, BV), which ``_publish_chunk`` stores after the next
-  ``commit_smem``. First the previous chunk's TMA stores must have read the output buffers and its
-  last wgmma (the state update, which read ``carry_s`` and the buffers refilled after this) be
-  complete."""
+  ``commit_smem``. The previous chunk's TMA stores must have read the output buffers (waited
+  here), and its last wgmma (the state update, which read ``carry_s``) must be complete: the
+  caller's ``plgpu.wgmma_wait(0)``, which also frees the buffers that update read."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  plgpu.wgmma_wait(0)
   carry_s[...] = carry.astype(BF16)
   e_dim, _, bv = out_s.shape
   _store_blocks(carry, out_s, e_dim, bv, out_s.dtype)
@@ -423,6 +422,7 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
     ins = copies(q_s, k_s, kt_s, v_s, a_s, p_s, f2_s, lam_s)
     f_s = ins.ref("f", n)
     d = q_s.shape[1]
+    plgpu.wgmma_wait(0)                   # the previous state update has read S_cat, K^T
     _begin_chunk(s, state_bf16_s, st_s)
     ins.wait("lam", n)
     decayed = ops.colvec(lam_s, d) * s
@@ -508,7 +508,8 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
                 jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
                 jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
                 jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
-      scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv), grid_names=("bh", "v"),
+      scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv),
+      grid_names=("bh", "v"),
       compiler_params=_compiler_params(),
       interpret=_interpret_params(interpret), kernel_name="triadic_forward_mgpu",
   )(*ins)
@@ -532,8 +533,7 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
     return _Inputs.of(bars, [("k", k_g, k_s), ("kt", kt_g, kt_s), ("qt", qt_g, qt_s),
                              ("do", do_g, do_s), ("at", at_g, at_s), ("pt", pt_g, pt_s),
                              ("lam", lam_g, lam_s), ("f", f_g, f_s)],
-                      row=i, cols=cols, value="do", double=(), order=lambda step: nc - 1 - step,
-                      nc=nc)
+                      row=i, cols=cols, value="do", order=lambda step: nc - 1 - step, nc=nc)
 
   first = ("k", "do", "pt", "lam", "f") + (("at",) if erase else ())
   at_end = ("qt", "kt") if erase else ("qt",)      # read only by the state update at the end
@@ -543,7 +543,7 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
     ins = copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s)
     n = nc - 1 - step
     d = k_s.shape[1]
-    plgpu.wgmma_wait(0)                   # the previous state update has read K^T, Q^T
+    plgpu.wgmma_wait(0)                   # the previous state update has read dS_cat, K^T, Q^T
     plgpu.commit_smem()
     ins.start(first, step)
     _begin_chunk(ds, state_bf16_s, st_s)
@@ -620,7 +620,8 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
       out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
                 jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
                 jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
-      scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv), grid_names=("bh", "v"),
+      scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv),
+      grid_names=("bh", "v"),
       compiler_params=_compiler_params(),
       interpret=_interpret_params(interpret), kernel_name="triadic_backward_states_mgpu",
   )(*ins)
