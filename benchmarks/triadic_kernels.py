@@ -28,9 +28,7 @@ import dataclasses
 import datetime
 import functools
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The PyTorch peers share the GPU with JAX in this process: JAX must not take 75% of it up front.
@@ -134,6 +132,10 @@ def check(only=None, value_slices=None):
            ("bf16 vs chunked B2 T1000 H2 D64 V128 E3", (2, 1000, 2, 64, 128, 3), jnp.bfloat16,
             "chunked", True),
            ("bf16 vs chunked sGLA B1 T777 H3 D128 E4", (1, 777, 3, 128, 128, 4), jnp.bfloat16,
+            "chunked", False),
+           ("bf16 vs chunked B2 T1000 H2 D128 E1", (2, 1000, 2, 128, 128, 1), jnp.bfloat16,
+            "chunked", True),
+           ("bf16 vs chunked sGLA B1 T777 H3 D64 V128 E2", (1, 777, 3, 64, 128, 2), jnp.bfloat16,
             "chunked", False)]
   for i, (label, (b, t, h, d, vd, e), dtype, ref, erase) in enumerate(cases):
     if only and i not in only:
@@ -160,12 +162,13 @@ def check(only=None, value_slices=None):
   sys.stdout.flush()
 
 
-def stages(t, e_list, reps, variants=False, slices=()):
+def stages(t, e_list, reps, variants=False, slices=(), tails=False):
   """Time each Pallas stage alone (bf16, H = 16, D = V = 128). On Hopper: the default kernels (all
   Mosaic GPU where they take the sizes) and, for each of ``slices`` that differs from the
   default, the Mosaic chunk backward with that many slices per value-kernel pass; with
-  ``variants``, also the Triton kernels and a few of their tile configurations. Elsewhere: the
-  Triton kernels (and their variants)."""
+  ``variants``, also the Triton kernels and a few of their tile configurations; with ``tails``,
+  the Hopper backward's tail (fused and split) under ``TAIL_VARIANTS``. Elsewhere: the Triton
+  kernels (and their variants)."""
   from triadic.pallas.chunk_prep import chunk_prep
   b, h, d, vd, c = SHAPES.get(t, 1), 16, 128, 128, 64
   nc = t // c
@@ -175,7 +178,7 @@ def stages(t, e_list, reps, variants=False, slices=()):
         "``stage_flops``)")
   print("| E | config | prep | forward | backward states | chunk backward | total |")
   print("|---|---|---|---|---|---|---|")
-  parts = []
+  parts, tail_rows = [], []
   for e in e_list:
     q, k, v, k2, q2, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
     ch = lambda x, dt: pops.kernel_layout(x.astype(dt), nc, c).reshape(b * h, nc, c, -1)
@@ -224,6 +227,8 @@ def stages(t, e_list, reps, variants=False, slices=()):
       sys.stdout.flush()
       if cfg.mosaic_gpu_backward:
         parts.append((e, mosaic_backward_parts(cbw_args, reps, cfg.value_slices)))
+        if tails and cfg is default:
+          tail_rows += tail_variants(cbw_args, reps)
   if parts:
     print("\nThe Mosaic chunk backward by part (ms): plain-JAX prologue (A^T dU, factor rows), "
           "the Mosaic value kernel (all its passes), the tail (masks M, M' in plain JAX, the "
@@ -233,6 +238,12 @@ def stages(t, e_list, reps, variants=False, slices=()):
     print("|---|---|---|---|---|---|---|")
     for e, cells in parts:
       print(f"| {e} | " + " | ".join(cells) + " |")
+  if tail_rows:
+    print("\nThe tail (everything after the value kernel; ms) by tiles, as one fused kernel and as "
+          "the E-independent kernel between the plain-JAX masks and mask gradients")
+    print("| E | tiles | fused | split |")
+    print("|---|---|---|---|")
+    print("\n".join(tail_rows))
 
 
 def mosaic_backward_parts(cbw_args, reps, value_slices=None):
@@ -265,7 +276,8 @@ def mosaic_backward_parts(cbw_args, reps, value_slices=None):
   msk = jax.jit(functools.partial(masks.decay_masks, erase=True))
   msk_args = (k2_col, k2_row, q2_col, gc_col, gc_row)
   m, mq = msk(*msk_args)
-  tk = jax.jit(functools.partial(mb.tail_kernel, scale=0.1, erase=True, cfg=mb.tail_config(False)))
+  tk = jax.jit(functools.partial(mb.tail_kernel, scale=0.1, erase=True,
+                                 cfg=mb.tail_config(False, fused=False)))
   tk_args = (q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a)
   _, _, _, dmq, dm = tk(*tk_args)
   cols = coef[..., :e_dim] if size == e_dim else jnp.zeros_like(k2_col)
@@ -276,6 +288,42 @@ def mosaic_backward_parts(cbw_args, reps, value_slices=None):
                                                (val, val_args), (msk, msk_args), (tk, tk_args),
                                                (mg, mg_args))]
   return [f"{e_dim // size} x {size} slices, bv{bv} {n_stages} st"] + [f"{x:.2f}" for x in times]
+
+
+TAIL_VARIANTS = ({}, {"bwd_block_v": 128, "num_stages": 1}, {"bwd_block_v": 32},
+                 {"bwd_num_warps": 4}, {"bwd_num_warps": 8}, {"num_stages": 3})
+
+
+def tile_label(tiles):
+  return f"bv{tiles['bwd_block_v']} w{tiles['bwd_num_warps']} s{tiles['num_stages']}"
+
+
+def tail_variants(cbw_args, reps):
+  """Table rows: ``mosaic_backward.tail`` (everything after the value kernel), fused and split,
+  under ``TAIL_VARIANTS`` (overrides of each one's ``mosaic_backward.TAIL_TILES``), in ms."""
+  from triadic.pallas import mosaic_backward as mb
+  q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args
+  e_dim = k2_col.shape[-1]
+  drhs = mb.rhs_gradient(a, du, True)
+  low = lambda y: y.astype(q.dtype)
+  dqp = jnp.zeros(q.shape, jnp.float32)
+  coef = jnp.full(k2_col.shape, 0.01, jnp.float32)
+  args = (q, k, v, do, low(u), low(du), low(drhs), dqp, dqp, coef, coef, coef,
+          jnp.zeros(k2_col.shape[:2] + (e_dim,), jnp.float32), k2_col, k2_row, q2_col, gc_col,
+          gc_row, beta_col, a)
+  rows = []
+  for tiles in TAIL_VARIANTS:
+    cells = []
+    for fused in (True, False):
+      fn = jax.jit(functools.partial(mb.tail, scale=0.1, erase=True, fused=fused,
+                                     cfg=mb.tail_config(False, fused, **tiles)))
+      label = tile_label({**mb.TAIL_TILES[fused], **tiles})
+      try:
+        cells.append(f"{timeit(fn, args, reps):.2f} ({label})")
+      except Exception as err:  # a variant that does not compile (registers, shared memory)
+        cells.append(f"failed ({type(err).__name__})")
+    rows.append(f"| {e_dim} | {tiles or 'default'} | " + " | ".join(cells) + " |")
+  return rows
 
 
 def peer_table(e1_inputs, names, reps):
@@ -301,7 +349,7 @@ def main():
   parser.add_argument("--no-chunked", action="store_true", help="skip the chunked JAX column")
   parser.add_argument("--no-triton", action="store_true",
                       help="on Hopper, skip the pallas-triton column (Triton kernels only)")
-  parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0..4)")
+  parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0..6)")
   parser.add_argument("--stages", action="store_true", help="per-kernel times, then exit")
   parser.add_argument("--value-slices", type=int, nargs="*", default=[],
                       help="Hopper: slices per pass of the chunk backward's value kernel to time "
@@ -310,6 +358,9 @@ def main():
   parser.add_argument("--peers", nargs="*", default=list(peers.PEERS),
                       help="PyTorch GDN kernels timed on the same inputs (E = 1 slices of ours); "
                            "missing packages are reported and skipped; none: --peers")
+  parser.add_argument("--tail-variants", action="store_true",
+                      help="with --stages on Hopper: the chunk backward's tail, fused and split, "
+                           "under a few tile choices")
   parser.add_argument("--variants", action="store_true",
                       help="with --stages: also other Triton tile configurations")
   args = parser.parse_args()
@@ -320,7 +371,7 @@ def main():
     check(args.cases, (args.value_slices or [None])[0])
     return
   if args.stages:
-    stages(args.t[0], args.e, args.reps, args.variants, args.value_slices)
+    stages(args.t[0], args.e, args.reps, args.variants, args.value_slices, args.tail_variants)
     return
   op_table(args)
 

@@ -93,11 +93,28 @@ def test_matches_triton_structure(b, t, h, vdim, e, bv, erase, decay, stages, sl
   check_outputs(got, want, BOUNDS)
 
 
+@pytest.mark.parametrize("e,erase,decay,fused", [
+    (1, True, 1.0, False),    # E = 1 takes the fused tail by default: the split one here
+    (2, False, 20.0, False),
+    (4, True, 20.0, True),    # E = 4 takes the split tail by default: the fused one here
+    (3, False, 0.02, True),
+])
+def test_tail_variants_match_triton_structure(e, erase, decay, fused):
+  """Both tails (``fused_tail_kernel``; masks in JAX around ``tail_kernel``), D = 64, V = 32."""
+  args = backward_operands(1, 150, 2, 64, 32, e, erase, decay)
+  want = backward.chunk_gradients(*args, scale=SCALE, erase=erase, cfg=CPU)
+  got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
+                                  fused_tail=fused, interpret=True))(*args)
+  check_outputs(got, want, BOUNDS)
+
+
 def check_outputs(got, want, bounds, names=NAMES):
-  """Shapes, dtypes, finiteness and relative RMS of every output against ``bounds``."""
+  """Shapes, dtypes, finiteness and relative RMS of every output against ``bounds``. The Hopper
+  path writes dq and dk in the (bf16) inputs' dtype, the Triton structure float32."""
   errs = {}
   for name, x, y in zip(names, got, want, strict=True):
-    assert x.shape == y.shape and x.dtype == y.dtype, name
+    dtype = jnp.bfloat16 if name in ("dq", "dk") else y.dtype
+    assert x.shape == y.shape and x.dtype == dtype, name
     assert np.all(np.isfinite(np.asarray(x))), name
     errs[name] = rel_rms(x, y)
   bad = {k: f"{v:.2e}" for k, v in errs.items() if not v < bounds[k]}
@@ -131,7 +148,8 @@ def test_lowers_for_cuda(d, vdim, e, erase, bv, stages, slices):
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   passes = e // (slices or mosaic_backward.default_value_slices(d, vdim, 64, e))
   assert text.count("triadic_chunk_backward_mgpu") >= passes
-  assert "triadic_chunk_backward_tail_ut" in text
+  tail = "fused" if mosaic_backward.default_fused_tail(e) else "ut"
+  assert f"triadic_chunk_backward_tail_{tail}" in text
 
 
 def test_supported():
@@ -202,5 +220,5 @@ def test_hopper_op_lowers_for_cuda():
   text = jax.jit(jax.grad(loss, argnums=tuple(range(8)))).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
   for kernel in ("triadic_chunk_prep", "triadic_forward_mgpu", "triadic_backward_states_mgpu",
-                 "triadic_chunk_backward_mgpu", "triadic_chunk_backward_tail_ut"):
+                 "triadic_chunk_backward_mgpu", "triadic_chunk_backward_tail_ut"):  # E = 4
     assert kernel in text, kernel

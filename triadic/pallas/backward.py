@@ -175,8 +175,8 @@ def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2_col
 
   dq, dk, dbeta = ut_after(q, k, dq, dk, dbeta, dp, dl, dlkk, mq, m, beta, erase=erase,
                            dtype=dtype)
-  dq_ref[...] = dq
-  dk_ref[...] = dk
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
   dbeta_ref[...] = dbeta
 
 

@@ -55,6 +55,8 @@ class Config:
   default on Hopper GPUs.
   value_slices: with ``mosaic_gpu_backward``, slices per pass of that backward's value kernel
   (None: ``mosaic_backward.default_value_slices``, the most that keep its load pipeline).
+  fused_tail: with ``mosaic_gpu_backward``, whether that backward's tail is one kernel with the
+  mask work inside (None: ``mosaic_backward.default_fused_tail``, small E).
   """
   platform: str
   block_v: int
@@ -66,6 +68,7 @@ class Config:
   mosaic_gpu: bool = False
   mosaic_gpu_backward: bool = False
   value_slices: int | None = None
+  fused_tail: bool | None = None
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:

@@ -31,9 +31,10 @@ single wgmmas with K = E*BV. What runs where:
   (at D = 128, E = 8 one pass fits only one), at the price of re-reading K, Q, V, dO, U, drhs.
 * the E-independent Pallas (Triton on GPU, interpret on CPU) tail kernel
   ``triadic_chunk_backward_tail_ut`` (grid (B*H, NC)): dbeta's X part rowsum(drhs X),
-  dA = dU (beta X)^T, dP = scale dO U^T (whole V, one matmul each), then ``backward.ut_before`` /
-  ``ut_after`` (dL = -A^T dA A^T with ``f32_precision``, TF32x3 on GPU; dq, dk from M and M'),
-  writing dM' = dP * (Q K^T) and dM = dL * beta * (K K^T) (float32 C x C each).
+  dA = dU (beta X)^T, dP = scale dO U^T (accumulated over blocks of value columns), then
+  ``backward.ut_before`` / ``ut_after`` (dL = -A^T dA A^T with ``f32_precision``, TF32x3 on GPU;
+  dq, dk from M and M', written in the inputs' dtype), writing dM' = dP * (Q K^T) and
+  dM = dL * beta * (K K^T) (float32 C x C each).
 * plain JAX around the tail (``masks.py``): M and M' before, and the per-slice elementwise
   gradients (dk2, dq2, d gc through exp(gc_t - gc_s)) after, over all chunks at once, which XLA
   fuses into its reductions. Costs four C x C float32 matrices per chunk through HBM (M, M' in,
@@ -136,8 +137,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from triadic.pallas import masks
-from triadic.pallas.backward import ut_after, ut_before
-from triadic.pallas.common import F32, Config, call, mm, rowsum
+from triadic.pallas.backward import chunk_local, ut_after, ut_before
+from triadic.pallas.common import F32, Config, call, col, mm, rowsum
 from triadic.pallas.mosaic import (MAX_N, _Ops, _interpret_params, _load, _smem, _swizzle, _wait,
                                    sizes_reason)
 
@@ -462,51 +463,80 @@ def value_pass(q, k, v, do, u, drhs, states, dstates, f, *, scale, erase, block_
 # (``masks.mask_grads``), which turns them into dk2, dq2 and d gc.
 
 
-def _tail_products(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, beta_ref, *, scale,
-                   erase, dtype):
-  """What both tail kernels start with: q, k, beta as float32, dbeta's X part rowsum(drhs X),
-  dP = scale dO U^T and (erase) dA = dU (beta X)^T, the products over the whole V."""
-  q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
-  beta = beta_ref[...].astype(F32)
-  x = x_ref[...].astype(F32)
-  dbeta = rowsum(dr_ref[...] * x)
-  dp = scale * mm(do_ref[...], u_ref[...], dtype, tb=True)
-  da = mm(du_ref[...], beta * x, dtype, tb=True) if erase else None
-  return q, k, beta, dbeta, dp, da
+def _value_products(x_ref, do_ref, u_ref, du_ref, dr_ref, beta, *, c, vd, bv, scale, erase,
+                    dtype):
+  """The tail's products over V, accumulated over blocks of ``bv`` value columns (a loop Triton
+  pipelines, so no C x V operand is held whole): dbeta's X part rowsum(drhs X) (C, 1),
+  dP = scale dO U^T and (erase) dA = dU (beta X)^T (C, C; zeros without erase)."""
+
+  def vblock(cols, carry):
+    dbeta, dp, da = carry
+    x = x_ref[:, cols].astype(F32)
+    dbeta = dbeta + rowsum(dr_ref[:, cols] * x)
+    dp = dp + scale * mm(do_ref[:, cols], u_ref[:, cols], dtype, tb=True)
+    if erase:
+      da = da + mm(du_ref[:, cols], beta * x, dtype, tb=True)
+    return dbeta, dp, da
+
+  carry = (jnp.zeros((c, 1), F32), jnp.zeros((c, c), F32), jnp.zeros((c, c), F32))
+  if bv == vd:
+    return vblock(slice(None), carry)
+  return jax.lax.fori_loop(0, vd // bv, lambda j, cr: vblock(pl.ds(j * bv, bv), cr), carry)
 
 
 def _tail_ut_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref, dkp_ref, mq_ref,
-                    *rest, c, scale, erase, dtype, precision):
+                    *rest, c, vd, bv, scale, erase, dtype, precision):
   if erase:
     m_ref, beta_ref, a_ref, dq_ref, dk_ref, dbeta_ref, dmq_ref, dm_ref = rest
   else:
     beta_ref, a_ref, dq_ref, dk_ref, dbeta_ref, dmq_ref = rest
-  q, k, beta, dbeta, dp, da = _tail_products(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref,
-                                              beta_ref, scale=scale, erase=erase, dtype=dtype)
-  dp, dmq, dl, dlkk, dm = ut_before(q, k, dp, da, beta, a_ref[...], c=c, erase=erase,
-                                    dtype=dtype, precision=precision)
+  q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+  beta = beta_ref[...].astype(F32)
+  dbeta, dp, da = _value_products(x_ref, do_ref, u_ref, du_ref, dr_ref, beta, c=c, vd=vd, bv=bv,
+                                  scale=scale, erase=erase, dtype=dtype)
+  dp, dmq, dl, dlkk, dm = ut_before(q, k, dp, da if erase else None, beta, a_ref[...], c=c,
+                                    erase=erase, dtype=dtype, precision=precision)
   dq, dk, dbeta = ut_after(q, k, dqp_ref[...], dkp_ref[...], dbeta, dp, dl, dlkk, mq_ref[...],
                            m_ref[...] if erase else None, beta, erase=erase, dtype=dtype)
-  dq_ref[...] = dq
-  dk_ref[...] = dk
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
   dbeta_ref[...] = dbeta
   dmq_ref[...] = dmq
   if erase:
     dm_ref[...] = dm
 
 
+def _fused_tail_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref, dkp_ref,
+                       dcoef_ref, dqcoef_ref, dkcoef_ref, dlam_ref, k2_col, k2_row, q2_col, gc_col,
+                       gc_row, beta_ref, a_ref, *outs, c, vd, bv, e_dim, scale, erase, dtype,
+                       precision):
+  q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
+  beta = beta_ref[...].astype(F32)
+  dbeta, dp, da = _value_products(x_ref, do_ref, u_ref, du_ref, dr_ref, beta, c=c, vd=vd, bv=bv,
+                                  scale=scale, erase=erase, dtype=dtype)
+  coefs = [[col(r, e) for e in range(e_dim)] for r in (dcoef_ref, dqcoef_ref, dkcoef_ref)]
+  dlam = [dlam_ref[:, pl.ds(e, 1)] for e in range(e_dim)]
+  chunk_local(q, k, dqp_ref[...], dkp_ref[...], dp, da if erase else None, dbeta, *coefs, dlam,
+              k2_col, k2_row, q2_col, gc_col, gc_row, beta, a_ref[...], outs, c=c, e_dim=e_dim,
+              erase=erase, dtype=dtype, precision=precision)
+
+
 def tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a, *, scale, erase, cfg):
-  """The E-independent tail kernel ``triadic_chunk_backward_tail_ut``: ``_tail``'s products over
-  the whole V (dbeta's X part, dA, dP), then ``backward.ut_before`` / ``ut_after`` with M' and M
-  (None without erase) given.
-  Returns float32 dq, dk (BH,NC,C,D), dbeta (C,1), dM' (C,C) and dM (C,C; erase only, else
-  None)."""
+  """The E-independent tail kernel ``triadic_chunk_backward_tail_ut``: the products over V
+  (dbeta's X part, dA, dP) accumulated over blocks of ``cfg.bwd_block_v`` value columns (the
+  loop Triton pipelines, so that no C x V operand is held whole), then ``backward.ut_before`` /
+  ``ut_after`` with M' and M (None without erase) given.
+  Returns dq, dk (BH,NC,C,D) in q's dtype (the op's gradients are cast to it next), float32
+  dbeta (C,1), dM' (C,C) and dM (C,C; erase only, else None)."""
   bh, nc, c, d = q.shape
   vd = x.shape[-1]
+  bv = min(cfg.bwd_block_v, vd)
+  if vd % bv:
+    raise ValueError(f"the tail's bwd_block_v must divide V = {vd}, got {bv}")
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
-  shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
-  kernel = functools.partial(_tail_ut_kernel, c=c, scale=scale, erase=erase, dtype=q.dtype,
-                             precision=cfg.f32_precision)
+  shape = lambda *s, dt=F32: jax.ShapeDtypeStruct((bh, nc, *s), dt)
+  kernel = functools.partial(_tail_ut_kernel, c=c, vd=vd, bv=bv, scale=scale, erase=erase,
+                             dtype=q.dtype, precision=cfg.f32_precision)
   n_mm = 2 if erase else 1
   res = call(
       kernel, cfg=cfg, grid=(bh, nc),
@@ -514,31 +544,84 @@ def tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a, *, scale
                 spec(c, vd), spec(c, d), spec(c, d)] + [spec(c, c)] * n_mm
                + [spec(c, 1), spec(c, c)],
       out_specs=[spec(c, d), spec(c, d), spec(c, 1)] + [spec(c, c)] * n_mm,
-      out_shape=[shape(c, d), shape(c, d), shape(c, 1)] + [shape(c, c)] * n_mm,
+      out_shape=[shape(c, d, dt=q.dtype), shape(c, d, dt=q.dtype), shape(c, 1)]
+                + [shape(c, c)] * n_mm,
       semantics=("parallel", "parallel"), name="triadic_chunk_backward_tail_ut",
       num_warps=cfg.bwd_num_warps,
   )(q, k, x, do, u, du, drhs, dqp, dkp, mq, *((m,) if erase else ()), beta_col, a)
   return (*res, None) if not erase else tuple(res)
 
 
-def tail_config(interpret: bool) -> Config:
-  """The tail kernel's Pallas config: Triton on the GPU (4 warps: measured faster than 8, see
-  benchmarks/RESULTS.md), interpret mode on the CPU."""
-  return (Config("cpu", block_v=16, bwd_block_v=16) if interpret
-          else Config("gpu", block_v=32, bwd_block_v=32, bwd_num_warps=4))
+def fused_tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col,
+                      k2_row, q2_col, gc_col, gc_row, beta_col, a, *, scale, erase, cfg):
+  """Everything after the value kernel in one Pallas kernel ``triadic_chunk_backward_tail_fused``
+  (grid (B*H, NC)): ``_value_products``, then ``backward.chunk_local``, which builds M, M' and
+  the per-slice mask gradients in the kernel, one slice's C x C decay mask live at a time. Same
+  operands and outputs as ``tail``; for small E, where those per-slice C x C terms fit in
+  registers, it saves ``tail``'s four C x C float32 matrices per chunk through HBM and the plain
+  JAX around it."""
+  bh, nc, c, d = q.shape
+  vd, e_dim = x.shape[-1], k2_col.shape[-1]
+  bv = min(cfg.bwd_block_v, vd)
+  if vd % bv:
+    raise ValueError(f"the tail's bwd_block_v must divide V = {vd}, got {bv}")
+  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
+  shape = lambda *s, dt=F32: jax.ShapeDtypeStruct((bh, nc, *s), dt)
+  kernel = functools.partial(_fused_tail_kernel, c=c, vd=vd, bv=bv, e_dim=e_dim, scale=scale,
+                             erase=erase, dtype=q.dtype, precision=cfg.f32_precision)
+  cols, rows = spec(c, e_dim), spec(e_dim, c)
+  return call(
+      kernel, cfg=cfg, grid=(bh, nc),
+      in_specs=[spec(c, d), spec(c, d)] + [spec(c, vd)] * 5 + [spec(c, d), spec(c, d)]
+               + [cols] * 3 + [spec(1, e_dim), cols, rows, cols, cols, rows, spec(c, 1),
+                               spec(c, c)],
+      out_specs=[spec(c, d), spec(c, d), cols, rows, cols, cols, rows, spec(c, 1)],
+      out_shape=[shape(c, d, dt=q.dtype), shape(c, d, dt=q.dtype), shape(c, e_dim),
+                 shape(e_dim, c), shape(c, e_dim), shape(c, e_dim), shape(e_dim, c),
+                 shape(c, 1)],
+      semantics=("parallel", "parallel"), name="triadic_chunk_backward_tail_fused",
+      num_warps=cfg.bwd_num_warps,
+  )(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam[:, :, None, :], k2_col,
+    k2_row, q2_col, gc_col, gc_row, beta_col, a)
+
+
+# The tail's Triton tiles, fused (True) and split (False); measured, benchmarks/RESULTS.md.
+TAIL_TILES = {True: {"bwd_block_v": 64, "bwd_num_warps": 4, "num_stages": 2},
+              False: {"bwd_block_v": 64, "bwd_num_warps": 8, "num_stages": 2}}
+
+
+def tail_config(interpret: bool, fused: bool = False, **tiles) -> Config:
+  """The tail kernel's Pallas config: Triton on the GPU with ``TAIL_TILES[fused]`` (overridden by
+  ``tiles``), interpret mode on the CPU."""
+  if interpret:
+    return Config("cpu", block_v=16, bwd_block_v=tiles.get("bwd_block_v", 16))
+  return Config("gpu", block_v=32, **{**TAIL_TILES[fused], **tiles})
+
+
+FUSED_TAIL_MAX_E = 2
+
+
+def default_fused_tail(e: int) -> bool:
+  """Whether the tail runs as one kernel (``fused_tail_kernel``: E <= FUSED_TAIL_MAX_E, where its
+  per-slice C x C terms fit in registers; measured, benchmarks/RESULTS.md) or as the
+  E-independent ``tail_kernel`` between the plain-JAX masks and mask gradients."""
+  return e <= FUSED_TAIL_MAX_E
 
 
 def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
-         gc_col,
-         gc_row, beta_col, a, *, scale, erase, cfg):
-  """Everything after the value kernel: the masks M, M' (plain JAX), the E-independent tail
-  kernel, and the per-slice mask gradients (plain JAX). ``dcoef``, ``dqcoef``, ``dkcoef``
-  (BH,NC,C,E) and ``dlam`` (BH,NC,E) are the value kernel's row sums. Returns float32 dq, dk
-  (BH,NC,C,D), dk2 column (C,E) and row (E,C) parts, dq2 (C,E), d gc column and row parts and
-  dbeta (C,1)."""
+         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused):
+  """Everything after the value kernel. ``fused``: ``fused_tail_kernel``; else the masks M, M'
+  (plain JAX), the E-independent tail kernel, and the per-slice mask gradients (plain JAX).
+  ``dcoef``, ``dqcoef``, ``dkcoef`` (BH,NC,C,E) and ``dlam`` (BH,NC,E) are the value kernel's row
+  sums. Returns dq, dk (BH,NC,C,D) in q's dtype and, float32, dk2 column (C,E) and row (E,C)
+  parts, dq2 (C,E), d gc column and row parts and dbeta (C,1)."""
+  if fused:
+    return tuple(fused_tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef,
+                                   dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
+                                   scale=scale, erase=erase, cfg=cfg))
   m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   dq, dk, dbeta, dmq, dm = tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a,
-                                    scale=scale, erase=erase, cfg=cfg)
+                                       scale=scale, erase=erase, cfg=cfg)
   dk2_col, dk2_row, dq2_col, dgc_col, dgc_row = masks.mask_grads(
       dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   return dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta
@@ -560,12 +643,13 @@ def default_value_slices(d: int, vd: int, c: int, e: int) -> int:
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, *, scale, erase, block_v=None, stages=None, value_slices=None,
-                    interpret=False):
-  """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs:
-  float32 dq, dk (BH,NC,C,D), dv (BH,NC,C,V), dk2 column and row parts ((C,E), (E,C)), dq2 (C,E),
-  d gc column and row parts, dbeta (C,1). The value kernel runs once per group of
-  ``value_slices`` slices (default ``default_value_slices``); its outputs are sums or per-slice
-  columns, so the groups' results add up (X: V - sum_e ..., one V per extra group taken back).
+                    fused_tail=None, interpret=False):
+  """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
+  (dq, dk (BH,NC,C,D) in q's dtype, the rest float32): dv (BH,NC,C,V), dk2 column and row parts
+  ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1). The value kernel runs once
+  per group of ``value_slices`` slices (default ``default_value_slices``); its outputs are sums
+  or per-slice columns, so the groups' results add up (X: V - sum_e ..., one V per extra group
+  taken back). ``fused_tail``: the tail as one kernel (None: ``default_fused_tail``).
   ``interpret=True``: Mosaic GPU interpret mode for the value kernel and Pallas interpret mode
   for the tail (CPU tests)."""
   bh, nc, c, d = q.shape
@@ -599,8 +683,9 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   # travel in the inputs' dtype (half the kernel's traffic; dbeta's rowsum(drhs X) then sees
   # bf16-rounded factors, summed in float32).
   low = lambda y: y.astype(q.dtype)
+  fused = default_fused_tail(e_dim) if fused_tail is None else fused_tail
   dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta = tail(
       q, k, low(x), do, low(u), low(du), low(drhs), sum(dqps), sum(dkps), dcoef, dqcoef, dkcoef,
       jnp.concatenate(lams, axis=-1), k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
-      scale=scale, erase=erase, cfg=tail_config(interpret))
+      scale=scale, erase=erase, cfg=tail_config(interpret, fused), fused=fused)
   return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta

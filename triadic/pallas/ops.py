@@ -149,10 +149,10 @@ def state_pass_kernels(cfg, q, v, k2):
 
 def chunk_gradients_kernel(cfg, q, v, k2):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (``cfg.value_slices`` slices per
-  value-kernel pass) or ``backward.chunk_gradients``."""
+  value-kernel pass, ``cfg.fused_tail``) or ``backward.chunk_gradients``."""
   if _plan(cfg, q, v, k2).mosaic_chunk_gradients:
     return functools.partial(mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
-                             value_slices=cfg.value_slices)
+                             value_slices=cfg.value_slices, fused_tail=cfg.fused_tail)
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 

@@ -91,9 +91,14 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
     g = cfg.value_slices or mosaic_backward.default_value_slices(d, vd, c, e)
     bv = mosaic_backward.default_block_v(d, vd, c, g)
     st = mosaic_backward.default_stages(d, vd, c, g, bv)
+    fused = (mosaic_backward.default_fused_tail(e) if cfg.fused_tail is None
+             else cfg.fused_tail)
+    tail = "fused tail" if fused else "tail between JAX mask work"
     chunk_bwd = Stage("chunk_gradients", "mosaic_gpu" + interp + " + triton tail",
-                      f"{e // g} pass(es) x {g} slices, block_v {bv}, {st} stage(s)",
-                      "Config.mosaic_gpu_backward")
+                      f"{e // g} pass(es) x {g} slices, block_v {bv}, {st} stage(s), {tail}",
+                      "Config.mosaic_gpu_backward" + (
+                          "" if cfg.fused_tail is not None else
+                          f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}"))
   else:
     chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
