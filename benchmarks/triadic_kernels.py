@@ -176,8 +176,9 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
   print(f"# ceilings measured now: bf16 matmul {peak:.0f} TFLOP/s, HBM {hbm:.0f} GB/s; "
         f"B={b} T={t} H={h} D=V={d}; each cell: ms (TFLOP/s of the counted matmuls, "
         "``stage_flops``)")
-  print("| E | config | prep | forward | backward states | chunk backward | total |")
-  print("|---|---|---|---|---|---|---|")
+  print("| E | config | prep | forward | backward states | chunk backward | total "
+        "| fused prep (A, P rel. err) |")
+  print("|---|---|---|---|---|---|---|---|")
   parts, tail_rows = [], []
   for e in e_list:
     q, k, v, k2, q2, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
@@ -223,6 +224,9 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
       fl = stage_flops(b, t, h, d, vd, e, c)
       cells = [f"{x:.2f} ({f / (x * 1e-3) / 1e12:.0f})" for x, f in zip(ms, fl)]
       cells.append(f"{sum(ms):.2f} ({sum(fl) / (sum(ms) * 1e-3) / 1e12:.0f})")
+      fused = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg, fused=True))
+      _, _, af, pf = fused(*prep_args)
+      cells.append(f"{timeit(fused, prep_args, reps):.2f} ({rel(af, a):.0e}, {rel(pf, p):.0e})")
       print(f"| {e} | {label} | " + " | ".join(cells) + " |")
       sys.stdout.flush()
       if cfg.mosaic_gpu_backward:
@@ -358,6 +362,8 @@ def main():
   parser.add_argument("--peers", nargs="*", default=list(peers.PEERS),
                       help="PyTorch GDN kernels timed on the same inputs (E = 1 slices of ours); "
                            "missing packages are reported and skipped; none: --peers")
+  parser.add_argument("--fused-prep", action="store_true",
+                      help="op table: also the op with Config.fused_prep (prep in one kernel)")
   parser.add_argument("--tail-variants", action="store_true",
                       help="with --stages on Hopper: the chunk backward's tail, fused and split, "
                            "under a few tile choices")
@@ -388,6 +394,7 @@ def op_table(args):
     print("# pallas: Mosaic GPU (wgmma) state-passing kernels and chunk-parallel backward where "
           "they take the sizes; pallas-triton: the same op with the Triton kernels only")
   extra = "".join(f" value_slices {g} f+b |" for g in args.value_slices)
+  extra += " fused prep fwd | fused prep f+b |" if args.fused_prep else ""
   cols = ("B | T | E | pallas fwd | pallas f+b | f+b vs E=1 |" + extra
           + " pallas-triton fwd | pallas-triton f+b | chunked fwd | chunked f+b | cudnn fwd"
           " | cudnn f+b | best peer fwd | best peer f+b | fwd vs peer | f+b vs peer"
@@ -419,6 +426,9 @@ def op_table(args):
       for g in args.value_slices:
         variants.append(timeit(triadic_fns("pallas", value_slices=g)[1], xs, args.reps)
                         if e % g == 0 else nan)
+      if args.fused_prep:
+        ff, ffb = triadic_fns("pallas", fused_prep=True)
+        variants += [timeit(ff, xs, args.reps), timeit(ffb, xs, args.reps)]
       tri = (nan, nan)
       if hopper and not args.no_triton:
         tf_, tfb = triadic_fns("pallas", mosaic_gpu=False, mosaic_gpu_backward=False)

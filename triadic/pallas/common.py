@@ -57,6 +57,8 @@ class Config:
   (None: ``mosaic_backward.default_value_slices``, the most that keep its load pipeline).
   fused_tail: with ``mosaic_gpu_backward``, whether that backward's tail is one kernel with the
   mask work inside (None: ``mosaic_backward.default_fused_tail``, small E).
+  fused_prep: run the forward's prep as one kernel with the masks M, M' and the UT inverse inside
+  (``chunk_prep``), instead of plain-JAX masks and inverse around an E-independent kernel.
   """
   platform: str
   block_v: int
@@ -69,6 +71,7 @@ class Config:
   mosaic_gpu_backward: bool = False
   value_slices: int | None = None
   fused_tail: bool | None = None
+  fused_prep: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:

@@ -164,7 +164,8 @@ def _forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
   """
   b, h = q.shape[:2]
   q, k, v, k2, q2, g, beta, h0 = map(_merge, (q, k, v, k2, q2, g, beta, h0))
-  gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg)
+  gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg,
+                                    fused=_plan(cfg, q, v, k2).fused_prep)
   forward = state_pass_kernels(cfg, q, v, k2)[0]
   o, u, states, ht = forward(q, k, v, k2, q2, gc_col, beta, a, p, h0, scale=scale, erase=erase)
   return tuple(_split(x, b, h) for x in (o, ht, gc_col, gc_row, a, p, u, states))

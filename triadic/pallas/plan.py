@@ -16,7 +16,7 @@ import logging
 
 import jax.numpy as jnp
 
-from triadic.pallas import mosaic, mosaic_backward
+from triadic.pallas import chunk_prep, mosaic, mosaic_backward
 from triadic.pallas.common import Config
 
 log = logging.getLogger("triadic.pallas")
@@ -25,11 +25,13 @@ log = logging.getLogger("triadic.pallas")
 @dataclasses.dataclass(frozen=True)
 class Stage:
   """One stage's choice: ``backend`` ("triton", "mosaic_tpu", "mosaic_gpu", with "/interpret" on
-  a CPU), ``tiles`` (a short description) and ``reason``."""
+  a CPU), ``tiles`` (a short description), ``reason``, and ``fused`` (the prep: masks and UT
+  inverse in its kernel; the chunk backward: its tail as one kernel)."""
   name: str
   backend: str
   tiles: str
   reason: str
+  fused: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +46,10 @@ class Plan:
   @property
   def stages(self) -> tuple[Stage, ...]:
     return (self.prep, self.forward, self.backward_states, self.chunk_gradients)
+
+  @property
+  def fused_prep(self) -> bool:
+    return self.prep.fused
 
   @property
   def mosaic_state_kernels(self) -> bool:
@@ -70,8 +76,15 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   base = _base(cfg)
   interp = "/interpret" if cfg.platform == "cpu" else ""
   loop = "chunks on the grid, state in VMEM" if cfg.chunk_grid else "chunk loop per value block"
-  prep = Stage("prep", base, "one program per chunk",
-               "masks M, M' in plain JAX (E-independent kernel)")
+  prep_reason = (None if not cfg.fused_prep else "the TPU structure" if cfg.chunk_grid
+                 else chunk_prep.fused_prep_supported(c))
+  if cfg.fused_prep and prep_reason is None:
+    prep = Stage("prep", base, "one program per chunk, 16-row blocks of the inverse",
+                 "Config.fused_prep: masks M, M' and UT inverse in the kernel", fused=True)
+  else:
+    prep = Stage("prep", base, "one program per chunk",
+                 "masks M, M' and UT inverse in plain JAX (E-independent kernel)"
+                 + (f"; fused prep not taken: {prep_reason}" if cfg.fused_prep else ""))
 
   state_reason = mosaic.supported(d, vd, c, e, dtype) if cfg.mosaic_gpu else "Config.mosaic_gpu off"
   if state_reason is None:
@@ -98,7 +111,8 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                       f"{e // g} pass(es) x {g} slices, block_v {bv}, {st} stage(s), {tail}",
                       "Config.mosaic_gpu_backward" + (
                           "" if cfg.fused_tail is not None else
-                          f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}"))
+                          f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}"),
+                      fused=fused)
   else:
     chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
