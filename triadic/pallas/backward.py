@@ -88,8 +88,8 @@ def _chunk_backward_kernel(q_ref, k_ref, v_ref, do_ref, u_ref, du_ref, s_ref, ds
     carry = jax.lax.fori_loop(0, vd // bv, lambda j, cr: vblock(pl.ds(j * bv, bv), cr), carry)
   dq, dk, da, dp, dbeta, dcoef, dqcoef, dkcoef, dlam = carry
 
-  chunk_local(q, k, dq, dk, dp, da if erase else None, dbeta, dcoef, dqcoef, dkcoef, dlam,
-              k2_col, k2_row, q2_col, gc_col, gc_row, beta, amat, outs, c=c, e_dim=e_dim,
+  chunk_local(q, k, lambda: (dq, dk), dp, da if erase else None, dbeta, dcoef, dqcoef, dkcoef,
+              dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta, amat, outs, c=c, e_dim=e_dim,
               erase=erase, dtype=dtype, precision=precision)
 
 
@@ -124,40 +124,41 @@ def ut_after(q, k, dq, dk, dbeta, dp, dl, dlkk, mq, m, beta, *, erase, dtype):
   return dq, dk, dbeta
 
 
-def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
-                gc_col,
-                gc_row, beta, amat, outs, *, c, e_dim, erase, dtype, precision):
-  """The chunk-local part of the backward, after the value axis: the masks M, M' and the UT
-  transform, then the outputs. Takes the value-contracted partials (dq, dk (C, D); dp, da (C, C),
-  da None without erase; dbeta (C, 1); per slice e the row coefficients dcoef, dqcoef, dkcoef
-  (C, 1) and dlam (1, 1)) and writes ``outs`` = (dq, dk, dk2 column, dk2 row, dq2, d gc column,
-  d gc row, dbeta) refs. ``ut_before`` / ``ut_after`` are shared with the Hopper path's tail
-  kernel (``mosaic_backward.py``), whose mask work is ``masks.py``.
+def decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, *, c, e_dim, erase):
+  """M' and M (None without erase) of one chunk, (C, C) float32, one slice's decay mask live at a
+  time: M'_ts = sum_e q2_te k2_se exp(gc_te - gc_se), M_ts = sum_e k2_te k2_se exp(...)."""
+  causal, _, _, _ = masks(c)
+  mq = jnp.zeros((c, c), F32)
+  m = jnp.zeros((c, c), F32) if erase else None
+  for e in range(e_dim):
+    k2s = row(k2_row, e)
+    dec = decay_mask(col(gc_col, e), row(gc_row, e), causal)
+    mq = mq + col(q2_col, e) * k2s * dec
+    if erase:
+      m = m + col(k2_col, e) * k2s * dec
+  return mq, m
 
-  Order: what the per-slice loop needs first (``ut_before``), then one loop over e that builds
-  slice e's decay mask exp(gc_t - gc_s), accumulates M and M' and writes slice e's gradients,
-  then what needs the whole M and M' (``ut_after``). So one C x C decay mask is live at a time
-  instead of E of them (register pressure).
-  """
-  dq_ref, dk_ref, dk2_col_ref, dk2_row_ref, dq2_col_ref, dgc_col_ref, dgc_row_ref, dbeta_ref = outs
+
+def slice_mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row,
+                     outs, *, c, e_dim, erase):
+  """The per-slice gradients of the masks, one loop over e (``masks.mask_grads``' formulas):
+  from dM' = dmq and dM = dm (C, C; dm None without erase) and the row coefficients (per slice
+  (C, 1) columns dcoef, dqcoef, dkcoef and (1, 1) dlam), write ``outs`` = (dk2 column, dk2 row,
+  dq2, d gc column, d gc row) refs. Slice e's decay mask exp(gc_t - gc_s) is built, used and
+  dropped in its iteration, so one C x C mask is live at a time (register pressure)."""
+  dk2_col_ref, dk2_row_ref, dq2_col_ref, dgc_col_ref, dgc_row_ref = outs
   a, gl, b = decays(gc_col, e_dim, c)
   causal, _, _, _ = masks(c)
   is_last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
-  dp, dmq, dl, dlkk, dm = ut_before(q, k, dp, da, beta, amat, c=c, erase=erase, dtype=dtype,
-                                    precision=precision)
-  mq = jnp.zeros((c, c), F32)
-  m = jnp.zeros((c, c), F32)
   for e in range(e_dim):
     k2t, k2s, q2t = col(k2_col, e), row(k2_row, e), col(q2_col, e)
     dec = decay_mask(col(gc_col, e), row(gc_row, e), causal)
-    mq = mq + q2t * k2s * dec
     wq = dmq * dec                         # d M'_ts / d(q2_t k2_s), times dM'
     dq2 = rowsum(wq * k2s) + dqcoef[e] * a[e]
     dk2_row = colsum(wq * q2t)
     dgm = wq * q2t * k2s                   # gradient through exp(gc_t - gc_s)
     dk2_col = dkcoef[e] * b[e]
     if erase:
-      m = m + k2t * k2s * dec
       wk = dm * dec
       dk2_col = dk2_col + rowsum(wk * k2s) + dcoef[e] * a[e]
       dk2_row = dk2_row + colsum(wk * k2t)
@@ -173,11 +174,32 @@ def chunk_local(q, k, dq, dk, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2_col
     dgc_col_ref[:, pl.ds(e, 1)] = dg_col
     dgc_row_ref[pl.ds(e, 1), :] = -colsum(dgm)
 
-  dq, dk, dbeta = ut_after(q, k, dq, dk, dbeta, dp, dl, dlkk, mq, m, beta, erase=erase,
+
+def chunk_local(q, k, partials, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row,
+                q2_col, gc_col, gc_row, beta, amat, outs, *, c, e_dim, erase, dtype, precision):
+  """The chunk-local part of the backward, after the value axis: the masks M, M' and the UT
+  transform, then the outputs. Takes the value-contracted partials (``partials()`` gives dq, dk
+  (C, D), called where they are needed, so a kernel may load them late; dp, da (C, C),
+  da None without erase; dbeta (C, 1); per slice e the row coefficients dcoef, dqcoef, dkcoef
+  (C, 1) and dlam (1, 1)) and writes ``outs`` = (dq, dk, dk2 column, dk2 row, dq2, d gc column,
+  d gc row, dbeta) refs. ``ut_before`` / ``ut_after``, ``decay_sums`` and ``slice_mask_grads``
+  are shared with the Hopper path's tail kernels (``mosaic_backward.py``).
+
+  Order (register pressure): ``ut_before`` (dM', dM), then M and M' (``decay_sums``) and what
+  needs them (``ut_after``), whose dq, dk are written before the per-slice loop
+  (``slice_mask_grads``) starts, so that only dM' and dM stay live through it.
+  """
+  dq_ref, dk_ref, dbeta_ref = outs[0], outs[1], outs[-1]
+  dp, dmq, dl, dlkk, dm = ut_before(q, k, dp, da, beta, amat, c=c, erase=erase, dtype=dtype,
+                                    precision=precision)
+  mq, m = decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, c=c, e_dim=e_dim, erase=erase)
+  dq, dk, dbeta = ut_after(q, k, *partials(), dbeta, dp, dl, dlkk, mq, m, beta, erase=erase,
                            dtype=dtype)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dbeta_ref[...] = dbeta
+  slice_mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row,
+                   outs[2:-1], c=c, e_dim=e_dim, erase=erase)
 
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,

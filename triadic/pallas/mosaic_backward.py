@@ -516,9 +516,9 @@ def _fused_tail_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_r
                                   scale=scale, erase=erase, dtype=dtype)
   coefs = [[col(r, e) for e in range(e_dim)] for r in (dcoef_ref, dqcoef_ref, dkcoef_ref)]
   dlam = [dlam_ref[:, pl.ds(e, 1)] for e in range(e_dim)]
-  chunk_local(q, k, dqp_ref[...], dkp_ref[...], dp, da if erase else None, dbeta, *coefs, dlam,
-              k2_col, k2_row, q2_col, gc_col, gc_row, beta, a_ref[...], outs, c=c, e_dim=e_dim,
-              erase=erase, dtype=dtype, precision=precision)
+  chunk_local(q, k, lambda: (dqp_ref[...], dkp_ref[...]), dp, da if erase else None, dbeta,
+              *coefs, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta, a_ref[...], outs, c=c,
+              e_dim=e_dim, erase=erase, dtype=dtype, precision=precision)
 
 
 def tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a, *, scale, erase, cfg):
