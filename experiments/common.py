@@ -1,4 +1,13 @@
-"""What the experiment scripts share: flags, the sweep call, result tables and plot helpers."""
+"""What the experiment scripts share: flags, the sweep call, result tables and plot helpers.
+
+A device session's --workdir does not outlive it, so every sweep leaves its results in --out
+too: ``runs.json``, for each run with a result its name, group, config, overrides and evaluation
+dict (no checkpoints; sweeps sharing an --out share it). A later session passes it to ``--results_from``: the runs named there are
+done (not trained again) and their results enter the report as if they had run now. So a sweep
+can grow a seed at a time: after ``--seeds 2``, ``--seeds 3 --results_from <out>/runs.json``
+trains seed 2 only and reports all three (and its runs.json holds them all). ``--first_seed``
+shifts the seeds (``--seeds 1 --first_seed 2``: seed 2 alone).
+"""
 
 from __future__ import annotations
 
@@ -17,7 +26,12 @@ WORKDIR = flags.DEFINE_string("workdir", None, "Root directory of the sweep's ru
 OUT = flags.DEFINE_string("out", None, "Where the report's PNG plots and JSON go (default: "
                           "<workdir>/figures; the committed figures are docs/figures).")
 PARALLEL = flags.DEFINE_integer("parallel", 4, "Runs trained at the same time.")
-SEEDS = flags.DEFINE_integer("seeds", 2, "Training seeds per setting (0, 1, ...).")
+SEEDS = flags.DEFINE_integer("seeds", 2, "Training seeds per setting (from --first_seed on).")
+FIRST_SEED = flags.DEFINE_integer("first_seed", 0, "The first training seed: the runs are "
+                                  "seeds first_seed .. first_seed + seeds - 1.")
+RESULTS_FROM = flags.DEFINE_list("results_from", [], "runs.json files of earlier sweeps (their "
+                                 "--out dirs): the runs named there are done, not trained again, "
+                                 "and their results enter the report.")
 DEADLINE = flags.DEFINE_float("deadline_s", None, "Stop training at this many seconds and "
                               "evaluate what exists (each result names its step).")
 REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rebuild the report from --workdir.")
@@ -30,11 +44,50 @@ def overrides(*items: str) -> tuple[str, ...]:
   return tuple(f"--{x}" for x in (*items, *SET.value))
 
 
+def seeds(count: int | None = None) -> range:
+  """``count`` (default --seeds) training seeds from --first_seed on."""
+  return range(FIRST_SEED.value, FIRST_SEED.value + (count or SEEDS.value))
+
+
 def run(runs: list[sweep.Run]) -> dict[str, dict | None]:
-  """Train + evaluate ``runs`` under --workdir (or only read them back with --report_only)."""
+  """Train + evaluate ``runs`` under --workdir (or only read them back with --report_only), the
+  ones in --results_from excepted (their stored results are taken); writes ``runs.json``."""
+  stored = stored_results(runs)
   if REPORT_ONLY.value:
-    return {r.name: sweep.eval_result(run_dir(r)) for r in runs}
-  return sweep.run_sweep(runs, WORKDIR.value, parallel=PARALLEL.value, deadline_s=DEADLINE.value)
+    results = {r.name: stored.get(r.name) or sweep.eval_result(run_dir(r)) for r in runs}
+  else:
+    results = sweep.run_sweep(runs, WORKDIR.value, parallel=PARALLEL.value,
+                              deadline_s=DEADLINE.value, stored=stored)
+  write_runs(runs, results)
+  return results
+
+
+def write_runs(runs: list[sweep.Run], results: dict[str, dict | None]) -> None:
+  """Writes the ``runs`` with a result to --out's runs.json, in place of the entries of every
+  run of this sweep; other sweeps' runs written to the same --out stay."""
+  path = out_path("runs.json")
+  kept = json.loads(path.read_text()) if path.exists() else []
+  kept = [e for e in kept if e["name"] not in results]
+  write_json("runs.json", kept + [{"name": r.name, "group": r.group, "config": r.config,
+                                   "overrides": list(r.overrides), "result": results[r.name]}
+                                  for r in runs if results[r.name]])
+
+
+def stored_results(runs: list[sweep.Run]) -> dict[str, dict]:
+  """{name: result} of the ``runs`` found in the --results_from files (a later file wins). A run
+  stored with another config or other overrides than this sweep's is an error, not a result."""
+  by_name = {r.name: r for r in runs}
+  out = {}
+  for path in RESULTS_FROM.value:
+    for entry in json.loads(epath.Path(path).read_text()):
+      r = by_name.get(entry["name"])
+      if r is None:
+        continue
+      if (entry["config"], entry["overrides"]) != (r.config, list(r.overrides)):
+        raise ValueError(f"{path}: run {r.name} was trained as {entry['config']} "
+                         f"{entry['overrides']}, this sweep's is {r.config} {list(r.overrides)}")
+      out[r.name] = entry["result"]
+  return out
 
 
 def run_config(r: sweep.Run):

@@ -19,8 +19,11 @@ them to match); the tables list each one's non-embedding parameters beside its a
   python -m experiments.equal_state --workdir runs/papers --parallel 10 --seeds 2
   python -m experiments.equal_state --workdir runs/papers --params_only   # the parameter table
   python -m experiments.equal_state --workdir runs/papers --report_only
+  python -m experiments.equal_state --workdir runs/papers --parallel 10 --seeds 3 \
+      --results_from <an earlier --out>/runs.json   # a third seed (experiments/common.py)
 
-Writes equal_state.{png,json} to --out (default <workdir>/figures) and prints the markdown tables.
+Writes equal_state.{png,json} and runs.json to --out (default <workdir>/figures) and prints the
+markdown tables.
 In the same --workdir as experiments.mqar_capacity, the E = 1, 2, 4 runs are shared.
 """
 

@@ -5,14 +5,17 @@ number of pairs at which accuracy falls below 50%.
   python -m experiments.mqar_capacity --workdir runs/papers --parallel 10 --seeds 2
   python -m experiments.mqar_capacity --workdir runs/cpu_capacity --mqar_config configs/mqar.py \
       --parallel 2 --out docs/figures/cpu   # the CPU-sized version (vocab 64, up to 31 pairs)
+  python -m experiments.mqar_capacity --workdir runs/papers --parallel 10 --seeds 3 \
+      --results_from <an earlier --out>/runs.json   # seeds 0, 1 stored there: trains seed 2
 
-Writes mqar_capacity.{png,json} to --out (default <workdir>/figures; the report's are docs/figures)
-and prints the markdown table of docs/results.md.
+Writes mqar_capacity.{png,json} and runs.json (common.py) to --out (default <workdir>/figures;
+the report's are docs/figures) and prints the markdown table of docs/results.md.
 """
 
 from __future__ import annotations
 
 import math
+import os
 
 import numpy as np
 from absl import app, flags
@@ -25,11 +28,12 @@ CONFIG = "configs/mqar_capacity.py"
 CONFIG_FLAG = flags.DEFINE_string("mqar_config", CONFIG, "The config of every run (configs/mqar.py: "
                                   "the CPU-sized version, up to 31 pairs).")
 E_VALUES = flags.DEFINE_list("e", ["1", "2", "4", "8", "16"], "Values of E.")
-MQAR_SEEDS = flags.DEFINE_integer("mqar_seeds", None, "Seeds of this sweep (default: --seeds).")
+MQAR_SEEDS = flags.DEFINE_integer("mqar_seeds", None, "Seeds of this sweep, from --first_seed on "
+                                   "(default: --seeds).")
 
 
 def seeds() -> range:
-  return range(MQAR_SEEDS.value or common.SEEDS.value)
+  return common.seeds(MQAR_SEEDS.value)
 
 
 def mqar_run(stem: str, seed: int, *items: str, **group) -> sweep.Run:
@@ -58,8 +62,11 @@ def crossing(pairs: list[int], acc: list[float], level: float = 0.5) -> float:
 
 
 def non_embedding_params(run: sweep.Run) -> int:
-  """From the config the run saved in its workdir."""
-  return eval_loop.count(eval_loop.load_config(common.run_dir(run)))["non_embedding"]
+  """From the config the run saved in its workdir, or, for a stored result whose workdir is gone
+  (--results_from), the config it trains with."""
+  saved = os.path.exists(os.path.join(common.run_dir(run), "config.json"))
+  config = eval_loop.load_config(common.run_dir(run)) if saved else common.run_config(run)
+  return eval_loop.count(config)["non_embedding"]
 
 
 def _crossing_text(c: float, pairs: list[int]) -> str:

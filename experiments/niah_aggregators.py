@@ -4,9 +4,9 @@ the segment length (the config's / 4 .. x 2, every aggregator) and merlin's d_r 
 
   python -m experiments.niah_aggregators --workdir runs/papers --parallel 8 --seeds 2
 
-``--sweeps`` picks parts: main (aggregators at the config's segment length, every seed), segment, d_r (seed 0).
-Writes niah_*.png and niah_aggregators.json to --out (default <workdir>/figures; the report's are
-docs/figures) and prints the markdown tables.
+``--sweeps`` picks parts: main (aggregators at the config's segment length, every seed),
+segment, d_r (seed 0). Writes niah_*.png, niah_aggregators.json and runs.json to --out (default
+<workdir>/figures; the report's are docs/figures) and prints the markdown tables.
 
 ``--curriculum`` trains every model on easier versions of the task first (``STAGES``, in the order
 given), each stage starting from the last one's checkpoint (``init_from``, fresh optimizer), and
@@ -22,16 +22,33 @@ first):
   python -m experiments.niah_aggregators --workdir runs/cpu_curriculum --parallel 2 --seeds 1 \
       --niah_config configs/niah.py:cpu --sweeps main --curriculum n4_len128 \
       --set config.data.num_needles=8 --set config.data.train_min_len=64
+
+Seeds can come a session at a time: ``--first_seed`` shifts them (``--seeds 1 --first_seed 2``
+is seed 2 alone), and ``--merge_summary`` joins the seeds of an earlier report's
+niah_aggregators.json to this report's in the main tables, heatmaps, depth plot and stage table
+(``merge_summary``; the output says which seeds came from the file). The GPU curriculum's third
+seed beside the two of docs/figures/gpu_curriculum:
+
+  python -m experiments.niah_aggregators --workdir runs/papers --parallel 5 --seeds 1 \
+      --first_seed 2 --sweeps main --curriculum n4_len128,n8_len128 --stage_steps 500 \
+      --set config.train.num_steps=1000 --deadline_s 470 \
+      --merge_summary docs/figures/gpu_curriculum/niah_aggregators.json \
+      --out docs/figures/gpu_curriculum
+
+A sweep whose earlier session left a runs.json takes ``--results_from`` instead (every
+experiment has it: experiments/common.py), which keeps every run's own result.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import importlib.util
+import json
 import os
 
 import numpy as np
 from absl import app, flags
+from etils import epath
 from matplotlib.figure import Figure
 
 from experiments import common, sweep
@@ -60,6 +77,9 @@ CURRICULUM = flags.DEFINE_list("curriculum", [], "Stages trained before the conf
                                f"order, each from the last's checkpoint: any of {list(STAGES)}.")
 STAGE_STEPS = flags.DEFINE_integer("stage_steps", None, "Training steps of each curriculum stage "
                                    "(default: the config's).")
+MERGE_SUMMARY = flags.DEFINE_string("merge_summary", None, "An earlier report's "
+                                    "niah_aggregators.json, of the same command at other seeds: "
+                                    "its seeds join this report's (merge_summary).")
 
 
 def _config():
@@ -121,7 +141,7 @@ def curriculum(r: sweep.Run) -> list[sweep.Run]:
 def runs() -> list[sweep.Run]:
   out = []
   if "main" in SWEEPS.value:
-    out += [_run(a, seed=s) for s in range(common.SEEDS.value) for a in ("single", *AGGREGATORS)]
+    out += [_run(a, seed=s) for s in common.seeds() for a in ("single", *AGGREGATORS)]
   if "segment" in SWEEPS.value:
     default = _config()[0]
     out += [_run(a, seg) for seg in segments() if seg != default for a in AGGREGATORS]
@@ -141,6 +161,13 @@ def _main_cell(g: dict, agg: str, segment: int) -> bool:
   return g["agg"] == agg and g["seg"] in (0, segment) and g["d_r"] in (0, 16)
 
 
+def _model_summary(grids: np.ndarray, seeds: list[int]) -> dict:
+  """One model's entry of niah_aggregators.json from its accuracy grids [seed, depth, length]."""
+  return {"seeds": seeds, "grid_mean": grids.mean(0).tolist(),
+          "overall_per_seed": grids.mean((1, 2)).tolist(),
+          "by_length_per_seed": grids.mean(1).tolist(), "by_depth_per_seed": grids.mean(2).tolist()}
+
+
 def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
   got = [(r.group, results[r.name]) for r in all_runs if results[r.name]]
   staged = [(g, res) for g, res in got if "stage" in g]   # curriculum stages, reported apart
@@ -151,30 +178,45 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
   segment = _config()[0]
   lengths, depths = first["lengths"], first["depths"]
   sections, summary = [], {}
+  stages = list(dict.fromkeys(g["stage"] for g, _ in staged))
 
   def cells(pred):
     return [np.asarray(res["accuracy_grid"]) for g, res in got if pred(g)]
 
+  def overall(runs):
+    return [float(np.mean(res["accuracy_grid"])) for _, res in runs]
+
   # Main comparison: accuracy by length and by depth, mean over seeds.
-  main = [a for a in ("single", *AGGREGATORS)
-          if cells(lambda g, a=a: _main_cell(g, a, segment))]
+  for a in ("single", *AGGREGATORS):
+    final = [(g, res) for g, res in got if _main_cell(g, a, segment)]
+    if not final:
+      continue
+    summary[a] = _model_summary(np.stack([res["accuracy_grid"] for _, res in final]),
+                                [g["seed"] for g, _ in final])
+    if staged:
+      summary[a]["curriculum_overall"] = {
+          **{st: overall([(g, res) for g, res in staged
+                          if _main_cell(g, a, segment) and g["stage"] == st]) for st in stages},
+          "final": overall(final)}
+  if MERGE_SUMMARY.value:
+    sections.append(merge_summary(summary, MERGE_SUMMARY.value, lengths, depths))
+  main = [a for a in ("single", *AGGREGATORS) if a in summary]
   rows_len, rows_depth = [], []
   fig = Figure(figsize=(6.5, 4.2))
   ax = fig.subplots()
   hfig = Figure(figsize=(3.2 * len(main), 3.0))
   hax = hfig.subplots(1, len(main), squeeze=False)[0]
   for i, a in enumerate(main):
-    grids = np.stack(cells(lambda g, a=a: _main_cell(g, a, segment)))
-    by_len, by_depth, overall = grids.mean(1), grids.mean(2), grids.mean((1, 2))
-    summary[a] = {"grid_mean": grids.mean(0).tolist(), "overall_per_seed": overall.tolist(),
-                  "by_length_per_seed": by_len.tolist(), "by_depth_per_seed": by_depth.tolist()}
+    s = summary[a]
+    by_len, by_depth = np.asarray(s["by_length_per_seed"]), np.asarray(s["by_depth_per_seed"])
+    grid = np.asarray(s["grid_mean"])
     rows_len.append([_label(a), *[common.fmt(*common.mean_spread(list(c))) for c in by_len.T],
-                     common.fmt(*common.mean_spread(list(overall)))])
+                     common.fmt(*common.mean_spread(s["overall_per_seed"]))])
     rows_depth.append([_label(a), *[common.fmt(*common.mean_spread(list(c)))
                                     for c in by_depth.T]])
     ax.plot(depths, by_depth.mean(0), "o-", label=_label(a))
-    im = hax[i].imshow(grids.mean(0), vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
-    for (y, x), v in np.ndenumerate(grids.mean(0)):
+    im = hax[i].imshow(grid, vmin=0, vmax=1, cmap="RdYlGn", aspect="auto")
+    for (y, x), v in np.ndenumerate(grid):
       hax[i].text(x, y, f"{v:.2f}", ha="center", va="center", fontsize=7)
     hax[i].set_xticks(range(len(lengths)), [str(n) for n in lengths])
     hax[i].set_yticks(range(len(depths)), [f"{d:.2f}" for d in depths] if i == 0 else [])
@@ -192,7 +234,7 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
   sections.append("By needle depth (mean over lengths):\n\n" + common.markdown_table(
       ["model", *[f"{d:.2f}" for d in depths]], rows_depth))
   if staged:
-    sections.append(_stage_table(staged, got, main, segment, summary))
+    sections.append(_stage_table(summary, main, stages))
 
   # Segment-length sweep (seed 0) and d_r sweep.
   for key, values, fixed, name in (("seg", sorted(set(segments()) | {segment}), {"d_r": 16},
@@ -229,20 +271,74 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
   return "\n\n".join(sections) + "\n\n" + common.steps_note(results)
 
 
-def _stage_table(staged, final, models, segment, summary) -> str:
+def _stage_table(summary: dict, models: list[str], stages: list[str]) -> str:
   """Overall accuracy (mean ± half the range over seeds) after each curriculum stage and after
   the config's own task, per model at the config's segment length and d_r 16. Each stage's
   evaluation is the config's (the same lengths and depths; its own number of needles)."""
-  stages = list(dict.fromkeys(g["stage"] for g, _ in staged))
-  rows = []
-  for a in models:
-    per = [[float(np.mean(res["accuracy_grid"])) for g, res in staged
-            if _main_cell(g, a, segment) and g["stage"] == st] for st in stages]
-    per.append([float(np.mean(res["accuracy_grid"])) for g, res in final if _main_cell(g, a, segment)])
-    summary.setdefault(a, {})["curriculum_overall"] = dict(zip([*stages, "final"], per))
-    rows.append([_label(a), *[common.fmt(*common.mean_spread(x)) for x in per]])
+  rows = [[_label(a), *[common.fmt(*common.mean_spread(summary[a].get("curriculum_overall", {})
+                                                       .get(st, []))) for st in (*stages, "final")]]
+          for a in models]
   return ("After each curriculum stage (all cells; each stage evaluated on its own task):\n\n"
           + common.markdown_table(["model", *stages, "the config's task"], rows))
+
+
+_PER_SEED = ("overall_per_seed", "by_length_per_seed", "by_depth_per_seed")
+
+
+def merge_summary(summary: dict, path: str, lengths: list, depths: list) -> str:
+  """Puts the seeds of ``path``, an earlier report's niah_aggregators.json from the same command,
+  into ``summary`` (this report's, the same layout) in place, ahead of this report's own: the
+  per-seed lists are joined and grid_mean is averaged weighted by the seeds behind each. A model
+  only there enters as it is. A file without "seeds" holds seeds 0, 1, ... (reports before
+  --first_seed existed ran those). The stage lists ("curriculum_overall") join where both have
+  the same stages; where the file has none, the stage table keeps this report's seeds only;
+  other stages are another experiment (an error). The segment and d_r sweeps are not merged.
+  Returns the note saying which seeds came from where."""
+  old = json.loads(epath.Path(path).read_text())
+  if (old["lengths"], old["depths"]) != (lengths, depths):
+    raise ValueError(f"{path}: lengths {old['lengths']} and depths {old['depths']} differ from "
+                     f"this report's {lengths} and {depths}")
+  notes, unstaged, staged = {}, [], False
+  for a in ("single", *AGGREGATORS):
+    o, s = old.get(a), summary.get(a)
+    if o is None:
+      if s is not None:
+        notes[a] = f"seeds {s['seeds']} from this report's runs, none from {path}"
+      continue
+    seeds = o.get("seeds", list(range(len(o["overall_per_seed"]))))
+    if s is None:
+      summary[a] = {**o, "seeds": seeds}
+      notes[a] = f"seeds {seeds} from {path}, none from this report"
+      continue
+    if set(seeds) & set(s["seeds"]):
+      raise ValueError(f"{path} already holds seed(s) {sorted(set(seeds) & set(s['seeds']))} "
+                       f"of {a}")
+    theirs, mine = o.get("curriculum_overall"), s.get("curriculum_overall")
+    if theirs is None and mine is not None:
+      unstaged.append(_label(a))
+    elif list(theirs or {}) != list(mine or {}):
+      raise ValueError(f"{path}: {a} has curriculum stages {list(theirs or {})}, this report "
+                       f"{list(mine or {})}")
+    elif mine:
+      s["curriculum_overall"] = {st: theirs[st] + mine[st] for st in mine}
+      staged = True
+    n, m = len(seeds), len(s["seeds"])
+    notes[a] = f"seeds {seeds} from {path}, {s['seeds']} from this report's runs"
+    s["grid_mean"] = ((n * np.asarray(o["grid_mean"]) + m * np.asarray(s["grid_mean"]))
+                      / (n + m)).tolist()
+    s.update({k: o[k] + s[k] for k in _PER_SEED})
+    s["seeds"] = seeds + s["seeds"]
+  if len(set(notes.values())) == 1:
+    text = "Every model: " + next(iter(notes.values()))
+  else:
+    text = "; ".join(f"{_label(a)}: {t}" for a, t in notes.items())
+  text = (f"Merged with {path} (main tables, heatmaps, depth plot"
+          f"{', stage table' if staged else ''}). {text}. The steps note at the end is of this "
+          "report's runs only.")
+  if unstaged:
+    text += (f" The stage table holds this report's seeds only for {', '.join(unstaged)}: "
+             f"{path} has no stage lists for them.")
+  return text
 
 
 def main(argv):

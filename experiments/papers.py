@@ -3,7 +3,8 @@ once), then their three reports.
 
   python -m experiments.papers --workdir runs/papers --parallel 16 --seeds 2
 
-Flags of the three modules apply (--e, --sweeps, --segments, --d_rs, --parts, --cont_steps).
+Flags of the three modules apply (--e, --sweeps, --segments, --d_rs, --parts, --cont_steps), and
+the sweep's flags of experiments/common.py (--first_seed, --results_from; one runs.json for all).
 """
 
 from __future__ import annotations

@@ -11,7 +11,9 @@ Re-running the same sweep resumes it: finished runs (their eval JSON exists) are
 unfinished ones resume from their last checkpoint (train.py does that by itself). With a
 ``deadline_s``, runs still training at the deadline get SIGTERM, which makes train.py save and
 exit (the preemption path), and are evaluated at the step they reached; the report says which
-step each result comes from.
+step each result comes from. Runs finished elsewhere (an earlier session's, whose workdir is
+gone) come in as ``stored`` results: they are not trained, and a run that starts from one of them
+needs that run's checkpoints under ``root`` all the same.
 """
 
 from __future__ import annotations
@@ -75,8 +77,10 @@ def _launch(args: list[str], log_path: str, env: dict) -> subprocess.Popen:
 
 
 def run_sweep(runs: list[Run], root: str, *, parallel: int, deadline_s: float | None = None,
-              poll_s: float = 5.0, log_every_s: float = 30.0) -> dict[str, dict | None]:
-  """Train and evaluate every run; returns {name: evaluation dict, or None if it failed}."""
+              stored: dict[str, dict] | None = None, poll_s: float = 5.0,
+              log_every_s: float = 30.0) -> dict[str, dict | None]:
+  """Train and evaluate every run but those with a result in ``stored`` (returned as given);
+  returns {name: evaluation dict, or None if it failed}."""
   names = [r.name for r in runs]
   if len(set(names)) != len(names):
     raise ValueError(f"run names must be unique, got {names}")
@@ -89,9 +93,15 @@ def run_sweep(runs: list[Run], root: str, *, parallel: int, deadline_s: float | 
   root = os.path.abspath(root)
   env = _env(parallel)
   start = time.time()
-  done = {r.name for r in runs if eval_result(os.path.join(root, r.name)) is not None}
+  stored = stored or {}
+  done = set(stored) | {r.name for r in runs if eval_result(os.path.join(root, r.name)) is not None}
   failed: set[str] = set()
   waiting = [r for r in runs if r.name not in done]
+  for r in waiting:
+    if r.after in stored and not os.path.isdir(os.path.join(root, r.after, "checkpoints")):
+      raise ValueError(f"run {r.name!r} starts from {r.after!r}, which has a stored result but "
+                       f"no checkpoints under {root}: leave {r.after!r} out of the stored "
+                       "results to train both")
   active: dict[str, tuple[str, subprocess.Popen]] = {}  # name -> (phase, process)
   stopping = False
   last_log = 0.0
@@ -157,4 +167,5 @@ def run_sweep(runs: list[Run], root: str, *, parallel: int, deadline_s: float | 
                    len(runs), len(failed), len(waiting), busy or "-")
     if waiting or active:
       time.sleep(poll_s)
-  return {r.name: (eval_result(workdir(r)) if r.name in done else None) for r in runs}
+  return {r.name: stored[r.name] if r.name in stored else
+          (eval_result(workdir(r)) if r.name in done else None) for r in runs}

@@ -10,7 +10,9 @@ GDN continues as multi-state merlin, against it continued single-state.
 The from-scratch gain is (big model from scratch) - (small model from scratch), both from
 experiments 1 and 2 (the same workdir: their runs are reused, or trained here if missing); the
 upgrade's gain is (upgraded) - (small model continued). The report gives their ratio, the
-fraction of the from-scratch gain that the upgrade recovers.
+fraction of the from-scratch gain that the upgrade recovers. Writes upgrade.{png,json} and
+runs.json to --out. With ``--results_from`` (experiments/common.py), a run that starts from a
+stored one still needs that one's checkpoints in --workdir.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ from experiments import common, mqar_capacity, niah_aggregators, sweep
 
 PARTS = flags.DEFINE_list("parts", ["triadic", "merlin"], "Which upgrades to run.")
 CONT_STEPS = flags.DEFINE_integer("cont_steps", 500, "Steps of continued training.")
-UPGRADE_SEEDS = flags.DEFINE_integer("upgrade_seeds", None, "Seeds (default: --seeds).")
+UPGRADE_SEEDS = flags.DEFINE_integer("upgrade_seeds", None, "Seeds, from --first_seed on "
+                                     "(default: --seeds).")
 
 
 def _cont(*items: str) -> tuple[str, ...]:
@@ -36,7 +39,7 @@ def quads() -> dict[str, list[dict[str, sweep.Run]]]:
   """Per part and seed: the small and big models from scratch, the small one continued, and
   the upgraded one."""
   out = {}
-  for s in range(UPGRADE_SEEDS.value or common.SEEDS.value):
+  for s in common.seeds(UPGRADE_SEEDS.value):
     if "triadic" in PARTS.value:
       small = sweep.Run(f"mqar_e1_seed{s}", mqar_capacity.CONFIG_FLAG.value,
                         common.overrides("config.model.expand_e=1", f"config.seed={s}"),

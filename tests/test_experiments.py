@@ -167,3 +167,123 @@ def test_equal_state_trains_and_reports_a_grouped_values_run(parsed_flags):
   assert results[runs[0].name]["step"] == 2
   text = equal_state.report(results, runs)
   assert "| grouped_values_x2 | 2x |" in text and "| 2 | 4 |" in text
+
+
+def _parse(tmp_path, *args):
+  flags.FLAGS.unparse_flags()
+  flags.FLAGS(["test", f"--workdir={tmp_path / 'runs'}", f"--out={tmp_path / 'out'}",
+               "--niah_config=configs/niah.py:cpu", *args])
+
+
+def test_first_seed_shifts_every_experiments_seeds(parsed_flags):
+  _parse(parsed_flags, "--seeds=1", "--first_seed=2", "--sweeps=main", "--e=1")
+  niah = niah_aggregators.runs()
+  assert {r.group["seed"] for r in niah} == {2} and len(niah) == 5
+  assert all(r.name.endswith("_seed2") and "--config.seed=2" in r.overrides for r in niah)
+  assert [r.name for r in mqar_capacity.runs()] == ["mqar_e1_seed2"]
+  assert {q["upgraded"].name for per in upgrade.quads().values() for q in per} == {
+      "up_mqar_e1_to_e8_seed2", "up_niah_single_to_merlin_seed2"}
+  _parse(parsed_flags, "--seeds=2", "--mqar_seeds=3", "--first_seed=1", "--e=1")
+  assert [r.group["seed"] for r in mqar_capacity.runs()] == [1, 2, 3]
+
+
+class _Finished:
+  """A process that has exited 0 (sweep.run_sweep only polls it)."""
+  returncode = 0
+
+  def poll(self):
+    return 0
+
+
+def _fake_launch(launched):
+  """sweep._launch without processes: eval.py writes an MQAR result whose accuracy is 0.5 + the
+  run's seed / 10 at every number of pairs."""
+  def launch(args, log_path, env):
+    del log_path, env
+    workdir = next(a.split("=", 1)[1] for a in args if a.startswith("--workdir="))
+    launched.append((args[0], os.path.basename(workdir)))
+    if args[0] == "eval.py":
+      acc = 0.5 + int(workdir.rsplit("_seed", 1)[1]) / 10
+      _write_result(workdir, {"task": "mqar", "step": 3,
+                              "accuracy_by_num_pairs": {"8": acc, "16": acc}})
+    return _Finished()
+  return launch
+
+
+def test_results_from_reports_stored_runs_without_training_them(parsed_flags, monkeypatch):
+  launched = []
+  monkeypatch.setattr(sweep, "_launch", _fake_launch(launched))
+  monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+  first = parsed_flags / "first"
+  _parse(first, "--seeds=1", "--e=1,2", "--mqar_config=configs/mqar.py")
+  common.run(mqar_capacity.runs())
+  assert sorted(launched) == [("eval.py", "mqar_e1_seed0"), ("eval.py", "mqar_e2_seed0"),
+                              ("train.py", "mqar_e1_seed0"), ("train.py", "mqar_e2_seed0")]
+  stored = json.loads((first / "out" / "runs.json").read_text())
+  assert [e["name"] for e in stored] == ["mqar_e1_seed0", "mqar_e2_seed0"]
+  assert stored[0]["group"] == {"e": 1, "seed": 0} and stored[0]["result"]["step"] == 3
+
+  # A new session (a fresh workdir): seed 0 comes from runs.json, only seed 1 trains; the
+  # runs.json of its --out keeps another sweep's run.
+  launched.clear()
+  other = {"name": "other_sweep", "group": {}, "config": "c.py", "overrides": [], "result": {}}
+  (parsed_flags / "out").mkdir()
+  (parsed_flags / "out" / "runs.json").write_text(json.dumps([other]))
+  _parse(parsed_flags, "--seeds=2", "--e=1,2", "--mqar_config=configs/mqar.py",
+         f"--results_from={first / 'out' / 'runs.json'}")
+  runs = mqar_capacity.runs()
+  results = common.run(runs)
+  assert {name for _, name in launched} == {"mqar_e1_seed1", "mqar_e2_seed1"}
+  assert results["mqar_e1_seed0"] == stored[0]["result"]
+  assert not (parsed_flags / "runs" / "mqar_e1_seed0").exists()
+  text = mqar_capacity.report(results, runs)  # params from the config: no workdir for seed 0
+  assert "| 1 | 1.000 | 0.55 ± 0.05 | 0.55 ± 0.05 |" in text
+  written = json.loads((parsed_flags / "out" / "runs.json").read_text())
+  assert [e["name"] for e in written] == ["other_sweep", *[r.name for r in runs]]
+
+  _parse(parsed_flags, "--seeds=1", "--e=1", "--mqar_config=configs/mqar.py",
+         "--set=config.train.num_steps=9", f"--results_from={first / 'out' / 'runs.json'}")
+  with pytest.raises(ValueError, match="mqar_e1_seed0 was trained as"):
+    common.run(mqar_capacity.runs())
+  # A run that starts from a stored one needs that one's checkpoints.
+  chain = [sweep.Run("a", "c.py"), sweep.Run("b", "c.py", after="a")]
+  with pytest.raises(ValueError, match="'b' starts from 'a'.*no checkpoints"):
+    sweep.run_sweep(chain, str(parsed_flags / "runs"), parallel=1, stored={"a": {"step": 1}})
+
+
+def test_niah_merge_summary_joins_an_earlier_reports_seeds(parsed_flags):
+  lengths, depths = [64, 128], [0.0, 1.0]
+
+  def model(curriculum=True):  # seeds 0 and 1 (a file without "seeds"), overall 0.5 and 0.7
+    m = {"grid_mean": [[0.6, 0.6], [0.6, 0.6]], "overall_per_seed": [0.5, 0.7],
+         "by_length_per_seed": [[0.5, 0.5], [0.7, 0.7]],
+         "by_depth_per_seed": [[0.4, 0.6], [0.8, 0.6]]}
+    return {**m, "curriculum_overall": {"n4_len128": [0.0, 0.2], "final": [0.5, 0.7]}} \
+        if curriculum else m
+  old = {"lengths": lengths, "depths": depths, "vanilla": model(curriculum=False),
+         **{a: model() for a in ("single", "position", "meanpool", "merlin")}}
+  path = parsed_flags / "old.json"
+  path.write_text(json.dumps(old))
+  _parse(parsed_flags, "--seeds=1", "--first_seed=2", "--sweeps=main", "--curriculum=n4_len128",
+         f"--merge_summary={path}")
+  runs = niah_aggregators.runs()
+  results = {r.name: {"task": "niah", "step": 10, "lengths": lengths, "depths": depths,
+                      "accuracy_grid": [[0.1 if "stage" in r.group else 0.9] * 2] * 2}
+             for r in runs}
+  text = niah_aggregators.report(results, runs)
+  assert f"Merged with {path} (main tables, heatmaps, depth plot, stage table)." in text
+  assert f"Every model: seeds [0, 1] from {path}, [2] from this report's runs." in text
+  assert "| merlin | 0.70 ± 0.20 | 0.70 ± 0.20 | 0.70 ± 0.20 |" in text  # 0.5, 0.7 and 0.9
+  assert "| merlin | 0.70 ± 0.25 | 0.70 ± 0.15 |" in text                # by depth
+  assert "| merlin | 0.10 ± 0.10 | 0.70 ± 0.20 |" in text                # stages: 0.0, 0.2, 0.1
+  assert "| vanilla | 0.10 | 0.90 |" in text   # the file has no stage lists for it ...
+  assert "this report's seeds only for vanilla" in text  # ... and the output says so
+  summary = json.loads((parsed_flags / "out" / "niah_aggregators.json").read_text())
+  assert summary["merlin"]["seeds"] == [0, 1, 2]
+  assert summary["merlin"]["grid_mean"][1] == pytest.approx([0.7, 0.7])  # (2 x 0.6 + 0.9) / 3
+  assert summary["merlin"]["overall_per_seed"] == pytest.approx([0.5, 0.7, 0.9])
+  _parse(parsed_flags, "--seeds=1", "--first_seed=1", "--sweeps=main", "--curriculum=n4_len128",
+         f"--merge_summary={path}")
+  runs = niah_aggregators.runs()
+  with pytest.raises(ValueError, match=r"already holds seed\(s\) \[1\]"):
+    niah_aggregators.report({r.name: results[r.name.replace("seed1", "seed2")] for r in runs}, runs)
