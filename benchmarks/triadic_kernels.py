@@ -177,8 +177,8 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
         f"B={b} T={t} H={h} D=V={d}; each cell: ms (TFLOP/s of the counted matmuls, "
         "``stage_flops``)")
   print("| E | config | prep | forward | backward states | chunk backward | total "
-        "| fused prep (A, P rel. err) |")
-  print("|---|---|---|---|---|---|---|---|")
+        "| fused prep (A, P rel. err) | forward, output after the pass (o rel. err) |")
+  print("|---|---|---|---|---|---|---|---|---|")
   parts, tail_rows = [], []
   for e in e_list:
     q, k, v, k2, q2, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
@@ -227,6 +227,13 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
       fused = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg, fused=True))
       _, _, af, pf = fused(*prep_args)
       cells.append(f"{timeit(fused, prep_args, reps):.2f} ({rel(af, a):.0e}, {rel(pf, p):.0e})")
+      after = "-"
+      if cfg.mosaic_gpu:
+        fwd_after = jax.jit(functools.partial(pops.state_pass_kernels(
+            dataclasses.replace(cfg, output_after_pass=True), q, v, k2)[0], scale=0.1, erase=True))
+        after = (f"{timeit(fwd_after, fwd_args, reps):.2f} "
+                 f"({rel(fwd_after(*fwd_args)[0], o):.0e})")
+      cells.append(after)
       print(f"| {e} | {label} | " + " | ".join(cells) + " |")
       sys.stdout.flush()
       if cfg.mosaic_gpu_backward:
@@ -362,8 +369,10 @@ def main():
   parser.add_argument("--peers", nargs="*", default=list(peers.PEERS),
                       help="PyTorch GDN kernels timed on the same inputs (E = 1 slices of ours); "
                            "missing packages are reported and skipped; none: --peers")
-  parser.add_argument("--fused-prep", action="store_true",
-                      help="op table: also the op with Config.fused_prep (prep in one kernel)")
+  parser.add_argument("--op-variants", nargs="*", default=[],
+                      help="op table: also the op with these boolean Config fields on, one "
+                           "comma-joined set per pair of columns, e.g. fused_prep "
+                           "output_after_pass fused_prep,output_after_pass")
   parser.add_argument("--tail-variants", action="store_true",
                       help="with --stages on Hopper: the chunk backward's tail, fused and split, "
                            "under a few tile choices")
@@ -394,7 +403,7 @@ def op_table(args):
     print("# pallas: Mosaic GPU (wgmma) state-passing kernels and chunk-parallel backward where "
           "they take the sizes; pallas-triton: the same op with the Triton kernels only")
   extra = "".join(f" value_slices {g} f+b |" for g in args.value_slices)
-  extra += " fused prep fwd | fused prep f+b |" if args.fused_prep else ""
+  extra += "".join(f" {v} fwd | {v} f+b |" for v in args.op_variants)
   cols = ("B | T | E | pallas fwd | pallas f+b | f+b vs E=1 |" + extra
           + " pallas-triton fwd | pallas-triton f+b | chunked fwd | chunked f+b | cudnn fwd"
           " | cudnn f+b | best peer fwd | best peer f+b | fwd vs peer | f+b vs peer"
@@ -426,9 +435,9 @@ def op_table(args):
       for g in args.value_slices:
         variants.append(timeit(triadic_fns("pallas", value_slices=g)[1], xs, args.reps)
                         if e % g == 0 else nan)
-      if args.fused_prep:
-        ff, ffb = triadic_fns("pallas", fused_prep=True)
-        variants += [timeit(ff, xs, args.reps), timeit(ffb, xs, args.reps)]
+      for variant in args.op_variants:
+        vf, vfb = triadic_fns("pallas", **dict.fromkeys(variant.split(","), True))
+        variants += [timeit(vf, xs, args.reps), timeit(vfb, xs, args.reps)]
       tri = (nan, nan)
       if hopper and not args.no_triton:
         tf_, tfb = triadic_fns("pallas", mosaic_gpu=False, mosaic_gpu_backward=False)

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from testkit.triadic import make_grad_inputs
+from testkit.triadic import check_against_scan, make_grad_inputs
 from testkit import rel_rms
 from triadic.pallas import mosaic, recurrent
 from triadic.pallas.chunk_prep import chunk_prep
@@ -80,6 +80,20 @@ def test_forward_and_backward_match_recurrent(b, t, h, vdim, e, bv, erase):
     assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
 
 
+@pytest.mark.parametrize("e,bv,erase", [(1, 32, True), (3, 32, False), (8, 16, True)])
+def test_output_after_pass_matches_recurrent(e, bv, erase):
+  """The forward with its output formed after the pass (``chunk_output``): o, U, the states and
+  the final state against the Triton structure's loop."""
+  fargs, _, _ = build(1, 150, 2, 64, 32, e, 64, erase)
+  kw = dict(scale=SCALE, erase=erase)
+  got = jax.jit(functools.partial(mosaic.state_pass, block_v=bv, output_in_pass=False,
+                                  interpret=True, **kw))(*fargs)
+  want = recurrent.state_pass(*fargs, cfg=CPU, **kw)
+  for name, x, y in zip(("o", "U", "states", "final state"), got, want):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+
+
 @pytest.mark.parametrize("d,vdim,e,erase", [(64, 64, 8, True), (128, 128, 8, True),
                                             (128, 64, 2, False), (64, 32, 3, True)])
 def test_kernels_lower_for_cuda(d, vdim, e, erase):
@@ -91,9 +105,14 @@ def test_kernels_lower_for_cuda(d, vdim, e, erase):
   common = [f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, 1),
             f32(bh, nc, c, c), f32(bh, nc, c, c)]
   fwd = jax.jit(functools.partial(mosaic.state_pass, scale=SCALE, erase=erase))
-  text = fwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
-                   f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
+  fargs = (spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
+           f32(bh, e, d, vdim))
+  text = fwd.trace(*fargs).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_forward_mgpu" in text
+  after = jax.jit(functools.partial(mosaic.state_pass, scale=SCALE, erase=erase,
+                                    output_in_pass=False))
+  assert "triadic_forward_mgpu" in after.trace(*fargs).lower(
+      lowering_platforms=("cuda",)).as_text()
   bwd = jax.jit(functools.partial(mosaic.reverse_state_pass, scale=SCALE, erase=erase))
   text = bwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
                    f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
@@ -111,3 +130,11 @@ def test_supported():
     x = jnp.zeros((1, 1, 64, 64), jnp.float32)
     mosaic.state_pass(x, x, x, *(jnp.zeros((1, 1, 64, 1)),) * 4, jnp.zeros((1, 1, 64, 64)),
                    jnp.zeros((1, 1, 64, 64)), jnp.zeros((1, 1, 64, 64)), scale=1.0, erase=True)
+
+
+def test_op_with_output_after_pass_and_fused_prep_matches_scan():
+  """The whole op (``triadic_pallas``'s custom_vjp) with the forward's output after the pass and
+  the one-kernel prep, Mosaic GPU kernels in interpret mode, against the scan (bf16 bounds)."""
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
+               output_after_pass=True, fused_prep=True)
+  check_against_scan(1, 150, 2, 64, 32, 2, 64, True, 1.0, jnp.bfloat16, config=cfg)

@@ -16,8 +16,9 @@ A = (I + L)^-1 is then taken by forward substitution (``triadic.chunked.unit_low
 not by the all-matmul doubling product (I - L)(I + L^2)(I + L^4)...: that product loses every
 digit in float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g. a repeated token).
 
-``fused=True`` (``Config.fused_prep``, through the plan) selects the one-kernel form instead (``_fused_prep_kernel``): the masks
-and the inverse inside the kernel, so M, M' and L never leave it. A is built by blocks of
+``fused=True`` (``Config.fused_prep``, through the plan) selects the one-kernel form instead
+(``_fused_prep_kernel``): the masks and the inverse inside the kernel, so M, M' and L never
+leave it. A is built by blocks of
 ``SUB`` = 16 rows, the same substitution as ``unit_lower_inverse``: each diagonal block
 A_ii = (I + L_ii)^-1 by substitution over its rows, then A_ij = -A_ii sum_{j <= k < i} L_ik A_kj
 (block forward substitution, float32 products at ``Config.f32_precision``). The blocks of L are

@@ -59,6 +59,8 @@ class Config:
   mask work inside (None: ``mosaic_backward.default_fused_tail``, small E).
   fused_prep: run the forward's prep as one kernel with the masks M, M' and the UT inverse inside
   (``chunk_prep``), instead of plain-JAX masks and inverse around an E-independent kernel.
+  output_after_pass: with ``mosaic_gpu``, form the forward's output after the state pass, in
+  parallel over chunks (``mosaic.chunk_output``), instead of inside its chunk loop.
   """
   platform: str
   block_v: int
@@ -72,6 +74,7 @@ class Config:
   value_slices: int | None = None
   fused_tail: bool | None = None
   fused_prep: bool = False
+  output_after_pass: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:

@@ -14,6 +14,8 @@ lam = exp(gc_C) precomputed in plain JAX (O(T E), ``_factors``):
             rhs = beta V - sum_e diag(fe_e) R[:, e]              (beta V without erase)
             U = A rhs;  o = scale (sum_e diag(fq_e) Y[:, e] + P U)
             S_cat <- lam_cat * S_cat + K^T [diag(fw_e) U]_e      (D x C) @ (C x E*BV)
+            (``output_in_pass=False``: Y and o are left out of the loop, whose chain is then
+            R, U, the state update, and ``chunk_output`` forms o from the stored states and U)
   backward  dU = scale P^T dO + sum_e diag(fw_e) (K dS_cat)[:, e]
             dS_cat <- lam_cat * dS_cat + Q^T [scale diag(fq_e) dO]_e - K^T [diag(fe_e) A^T dU]_e
 
@@ -396,9 +398,10 @@ def _compiler_params():
 # Forward.
 
 
-def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
-                    o_g, u_g, st_g, ht_g, bars, *, scratch, cat, nc, e_dim, bv, scale, erase,
-                    interpret):
+def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scratch, cat, nc,
+                    e_dim, bv, scale, erase, output, interpret):
+  # outs: (o, U, states, final state, barriers); without ``output`` there is no o.
+  o_g, u_g, st_g, ht_g, bars = outs if output else (None, *outs)
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
@@ -411,8 +414,8 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
                              ("f", f_g, f_s)],
                       row=i, cols=cols, value="v", double=("f",), order=lambda n: n, nc=nc)
 
-  # K and A only enter through the erase term.
-  first = ("q", "k", "v", "a", "p", "lam", "f") if erase else ("q", "v", "p", "lam", "f")
+  # K and A only enter through the erase term; Q and P only through the output.
+  first = (("k", "v", "a") if erase else ("v",)) + ("lam", "f") + (("q", "p") if output else ())
 
   def prologue(*refs):
     copies(*refs[:8]).start(first, 0)
@@ -451,8 +454,11 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
     for e in range(e_dim):
       w_s[:, e * bv:(e + 1) * bv] = (ops.rowvec(f_s, write_rows + e, bv) * u).astype(BF16)
     plgpu.commit_smem()
-    ins.start_next(("a",) if erase else ("v",), n)
+    ins.start_next((("a",) if erase else ("v",)) + (() if output else ("f",)), n)
     plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
+    if not output:
+      ins.wait("kt", n)
+      return ops.mm_add(decayed, [(kt_s, w_s)])
 
     ins.wait("q", n)
     y = ops.mm(q_s, state_bf16_s)
@@ -472,11 +478,27 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
   _store_cat(state, ht_g.at[i, j], cat)
 
 
+def chunk_output(q, u, states, p, q2_col, gc_col, *, scale):
+  """o = scale [sum_e diag(q2_e a_e) Q S_e + P U] for every chunk at once, from the forward
+  pass's chunk-start states and U: two batched matmuls (contracting E x D, then C) with the
+  operands rounded as the kernel rounds its own (bf16 Q, S, P, U; float32 accumulation).
+  Returns o (BH,NC,C,V) in q's dtype."""
+  fq = (q2_col * jnp.exp(gc_col)).astype(F32)                     # (BH, NC, C, E)
+  q_e = (jnp.swapaxes(fq, -1, -2)[..., None] * q[:, :, None].astype(F32)).astype(BF16)
+  read = jnp.einsum("bnecd,bnedv->bncv", q_e, states.astype(BF16),
+                    preferred_element_type=F32)
+  intra = jnp.einsum("bnts,bnsv->bntv", p.astype(BF16), u.astype(BF16),
+                     preferred_element_type=F32)
+  return (scale * (read + intra)).astype(q.dtype)
+
+
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-            interpret=False):
+               output_in_pass=True, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
-  (BH,E,D,V) float32."""
+  (BH,E,D,V) float32. ``output_in_pass=False``: the kernel leaves the output product out of its
+  chunk loop (the products Q S and P U and o's store sit between U and the state update, on
+  the loop's dependency chain) and ``chunk_output`` forms o after it, in parallel over chunks."""
   vd = v.shape[-1]
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v)
   n_cat = e_dim * bv
@@ -501,18 +523,21 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   ]
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # initial / final state (cat layout)
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
-  o, u, states, ht = plgpu.kernel(
-      kernel,
-      out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype),
-                jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
-                jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
-                jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
+                             bv=bv, scale=scale, erase=erase, output=output_in_pass,
+                             interpret=bool(interpret))
+  out_type = [jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype)] if output_in_pass else []
+  out_type += [jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
+               jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
+               jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)]
+  res = plgpu.kernel(
+      kernel, out_type=out_type,
       scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv),
       grid_names=("bh", "v"),
       compiler_params=_compiler_params(),
       interpret=_interpret_params(interpret), kernel_name="triadic_forward_mgpu",
   )(*ins)
+  u, states, ht = res[-3:]
+  o = res[0] if output_in_pass else chunk_output(q, u, states, p, q2_col, gc_col, scale=scale)
   return o, u, states, _from_cat(ht, e_dim)
 
 

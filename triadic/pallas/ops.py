@@ -141,7 +141,8 @@ def state_pass_kernels(cfg, q, v, k2):
   interpret)."""
   if _plan(cfg, q, v, k2).mosaic_state_kernels:
     interpret = cfg.platform == "cpu"
-    return (functools.partial(mosaic.state_pass, interpret=interpret),
+    return (functools.partial(mosaic.state_pass, interpret=interpret,
+                              output_in_pass=not cfg.output_after_pass),
             functools.partial(mosaic.reverse_state_pass, interpret=interpret))
   return (functools.partial(recurrent.state_pass, cfg=cfg),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))

@@ -90,7 +90,9 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   if state_reason is None:
     bv = mosaic.default_block_v(d, vd, c, e)
     tiles = f"block_v {bv}, S_cat D x {e * bv}, copies "
-    forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead", "Config.mosaic_gpu")
+    after = ", output after the pass (Config.output_after_pass)" if cfg.output_after_pass else ""
+    forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead" + after,
+                    "Config.mosaic_gpu")
     bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles + "at chunk start",
                        "Config.mosaic_gpu")
   else:
