@@ -7,12 +7,17 @@ done (not trained again) and their results enter the report as if they had run n
 can grow a seed at a time: after ``--seeds 2``, ``--seeds 3 --results_from <out>/runs.json``
 trains seed 2 only and reports all three (and its runs.json holds them all). ``--first_seed``
 shifts the seeds (``--seeds 1 --first_seed 2``: seed 2 alone).
+
+XLA's GPU reductions and scatter-adds are not bit-deterministic, so two GPU runs of one seed
+differ; ``--deterministic`` gives every run ``--xla_gpu_deterministic_ops=true`` so that a seed
+names a result (the flag does nothing on the CPU).
 """
 
 from __future__ import annotations
 
 import json
 import os
+import time
 
 import numpy as np
 from absl import flags, logging
@@ -21,6 +26,8 @@ from matplotlib.figure import Figure
 from ml_collections import config_flags
 
 from experiments import sweep
+
+START = time.time()  # --deadline_s counts from here (the script's imports)
 
 WORKDIR = flags.DEFINE_string("workdir", None, "Root directory of the sweep's runs.", required=True)
 OUT = flags.DEFINE_string("out", None, "Where the report's PNG plots and JSON go (default: "
@@ -32,8 +39,11 @@ FIRST_SEED = flags.DEFINE_integer("first_seed", 0, "The first training seed: the
 RESULTS_FROM = flags.DEFINE_list("results_from", [], "runs.json files of earlier sweeps (their "
                                  "--out dirs): the runs named there are done, not trained again, "
                                  "and their results enter the report.")
-DEADLINE = flags.DEFINE_float("deadline_s", None, "Stop training at this many seconds and "
-                              "evaluate what exists (each result names its step).")
+DEADLINE = flags.DEFINE_float("deadline_s", None, "Stop training this many seconds after the "
+                              "script started and evaluate what exists (each result names its "
+                              "step); a script that sweeps twice gives the second what is left.")
+DETERMINISTIC = flags.DEFINE_bool("deterministic", False, "Train and evaluate with XLA_FLAGS "
+                                  "--xla_gpu_deterministic_ops=true (GPU runs of a seed agree).")
 REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rebuild the report from --workdir.")
 SET = flags.DEFINE_multi_string("set", [], "Extra override for every run, e.g. "
                                 "--set=config.train.num_steps=50 (a quick smoke test).")
@@ -56,8 +66,9 @@ def run(runs: list[sweep.Run]) -> dict[str, dict | None]:
   if REPORT_ONLY.value:
     results = {r.name: stored.get(r.name) or sweep.eval_result(run_dir(r)) for r in runs}
   else:
-    results = sweep.run_sweep(runs, WORKDIR.value, parallel=PARALLEL.value,
-                              deadline_s=DEADLINE.value, stored=stored)
+    deadline = None if DEADLINE.value is None else DEADLINE.value - (time.time() - START)
+    results = sweep.run_sweep(runs, WORKDIR.value, parallel=PARALLEL.value, deadline_s=deadline,
+                              stored=stored, deterministic=DETERMINISTIC.value)
   write_runs(runs, results)
   return results
 

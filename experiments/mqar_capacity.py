@@ -8,8 +8,22 @@ number of pairs at which accuracy falls below 50%.
   python -m experiments.mqar_capacity --workdir runs/papers --parallel 10 --seeds 3 \
       --results_from <an earlier --out>/runs.json   # seeds 0, 1 stored there: trains seed 2
 
+Zoology's protocol (each model at its best learning rate), with --lrs: phase 1 trains every E at
+every learning rate with the first seed; each E's best rate is the one whose run has the highest
+mean accuracy over the evaluated numbers of pairs (``lr_score``; a tie goes to the smaller rate);
+phase 2 then trains the other seeds at it, the phase-1 run being the first seed's. Runs are named
+``mqar_e<E>_lr<lr>_seed<s>``. On the GPU, in two calls: phase 1 (15 runs; ``--seeds 1`` leaves
+phase 2 nothing), then phase 2 (10 runs), given the first call's runs.json, so that it finds
+phase 1 done:
+
+  python -m experiments.mqar_capacity --workdir runs/papers --parallel 15 --seeds 1 \
+      --lrs 1e-3,3e-3,1e-2 --deterministic --deadline_s 500 --out docs/figures/zoology
+  python -m experiments.mqar_capacity --workdir runs/papers --parallel 10 --seeds 3 \
+      --lrs 1e-3,3e-3,1e-2 --deterministic --deadline_s 500 --out docs/figures/zoology \
+      --results_from docs/figures/zoology/runs.json
+
 Writes mqar_capacity.{png,json} and runs.json (common.py) to --out (default <workdir>/figures;
-the report's are docs/figures) and prints the markdown table of docs/results.md.
+the report's are docs/figures) and prints the markdown tables of docs/results.md.
 """
 
 from __future__ import annotations
@@ -30,6 +44,8 @@ CONFIG_FLAG = flags.DEFINE_string("mqar_config", CONFIG, "The config of every ru
 E_VALUES = flags.DEFINE_list("e", ["1", "2", "4", "8", "16"], "Values of E.")
 MQAR_SEEDS = flags.DEFINE_integer("mqar_seeds", None, "Seeds of this sweep, from --first_seed on "
                                    "(default: --seeds).")
+LRS = flags.DEFINE_list("lrs", [], "Learning rates to sweep per E (Zoology's protocol: the first "
+                        "seed at each, the other seeds at the best); empty: the config's only.")
 
 
 def seeds() -> range:
@@ -43,9 +59,56 @@ def mqar_run(stem: str, seed: int, *items: str, **group) -> sweep.Run:
                    common.overrides(*items, f"config.seed={seed}"), group={**group, "seed": seed})
 
 
-def runs() -> list[sweep.Run]:
-  return [mqar_run(f"e{e}", s, f"config.model.expand_e={e}", e=int(e))
-          for e in E_VALUES.value for s in seeds()]
+def lr_text(lr) -> str:
+  """``lr`` as run names write it: 1e-3 (also for 0.001), 3e-4, 2.5e-3."""
+  mantissa, exponent = f"{float(lr):e}".split("e")
+  return f"{float(mantissa):g}e{int(exponent)}"
+
+
+def capacity_run(e: str, seed: int, lr=None) -> sweep.Run:
+  """E = ``e`` at ``seed``: ``mqar_e<e>_seed<seed>`` at the config's learning rate, or
+  ``mqar_e<e>_lr<lr>_seed<seed>`` at ``lr``."""
+  if lr is None:
+    return mqar_run(f"e{e}", seed, f"config.model.expand_e={e}", e=int(e))
+  lr = lr_text(lr)
+  return mqar_run(f"e{e}_lr{lr}", seed, f"config.model.expand_e={e}",
+                  f"config.train.learning_rate={lr}", e=int(e), lr=float(lr))
+
+
+def runs(best: dict[int, float] | None = None) -> list[sweep.Run]:
+  """Every E at every seed, at the config's learning rate or, given ``best`` ({E: lr},
+  ``best_lrs``), at its E's (the Es in it only)."""
+  if best is None:
+    return [capacity_run(e, s) for e in E_VALUES.value for s in seeds()]
+  return [capacity_run(e, s, best[int(e)]) for e in E_VALUES.value if int(e) in best
+          for s in seeds()]
+
+
+def lr_runs() -> list[sweep.Run]:
+  """Phase 1 of --lrs: every E at every learning rate, the first seed only."""
+  return [capacity_run(e, seeds()[0], lr) for e in E_VALUES.value for lr in LRS.value]
+
+
+def lr_score(result: dict) -> float:
+  """What the learning-rate sweep maximises: the mean accuracy over the evaluated numbers of
+  pairs (so a rate that learns the long settings too wins over one that learns the short ones)."""
+  return float(np.mean(list(result["accuracy_by_num_pairs"].values())))
+
+
+def lr_scores(results: dict[str, dict | None], phase1: list[sweep.Run]) -> dict[int, dict]:
+  """{E: {lr: lr_score}} over the phase-1 runs with a result, learning rates ascending."""
+  scores: dict[int, dict] = {}
+  for r in sorted(phase1, key=lambda r: r.group["lr"]):
+    scores.setdefault(r.group["e"], {})
+    if results[r.name]:
+      scores[r.group["e"]][r.group["lr"]] = lr_score(results[r.name])
+  return scores
+
+
+def best_lrs(scores: dict[int, dict]) -> dict[int, float]:
+  """{E: its best learning rate}: the highest score, a tie to the smaller rate; an E without a
+  scored run has none."""
+  return {e: max(s, key=lambda lr: (s[lr], -lr)) for e, s in scores.items() if s}
 
 
 def crossing(pairs: list[int], acc: list[float], level: float = 0.5) -> float:
@@ -90,11 +153,14 @@ def plot_curves(ax, pairs: list[int], per_seed: dict, label=str) -> None:
   ax.legend(fontsize=8)
 
 
-def plot(pairs: list[int], per_seed: dict[int, list[list[float]]]) -> Figure:
-  """Accuracy against pairs, one colour per E (``plot_curves``)."""
+def plot(pairs: list[int], per_seed: dict[int, list[list[float]]],
+         lrs: dict[int, float] | None = None) -> Figure:
+  """Accuracy against pairs, one colour per E (``plot_curves``), labelled with its learning rate
+  if given ``lrs``."""
   fig = Figure(figsize=(6.5, 4.2))
   ax = fig.subplots()
-  plot_curves(ax, pairs, dict(sorted(per_seed.items())), label=lambda e: f"E={e}")
+  label = (lambda e: f"E={e}, lr {lr_text(lrs[e])}") if lrs else (lambda e: f"E={e}")
+  plot_curves(ax, pairs, dict(sorted(per_seed.items())), label=label)
   ax.set_title("MQAR accuracy by E (2 layers, 4 heads, d=16); thin: seeds")
   return fig
 
@@ -130,26 +196,58 @@ def accuracy_cells(s: dict, pairs: list[int]) -> list[str]:
           " / ".join(_crossing_text(c, pairs) for c in s["pairs_at_50pct_per_seed"])]
 
 
-def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
+def lr_table(scores: dict[int, dict]) -> str:
+  """The learning-rate sweep: ``lr_score`` per E and rate, and the rate each E won with."""
+  lrs = sorted({lr for s in scores.values() for lr in s})
+  best = best_lrs(scores)
+  rows = [[str(e), *[f"{s[lr]:.3f}" if lr in s else "—" for lr in lrs],
+           lr_text(best[e]) if e in best else "—"] for e, s in sorted(scores.items())]
+  return common.markdown_table(["E", *[f"lr {lr_text(lr)}" for lr in lrs], "best lr"], rows)
+
+
+def report(results: dict[str, dict | None], all_runs: list[sweep.Run],
+           scores: dict[int, dict] | None = None) -> str:
+  """The tables and plot of ``all_runs``; given ``scores`` (``lr_scores``; the runs are then at
+  each E's best learning rate), an lr column and the learning-rate sweep's table too."""
   pairs, summary = curves(results, all_runs, "e")
   summary = dict(sorted(summary.items()))
   params = {e: s["non_embedding_params"] for e, s in summary.items()}
   base = params.get(1, min(params.values()))
+  best = best_lrs(scores) if scores else {}
   rows = []
   for e, s in summary.items():
     s["params_ratio"] = params[e] / base
-    rows.append([str(e), f"{params[e] / base:.3f}", *accuracy_cells(s, pairs)])
-  common.save(plot(pairs, {e: s["accuracy_per_seed"] for e, s in summary.items()}),
+    lr = [lr_text(best[e])] if scores else []
+    rows.append([str(e), *lr, f"{params[e] / base:.3f}", *accuracy_cells(s, pairs)])
+  common.save(plot(pairs, {e: s["accuracy_per_seed"] for e, s in summary.items()}, best),
               "mqar_capacity.png")
-  common.write_json("mqar_capacity.json", {"pairs": pairs, "by_e": summary})
-  header = ["E", "non-emb. params vs E=1", *[str(p) for p in pairs], "pairs at 50% (per seed)"]
-  return (common.markdown_table(header, rows) + "\n\n" + common.steps_note(results))
+  out = {"pairs": pairs, "by_e": summary}
+  if scores:
+    out["lr_sweep"] = {"criterion": "mean accuracy over the evaluated numbers of pairs, seed "
+                                    f"{seeds()[0]}; a tie to the smaller lr",
+                       "scores": {e: {lr_text(lr): v for lr, v in s.items()}
+                                  for e, s in scores.items()},
+                       "best": {e: lr_text(lr) for e, lr in best.items()}}
+  common.write_json("mqar_capacity.json", out)
+  header = ["E", *(["lr"] if scores else []), "non-emb. params vs E=1", *[str(p) for p in pairs],
+            "pairs at 50% (per seed)"]
+  text = common.markdown_table(header, rows) + "\n\n" + common.steps_note(results)
+  if scores:
+    text += (f"\n\nLearning rates (mean accuracy over pairs, seed {seeds()[0]}; best: the "
+             "highest, a tie to the smaller):\n\n" + lr_table(scores))
+  return text
 
 
 def main(argv):
   del argv
-  all_runs = runs()
-  print(report(common.run(all_runs), all_runs))
+  if not LRS.value:
+    all_runs = runs()
+    print(report(common.run(all_runs), all_runs))
+    return
+  phase1 = lr_runs()
+  scores = lr_scores(common.run(phase1), phase1)
+  final = runs(best_lrs(scores))  # the first seed's runs are phase 1's: done, not trained again
+  print(report(common.run(final), final, scores))
 
 
 if __name__ == "__main__":

@@ -62,8 +62,11 @@ def _last_step(workdir: str) -> int:
     return 0
 
 
-def _env(parallel: int) -> dict:
+def _env(parallel: int, deterministic: bool = False) -> dict:
   env = dict(os.environ)
+  if deterministic:
+    env["XLA_FLAGS"] = " ".join(f for f in (env.get("XLA_FLAGS"),
+                                            "--xla_gpu_deterministic_ops=true") if f)
   env.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", f"{min(0.75, 0.9 / parallel):.3f}")
   env.setdefault("PYTHONUNBUFFERED", "1")
   env["PYTHONPATH"] = os.pathsep.join(p for p in (REPO, env.get("PYTHONPATH")) if p)
@@ -77,10 +80,11 @@ def _launch(args: list[str], log_path: str, env: dict) -> subprocess.Popen:
 
 
 def run_sweep(runs: list[Run], root: str, *, parallel: int, deadline_s: float | None = None,
-              stored: dict[str, dict] | None = None, poll_s: float = 5.0,
-              log_every_s: float = 30.0) -> dict[str, dict | None]:
+              stored: dict[str, dict] | None = None, deterministic: bool = False,
+              poll_s: float = 5.0, log_every_s: float = 30.0) -> dict[str, dict | None]:
   """Train and evaluate every run but those with a result in ``stored`` (returned as given);
-  returns {name: evaluation dict, or None if it failed}."""
+  returns {name: evaluation dict, or None if it failed}. ``deterministic`` adds
+  --xla_gpu_deterministic_ops=true to the processes' XLA_FLAGS."""
   names = [r.name for r in runs]
   if len(set(names)) != len(names):
     raise ValueError(f"run names must be unique, got {names}")
@@ -91,7 +95,7 @@ def run_sweep(runs: list[Run], root: str, *, parallel: int, deadline_s: float | 
   if parallel < 1:
     raise ValueError(f"parallel must be >= 1, got {parallel}")
   root = os.path.abspath(root)
-  env = _env(parallel)
+  env = _env(parallel, deterministic)
   start = time.time()
   stored = stored or {}
   done = set(stored) | {r.name for r in runs if eval_result(os.path.join(root, r.name)) is not None}

@@ -195,15 +195,22 @@ class _Finished:
     return 0
 
 
-def _fake_launch(launched):
-  """sweep._launch without processes: eval.py writes an MQAR result whose accuracy is 0.5 + the
-  run's seed / 10 at every number of pairs."""
+def _seed_accuracy(name):
+  return 0.5 + int(name.rsplit("_seed", 1)[1]) / 10
+
+
+def _fake_launch(launched, accuracy=_seed_accuracy, envs=None):
+  """sweep._launch without processes: eval.py writes an MQAR result whose accuracy is
+  ``accuracy(run name)`` (default 0.5 + the run's seed / 10) at every number of pairs; each
+  process's environment goes to ``envs``."""
   def launch(args, log_path, env):
-    del log_path, env
+    del log_path
     workdir = next(a.split("=", 1)[1] for a in args if a.startswith("--workdir="))
     launched.append((args[0], os.path.basename(workdir)))
+    if envs is not None:
+      envs.append(env)
     if args[0] == "eval.py":
-      acc = 0.5 + int(workdir.rsplit("_seed", 1)[1]) / 10
+      acc = accuracy(os.path.basename(workdir))
       _write_result(workdir, {"task": "mqar", "step": 3,
                               "accuracy_by_num_pairs": {"8": acc, "16": acc}})
     return _Finished()
@@ -287,3 +294,93 @@ def test_niah_merge_summary_joins_an_earlier_reports_seeds(parsed_flags):
   runs = niah_aggregators.runs()
   with pytest.raises(ValueError, match=r"already holds seed\(s\) \[1\]"):
     niah_aggregators.report({r.name: results[r.name.replace("seed1", "seed2")] for r in runs}, runs)
+
+
+def test_lr_sweep_runs_are_named_by_their_learning_rate(parsed_flags):
+  assert [mqar_capacity.lr_text(x) for x in ("1e-3", 0.001, "3e-4", 2.5e-3, "1e-2")] == [
+      "1e-3", "1e-3", "3e-4", "2.5e-3", "1e-2"]
+  _parse(parsed_flags, "--seeds=3", "--first_seed=1", "--e=1,4", "--lrs=1e-3,0.0003")
+  assert [r.name for r in mqar_capacity.lr_runs()] == [
+      "mqar_e1_lr1e-3_seed1", "mqar_e1_lr3e-4_seed1", "mqar_e4_lr1e-3_seed1",
+      "mqar_e4_lr3e-4_seed1"]
+  run = mqar_capacity.lr_runs()[1]
+  assert run.group == {"e": 1, "lr": 3e-4, "seed": 1}
+  assert common.run_config(run).train.learning_rate == pytest.approx(3e-4)
+  # without a best lr per E (no --lrs, and what equal_state and upgrade share): today's names
+  assert [r.name for r in mqar_capacity.runs()] == [f"mqar_e{e}_seed{s}" for e in (1, 4)
+                                                    for s in (1, 2, 3)]
+  assert [r.name for r in mqar_capacity.runs({4: 3e-4})] == [
+      "mqar_e4_lr3e-4_seed1", "mqar_e4_lr3e-4_seed2", "mqar_e4_lr3e-4_seed3"]
+
+
+def test_best_lr_is_the_highest_mean_accuracy_a_tie_to_the_smaller(parsed_flags):
+  _parse(parsed_flags, "--seeds=1", "--e=1,2,4,8", "--lrs=3e-3,1e-3,3e-4")
+  phase1 = mqar_capacity.lr_runs()
+  acc = {1: {3e-3: (0.25, 0.75), 1e-3: (0.5, 0.5), 3e-4: (0.5, 0.25)},  # 1e-3 ties 3e-3: 1e-3
+         2: {3e-3: (0.9, 0.8), 1e-3: (0.9, 0.1), 3e-4: (0.0, 0.0)},
+         4: {3e-3: None, 1e-3: None, 3e-4: (0.1, 0.0)},                # failed runs do not count
+         8: {3e-3: None, 1e-3: None, 3e-4: None}}
+  results = {r.name: acc[r.group["e"]][r.group["lr"]] for r in phase1}
+  results = {n: a and {"step": 3, "accuracy_by_num_pairs": {"8": a[0], "16": a[1]}}
+             for n, a in results.items()}
+  scores = mqar_capacity.lr_scores(results, phase1)
+  assert list(scores[1]) == [3e-4, 1e-3, 3e-3]
+  assert scores[2] == pytest.approx({3e-4: 0.0, 1e-3: 0.5, 3e-3: 0.85})
+  assert mqar_capacity.best_lrs(scores) == {1: 1e-3, 2: 3e-3, 4: 3e-4}
+  table = mqar_capacity.lr_table(scores)
+  assert "| E | lr 3e-4 | lr 1e-3 | lr 3e-3 | best lr |" in table
+  assert "| 4 | 0.050 | — | — | 3e-4 |" in table and "| 8 | — | — | — | — |" in table
+
+
+def test_zoology_protocol_trains_the_best_lr_seeds_once(parsed_flags, monkeypatch, capsys):
+  """Phase 1 at every lr (seed 0), phase 2 the other seeds at the best lr only, in one call;
+  a re-run, or a new workdir with --results_from, trains nothing; --deterministic reaches every
+  process's XLA_FLAGS."""
+  launched, envs = [], []
+  best = {"1": "3e-4", "2": "1e-3"}
+
+  def accuracy(name):  # the best lr by E learns, the other not; seeds spread by 0.1
+    e, lr, _ = name.removeprefix("mqar_e").split("_")
+    return (0.6 if lr == "lr" + best[e] else 0.2) + _seed_accuracy(name) - 0.5
+
+  monkeypatch.setattr(sweep, "_launch", _fake_launch(launched, accuracy, envs))
+  monkeypatch.setattr(sweep.time, "sleep", lambda s: None)
+  monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
+  args = ("--seeds=3", "--e=1,2", "--lrs=1e-3,3e-4", "--mqar_config=configs/mqar.py",
+          "--deterministic")
+  _parse(parsed_flags, *args)
+  mqar_capacity.main([])
+  trained = [name for script, name in launched if script == "train.py"]
+  phase1 = [f"mqar_e{e}_lr{lr}_seed0" for e in (1, 2) for lr in ("1e-3", "3e-4")]
+  assert sorted(trained[:4]) == sorted(phase1)
+  assert sorted(trained[4:]) == [f"mqar_e{e}_lr{best[e]}_seed{s}" for e in "12" for s in (1, 2)]
+  assert {e["XLA_FLAGS"] for e in envs} == {
+      "--xla_force_host_platform_device_count=1 --xla_gpu_deterministic_ops=true"}
+  summary = json.loads((parsed_flags / "out" / "mqar_capacity.json").read_text())
+  assert summary["lr_sweep"]["best"] == best
+  assert summary["lr_sweep"]["scores"]["1"] == pytest.approx({"3e-4": 0.6, "1e-3": 0.2})
+  per_seed = summary["by_e"]["2"]["accuracy_per_seed"]
+  assert [[round(a, 6) for a in seed] for seed in per_seed] == [[0.6] * 2, [0.7] * 2, [0.8] * 2]
+  stored = json.loads((parsed_flags / "out" / "runs.json").read_text())
+  assert len(stored) == 4 + 4  # phase 1's runs and phase 2's
+  text = capsys.readouterr().out
+  assert "| 2 | 1e-3 | 1.028 | 0.70 ± 0.10 | 0.70 ± 0.10 | > 16 / > 16 / > 16 |" in text
+  assert "| E | lr 3e-4 | lr 1e-3 | best lr |\n|---|---|---|---|\n| 1 | 0.600 | 0.200 | 3e-4 |\n" \
+      "| 2 | 0.200 | 0.600 | 1e-3 |" in text
+
+  launched.clear()
+  mqar_capacity.main([])  # the same workdir: every run is done
+  _parse(parsed_flags / "new", *args, f"--results_from={parsed_flags / 'out' / 'runs.json'}")
+  mqar_capacity.main([])  # a fresh workdir: every run is stored
+  assert launched == []
+  assert json.loads((parsed_flags / "new" / "out" / "mqar_capacity.json").read_text()) == summary
+
+
+def test_deadline_counts_from_the_scripts_start(parsed_flags, monkeypatch):
+  """A second sweep of one script (--lrs' phase 2) gets what is left of --deadline_s."""
+  calls = []
+  monkeypatch.setattr(sweep, "run_sweep", lambda runs, root, **kw: calls.append(kw) or {})
+  monkeypatch.setattr(common, "START", common.time.time() - 100)
+  _parse(parsed_flags, "--deadline_s=300")
+  common.run([])
+  assert 199 < calls[0]["deadline_s"] <= 200 and calls[0]["deterministic"] is False
