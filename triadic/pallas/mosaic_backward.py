@@ -521,6 +521,17 @@ def _fused_tail_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_r
               e_dim=e_dim, erase=erase, dtype=dtype, precision=precision)
 
 
+def _tail_blocks(bh, nc, vd, cfg):
+  """The tails' value block (``cfg.bwd_block_v``, checked to divide V), per-chunk BlockSpec and
+  (BH, NC, ...) output shape makers."""
+  bv = min(cfg.bwd_block_v, vd)
+  if vd % bv:
+    raise ValueError(f"the tail's bwd_block_v must divide V = {vd}, got {bv}")
+  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
+  shape = lambda *s, dt=F32: jax.ShapeDtypeStruct((bh, nc, *s), dt)
+  return bv, spec, shape
+
+
 def tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a, *, scale, erase, cfg):
   """The E-independent tail kernel ``triadic_chunk_backward_tail_ut``: the products over V
   (dbeta's X part, dA, dP) accumulated over blocks of ``cfg.bwd_block_v`` value columns (the
@@ -530,11 +541,7 @@ def tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a, *, scale
   dbeta (C,1), dM' (C,C) and dM (C,C; erase only, else None)."""
   bh, nc, c, d = q.shape
   vd = x.shape[-1]
-  bv = min(cfg.bwd_block_v, vd)
-  if vd % bv:
-    raise ValueError(f"the tail's bwd_block_v must divide V = {vd}, got {bv}")
-  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
-  shape = lambda *s, dt=F32: jax.ShapeDtypeStruct((bh, nc, *s), dt)
+  bv, spec, shape = _tail_blocks(bh, nc, vd, cfg)
   kernel = functools.partial(_tail_ut_kernel, c=c, vd=vd, bv=bv, scale=scale, erase=erase,
                              dtype=q.dtype, precision=cfg.f32_precision)
   n_mm = 2 if erase else 1
@@ -562,11 +569,7 @@ def fused_tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef,
   JAX around it."""
   bh, nc, c, d = q.shape
   vd, e_dim = x.shape[-1], k2_col.shape[-1]
-  bv = min(cfg.bwd_block_v, vd)
-  if vd % bv:
-    raise ValueError(f"the tail's bwd_block_v must divide V = {vd}, got {bv}")
-  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
-  shape = lambda *s, dt=F32: jax.ShapeDtypeStruct((bh, nc, *s), dt)
+  bv, spec, shape = _tail_blocks(bh, nc, vd, cfg)
   kernel = functools.partial(_fused_tail_kernel, c=c, vd=vd, bv=bv, e_dim=e_dim, scale=scale,
                              erase=erase, dtype=q.dtype, precision=cfg.f32_precision)
   cols, rows = spec(c, e_dim), spec(e_dim, c)
