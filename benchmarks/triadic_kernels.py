@@ -177,8 +177,9 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
         f"B={b} T={t} H={h} D=V={d}; each cell: ms (TFLOP/s of the counted matmuls, "
         "``stage_flops``)")
   print("| E | config | prep | forward | backward states | chunk backward | total "
-        "| fused prep (A, P rel. err) | forward, output after the pass (o rel. err) |")
-  print("|---|---|---|---|---|---|---|---|---|")
+        "| fused prep (A, P rel. err) | forward, output after the pass (o rel. err) "
+        "| forward, WY form and output after the pass (o, U rel. err) |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
   parts, tail_rows = [], []
   for e in e_list:
     q, k, v, k2, q2, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
@@ -227,13 +228,17 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
       fused = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg, fused=True))
       _, _, af, pf = fused(*prep_args)
       cells.append(f"{timeit(fused, prep_args, reps):.2f} ({rel(af, a):.0e}, {rel(pf, p):.0e})")
-      after = "-"
-      if cfg.mosaic_gpu:
-        fwd_after = jax.jit(functools.partial(pops.state_pass_kernels(
-            dataclasses.replace(cfg, output_after_pass=True), q, v, k2)[0], scale=0.1, erase=True))
-        after = (f"{timeit(fwd_after, fwd_args, reps):.2f} "
-                 f"({rel(fwd_after(*fwd_args)[0], o):.0e})")
-      cells.append(after)
+      for fields in ({"output_after_pass": True},
+                     {"output_after_pass": True, "wy_forward": True}):
+        variant = dataclasses.replace(cfg, **fields)
+        if not cfg.mosaic_gpu or (variant.wy_forward and e != 1):
+          cells.append("-")
+          continue
+        fn = jax.jit(functools.partial(pops.state_pass_kernels(variant, q, v, k2)[0], scale=0.1,
+                                       erase=True))
+        o_v, u_v = fn(*fwd_args)[:2]
+        errs = f"{rel(o_v, o):.0e}" + (f", {rel(u_v, u):.0e}" if variant.wy_forward else "")
+        cells.append(f"{timeit(fn, fwd_args, reps):.2f} ({errs})")
       print(f"| {e} | {label} | " + " | ".join(cells) + " |")
       sys.stdout.flush()
       if cfg.mosaic_gpu_backward:

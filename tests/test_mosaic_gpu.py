@@ -20,7 +20,8 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from testkit.triadic import check_against_scan, make_grad_inputs
+from testkit.triadic import (NAMES, PALLAS_BOUNDS, check_against_scan, make_grad_inputs,
+                             value_and_grads)
 from testkit import rel_rms
 from triadic.pallas import mosaic, recurrent
 from triadic.pallas.chunk_prep import chunk_prep
@@ -138,3 +139,56 @@ def test_op_with_output_after_pass_and_fused_prep_matches_scan():
   cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
                output_after_pass=True, fused_prep=True)
   check_against_scan(1, 150, 2, 64, 32, 2, 64, True, 1.0, jnp.bfloat16, config=cfg)
+
+
+@pytest.mark.parametrize("output_in_pass", [True, False])
+def test_wy_forward_matches_recurrent(output_in_pass):
+  """The WY form at E = 1 (U = A beta V - W S with W in two bf16 halves): o, U, the states and
+  the final state against the Triton structure's loop; and it lowers for CUDA."""
+  fargs, _, _ = build(2, 150, 1, 64, 64, 1, 64, True)
+  kw = dict(scale=SCALE, erase=True)
+  fn = functools.partial(mosaic.state_pass, block_v=32, wy=True, output_in_pass=output_in_pass,
+                         **kw)
+  got = jax.jit(functools.partial(fn, interpret=True))(*fargs)
+  want = recurrent.state_pass(*fargs, cfg=CPU, **kw)
+  for name, x, y in zip(("o", "U", "states", "final state"), got, want):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+  abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in fargs]
+  text = jax.jit(fn).trace(*abstract).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_forward_mgpu" in text
+  with pytest.raises(ValueError, match="E = 1"):
+    jax.eval_shape(functools.partial(mosaic.state_pass, wy=True, **kw),
+                   *build(1, 64, 1, 64, 32, 2, 64, True)[0])
+
+
+def _wy_op_errors(cfg, aligned):
+  """Relative RMS errors against the scan of (o, final state, the eight gradients) of the op at
+  E = 1 under ``cfg``; ``aligned``: every key of the sequence equal and beta 0.99, where
+  U = A beta V - W S nearly cancels."""
+  args, do, ds = make_grad_inputs(4, 1, 150, 2, 64, 32, 1, decay=0.05, dtype=jnp.bfloat16)
+  if aligned:
+    args[1] = jnp.broadcast_to(args[1][:, :1], args[1].shape)
+    args[6] = jnp.full(args[6].shape, 0.99, args[6].dtype)
+  grads, outs = value_and_grads(None, args, do, ds, erase=True, chunk_size=64, config=cfg)
+  ref = [x.astype(jnp.float32) for x in args]
+  ref_grads, ref_outs = value_and_grads("scan", ref, do, ds, erase=True, chunk_size=64)
+  names = ("o", "state") + tuple(f"d{n}" for n in NAMES)
+  return {n: rel_rms(x, y) for n, x, y in zip(names, (*outs, *grads), (*ref_outs, *ref_grads))}
+
+
+def test_op_with_wy_forward_matches_scan():
+  """The whole op at E = 1 with the WY forward and the output after the pass (Mosaic GPU
+  kernels, interpret mode) against the scan, bf16 bounds; with aligned keys (bf16 misses those
+  bounds there whatever the form) no error above the direct form's by more than a quarter."""
+  kw = dict(block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
+            output_after_pass=True)
+  wy = Config("cpu", wy_forward=True, **kw)
+  bound = PALLAS_BOUNDS[jnp.bfloat16]
+  errs = _wy_op_errors(wy, aligned=False)
+  limits = {n: bound["out"] if n == "o" else bound["state"] if n == "state" else bound["grad"]
+            for n in errs}
+  assert all(errs[n] < limits[n] for n in errs), errs
+  got, direct = _wy_op_errors(wy, aligned=True), _wy_op_errors(Config("cpu", **kw), aligned=True)
+  worse = {n: (f"{got[n]:.2e}", f"{direct[n]:.2e}") for n in got if got[n] > 1.25 * direct[n]}
+  assert not worse, worse

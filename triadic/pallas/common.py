@@ -61,6 +61,8 @@ class Config:
   (``chunk_prep``), instead of plain-JAX masks and inverse around an E-independent kernel.
   output_after_pass: with ``mosaic_gpu``, form the forward's output after the state pass, in
   parallel over chunks (``mosaic.chunk_output``), instead of inside its chunk loop.
+  wy_forward: with ``mosaic_gpu`` at E = 1, the forward's chunk loop in the WY form
+  (``mosaic.wy_inputs``: U = A beta V - W S, W = A diag(beta exp(gc)) K precomputed).
   """
   platform: str
   block_v: int
@@ -75,6 +77,7 @@ class Config:
   fused_tail: bool | None = None
   fused_prep: bool = False
   output_after_pass: bool = False
+  wy_forward: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:

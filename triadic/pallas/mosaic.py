@@ -15,7 +15,9 @@ lam = exp(gc_C) precomputed in plain JAX (O(T E), ``_factors``):
             U = A rhs;  o = scale (sum_e diag(fq_e) Y[:, e] + P U)
             S_cat <- lam_cat * S_cat + K^T [diag(fw_e) U]_e      (D x C) @ (C x E*BV)
             (``output_in_pass=False``: Y and o are left out of the loop, whose chain is then
-            R, U, the state update, and ``chunk_output`` forms o from the stored states and U)
+            R, U, the state update, and ``chunk_output`` forms o from the stored states and U;
+            ``wy=True`` at E = 1: U = A beta V - W S with W = A diag(fe) K, both precomputed
+            in parallel by ``wy_inputs``, so the chain is W S, the state update)
   backward  dU = scale P^T dO + sum_e diag(fw_e) (K dS_cat)[:, e]
             dS_cat <- lam_cat * dS_cat + Q^T [scale diag(fq_e) dO]_e - K^T [diag(fe_e) A^T dU]_e
 
@@ -399,7 +401,7 @@ def _compiler_params():
 
 
 def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scratch, cat, nc,
-                    e_dim, bv, scale, erase, output, interpret):
+                    e_dim, bv, scale, erase, output, wy, interpret):
   # outs: (o, U, states, final state, barriers); without ``output`` there is no o.
   o_g, u_g, st_g, ht_g, bars = outs if output else (None, *outs)
   ops = _Ops(interpret)
@@ -414,8 +416,10 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scra
                              ("f", f_g, f_s)],
                       row=i, cols=cols, value="v", double=("f",), order=lambda n: n, nc=nc)
 
-  # K and A only enter through the erase term; Q and P only through the output.
-  first = (("k", "v", "a") if erase else ("v",)) + ("lam", "f") + (("q", "p") if output else ())
+  # K and A only enter through the erase term; Q and P only through the output. With ``wy`` the
+  # "k" input is W = A diag(fe) K and "v" is A beta V (float32), and A is not read.
+  first = ((("k", "v") if wy else ("k", "v", "a")) if erase else ("v",)) + ("lam", "f")
+  first += ("q", "p") if output else ()
 
   def prologue(*refs):
     copies(*refs[:8]).start(first, 0)
@@ -436,8 +440,11 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scra
 
     ins.wait("f", n)
     ins.wait("v", n)
-    rhs = ops.rowvec(f_s, beta_row, bv) * ops.acc(v_s[...].astype(F32))
-    if erase:
+    if wy:                                # U = A beta V - W S: one product on the chain
+      ins.wait("k", n)
+      u = ops.acc(v_s[...]) - ops.mm(k_s, state_bf16_s)
+    elif erase:
+      rhs = ops.rowvec(f_s, beta_row, bv) * ops.acc(v_s[...].astype(F32))
       ins.wait("k", n)
       r = ops.mm(k_s, state_bf16_s)
       for e in range(e_dim):
@@ -448,13 +455,14 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scra
       ins.wait("a", n)
       u = ops.mm(a_s, rhs_bf16_s)
     else:
-      u = rhs
+      u = ops.rowvec(f_s, beta_row, bv) * ops.acc(v_s[...].astype(F32))
     u_s[...] = u
     u_bf16_s[...] = u.astype(BF16)
     for e in range(e_dim):
       w_s[:, e * bv:(e + 1) * bv] = (ops.rowvec(f_s, write_rows + e, bv) * u).astype(BF16)
     plgpu.commit_smem()
-    ins.start_next((("a",) if erase else ("v",)) + (() if output else ("f",)), n)
+    done = ("k", "v") if wy else ("a",) if erase else ("v",)
+    ins.start_next(done + (() if output else ("f",)), n)
     plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
     if not output:
       ins.wait("kt", n)
@@ -492,23 +500,52 @@ def chunk_output(q, u, states, p, q2_col, gc_col, *, scale):
   return (scale * (read + intra)).astype(q.dtype)
 
 
+def wy_inputs(k, v, a, f):
+  """The WY form's per-chunk inputs at E = 1 (FLA's w and u): W = A diag(fe) K (C x D, bf16) and
+  A beta V (C x V, float32), with fe = beta k2 exp(gc) and beta the rows of ``_factors``' f, the
+  products on bf16 operands with float32 accumulation, as the kernel's own. The forward's
+  U = A (beta V - diag(fe) K S) is then A beta V - W S (tests/test_mosaic_gpu.py checks that the
+  rounding of W costs no accuracy where the two terms nearly cancel, with aligned keys)."""
+  fe, beta = f[:, :, 0, :, None], f[:, :, -1, :, None]              # (BH, NC, C, 1)
+  a16 = a.astype(BF16)
+  w = jnp.einsum("bnts,bnsd->bntd", a16, (fe * k.astype(F32)).astype(BF16),
+                 preferred_element_type=F32).astype(BF16)
+  u_tilde = jnp.einsum("bnts,bnsv->bntv", a16, (beta * v.astype(F32)).astype(BF16),
+                       preferred_element_type=F32)
+  return w, u_tilde
+
+
+def wy_supported(e: int) -> str | None:
+  """Why the WY form cannot run (None: it can): it needs E = 1 (at E > 1 the sum over slices of
+  W_e S_e would need the state stacked over E rows, not side by side as S_cat)."""
+  return None if e == 1 else f"the WY form needs E = 1, got E = {e}"
+
+
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               output_in_pass=True, interpret=False):
+               output_in_pass=True, wy=False, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``output_in_pass=False``: the kernel leaves the output product out of its
   chunk loop (the products Q S and P U and o's store sit between U and the state update, on
-  the loop's dependency chain) and ``chunk_output`` forms o after it, in parallel over chunks."""
+  the loop's dependency chain) and ``chunk_output`` forms o after it, in parallel over chunks.
+  ``wy=True`` (``wy_supported``): the loop's U = A beta V - W S from ``wy_inputs`` (one product
+  on the chain instead of K S, then A times the right-hand side); without erase, where U is
+  beta V, it changes nothing."""
   vd = v.shape[-1]
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v)
+  if wy and (reason := wy_supported(e_dim)):
+    raise ValueError(reason)
+  wy = wy and erase
   n_cat = e_dim * bv
-  ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, lam_cat, _to_cat(h0.astype(F32), bv))
+  k_in, v_in = wy_inputs(k, v, a, f) if wy else (k, v)
+  ins = (q, k_in, _t(k), v_in, a.astype(BF16), p.astype(BF16), f, lam_cat,
+         _to_cat(h0.astype(F32), bv))
   sw_n, sw_v = _swizzle(n_cat), _swizzle(bv)
   scratch = [
       _smem((c, d), BF16, sw_n),          # q
-      _smem((c, d), BF16, sw_n),          # k
+      _smem((c, d), BF16, sw_n),          # k (W with wy)
       _smem((d, c), BF16, sw_v),          # k^T
-      _smem((c, bv), BF16, sw_v),         # v block
+      _smem((c, bv), v_in.dtype, _swizzle(bv, v_in.dtype)),   # v block (A beta V with wy)
       _smem((c, c), BF16, sw_v),          # A
       _smem((c, c), BF16, sw_v),          # P
       _smem((2, 3 * e_dim + 1, c), F32),  # row factors (two chunks' buffers)
@@ -523,7 +560,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   ]
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # initial / final state (cat layout)
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, output=output_in_pass,
+                             bv=bv, scale=scale, erase=erase, output=output_in_pass, wy=wy,
                              interpret=bool(interpret))
   out_type = [jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype)] if output_in_pass else []
   out_type += [jax.ShapeDtypeStruct((bh, nc, c, vd), F32),

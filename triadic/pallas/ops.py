@@ -139,10 +139,11 @@ def state_pass_kernels(cfg, q, v, k2):
   """The plan's state-passing kernels, as (forward, backward) functions of
   ``recurrent.state_pass``'s operands: ``mosaic`` (Hopper wgmma) or ``recurrent`` (Triton / TPU /
   interpret)."""
-  if _plan(cfg, q, v, k2).mosaic_state_kernels:
+  plan = _plan(cfg, q, v, k2)
+  if plan.mosaic_state_kernels:
     interpret = cfg.platform == "cpu"
     return (functools.partial(mosaic.state_pass, interpret=interpret,
-                              output_in_pass=not cfg.output_after_pass),
+                              output_in_pass=not cfg.output_after_pass, wy=plan.wy_forward),
             functools.partial(mosaic.reverse_state_pass, interpret=interpret))
   return (functools.partial(recurrent.state_pass, cfg=cfg),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))

@@ -25,13 +25,14 @@ log = logging.getLogger("triadic.pallas")
 @dataclasses.dataclass(frozen=True)
 class Stage:
   """One stage's choice: ``backend`` ("triton", "mosaic_tpu", "mosaic_gpu", with "/interpret" on
-  a CPU), ``tiles`` (a short description), ``reason``, and ``fused`` (the prep: masks and UT
-  inverse in its kernel; the chunk backward: its tail as one kernel)."""
+  a CPU), ``tiles`` (a short description), ``reason``, and ``variant``: whether the stage's
+  alternative structure runs (the prep: masks and UT inverse in its kernel, ``fused_prep``; the
+  forward: the WY form, ``wy_forward``; the chunk backward: its tail as one kernel)."""
   name: str
   backend: str
   tiles: str
   reason: str
-  fused: bool = False
+  variant: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -49,7 +50,11 @@ class Plan:
 
   @property
   def fused_prep(self) -> bool:
-    return self.prep.fused
+    return self.prep.variant
+
+  @property
+  def wy_forward(self) -> bool:
+    return self.forward.variant
 
   @property
   def mosaic_state_kernels(self) -> bool:
@@ -80,7 +85,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                  else chunk_prep.fused_prep_supported(c))
   if cfg.fused_prep and prep_reason is None:
     prep = Stage("prep", base, "one program per chunk, 16-row blocks of the inverse",
-                 "Config.fused_prep: masks M, M' and UT inverse in the kernel", fused=True)
+                 "Config.fused_prep: masks M, M' and UT inverse in the kernel", variant=True)
   else:
     prep = Stage("prep", base, "one program per chunk",
                  "masks M, M' and UT inverse in plain JAX (E-independent kernel)"
@@ -91,8 +96,12 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
     bv = mosaic.default_block_v(d, vd, c, e)
     tiles = f"block_v {bv}, S_cat D x {e * bv}, copies "
     after = ", output after the pass (Config.output_after_pass)" if cfg.output_after_pass else ""
+    wy_reason = mosaic.wy_supported(e) if cfg.wy_forward else None
+    wy = cfg.wy_forward and wy_reason is None
+    after += (", WY form (Config.wy_forward)" if wy else
+              f", WY form not taken: {wy_reason}" if cfg.wy_forward else "")
     forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead" + after,
-                    "Config.mosaic_gpu")
+                    "Config.mosaic_gpu", variant=wy)
     bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles + "at chunk start",
                        "Config.mosaic_gpu")
   else:
@@ -114,7 +123,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                       "Config.mosaic_gpu_backward" + (
                           "" if cfg.fused_tail is not None else
                           f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}"),
-                      fused=fused)
+                      variant=fused)
   else:
     chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
