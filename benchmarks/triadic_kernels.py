@@ -178,8 +178,9 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
         "``stage_flops``)")
   print("| E | config | prep | forward | backward states | chunk backward | total "
         "| fused prep (A, P rel. err) | forward, output after the pass (o rel. err) "
-        "| forward, WY form and output after the pass (o, U rel. err) |")
-  print("|---|---|---|---|---|---|---|---|---|---|")
+        "| forward, WY form and output after the pass (o, U rel. err) "
+        "| backward states, WY form (dU rel. err) |")
+  print("|---|---|---|---|---|---|---|---|---|---|---|")
   parts, tail_rows = [], []
   for e in e_list:
     q, k, v, k2, q2, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
@@ -229,16 +230,23 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
       _, _, af, pf = fused(*prep_args)
       cells.append(f"{timeit(fused, prep_args, reps):.2f} ({rel(af, a):.0e}, {rel(pf, p):.0e})")
       for fields in ({"output_after_pass": True},
-                     {"output_after_pass": True, "wy_forward": True}):
+                     {"output_after_pass": True, "wy_state_passes": True}):
         variant = dataclasses.replace(cfg, **fields)
-        if not cfg.mosaic_gpu or (variant.wy_forward and e != 1):
+        if not cfg.mosaic_gpu or (variant.wy_state_passes and e != 1):
           cells.append("-")
           continue
         fn = jax.jit(functools.partial(pops.state_pass_kernels(variant, q, v, k2)[0], scale=0.1,
                                        erase=True))
         o_v, u_v = fn(*fwd_args)[:2]
-        errs = f"{rel(o_v, o):.0e}" + (f", {rel(u_v, u):.0e}" if variant.wy_forward else "")
+        errs = f"{rel(o_v, o):.0e}" + (f", {rel(u_v, u):.0e}" if variant.wy_state_passes else "")
         cells.append(f"{timeit(fn, fwd_args, reps):.2f} ({errs})")
+      if cfg.mosaic_gpu and e == 1:
+        variant = dataclasses.replace(cfg, wy_state_passes=True)
+        fn = jax.jit(functools.partial(pops.state_pass_kernels(variant, q, v, k2)[1], scale=0.1,
+                                       erase=True))
+        cells.append(f"{timeit(fn, bst_args, reps):.2f} ({rel(fn(*bst_args)[0], du):.0e})")
+      else:
+        cells.append("-")
       print(f"| {e} | {label} | " + " | ".join(cells) + " |")
       sys.stdout.flush()
       if cfg.mosaic_gpu_backward:

@@ -35,10 +35,10 @@ pytestmark = pytest.mark.skipif(not mosaic.interpret_available(),
                                 reason="Mosaic GPU interpret mode unavailable in this JAX")
 
 
-def build(b, t, h, d, vdim, e, c, erase, seed=0):
+def build(b, t, h, d, vdim, e, c, erase, seed=0, decay=1.0):
   """Kernel operands as ops._forward makes them: (q, k, v, k2, q2, gc_col, beta, A, P, h0), do, dht
   (do in q's dtype, as ops._backward passes it)."""
-  args, do, ds = make_grad_inputs(seed, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.bfloat16)
+  args, do, ds = make_grad_inputs(seed, b, t, h, d, vdim, e, decay=decay, dtype=jnp.bfloat16)
   nc = -(-t // c)
   merge = lambda x: x.reshape(b * h, *x.shape[2:])
   q, k, v = (merge(kernel_layout(x, nc, c)) for x in args[:3])
@@ -141,6 +141,24 @@ def test_op_with_output_after_pass_and_fused_prep_matches_scan():
   check_against_scan(1, 150, 2, 64, 32, 2, 64, True, 1.0, jnp.bfloat16, config=cfg)
 
 
+def test_wy_reverse_pass_matches_recurrent():
+  """The reverse pass in the WY form at E = 1 (A^T dU = A^T dU0 + W' dS): dU, the chunk-end state
+  gradients and dh0 against the Triton structure's loop (weak decay, so that every chunk's
+  erase term reaches the chunks before it); and it lowers for CUDA."""
+  fargs, do, dht = build(2, 150, 1, 64, 64, 1, 64, True, decay=0.02)
+  kw = dict(scale=SCALE, erase=True)
+  bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
+  fn = functools.partial(mosaic.reverse_state_pass, block_v=32, wy=True, **kw)
+  got = jax.jit(functools.partial(fn, interpret=True))(*bargs)
+  want = recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw)
+  for name, x, y in zip(("dU", "dstates", "dh0"), got, want):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+  abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in bargs]
+  text = jax.jit(fn).trace(*abstract).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_backward_states_mgpu" in text
+
+
 @pytest.mark.parametrize("output_in_pass", [True, False])
 def test_wy_forward_matches_recurrent(output_in_pass):
   """The WY form at E = 1 (U = A beta V - W S with W in two bf16 halves): o, U, the states and
@@ -177,13 +195,14 @@ def _wy_op_errors(cfg, aligned):
   return {n: rel_rms(x, y) for n, x, y in zip(names, (*outs, *grads), (*ref_outs, *ref_grads))}
 
 
-def test_op_with_wy_forward_matches_scan():
-  """The whole op at E = 1 with the WY forward and the output after the pass (Mosaic GPU
-  kernels, interpret mode) against the scan, bf16 bounds; with aligned keys (bf16 misses those
-  bounds there whatever the form) no error above the direct form's by more than a quarter."""
+def test_op_with_wy_state_passes_matches_scan():
+  """The whole op at E = 1 with both state passes in the WY form and the output after the pass
+  (Mosaic GPU kernels, interpret mode) against the scan, bf16 bounds; with aligned keys (bf16
+  misses those bounds there whatever the form) no error above the direct form's by more than a
+  quarter."""
   kw = dict(block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
             output_after_pass=True)
-  wy = Config("cpu", wy_forward=True, **kw)
+  wy = Config("cpu", wy_state_passes=True, **kw)
   bound = PALLAS_BOUNDS[jnp.bfloat16]
   errs = _wy_op_errors(wy, aligned=False)
   limits = {n: bound["out"] if n == "o" else bound["state"] if n == "state" else bound["grad"]

@@ -61,8 +61,9 @@ class Config:
   (``chunk_prep``), instead of plain-JAX masks and inverse around an E-independent kernel.
   output_after_pass: with ``mosaic_gpu``, form the forward's output after the state pass, in
   parallel over chunks (``mosaic.chunk_output``), instead of inside its chunk loop.
-  wy_forward: with ``mosaic_gpu`` at E = 1, the forward's chunk loop in the WY form
-  (``mosaic.wy_inputs``: U = A beta V - W S, W = A diag(beta exp(gc)) K precomputed).
+  wy_state_passes: with ``mosaic_gpu`` at E = 1, both state passes' chunk loops in the WY form
+  (``mosaic.wy_inputs``: U = A beta V - W S with W = A diag(beta exp(gc)) K precomputed;
+  ``mosaic.wy_backward_inputs``: A^T dU = A^T dU0 + W' dS with W' = A^T diag(fw) K).
   """
   platform: str
   block_v: int
@@ -77,7 +78,7 @@ class Config:
   fused_tail: bool | None = None
   fused_prep: bool = False
   output_after_pass: bool = False
-  wy_forward: bool = False
+  wy_state_passes: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:

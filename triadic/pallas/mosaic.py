@@ -251,6 +251,16 @@ class _Ops:
 
     return pl.run_scoped(body, plgpu.ACC((m, n), F32))
 
+  def mms(self, *pairs):
+    """a @ b for each (a_ref, b_ref) pair, all issued before any is read (independent wgmmas
+    back to back on the tensor cores, one wait)."""
+    def body(*accs):
+      for acc, (a_ref, b_ref) in zip(accs, pairs):
+        plgpu.wgmma(acc, a_ref, b_ref)
+      return tuple(acc[...] for acc in accs)
+
+    return pl.run_scoped(body, *(plgpu.ACC((a.shape[0], b.shape[1]), F32) for a, b in pairs))
+
   def mm_add(self, init, pairs):
     """init + sum of a @ b over (a_ref, b_ref) pairs. On hardware the wgmmas accumulate into
     init's registers (``run_state`` with ``ACC.init``); the interpreter has neither, so there a
@@ -304,13 +314,13 @@ class _Inputs:
     self.bars, self.copies, self.double, self.order, self.nc = bars, copies, double, order, nc
 
   @classmethod
-  def of(cls, bars, inputs, *, row, cols, value, **kw):
+  def of(cls, bars, inputs, *, row, cols, values, **kw):
     """From (name, gmem ref, smem ref) triples, barrier slots in their order (two for a ``double``
     one): every input is copied whole per chunk of its (BH, NC, ...) ref at ``row``, except
-    ``value``, whose value block ``cols`` is copied."""
+    those named in ``values``, whose value block ``cols`` is copied."""
     copies, slot = {}, 0
     for name, gmem, smem in inputs:
-      if name == value:
+      if name in values:
         src = lambda n, g=gmem: g.at[row, n, :, cols]
       else:
         src = lambda n, g=gmem: g.at[row, n]
@@ -414,7 +424,7 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scra
     return _Inputs.of(bars, [("q", q_g, q_s), ("k", k_g, k_s), ("kt", kt_g, kt_s), ("v", v_g, v_s),
                              ("a", a_g, a_s), ("p", p_g, p_s), ("lam", lam_g, lam_s),
                              ("f", f_g, f_s)],
-                      row=i, cols=cols, value="v", double=("f",), order=lambda n: n, nc=nc)
+                      row=i, cols=cols, values=("v",), double=("f",), order=lambda n: n, nc=nc)
 
   # K and A only enter through the erase term; Q and P only through the output. With ``wy`` the
   # "k" input is W = A diag(fe) K and "v" is A beta V (float32), and A is not read.
@@ -582,27 +592,34 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
 # Backward state pass.
 
 
-def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
-                     du_g, dst_g, dh0_g, bars, *, scratch, cat, nc, e_dim, bv, scale, erase,
-                     interpret):
+def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, *refs, scratch, cat, nc, e_dim, bv,
+                     scale, erase, wy, interpret):
+  # refs: (A^T dU0 with ``wy``), the row factors, lam_cat, dht; dU, dstates, dh0; barriers.
+  dt_g, refs = (refs[0], refs[1:]) if wy else (None, refs)
+  f_g, lam_g, dht_g, du_g, dst_g, dh0_g, bars = refs
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
   erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
   dstate0 = _load_cat(ops, dht_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
-  def copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s):
-    return _Inputs.of(bars, [("k", k_g, k_s), ("kt", kt_g, kt_s), ("qt", qt_g, qt_s),
-                             ("do", do_g, do_s), ("at", at_g, at_s), ("pt", pt_g, pt_s),
-                             ("lam", lam_g, lam_s), ("f", f_g, f_s)],
-                      row=i, cols=cols, value="do", order=lambda step: nc - 1 - step, nc=nc)
+  # With ``wy``, "at" is W' = A^T diag(fw) K, "pt" is dU0 = scale P^T dO and "dt" A^T dU0
+  # (value blocks, float32; ``wy_backward_inputs``).
+  def copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, dt_s, f_s, lam_s):
+    named = [("k", k_g, k_s), ("kt", kt_g, kt_s), ("qt", qt_g, qt_s), ("do", do_g, do_s),
+             ("at", at_g, at_s), ("pt", pt_g, pt_s), ("lam", lam_g, lam_s), ("f", f_g, f_s)]
+    named += [("dt", dt_g, dt_s)] if wy else []
+    return _Inputs.of(bars, named, row=i, cols=cols, values=("do", "pt", "dt") if wy else ("do",),
+                      order=lambda step: nc - 1 - step, nc=nc)
 
-  first = ("k", "do", "pt", "lam", "f") + (("at",) if erase else ())
+  first = ("k", "do", "pt", "lam", "f") + (("at",) if erase else ()) + (("dt",) if wy else ())
   at_end = ("qt", "kt") if erase else ("qt",)      # read only by the state update at the end
 
-  def chunk(step, ds, k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s, state_bf16_s, x_s, z_s,
-            u_bf16_s, u_s, st_s):
-    ins = copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s)
+  def chunk(step, ds, *bufs):
+    k_s, kt_s, qt_s, do_s, at_s, pt_s = bufs[:6]
+    dt_s, bufs = (bufs[6], bufs[7:]) if wy else (None, bufs[6:])
+    f_s, lam_s, state_bf16_s, x_s, z_s, u_bf16_s, u_s, st_s = bufs
+    ins = copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, dt_s, f_s, lam_s)
     n = nc - 1 - step
     d = k_s.shape[1]
     plgpu.wgmma_wait(0)                   # the previous state update has read dS_cat, K^T, Q^T
@@ -616,10 +633,17 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
     ins.start(at_end, step)
 
     ins.wait("k", step)
-    r = ops.mm(k_s, state_bf16_s)
-    ins.wait("pt", step)
-    ins.wait("do", step)
-    du = scale * ops.mm(pt_s, do_s)
+    if wy:                                # dU = dU0 + fw K dS, A^T dU = A^T dU0 + W' dS
+      ins.wait("at", step)
+      r, r_wy = ops.mms((k_s, state_bf16_s), (at_s, state_bf16_s))
+      ins.wait("pt", step)
+      ins.wait("do", step)
+      du = ops.acc(pt_s[...])
+    else:
+      r = ops.mm(k_s, state_bf16_s)
+      ins.wait("pt", step)
+      ins.wait("do", step)
+      du = scale * ops.mm(pt_s, do_s)
     ins.wait("f", step)
     for e in range(e_dim):
       du = du + ops.rowvec(f_s, write_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
@@ -628,7 +652,12 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
     for e in range(e_dim):
       x_s[:, e * bv:(e + 1) * bv] = (scale * ops.rowvec(f_s, read_rows + e, bv) * do).astype(BF16)
     pairs = [(qt_s, x_s)]
-    if erase:
+    if wy:
+      ins.wait("dt", step)
+      drhs = ops.acc(dt_s[...]) + r_wy
+      z_s[...] = (-ops.rowvec(f_s, erase_rows, bv) * drhs).astype(BF16)
+      pairs.append((kt_s, z_s))
+    elif erase:
       u_bf16_s[...] = du.astype(BF16)
       plgpu.commit_smem()
       ins.wait("at", step)
@@ -647,24 +676,49 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
   _store_cat(dstate, dh0_g.at[i, j], cat)
 
 
+def wy_backward_inputs(k, do, a, p, f, *, scale):
+  """The reverse pass's WY form at E = 1: W' = A^T diag(fw) K (C x D, bf16), dU0 = scale P^T dO
+  and A^T dU0 (C x V, float32), with fw = k2 exp(gc_C - gc) the rows of ``_factors``' f; bf16
+  operands and float32 accumulation as the kernel's own. The loop's dU = dU0 + diag(fw) K dS then
+  has A^T dU = A^T dU0 + W' dS without a product of A^T on the chain."""
+  fw = f[:, :, 2, :, None]                                          # (BH, NC, C, 1)
+  at16 = _t(a).astype(BF16)
+  w = jnp.einsum("bnts,bnsd->bntd", at16, (fw * k.astype(F32)).astype(BF16),
+                 preferred_element_type=F32).astype(BF16)
+  du0 = scale * jnp.einsum("bnts,bnsv->bntv", _t(p).astype(BF16), do.astype(BF16),
+                           preferred_element_type=F32)
+  dt = jnp.einsum("bnts,bnsv->bntv", at16, du0.astype(BF16), preferred_element_type=F32)
+  return w, du0, dt
+
+
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
-                       block_v=None, interpret=False):
+                       block_v=None, wy=False, interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   float32, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
-  (BH,E,D,V) float32."""
+  (BH,E,D,V) float32. ``wy=True`` (E = 1, ``wy_supported``; nothing changes without erase):
+  the loop's dU and A^T dU from ``wy_backward_inputs``, K dS and W' dS issued together."""
   vd = do.shape[-1]
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v)
+  if wy and (reason := wy_supported(e_dim)):
+    raise ValueError(reason)
+  wy = wy and erase
   n_cat = e_dim * bv
-  ins = (k, _t(k), _t(q), do.astype(q.dtype), _t(a).astype(BF16), _t(p).astype(BF16), f,
-         lam_cat, _to_cat(dht.astype(F32), bv))
+  do16 = do.astype(q.dtype)
+  if wy:
+    mats = wy_backward_inputs(k, do16, a, p, f, scale=scale)
+  else:
+    mats = (_t(a).astype(BF16), _t(p).astype(BF16))
+  ins = (k, _t(k), _t(q), do16, *mats, f, lam_cat, _to_cat(dht.astype(F32), bv))
   sw_n, sw_v = _swizzle(n_cat), _swizzle(bv)
+  sw_f = _swizzle(bv, F32)
   scratch = [
       _smem((c, d), BF16, sw_n),          # k
       _smem((d, c), BF16, sw_v),          # k^T
       _smem((d, c), BF16, sw_v),          # q^T
       _smem((c, bv), BF16, sw_v),         # dO block
-      _smem((c, c), BF16, sw_v),          # A^T
-      _smem((c, c), BF16, sw_v),          # P^T
+      _smem((c, d), BF16, sw_n) if wy else _smem((c, c), BF16, sw_v),      # W' or A^T
+      _smem((c, bv), F32, sw_f) if wy else _smem((c, c), BF16, sw_v),      # dU0 or P^T
+      *([_smem((c, bv), F32, sw_f)] if wy else []),                         # A^T dU0
       _smem((3 * e_dim + 1, c), F32),     # row factors
       _smem((n_cat,), F32),               # lam_cat
       _smem((d, n_cat), BF16, sw_n),      # dS_cat (bf16 operand)
@@ -676,7 +730,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   ]
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # dht / dh0 (cat layout)
   kernel = functools.partial(_backward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
+                             bv=bv, scale=scale, erase=erase, wy=wy, interpret=bool(interpret))
   du, dstates, dh0 = plgpu.kernel(
       kernel,
       out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), F32),

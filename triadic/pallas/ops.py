@@ -143,8 +143,9 @@ def state_pass_kernels(cfg, q, v, k2):
   if plan.mosaic_state_kernels:
     interpret = cfg.platform == "cpu"
     return (functools.partial(mosaic.state_pass, interpret=interpret,
-                              output_in_pass=not cfg.output_after_pass, wy=plan.wy_forward),
-            functools.partial(mosaic.reverse_state_pass, interpret=interpret))
+                              output_in_pass=not cfg.output_after_pass, wy=plan.wy_state_passes),
+            functools.partial(mosaic.reverse_state_pass, interpret=interpret,
+                              wy=plan.wy_state_passes))
   return (functools.partial(recurrent.state_pass, cfg=cfg),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))
 

@@ -27,7 +27,8 @@ class Stage:
   """One stage's choice: ``backend`` ("triton", "mosaic_tpu", "mosaic_gpu", with "/interpret" on
   a CPU), ``tiles`` (a short description), ``reason``, and ``variant``: whether the stage's
   alternative structure runs (the prep: masks and UT inverse in its kernel, ``fused_prep``; the
-  forward: the WY form, ``wy_forward``; the chunk backward: its tail as one kernel)."""
+  state passes: the WY form, ``wy_state_passes``; the chunk backward: its tail as one
+  kernel)."""
   name: str
   backend: str
   tiles: str
@@ -53,7 +54,7 @@ class Plan:
     return self.prep.variant
 
   @property
-  def wy_forward(self) -> bool:
+  def wy_state_passes(self) -> bool:
     return self.forward.variant
 
   @property
@@ -95,15 +96,15 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   if state_reason is None:
     bv = mosaic.default_block_v(d, vd, c, e)
     tiles = f"block_v {bv}, S_cat D x {e * bv}, copies "
+    wy_reason = mosaic.wy_supported(e) if cfg.wy_state_passes else None
+    wy = cfg.wy_state_passes and wy_reason is None
+    form = (", WY form (Config.wy_state_passes)" if wy else
+            f", WY form not taken: {wy_reason}" if cfg.wy_state_passes else "")
     after = ", output after the pass (Config.output_after_pass)" if cfg.output_after_pass else ""
-    wy_reason = mosaic.wy_supported(e) if cfg.wy_forward else None
-    wy = cfg.wy_forward and wy_reason is None
-    after += (", WY form (Config.wy_forward)" if wy else
-              f", WY form not taken: {wy_reason}" if cfg.wy_forward else "")
-    forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead" + after,
+    forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead" + form + after,
                     "Config.mosaic_gpu", variant=wy)
-    bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles + "at chunk start",
-                       "Config.mosaic_gpu")
+    bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles + "at chunk start" + form,
+                       "Config.mosaic_gpu", variant=wy)
   else:
     tiles = f"block_v {cfg.block_v}, {loop}"
     forward = Stage("forward", base, tiles, state_reason)
