@@ -175,7 +175,8 @@ def eval_text(c: ml_collections.ConfigDict, logits_fn: LogitsFn, batch_size: int
   """Held-out documents packed into windows of eval_seq_len: loss per token (nats), perplexity and
   bits per byte (total nats / (ln 2 * total UTF-8 bytes of the scored targets): comparable across
   tokenizers), overall and per bucket of positions, a token's position being how many earlier
-  tokens of its own document it sees (the context it has, up to the window length).
+  tokens of its own document it sees (the context it has, up to the window length). Per position
+  too, with the scored tokens at each (so that other buckets can be formed from it).
 
   Scored: every target of the same document as its input (weights 1), the end-of-document token
   included (0 bytes: its nats count against the document's bytes); not a document's first token
@@ -199,7 +200,8 @@ def eval_text(c: ml_collections.ConfigDict, logits_fn: LogitsFn, batch_size: int
           "nll_by_bucket": [b["loss"] if b["tokens"] else None for b in by_bucket],
           "perplexity_by_bucket": [b["perplexity"] if b["tokens"] else None for b in by_bucket],
           "bits_per_byte_by_bucket": [b.get("bits_per_byte") for b in by_bucket],
-          "perplexity_by_position": [None if x is None else float(np.exp(x)) for x in per_position]}
+          "perplexity_by_position": [None if x is None else float(np.exp(x)) for x in per_position],
+          "tokens_by_position": [int(n) for n in counts]}
 
 
 _EVALUATORS = {"mqar": eval_mqar, "niah": eval_niah, "text": eval_text}

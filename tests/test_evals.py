@@ -71,6 +71,8 @@ def test_oracle_scores_perfectly_and_files_are_written(name, tmp_path):
   else:
     assert m["perplexity"] == pytest.approx(1.0, abs=1e-6)
     assert m["bucket_edges"] == [0, 8, 16, 24, 31] and len(m["perplexity_by_bucket"]) == 4
+    n = m["tokens_by_position"]
+    assert len(n) == 31 and sum(n) == m["tokens"] and n[0] > n[-1]  # fewer long documents
   out = tmp_path / "run" / "eval"
   record = json.loads((out / f"{name}_step7.json").read_text())
   assert record["task"] == name and record["step"] == 7

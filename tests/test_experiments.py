@@ -5,10 +5,12 @@ import json
 import math
 import os
 
+import numpy as np
 import pytest
 from absl import flags
 
-from experiments import common, equal_state, mqar_capacity, niah_aggregators, sweep, upgrade
+from experiments import (common, equal_state, mqar_capacity, niah_aggregators, sweep, text_lm,
+                         upgrade)
 
 
 @pytest.fixture
@@ -384,3 +386,91 @@ def test_deadline_counts_from_the_scripts_start(parsed_flags, monkeypatch):
   _parse(parsed_flags, "--deadline_s=300")
   common.run([])
   assert 199 < calls[0]["deadline_s"] <= 200 and calls[0]["deterministic"] is False
+
+
+@pytest.fixture
+def text_flags(tmp_path):
+  """--data: a tiny corpus of vocab 4096 (the parameter counts read its dataset.json)."""
+  from lm import text_prep
+  rng = np.random.default_rng(0)
+  text_prep.write_dataset(str(tmp_path / "corpus"), (("eval" if i % 2 else "train",
+                                                      np.append(rng.integers(1, 4096, 40), 0))
+                                                     for i in range(6)),
+                          vocab_size=4096, eod_id=0)
+  _parse(tmp_path, "--seeds=2", f"--data={tmp_path / 'corpus'}", "--text_config=configs/text.py")
+  yield tmp_path
+  flags.FLAGS.unparse_flags()
+
+
+def test_text_lm_runs_train_at_4k_and_evaluate_at_16k(text_flags):
+  _parse(text_flags, "--seeds=1", "--first_seed=1", f"--data={text_flags / 'corpus'}",
+         "--mixers=gdn,triadic_e8,attention,hybrid", "--extend_steps=100")
+  runs = text_lm.runs()
+  assert [r.name for r in runs] == [
+      "text_gdn_seed1", "text_triadic_e8_seed1", "text_attention_seed1", "text_hybrid_seed1",
+      "text_gdn_ext_seed1", "text_triadic_e8_ext_seed1", "text_attention_ext_seed1",
+      "text_hybrid_ext_seed1"]
+  cfg = {r.name: common.run_config(r) for r in runs}
+  for r in runs[:4]:
+    c = cfg[r.name]
+    assert r.config == "configs/text.py:gpu" and r.after is None and c.seed == 1
+    assert (c.data.seq_len, c.data.eval_seq_len, c.data.path) == (4096, 16384,
+                                                                  str(text_flags / "corpus"))
+    assert (c.model.num_layers, c.model.d_model, c.train.batch_size) == (8, 512, 8)
+  m = {r.group["mixer"]: cfg[r.name].model for r in runs[:4]}
+  assert (m["gdn"].mixer, m["gdn"].expand_e) == ("triadic_gdn", 1)
+  assert (m["triadic_e8"].mixer, m["triadic_e8"].expand_e) == ("triadic_gdn", 8)
+  assert m["attention"].mixer == "attention" and m["gdn"].layer_pattern == ""
+  assert m["hybrid"].layer_pattern.split(",") == ["triadic_gdn"] * 3 + ["attention"]
+  for base, ext in zip(runs[:4], runs[4:]):
+    c = cfg[ext.name]
+    assert ext.after == base.name and ext.group["stage"] == "extended"
+    assert (c.data.seq_len, c.data.eval_seq_len, c.train.batch_size) == (16384, 16384, 2)
+    assert (c.train.num_steps, c.train.warmup_steps) == (100, 10)
+    assert c.model.rope_base == (2e6 if base.group["mixer"] in ("attention", "hybrid") else 1e4)
+  _parse(text_flags, "--mixers=mamba")
+  with pytest.raises(ValueError, match="'mamba' is not one of"):
+    text_lm.runs()
+
+
+def test_text_lm_buckets_weigh_positions_by_their_tokens():
+  assert text_lm.position_edges(16384) == [0, 256, 512, 1024, 2048, 4096, 8192, 16384]
+  assert text_lm.position_edges(3000) == [0, 256, 512, 1024, 2048, 3000]
+  result = {"perplexity_by_position": [math.e, math.e ** 2, None, 4.0],
+            "tokens_by_position": [1, 3, 0, 2]}
+  got = text_lm.bucketed(result, [0, 2, 3, 4])
+  assert got[0] == pytest.approx(math.exp((1 + 3 * 2) / 4)) and math.isnan(got[1])
+  assert got[2] == pytest.approx(4.0)
+
+
+def _text_result(mixer: str, seed: int, context: int = 1024, train_len: int = 256) -> dict:
+  """Perplexity 10 at every position, attention's doubling past ``train_len``; seed 1 adds 1."""
+  ppl = [10.0 * (2 if mixer == "attention" and p >= train_len else 1) + seed
+         for p in range(context)]
+  return {"task": "text", "step": 7, "context": context, "perplexity": 12.0 + seed,
+          "perplexity_by_position": ppl, "tokens_by_position": [4] * context}
+
+
+def test_text_lm_report_table_plot_and_json(text_flags):
+  _parse(text_flags, "--seeds=2", f"--data={text_flags / 'corpus'}", "--train_len=256",
+         "--eval_len=1024", "--text_config=configs/text.py", "--mixers=gdn,attention")
+  runs = text_lm.runs()
+  results = {r.name: _text_result(r.group["mixer"], r.group["seed"]) for r in runs}
+  results["text_gdn_seed1"] = None  # a failed run: gdn's mean is seed 0's
+  text = text_lm.report(results, runs)
+  assert (f"Corpus {text_flags / 'corpus'}; model 4 layers, d_model 128, 4 heads of 32, MLP 352, "
+          "vocab 4096; 400 steps of 16 x 256 tokens; evaluated on windows of 1024") in text
+  assert "| mixer | non-emb. params | all | 0–256 | 256–512 | 512–1k |" in text
+  assert "| gdn | 1.4M | 12.00 | 10.00 | 10.00 | 10.00 |" in text
+  assert ("| attention | 1.3M | 12.50 ± 0.50 | 10.50 ± 0.50 | 20.50 ± 0.50 | 20.50 ± 0.50 |"
+          in text)
+  assert "no result for ['text_gdn_seed1']" in text
+  out = text_flags / "out"
+  summary = json.loads((out / "text_lm.json").read_text())
+  assert summary["train_len"] == 256 and summary["eval_len"] == 1024
+  att = summary["by_mixer"]["attention"]
+  assert att["seeds"] == [0, 1] and att["bucket_edges"] == [0, 256, 512, 1024]
+  assert att["curve_perplexity_mean"][0] == pytest.approx(10.5)
+  assert att["curve_perplexity_mean"][-1] == pytest.approx(20.5)
+  assert summary["by_mixer"]["gdn"]["non_embedding_params"] > att["non_embedding_params"]
+  assert (out / "text_lm.png").stat().st_size > 0
