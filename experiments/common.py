@@ -1,12 +1,12 @@
 """What the experiment scripts share: flags, the sweep call, result tables and plot helpers.
 
-A device session's --workdir does not outlive it, so every sweep leaves its results in --out
+A --workdir may not outlive the machine it ran on, so every sweep leaves its results in --out
 too: ``runs.json``, for each run with a result its name, group, config, overrides and evaluation
-dict (no checkpoints; sweeps sharing an --out share it). A later session passes it to ``--results_from``: the runs named there are
-done (not trained again) and their results enter the report as if they had run now. So a sweep
-can grow a seed at a time: after ``--seeds 2``, ``--seeds 3 --results_from <out>/runs.json``
-trains seed 2 only and reports all three (and its runs.json holds them all). ``--first_seed``
-shifts the seeds (``--seeds 1 --first_seed 2``: seed 2 alone).
+dict (no checkpoints; sweeps sharing an --out share it). Passed to ``--results_from``, the runs
+named there are done (not trained again) and their results enter the report as if they had run
+now. So a sweep can grow a seed at a time: after ``--seeds 2``, ``--seeds 3 --results_from
+<out>/runs.json`` trains seed 2 only and reports all three (and its runs.json holds them
+all). ``--first_seed`` shifts the seeds (``--seeds 1 --first_seed 2``: seed 2 alone).
 
 XLA's GPU reductions and scatter-adds are not bit-deterministic, so two GPU runs of one seed
 differ; ``--deterministic`` gives every run ``--xla_gpu_deterministic_ops=true`` so that a seed

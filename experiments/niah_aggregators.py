@@ -23,7 +23,7 @@ first):
       --niah_config configs/niah.py:cpu --sweeps main --curriculum n4_len128 \
       --set config.data.num_needles=8 --set config.data.train_min_len=64
 
-Seeds can come a session at a time: ``--first_seed`` shifts them (``--seeds 1 --first_seed 2``
+Seeds can come a few at a time: ``--first_seed`` shifts them (``--seeds 1 --first_seed 2``
 is seed 2 alone), and ``--merge_summary`` joins the seeds of an earlier report's
 niah_aggregators.json to this report's in the main tables, heatmaps, depth plot and stage table
 (``merge_summary``; the output says which seeds came from the file). The GPU curriculum's third
@@ -35,7 +35,7 @@ seed beside the two of docs/figures/gpu_curriculum:
       --merge_summary docs/figures/gpu_curriculum/niah_aggregators.json \
       --out docs/figures/gpu_curriculum
 
-A sweep whose earlier session left a runs.json takes ``--results_from`` instead (every
+A sweep with an earlier runs.json of its own takes ``--results_from`` instead (every
 experiment has it: experiments/common.py), which keeps every run's own result.
 """
 

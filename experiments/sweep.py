@@ -11,9 +11,9 @@ Re-running the same sweep resumes it: finished runs (their eval JSON exists) are
 unfinished ones resume from their last checkpoint (train.py does that by itself). With a
 ``deadline_s``, runs still training at the deadline get SIGTERM, which makes train.py save and
 exit (the preemption path), and are evaluated at the step they reached; the report says which
-step each result comes from. Runs finished elsewhere (an earlier session's, whose workdir is
-gone) come in as ``stored`` results: they are not trained, and a run that starts from one of them
-needs that run's checkpoints under ``root`` all the same.
+step each result comes from. Runs finished elsewhere (under a workdir that is gone) come in as
+``stored`` results: they are not trained, and a run that starts from one of them needs that
+run's checkpoints under ``root`` all the same.
 """
 
 from __future__ import annotations

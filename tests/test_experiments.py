@@ -232,7 +232,7 @@ def test_results_from_reports_stored_runs_without_training_them(parsed_flags, mo
   assert [e["name"] for e in stored] == ["mqar_e1_seed0", "mqar_e2_seed0"]
   assert stored[0]["group"] == {"e": 1, "seed": 0} and stored[0]["result"]["step"] == 3
 
-  # A new session (a fresh workdir): seed 0 comes from runs.json, only seed 1 trains; the
+  # A fresh workdir: seed 0 comes from runs.json, only seed 1 trains; the
   # runs.json of its --out keeps another sweep's run.
   launched.clear()
   other = {"name": "other_sweep", "group": {}, "config": "c.py", "overrides": [], "result": {}}

@@ -187,7 +187,9 @@ def chunk_local(q, k, partials, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2_c
 
   Order (register pressure): ``ut_before`` (dM', dM), then M and M' (``decay_sums``) and what
   needs them (``ut_after``), whose dq, dk are written before the per-slice loop
-  (``slice_mask_grads``) starts, so that only dM' and dM stay live through it.
+  (``slice_mask_grads``) starts, so that only dM' and dM stay live through it. Each slice's
+  decay mask is therefore built twice, once per loop, instead of keeping M and M' live through
+  the gradients.
   """
   dq_ref, dk_ref, dbeta_ref = outs[0], outs[1], outs[-1]
   dp, dmq, dl, dlkk, dm = ut_before(q, k, dp, da, beta, amat, c=c, erase=erase, dtype=dtype,

@@ -453,8 +453,9 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scra
     if wy:                                # U = A beta V - W S: one product on the chain
       ins.wait("k", n)
       u = ops.acc(v_s[...]) - ops.mm(k_s, state_bf16_s)
-    elif erase:
-      rhs = ops.rowvec(f_s, beta_row, bv) * ops.acc(v_s[...].astype(F32))
+    else:
+      u = rhs = ops.rowvec(f_s, beta_row, bv) * ops.acc(v_s[...].astype(F32))
+    if erase and not wy:
       ins.wait("k", n)
       r = ops.mm(k_s, state_bf16_s)
       for e in range(e_dim):
@@ -464,8 +465,6 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scra
       ins.start_next(("k", "v"), n)
       ins.wait("a", n)
       u = ops.mm(a_s, rhs_bf16_s)
-    else:
-      u = ops.rowvec(f_s, beta_row, bv) * ops.acc(v_s[...].astype(F32))
     u_s[...] = u
     u_bf16_s[...] = u.astype(BF16)
     for e in range(e_dim):
