@@ -11,6 +11,7 @@ is set before importing it so that the "fla" row is always FLA's own Triton path
 
 from __future__ import annotations
 
+import argparse
 import os
 import statistics
 
@@ -88,3 +89,35 @@ def time_gdn_peers(q, k, v, g, beta, reps: int, peers=PEERS) -> dict:
       out[name] = f"{type(err).__name__}: {err}"[:200]
     torch.cuda.empty_cache()
   return out
+
+
+def warm(shapes, h=16, d=128, peers=PEERS) -> None:
+  """Compile each peer's forward and backward at every (B, T) of ``shapes`` (random bf16 inputs,
+  one call each) so that a later run in the same TileLang / Triton caches times, not compiles."""
+  torch = _torch()
+  if torch is None:
+    print("# warm: torch with CUDA not importable")
+    return
+  for name in peers:
+    fn, why = peer_fn(name)
+    if fn is None:
+      print(f"# warm {name}: missing ({why})")
+      continue
+    for b, t in shapes:
+      gen = torch.Generator(device="cuda").manual_seed(0)
+      rnd = lambda *s: torch.randn(*s, device="cuda", generator=gen)
+      unit = lambda x: x / x.norm(dim=-1, keepdim=True)
+      q, k = (unit(rnd(b, t, h, d)).bfloat16().requires_grad_(True) for _ in range(2))
+      v = rnd(b, t, h, d).bfloat16().requires_grad_(True)
+      g = (-0.1 * torch.nn.functional.softplus(rnd(b, t, h))).requires_grad_(True)
+      beta = torch.sigmoid(rnd(b, t, h)).bfloat16().requires_grad_(True)
+      fn(q, k, v, g, beta, scale=d ** -0.5)[0].backward(torch.ones_like(v))
+      torch.cuda.synchronize()
+      print(f"# warm {name}: B={b} T={t} compiled")
+
+
+if __name__ == "__main__":
+  parser = argparse.ArgumentParser(description="compile the peers' kernels (fills their caches)")
+  parser.add_argument("--warm", type=int, nargs="+", required=True, metavar="T",
+                      help="sequence lengths; B = 32768 // T")
+  warm([(max(1, 32768 // t), t) for t in parser.parse_args().warm])

@@ -176,11 +176,8 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
   print(f"# ceilings measured now: bf16 matmul {peak:.0f} TFLOP/s, HBM {hbm:.0f} GB/s; "
         f"B={b} T={t} H={h} D=V={d}; each cell: ms (TFLOP/s of the counted matmuls, "
         "``stage_flops``)")
-  print("| E | config | prep | forward | backward states | chunk backward | total "
-        "| fused prep (A, P rel. err) | forward, output after the pass (o rel. err) "
-        "| forward, WY form and output after the pass (o, U rel. err) "
-        "| backward states, WY form (dU rel. err) |")
-  print("|---|---|---|---|---|---|---|---|---|---|---|")
+  print("| E | config | prep | forward | backward states | chunk backward | total |")
+  print("|---|---|---|---|---|---|---|")
   parts, tail_rows = [], []
   for e in e_list:
     q, k, v, k2, q2, g, beta = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
@@ -226,33 +223,15 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
       fl = stage_flops(b, t, h, d, vd, e, c)
       cells = [f"{x:.2f} ({f / (x * 1e-3) / 1e12:.0f})" for x, f in zip(ms, fl)]
       cells.append(f"{sum(ms):.2f} ({sum(fl) / (sum(ms) * 1e-3) / 1e12:.0f})")
-      fused = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg, fused=True))
-      _, _, af, pf = fused(*prep_args)
-      cells.append(f"{timeit(fused, prep_args, reps):.2f} ({rel(af, a):.0e}, {rel(pf, p):.0e})")
-      for fields in ({"output_after_pass": True},
-                     {"output_after_pass": True, "wy_state_passes": True}):
-        variant = dataclasses.replace(cfg, **fields)
-        if not cfg.mosaic_gpu or (variant.wy_state_passes and e != 1):
-          cells.append("-")
-          continue
-        fn = jax.jit(functools.partial(pops.state_pass_kernels(variant, q, v, k2)[0], scale=0.1,
-                                       erase=True))
-        o_v, u_v = fn(*fwd_args)[:2]
-        errs = f"{rel(o_v, o):.0e}" + (f", {rel(u_v, u):.0e}" if variant.wy_state_passes else "")
-        cells.append(f"{timeit(fn, fwd_args, reps):.2f} ({errs})")
-      if cfg.mosaic_gpu and e == 1:
-        variant = dataclasses.replace(cfg, wy_state_passes=True)
-        fn = jax.jit(functools.partial(pops.state_pass_kernels(variant, q, v, k2)[1], scale=0.1,
-                                       erase=True))
-        cells.append(f"{timeit(fn, bst_args, reps):.2f} ({rel(fn(*bst_args)[0], du):.0e})")
-      else:
-        cells.append("-")
       print(f"| {e} | {label} | " + " | ".join(cells) + " |")
       sys.stdout.flush()
-      if cfg.mosaic_gpu_backward:
+      if cfg.mosaic_gpu_backward:  # each row also printed as it comes (a run cut short keeps it)
         parts.append((e, mosaic_backward_parts(cbw_args, reps, cfg.value_slices)))
+        print(f"# chunk backward by part, E = {e}: " + " | ".join(parts[-1][1]), flush=True)
         if tails and cfg is default:
-          tail_rows += tail_variants(cbw_args, reps)
+          for row in tail_variants(cbw_args, reps):
+            tail_rows.append(row)
+            print("# tail " + row, flush=True)
   if parts:
     print("\nThe Mosaic chunk backward by part (ms): plain-JAX prologue (A^T dU, factor rows), "
           "the Mosaic value kernel (all its passes), the tail (masks M, M' in plain JAX, the "
@@ -384,8 +363,7 @@ def main():
                            "missing packages are reported and skipped; none: --peers")
   parser.add_argument("--op-variants", nargs="*", default=[],
                       help="op table: also the op with these boolean Config fields on, one "
-                           "comma-joined set per pair of columns, e.g. fused_prep "
-                           "output_after_pass fused_prep,output_after_pass")
+                           "comma-joined set per pair of columns, e.g. fused_tail")
   parser.add_argument("--tail-variants", action="store_true",
                       help="with --stages on Hopper: the chunk backward's tail, fused and split, "
                            "under a few tile choices")

@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import pytest
 
-from testkit.triadic import NAMES, PALLAS_BOUNDS, make_grad_inputs, value_and_grads
+from testkit.triadic import make_grad_inputs
 from testkit import rel_rms
 from triadic.pallas import mosaic, recurrent
 from triadic.pallas.chunk_prep import chunk_prep
@@ -34,10 +34,10 @@ pytestmark = pytest.mark.skipif(not mosaic.interpret_available(),
                                 reason="Mosaic GPU interpret mode unavailable in this JAX")
 
 
-def build(b, t, h, d, vdim, e, c, erase, seed=0, decay=1.0):
+def build(b, t, h, d, vdim, e, c, erase, seed=0):
   """Kernel operands as ops._forward makes them: (q, k, v, k2, q2, gc_col, beta, A, P, h0), do, dht
   (do in q's dtype, as ops._backward passes it)."""
-  args, do, ds = make_grad_inputs(seed, b, t, h, d, vdim, e, decay=decay, dtype=jnp.bfloat16)
+  args, do, ds = make_grad_inputs(seed, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.bfloat16)
   nc = -(-t // c)
   merge = lambda x: x.reshape(b * h, *x.shape[2:])
   q, k, v = (merge(kernel_layout(x, nc, c)) for x in args[:3])
@@ -80,20 +80,6 @@ def test_forward_and_backward_match_recurrent(b, t, h, vdim, e, bv, erase):
     assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
 
 
-@pytest.mark.parametrize("e,bv,erase", [(1, 32, True), (3, 32, False), (8, 16, True)])
-def test_output_after_pass_matches_recurrent(e, bv, erase):
-  """The forward with its output formed after the pass (``chunk_output``): o, U, the states and
-  the final state against the Triton structure's loop."""
-  fargs, _, _ = build(1, 150, 2, 64, 32, e, 64, erase)
-  kw = dict(scale=SCALE, erase=erase)
-  got = jax.jit(functools.partial(mosaic.state_pass, block_v=bv, output_in_pass=False,
-                                  interpret=True, **kw))(*fargs)
-  want = recurrent.state_pass(*fargs, cfg=CPU, **kw)
-  for name, x, y in zip(("o", "U", "states", "final state"), got, want):
-    assert x.shape == y.shape and x.dtype == y.dtype, name
-    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
-
-
 @pytest.mark.parametrize("d,vdim,e,erase", [(64, 64, 8, True), (128, 128, 8, True),
                                             (128, 64, 2, False), (64, 32, 3, True)])
 def test_kernels_lower_for_cuda(d, vdim, e, erase):
@@ -105,14 +91,9 @@ def test_kernels_lower_for_cuda(d, vdim, e, erase):
   common = [f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, 1),
             f32(bh, nc, c, c), f32(bh, nc, c, c)]
   fwd = jax.jit(functools.partial(mosaic.state_pass, scale=SCALE, erase=erase))
-  fargs = (spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
-           f32(bh, e, d, vdim))
-  text = fwd.trace(*fargs).lower(lowering_platforms=("cuda",)).as_text()
+  text = fwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
+                   f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_forward_mgpu" in text
-  after = jax.jit(functools.partial(mosaic.state_pass, scale=SCALE, erase=erase,
-                                    output_in_pass=False))
-  assert "triadic_forward_mgpu" in after.trace(*fargs).lower(
-      lowering_platforms=("cuda",)).as_text()
   bwd = jax.jit(functools.partial(mosaic.reverse_state_pass, scale=SCALE, erase=erase))
   text = bwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
                    f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
@@ -130,75 +111,3 @@ def test_supported():
     x = jnp.zeros((1, 1, 64, 64), jnp.float32)
     mosaic.state_pass(x, x, x, *(jnp.zeros((1, 1, 64, 1)),) * 4, jnp.zeros((1, 1, 64, 64)),
                    jnp.zeros((1, 1, 64, 64)), jnp.zeros((1, 1, 64, 64)), scale=1.0, erase=True)
-
-
-def test_wy_reverse_pass_matches_recurrent():
-  """The reverse pass in the WY form at E = 1 (A^T dU = A^T dU0 + W' dS): dU, the chunk-end state
-  gradients and dh0 against the Triton structure's loop (weak decay, so that every chunk's
-  erase term reaches the chunks before it); and it lowers for CUDA."""
-  fargs, do, dht = build(2, 150, 1, 64, 64, 1, 64, True, decay=0.02)
-  kw = dict(scale=SCALE, erase=True)
-  bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  fn = functools.partial(mosaic.reverse_state_pass, block_v=32, wy=True, **kw)
-  got = jax.jit(functools.partial(fn, interpret=True))(*bargs)
-  want = recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw)
-  for name, x, y in zip(("dU", "dstates", "dh0"), got, want):
-    assert x.shape == y.shape and x.dtype == y.dtype, name
-    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
-  abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in bargs]
-  text = jax.jit(fn).trace(*abstract).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triadic_backward_states_mgpu" in text
-
-
-@pytest.mark.parametrize("output_in_pass", [True, False])
-def test_wy_forward_matches_recurrent(output_in_pass):
-  """The WY form at E = 1 (U = A beta V - W S with W in two bf16 halves): o, U, the states and
-  the final state against the Triton structure's loop; and it lowers for CUDA."""
-  fargs, _, _ = build(2, 150, 1, 64, 64, 1, 64, True)
-  kw = dict(scale=SCALE, erase=True)
-  fn = functools.partial(mosaic.state_pass, block_v=32, wy=True, output_in_pass=output_in_pass,
-                         **kw)
-  got = jax.jit(functools.partial(fn, interpret=True))(*fargs)
-  want = recurrent.state_pass(*fargs, cfg=CPU, **kw)
-  for name, x, y in zip(("o", "U", "states", "final state"), got, want):
-    assert x.shape == y.shape and x.dtype == y.dtype, name
-    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
-  abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in fargs]
-  text = jax.jit(fn).trace(*abstract).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triadic_forward_mgpu" in text
-  with pytest.raises(ValueError, match="E = 1"):
-    jax.eval_shape(functools.partial(mosaic.state_pass, wy=True, **kw),
-                   *build(1, 64, 1, 64, 32, 2, 64, True)[0])
-
-
-def _wy_op_errors(cfg, aligned):
-  """Relative RMS errors against the scan of (o, final state, the eight gradients) of the op at
-  E = 1 under ``cfg``; ``aligned``: every key of the sequence equal and beta 0.99, where
-  U = A beta V - W S nearly cancels."""
-  args, do, ds = make_grad_inputs(4, 1, 150, 2, 64, 32, 1, decay=0.05, dtype=jnp.bfloat16)
-  if aligned:
-    args[1] = jnp.broadcast_to(args[1][:, :1], args[1].shape)
-    args[6] = jnp.full(args[6].shape, 0.99, args[6].dtype)
-  grads, outs = value_and_grads(None, args, do, ds, erase=True, chunk_size=64, config=cfg)
-  ref = [x.astype(jnp.float32) for x in args]
-  ref_grads, ref_outs = value_and_grads("scan", ref, do, ds, erase=True, chunk_size=64)
-  names = ("o", "state") + tuple(f"d{n}" for n in NAMES)
-  return {n: rel_rms(x, y) for n, x, y in zip(names, (*outs, *grads), (*ref_outs, *ref_grads))}
-
-
-def test_op_with_wy_state_passes_matches_scan():
-  """The whole op at E = 1 with both state passes in the WY form, the output after the pass and
-  the one-kernel prep (Mosaic GPU kernels, interpret mode) against the scan, bf16 bounds; with
-  aligned keys (bf16 misses those bounds there whatever the form) no error above the direct
-  form's by more than a quarter."""
-  kw = dict(block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
-            output_after_pass=True, fused_prep=True)
-  wy = Config("cpu", wy_state_passes=True, **kw)
-  bound = PALLAS_BOUNDS[jnp.bfloat16]
-  errs = _wy_op_errors(wy, aligned=False)
-  limits = {n: bound["out"] if n == "o" else bound["state"] if n == "state" else bound["grad"]
-            for n in errs}
-  assert all(errs[n] < limits[n] for n in errs), errs
-  got, direct = _wy_op_errors(wy, aligned=True), _wy_op_errors(Config("cpu", **kw), aligned=True)
-  worse = {n: (f"{got[n]:.2e}", f"{direct[n]:.2e}") for n in got if got[n] > 1.25 * direct[n]}
-  assert not worse, worse

@@ -57,13 +57,6 @@ class Config:
   (None: ``mosaic_backward.default_value_slices``, the most that keep its load pipeline).
   fused_tail: with ``mosaic_gpu_backward``, whether that backward's tail is one kernel with the
   mask work inside (None: ``mosaic_backward.default_fused_tail``, small E).
-  fused_prep: run the forward's prep as one kernel with the masks M, M' and the UT inverse inside
-  (``chunk_prep``), instead of plain-JAX masks and inverse around an E-independent kernel.
-  output_after_pass: with ``mosaic_gpu``, form the forward's output after the state pass, in
-  parallel over chunks (``mosaic.chunk_output``), instead of inside its chunk loop.
-  wy_state_passes: with ``mosaic_gpu`` at E = 1, both state passes' chunk loops in the WY form
-  (``mosaic.wy_inputs``: U = A beta V - W S with W = A diag(beta exp(gc)) K precomputed;
-  ``mosaic.wy_backward_inputs``: A^T dU = A^T dU0 + W' dS with W' = A^T diag(fw) K).
   """
   platform: str
   block_v: int
@@ -76,9 +69,6 @@ class Config:
   mosaic_gpu_backward: bool = False
   value_slices: int | None = None
   fused_tail: bool | None = None
-  fused_prep: bool = False
-  output_after_pass: bool = False
-  wy_state_passes: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:

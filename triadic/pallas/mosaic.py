@@ -14,10 +14,6 @@ lam = exp(gc_C) precomputed in plain JAX (O(T E), ``_factors``):
             rhs = beta V - sum_e diag(fe_e) R[:, e]              (beta V without erase)
             U = A rhs;  o = scale (sum_e diag(fq_e) Y[:, e] + P U)
             S_cat <- lam_cat * S_cat + K^T [diag(fw_e) U]_e      (D x C) @ (C x E*BV)
-            (``output_in_pass=False``: Y and o are left out of the loop, whose chain is then
-            R, U, the state update, and ``chunk_output`` forms o from the stored states and U;
-            ``wy=True`` at E = 1: U = A beta V - W S with W = A diag(fe) K, both precomputed
-            in parallel by ``wy_inputs``, so the chain is W S, the state update)
   backward  dU = scale P^T dO + sum_e diag(fw_e) (K dS_cat)[:, e]
             dS_cat <- lam_cat * dS_cat + Q^T [scale diag(fq_e) dO]_e - K^T [diag(fe_e) A^T dU]_e
 
@@ -251,16 +247,6 @@ class _Ops:
 
     return pl.run_scoped(body, plgpu.ACC((m, n), F32))
 
-  def mms(self, *pairs):
-    """a @ b for each (a_ref, b_ref) pair, all issued before any is read (independent wgmmas
-    back to back on the tensor cores, one wait)."""
-    def body(*accs):
-      for acc, (a_ref, b_ref) in zip(accs, pairs):
-        plgpu.wgmma(acc, a_ref, b_ref)
-      return tuple(acc[...] for acc in accs)
-
-    return pl.run_scoped(body, *(plgpu.ACC((a.shape[0], b.shape[1]), F32) for a, b in pairs))
-
   def mm_add(self, init, pairs):
     """init + sum of a @ b over (a_ref, b_ref) pairs. On hardware the wgmmas accumulate into
     init's registers (``run_state`` with ``ACC.init``); the interpreter has neither, so there a
@@ -314,13 +300,13 @@ class _Inputs:
     self.bars, self.copies, self.double, self.order, self.nc = bars, copies, double, order, nc
 
   @classmethod
-  def of(cls, bars, inputs, *, row, cols, values, **kw):
+  def of(cls, bars, inputs, *, row, cols, value, **kw):
     """From (name, gmem ref, smem ref) triples, barrier slots in their order (two for a ``double``
     one): every input is copied whole per chunk of its (BH, NC, ...) ref at ``row``, except
-    those named in ``values``, whose value block ``cols`` is copied."""
+    ``value``, whose value block ``cols`` is copied."""
     copies, slot = {}, 0
     for name, gmem, smem in inputs:
-      if name in values:
+      if name == value:
         src = lambda n, g=gmem: g.at[row, n, :, cols]
       else:
         src = lambda n, g=gmem: g.at[row, n]
@@ -410,10 +396,9 @@ def _compiler_params():
 # Forward.
 
 
-def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scratch, cat, nc,
-                    e_dim, bv, scale, erase, output, wy, interpret):
-  # outs: (o, U, states, final state, barriers); without ``output`` there is no o.
-  o_g, u_g, st_g, ht_g, bars = outs if output else (None, *outs)
+def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
+                    o_g, u_g, st_g, ht_g, bars, *, scratch, cat, nc, e_dim, bv, scale, erase,
+                    interpret):
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
@@ -424,12 +409,10 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scra
     return _Inputs.of(bars, [("q", q_g, q_s), ("k", k_g, k_s), ("kt", kt_g, kt_s), ("v", v_g, v_s),
                              ("a", a_g, a_s), ("p", p_g, p_s), ("lam", lam_g, lam_s),
                              ("f", f_g, f_s)],
-                      row=i, cols=cols, values=("v",), double=("f",), order=lambda n: n, nc=nc)
+                      row=i, cols=cols, value="v", double=("f",), order=lambda n: n, nc=nc)
 
-  # K and A only enter through the erase term; Q and P only through the output. With ``wy`` the
-  # "k" input is W = A diag(fe) K and "v" is A beta V (float32), and A is not read.
-  first = ((("k", "v") if wy else ("k", "v", "a")) if erase else ("v",)) + ("lam", "f")
-  first += ("q", "p") if output else ()
+  # K and A only enter through the erase term.
+  first = ("q", "k", "v", "a", "p", "lam", "f") if erase else ("q", "v", "p", "lam", "f")
 
   def prologue(*refs):
     copies(*refs[:8]).start(first, 0)
@@ -450,12 +433,8 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scra
 
     ins.wait("f", n)
     ins.wait("v", n)
-    if wy:                                # U = A beta V - W S: one product on the chain
-      ins.wait("k", n)
-      u = ops.acc(v_s[...]) - ops.mm(k_s, state_bf16_s)
-    else:
-      u = rhs = ops.rowvec(f_s, beta_row, bv) * ops.acc(v_s[...].astype(F32))
-    if erase and not wy:
+    rhs = ops.rowvec(f_s, beta_row, bv) * ops.acc(v_s[...].astype(F32))
+    if erase:
       ins.wait("k", n)
       r = ops.mm(k_s, state_bf16_s)
       for e in range(e_dim):
@@ -465,17 +444,15 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scra
       ins.start_next(("k", "v"), n)
       ins.wait("a", n)
       u = ops.mm(a_s, rhs_bf16_s)
+    else:
+      u = rhs
     u_s[...] = u
     u_bf16_s[...] = u.astype(BF16)
     for e in range(e_dim):
       w_s[:, e * bv:(e + 1) * bv] = (ops.rowvec(f_s, write_rows + e, bv) * u).astype(BF16)
     plgpu.commit_smem()
-    done = ("k", "v") if wy else ("a",) if erase else ("v",)
-    ins.start_next(done + (() if output else ("f",)), n)
+    ins.start_next(("a",) if erase else ("v",), n)
     plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
-    if not output:
-      ins.wait("kt", n)
-      return ops.mm_add(decayed, [(kt_s, w_s)])
 
     ins.wait("q", n)
     y = ops.mm(q_s, state_bf16_s)
@@ -495,66 +472,21 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs, scra
   _store_cat(state, ht_g.at[i, j], cat)
 
 
-def chunk_output(q, u, states, p, q2_col, gc_col, *, scale):
-  """o = scale [sum_e diag(q2_e a_e) Q S_e + P U] for every chunk at once, from the forward
-  pass's chunk-start states and U: two batched matmuls (contracting E x D, then C) with the
-  operands rounded as the kernel rounds its own (bf16 Q, S, P, U; float32 accumulation).
-  Returns o (BH,NC,C,V) in q's dtype."""
-  fq = (q2_col * jnp.exp(gc_col)).astype(F32)                     # (BH, NC, C, E)
-  q_e = (jnp.swapaxes(fq, -1, -2)[..., None] * q[:, :, None].astype(F32)).astype(BF16)
-  read = jnp.einsum("bnecd,bnedv->bncv", q_e, states.astype(BF16),
-                    preferred_element_type=F32)
-  intra = jnp.einsum("bnts,bnsv->bntv", p.astype(BF16), u.astype(BF16),
-                     preferred_element_type=F32)
-  return (scale * (read + intra)).astype(q.dtype)
-
-
-def wy_inputs(k, v, a, f):
-  """The WY form's per-chunk inputs at E = 1 (FLA's w and u): W = A diag(fe) K (C x D, bf16) and
-  A beta V (C x V, float32), with fe = beta k2 exp(gc) and beta the rows of ``_factors``' f, the
-  products on bf16 operands with float32 accumulation, as the kernel's own. The forward's
-  U = A (beta V - diag(fe) K S) is then A beta V - W S (tests/test_mosaic_gpu.py checks that the
-  rounding of W costs no accuracy where the two terms nearly cancel, with aligned keys)."""
-  fe, beta = f[:, :, 0, :, None], f[:, :, -1, :, None]              # (BH, NC, C, 1)
-  a16 = a.astype(BF16)
-  w = jnp.einsum("bnts,bnsd->bntd", a16, (fe * k.astype(F32)).astype(BF16),
-                 preferred_element_type=F32).astype(BF16)
-  u_tilde = jnp.einsum("bnts,bnsv->bntv", a16, (beta * v.astype(F32)).astype(BF16),
-                       preferred_element_type=F32)
-  return w, u_tilde
-
-
-def wy_supported(e: int) -> str | None:
-  """Why the WY form cannot run (None: it can): it needs E = 1 (at E > 1 the sum over slices of
-  W_e S_e would need the state stacked over E rows, not side by side as S_cat)."""
-  return None if e == 1 else f"the WY form needs E = 1, got E = {e}"
-
-
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               output_in_pass=True, wy=False, interpret=False):
+            interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
-  (BH,E,D,V) float32. ``output_in_pass=False``: the kernel leaves the output product out of its
-  chunk loop (the products Q S and P U and o's store sit between U and the state update, on
-  the loop's dependency chain) and ``chunk_output`` forms o after it, in parallel over chunks.
-  ``wy=True`` (``wy_supported``): the loop's U = A beta V - W S from ``wy_inputs`` (one product
-  on the chain instead of K S, then A times the right-hand side); without erase, where U is
-  beta V, it changes nothing."""
+  (BH,E,D,V) float32."""
   vd = v.shape[-1]
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v)
-  if wy and (reason := wy_supported(e_dim)):
-    raise ValueError(reason)
-  wy = wy and erase
   n_cat = e_dim * bv
-  k_in, v_in = wy_inputs(k, v, a, f) if wy else (k, v)
-  ins = (q, k_in, _t(k), v_in, a.astype(BF16), p.astype(BF16), f, lam_cat,
-         _to_cat(h0.astype(F32), bv))
+  ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, lam_cat, _to_cat(h0.astype(F32), bv))
   sw_n, sw_v = _swizzle(n_cat), _swizzle(bv)
   scratch = [
       _smem((c, d), BF16, sw_n),          # q
-      _smem((c, d), BF16, sw_n),          # k (W with wy)
+      _smem((c, d), BF16, sw_n),          # k
       _smem((d, c), BF16, sw_v),          # k^T
-      _smem((c, bv), v_in.dtype, _swizzle(bv, v_in.dtype)),   # v block (A beta V with wy)
+      _smem((c, bv), BF16, sw_v),         # v block
       _smem((c, c), BF16, sw_v),          # A
       _smem((c, c), BF16, sw_v),          # P
       _smem((2, 3 * e_dim + 1, c), F32),  # row factors (two chunks' buffers)
@@ -569,21 +501,18 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   ]
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # initial / final state (cat layout)
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, output=output_in_pass, wy=wy,
-                             interpret=bool(interpret))
-  out_type = [jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype)] if output_in_pass else []
-  out_type += [jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
-               jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
-               jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)]
-  res = plgpu.kernel(
-      kernel, out_type=out_type,
+                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
+  o, u, states, ht = plgpu.kernel(
+      kernel,
+      out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype),
+                jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
+                jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
+                jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
       scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv),
       grid_names=("bh", "v"),
       compiler_params=_compiler_params(),
       interpret=_interpret_params(interpret), kernel_name="triadic_forward_mgpu",
   )(*ins)
-  u, states, ht = res[-3:]
-  o = res[0] if output_in_pass else chunk_output(q, u, states, p, q2_col, gc_col, scale=scale)
   return o, u, states, _from_cat(ht, e_dim)
 
 
@@ -591,34 +520,27 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
 # Backward state pass.
 
 
-def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, *refs, scratch, cat, nc, e_dim, bv,
-                     scale, erase, wy, interpret):
-  # refs: (A^T dU0 with ``wy``), the row factors, lam_cat, dht; dU, dstates, dh0; barriers.
-  dt_g, refs = (refs[0], refs[1:]) if wy else (None, refs)
-  f_g, lam_g, dht_g, du_g, dst_g, dh0_g, bars = refs
+def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
+                     du_g, dst_g, dh0_g, bars, *, scratch, cat, nc, e_dim, bv, scale, erase,
+                     interpret):
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
   erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
   dstate0 = _load_cat(ops, dht_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
-  # With ``wy``, "at" is W' = A^T diag(fw) K, "pt" is dU0 = scale P^T dO and "dt" A^T dU0
-  # (value blocks, float32; ``wy_backward_inputs``).
-  def copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, dt_s, f_s, lam_s):
-    named = [("k", k_g, k_s), ("kt", kt_g, kt_s), ("qt", qt_g, qt_s), ("do", do_g, do_s),
-             ("at", at_g, at_s), ("pt", pt_g, pt_s), ("lam", lam_g, lam_s), ("f", f_g, f_s)]
-    named += [("dt", dt_g, dt_s)] if wy else []
-    return _Inputs.of(bars, named, row=i, cols=cols, values=("do", "pt", "dt") if wy else ("do",),
-                      order=lambda step: nc - 1 - step, nc=nc)
+  def copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s):
+    return _Inputs.of(bars, [("k", k_g, k_s), ("kt", kt_g, kt_s), ("qt", qt_g, qt_s),
+                             ("do", do_g, do_s), ("at", at_g, at_s), ("pt", pt_g, pt_s),
+                             ("lam", lam_g, lam_s), ("f", f_g, f_s)],
+                      row=i, cols=cols, value="do", order=lambda step: nc - 1 - step, nc=nc)
 
-  first = ("k", "do", "pt", "lam", "f") + (("at",) if erase else ()) + (("dt",) if wy else ())
+  first = ("k", "do", "pt", "lam", "f") + (("at",) if erase else ())
   at_end = ("qt", "kt") if erase else ("qt",)      # read only by the state update at the end
 
-  def chunk(step, ds, *bufs):
-    k_s, kt_s, qt_s, do_s, at_s, pt_s = bufs[:6]
-    dt_s, bufs = (bufs[6], bufs[7:]) if wy else (None, bufs[6:])
-    f_s, lam_s, state_bf16_s, x_s, z_s, u_bf16_s, u_s, st_s = bufs
-    ins = copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, dt_s, f_s, lam_s)
+  def chunk(step, ds, k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s, state_bf16_s, x_s, z_s,
+            u_bf16_s, u_s, st_s):
+    ins = copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s)
     n = nc - 1 - step
     d = k_s.shape[1]
     plgpu.wgmma_wait(0)                   # the previous state update has read dS_cat, K^T, Q^T
@@ -632,17 +554,10 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, *refs, scratch, cat, nc,
     ins.start(at_end, step)
 
     ins.wait("k", step)
-    if wy:                                # dU = dU0 + fw K dS, A^T dU = A^T dU0 + W' dS
-      ins.wait("at", step)
-      r, r_wy = ops.mms((k_s, state_bf16_s), (at_s, state_bf16_s))
-      ins.wait("pt", step)
-      ins.wait("do", step)
-      du = ops.acc(pt_s[...])
-    else:
-      r = ops.mm(k_s, state_bf16_s)
-      ins.wait("pt", step)
-      ins.wait("do", step)
-      du = scale * ops.mm(pt_s, do_s)
+    r = ops.mm(k_s, state_bf16_s)
+    ins.wait("pt", step)
+    ins.wait("do", step)
+    du = scale * ops.mm(pt_s, do_s)
     ins.wait("f", step)
     for e in range(e_dim):
       du = du + ops.rowvec(f_s, write_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
@@ -651,12 +566,7 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, *refs, scratch, cat, nc,
     for e in range(e_dim):
       x_s[:, e * bv:(e + 1) * bv] = (scale * ops.rowvec(f_s, read_rows + e, bv) * do).astype(BF16)
     pairs = [(qt_s, x_s)]
-    if wy:
-      ins.wait("dt", step)
-      drhs = ops.acc(dt_s[...]) + r_wy
-      z_s[...] = (-ops.rowvec(f_s, erase_rows, bv) * drhs).astype(BF16)
-      pairs.append((kt_s, z_s))
-    elif erase:
+    if erase:
       u_bf16_s[...] = du.astype(BF16)
       plgpu.commit_smem()
       ins.wait("at", step)
@@ -675,49 +585,24 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, *refs, scratch, cat, nc,
   _store_cat(dstate, dh0_g.at[i, j], cat)
 
 
-def wy_backward_inputs(k, do, a, p, f, *, scale):
-  """The reverse pass's WY form at E = 1: W' = A^T diag(fw) K (C x D, bf16), dU0 = scale P^T dO
-  and A^T dU0 (C x V, float32), with fw = k2 exp(gc_C - gc) the rows of ``_factors``' f; bf16
-  operands and float32 accumulation as the kernel's own. The loop's dU = dU0 + diag(fw) K dS then
-  has A^T dU = A^T dU0 + W' dS without a product of A^T on the chain."""
-  fw = f[:, :, 2, :, None]                                          # (BH, NC, C, 1)
-  at16 = _t(a).astype(BF16)
-  w = jnp.einsum("bnts,bnsd->bntd", at16, (fw * k.astype(F32)).astype(BF16),
-                 preferred_element_type=F32).astype(BF16)
-  du0 = scale * jnp.einsum("bnts,bnsv->bntv", _t(p).astype(BF16), do.astype(BF16),
-                           preferred_element_type=F32)
-  dt = jnp.einsum("bnts,bnsv->bntv", at16, du0.astype(BF16), preferred_element_type=F32)
-  return w, du0, dt
-
-
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
-                       block_v=None, wy=False, interpret=False):
+                       block_v=None, interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   float32, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
-  (BH,E,D,V) float32. ``wy=True`` (E = 1, ``wy_supported``; nothing changes without erase):
-  the loop's dU and A^T dU from ``wy_backward_inputs``, K dS and W' dS issued together."""
+  (BH,E,D,V) float32."""
   vd = do.shape[-1]
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v)
-  if wy and (reason := wy_supported(e_dim)):
-    raise ValueError(reason)
-  wy = wy and erase
   n_cat = e_dim * bv
-  do16 = do.astype(q.dtype)
-  if wy:
-    mats = wy_backward_inputs(k, do16, a, p, f, scale=scale)
-  else:
-    mats = (_t(a).astype(BF16), _t(p).astype(BF16))
-  ins = (k, _t(k), _t(q), do16, *mats, f, lam_cat, _to_cat(dht.astype(F32), bv))
+  ins = (k, _t(k), _t(q), do.astype(q.dtype), _t(a).astype(BF16), _t(p).astype(BF16), f,
+         lam_cat, _to_cat(dht.astype(F32), bv))
   sw_n, sw_v = _swizzle(n_cat), _swizzle(bv)
-  sw_f = _swizzle(bv, F32)
   scratch = [
       _smem((c, d), BF16, sw_n),          # k
       _smem((d, c), BF16, sw_v),          # k^T
       _smem((d, c), BF16, sw_v),          # q^T
       _smem((c, bv), BF16, sw_v),         # dO block
-      _smem((c, d), BF16, sw_n) if wy else _smem((c, c), BF16, sw_v),      # W' or A^T
-      _smem((c, bv), F32, sw_f) if wy else _smem((c, c), BF16, sw_v),      # dU0 or P^T
-      *([_smem((c, bv), F32, sw_f)] if wy else []),                         # A^T dU0
+      _smem((c, c), BF16, sw_v),          # A^T
+      _smem((c, c), BF16, sw_v),          # P^T
       _smem((3 * e_dim + 1, c), F32),     # row factors
       _smem((n_cat,), F32),               # lam_cat
       _smem((d, n_cat), BF16, sw_n),      # dS_cat (bf16 operand)
@@ -729,7 +614,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   ]
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # dht / dh0 (cat layout)
   kernel = functools.partial(_backward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, wy=wy, interpret=bool(interpret))
+                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
   du, dstates, dh0 = plgpu.kernel(
       kernel,
       out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), F32),

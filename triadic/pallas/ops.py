@@ -139,13 +139,10 @@ def state_pass_kernels(cfg, q, v, k2):
   """The plan's state-passing kernels, as (forward, backward) functions of
   ``recurrent.state_pass``'s operands: ``mosaic`` (Hopper wgmma) or ``recurrent`` (Triton / TPU /
   interpret)."""
-  plan = _plan(cfg, q, v, k2)
-  if plan.mosaic_state_kernels:
+  if _plan(cfg, q, v, k2).mosaic_state_kernels:
     interpret = cfg.platform == "cpu"
-    return (functools.partial(mosaic.state_pass, interpret=interpret,
-                              output_in_pass=not cfg.output_after_pass, wy=plan.wy_state_passes),
-            functools.partial(mosaic.reverse_state_pass, interpret=interpret,
-                              wy=plan.wy_state_passes))
+    return (functools.partial(mosaic.state_pass, interpret=interpret),
+            functools.partial(mosaic.reverse_state_pass, interpret=interpret))
   return (functools.partial(recurrent.state_pass, cfg=cfg),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))
 
@@ -167,8 +164,7 @@ def _forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
   """
   b, h = q.shape[:2]
   q, k, v, k2, q2, g, beta, h0 = map(_merge, (q, k, v, k2, q2, g, beta, h0))
-  gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg,
-                                    fused=_plan(cfg, q, v, k2).fused_prep)
+  gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg)
   forward = state_pass_kernels(cfg, q, v, k2)[0]
   o, u, states, ht = forward(q, k, v, k2, q2, gc_col, beta, a, p, h0, scale=scale, erase=erase)
   return tuple(_split(x, b, h) for x in (o, ht, gc_col, gc_row, a, p, u, states))

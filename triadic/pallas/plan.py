@@ -16,7 +16,7 @@ import logging
 
 import jax.numpy as jnp
 
-from triadic.pallas import chunk_prep, mosaic, mosaic_backward
+from triadic.pallas import mosaic, mosaic_backward
 from triadic.pallas.common import Config
 
 log = logging.getLogger("triadic.pallas")
@@ -25,15 +25,11 @@ log = logging.getLogger("triadic.pallas")
 @dataclasses.dataclass(frozen=True)
 class Stage:
   """One stage's choice: ``backend`` ("triton", "mosaic_tpu", "mosaic_gpu", with "/interpret" on
-  a CPU), ``tiles`` (a short description), ``reason``, and ``variant``: whether the stage's
-  alternative structure runs (the prep: masks and UT inverse in its kernel, ``fused_prep``; the
-  state passes: the WY form, ``wy_state_passes``; the chunk backward: its tail as one
-  kernel)."""
+  a CPU), ``tiles`` (a short description) and ``reason``."""
   name: str
   backend: str
   tiles: str
   reason: str
-  variant: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,14 +44,6 @@ class Plan:
   @property
   def stages(self) -> tuple[Stage, ...]:
     return (self.prep, self.forward, self.backward_states, self.chunk_gradients)
-
-  @property
-  def fused_prep(self) -> bool:
-    return self.prep.variant
-
-  @property
-  def wy_state_passes(self) -> bool:
-    return self.forward.variant
 
   @property
   def mosaic_state_kernels(self) -> bool:
@@ -82,29 +70,16 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   base = _base(cfg)
   interp = "/interpret" if cfg.platform == "cpu" else ""
   loop = "chunks on the grid, state in VMEM" if cfg.chunk_grid else "chunk loop per value block"
-  prep_reason = (None if not cfg.fused_prep else "the TPU structure" if cfg.chunk_grid
-                 else chunk_prep.fused_prep_supported(c))
-  if cfg.fused_prep and prep_reason is None:
-    prep = Stage("prep", base, "one program per chunk, 16-row blocks of the inverse",
-                 "Config.fused_prep: masks M, M' and UT inverse in the kernel", variant=True)
-  else:
-    prep = Stage("prep", base, "one program per chunk",
-                 "masks M, M' and UT inverse in plain JAX (E-independent kernel)"
-                 + (f"; fused prep not taken: {prep_reason}" if cfg.fused_prep else ""))
+  prep = Stage("prep", base, "one program per chunk",
+               "masks M, M' in plain JAX (E-independent kernel)")
 
   state_reason = mosaic.supported(d, vd, c, e, dtype) if cfg.mosaic_gpu else "Config.mosaic_gpu off"
   if state_reason is None:
     bv = mosaic.default_block_v(d, vd, c, e)
     tiles = f"block_v {bv}, S_cat D x {e * bv}, copies "
-    wy_reason = mosaic.wy_supported(e) if cfg.wy_state_passes else None
-    wy = cfg.wy_state_passes and wy_reason is None
-    form = (", WY form (Config.wy_state_passes)" if wy else
-            f", WY form not taken: {wy_reason}" if cfg.wy_state_passes else "")
-    after = ", output after the pass (Config.output_after_pass)" if cfg.output_after_pass else ""
-    forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead" + form + after,
-                    "Config.mosaic_gpu", variant=wy)
-    bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles + "at chunk start" + form,
-                       "Config.mosaic_gpu", variant=wy)
+    forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead", "Config.mosaic_gpu")
+    bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles + "at chunk start",
+                       "Config.mosaic_gpu")
   else:
     tiles = f"block_v {cfg.block_v}, {loop}"
     forward = Stage("forward", base, tiles, state_reason)
@@ -123,8 +98,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                       f"{e // g} pass(es) x {g} slices, block_v {bv}, {st} stage(s), {tail}",
                       "Config.mosaic_gpu_backward" + (
                           "" if cfg.fused_tail is not None else
-                          f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}"),
-                      variant=fused)
+                          f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}"))
   else:
     chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
