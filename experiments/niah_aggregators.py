@@ -6,7 +6,9 @@ the segment length (the config's / 4 .. x 2, every aggregator) and merlin's d_r 
 
 ``--sweeps`` picks parts: main (aggregators at the config's segment length, every seed),
 segment, d_r (seed 0). Writes niah_*.png, niah_aggregators.json and runs.json to --out (default
-<workdir>/figures; the report's are docs/figures) and prints the markdown tables.
+<workdir>/figures; the report's are docs/figures) and prints the markdown tables. Without main
+runs (``--sweeps d_r`` or ``segment`` alone) the report has only the sweeps' tables and plots,
+and its niah_aggregators.json only theirs: such a sweep wants an --out of its own.
 
 ``--curriculum`` trains every model on easier versions of the task first (``STAGES``, in the order
 given), each stage starting from the last one's checkpoint (``init_from``, fresh optimizer), and
@@ -201,6 +203,50 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
   if MERGE_SUMMARY.value:
     sections.append(merge_summary(summary, MERGE_SUMMARY.value, lengths, depths))
   main = [a for a in ("single", *AGGREGATORS) if a in summary]
+  if main:  # none in a report of the segment or d_r sweep alone
+    sections += _main_report(summary, main, lengths, depths, segment)
+    if staged:
+      sections.append(_stage_table(summary, main, stages))
+
+  # Segment-length sweep (seed 0) and d_r sweep.
+  for key, values, default, fixed, name in (
+      ("seg", sorted(set(segments()) | {segment}), segment, {"d_r": 16}, "segment length"),
+      ("d_r", D_RS, 16, {"seg": segment}, "d_r")):
+    aggs = AGGREGATORS if key == "seg" else ("merlin",)
+    table, curves = [], {}
+    for a in aggs:
+      accs = []
+      for v in values:
+        grids = cells(lambda g, a=a, v=v: g["agg"] == a and g[key] == v and g["seed"] == 0
+                      and all(g[k] == x for k, x in fixed.items()))
+        accs.append(float(grids[0].mean()) if grids else float("nan"))
+      if not all(np.isnan(accs)):
+        curves[a] = accs
+        table.append([a, *[common.fmt(x, 0) for x in accs]])
+    if all(np.isnan(x) for acc in curves.values() for v, x in zip(values, acc) if v != default):
+      continue  # nothing swept: at most the main runs' value
+    summary[f"{key}_sweep"] = {"values": list(values), "accuracy": curves}
+    fig = Figure(figsize=(5.5, 3.8))
+    ax = fig.subplots()
+    for a, accs in curves.items():
+      ax.plot(values, accs, "o-", label=a)
+    ax.set_xscale("log", base=2)
+    ax.set_xticks(values, [str(v) for v in values])
+    ax.set(xlabel=name, ylabel="exact-match accuracy (all cells)", ylim=(-0.03, 1.05),
+           title=f"needle accuracy by {name} (seed 0)")
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=8)
+    common.save(fig, f"niah_{key}_sweep.png")
+    sections.append(f"By {name} (seed 0, all cells):\n\n" + common.markdown_table(
+        ["aggregator", *[str(v) for v in values]], table))
+  common.write_json("niah_aggregators.json", {"lengths": lengths, "depths": depths, **summary})
+  return "\n\n".join(sections) + "\n\n" + common.steps_note(results)
+
+
+def _main_report(summary: dict, main: list[str], lengths: list, depths: list,
+                 segment: int) -> list[str]:
+  """The main comparison of the models ``main`` (keys of ``summary``): writes the heatmaps and
+  the depth plot, returns the tables by context length and by needle depth."""
   rows_len, rows_depth = [], []
   fig = Figure(figsize=(6.5, 4.2))
   ax = fig.subplots()
@@ -229,46 +275,11 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
   common.save(fig, "niah_depth.png")
-  sections.append(f"By context length (segment {segment}, d_r 16):\n\n" + common.markdown_table(
-      ["model", *[str(n) for n in lengths], "all"], rows_len))
+  sections = [f"By context length (segment {segment}, d_r 16):\n\n" + common.markdown_table(
+      ["model", *[str(n) for n in lengths], "all"], rows_len)]
   sections.append("By needle depth (mean over lengths):\n\n" + common.markdown_table(
       ["model", *[f"{d:.2f}" for d in depths]], rows_depth))
-  if staged:
-    sections.append(_stage_table(summary, main, stages))
-
-  # Segment-length sweep (seed 0) and d_r sweep.
-  for key, values, fixed, name in (("seg", sorted(set(segments()) | {segment}), {"d_r": 16},
-                                    "segment length"),
-                                   ("d_r", D_RS, {"seg": segment}, "d_r")):
-    aggs = AGGREGATORS if key == "seg" else ("merlin",)
-    table, curves = [], {}
-    for a in aggs:
-      accs = []
-      for v in values:
-        grids = cells(lambda g, a=a, v=v: g["agg"] == a and g[key] == v and g["seed"] == 0
-                      and all(g[k] == x for k, x in fixed.items()))
-        accs.append(float(grids[0].mean()) if grids else float("nan"))
-      if not all(np.isnan(accs)):
-        curves[a] = accs
-        table.append([a, *[common.fmt(x, 0) for x in accs]])
-    if sum(1 for acc in curves.values() for x in acc if not np.isnan(x)) <= len(curves):
-      continue  # nothing swept
-    summary[f"{key}_sweep"] = {"values": list(values), "accuracy": curves}
-    fig = Figure(figsize=(5.5, 3.8))
-    ax = fig.subplots()
-    for a, accs in curves.items():
-      ax.plot(values, accs, "o-", label=a)
-    ax.set_xscale("log", base=2)
-    ax.set_xticks(values, [str(v) for v in values])
-    ax.set(xlabel=name, ylabel="exact-match accuracy (all cells)", ylim=(-0.03, 1.05),
-           title=f"needle accuracy by {name} (seed 0)")
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    common.save(fig, f"niah_{key}_sweep.png")
-    sections.append(f"By {name} (seed 0, all cells):\n\n" + common.markdown_table(
-        ["aggregator", *[str(v) for v in values]], table))
-  common.write_json("niah_aggregators.json", {"lengths": lengths, "depths": depths, **summary})
-  return "\n\n".join(sections) + "\n\n" + common.steps_note(results)
+  return sections
 
 
 def _stage_table(summary: dict, models: list[str], stages: list[str]) -> str:

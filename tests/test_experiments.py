@@ -68,6 +68,21 @@ def test_niah_report_tables_and_plots(parsed_flags):
     assert (out / name).stat().st_size > 0, name
 
 
+def test_niah_report_of_a_sweep_without_main_runs(parsed_flags):
+  """--sweeps d_r alone (one d_r, through a curriculum): the d_r table, no main tables or plots."""
+  _parse(parsed_flags, "--seeds=1", "--sweeps=d_r", "--d_rs=64", "--curriculum=n4_len128")
+  runs = niah_aggregators.runs()
+  assert {r.group["d_r"] for r in runs} == {64} and len(runs) == 2
+  results = {r.name: {"task": "niah", "step": 10, "lengths": [64], "depths": [0.0, 1.0],
+                      "accuracy_grid": [[0.7]] * 2} for r in runs}
+  text = niah_aggregators.report(results, runs)
+  assert "| merlin | — | — | 0.70 | — |" in text and "By context length" not in text
+  out = parsed_flags / "out"
+  assert (out / "niah_d_r_sweep.png").exists() and not (out / "niah_heatmaps.png").exists()
+  assert json.loads((out / "niah_aggregators.json").read_text())["d_r_sweep"]["values"] == [
+      16, 32, 64, 128]
+
+
 def test_upgrade_report_recovered_fraction(parsed_flags):
   parts = upgrade.quads()
   acc = {"small": 0.2, "continued": 0.3, "upgraded": 0.6, "big": 0.8}
