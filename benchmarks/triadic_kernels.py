@@ -224,7 +224,7 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
       cells = [f"{x:.2f} ({f / (x * 1e-3) / 1e12:.0f})" for x, f in zip(ms, fl)]
       cells.append(f"{sum(ms):.2f} ({sum(fl) / (sum(ms) * 1e-3) / 1e12:.0f})")
       print(f"| {e} | {label} | " + " | ".join(cells) + " |")
-      sys.stdout.flush()
+      print(f"# prep by part, E = {e}: " + prep_parts(prep_args, reps), flush=True)
       if cfg.mosaic_gpu_backward:  # each row also printed as it comes (a run cut short keeps it)
         parts.append((e, mosaic_backward_parts(cbw_args, reps, cfg.value_slices)))
         print(f"# chunk backward by part, E = {e}: " + " | ".join(parts[-1][1]), flush=True)
@@ -247,6 +247,28 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
     print("| E | tiles | fused | split |")
     print("|---|---|---|---|")
     print("\n".join(tail_rows))
+
+
+def prep_parts(prep_args, reps):
+  """The prep's plain-JAX parts, each timed alone (ms): the cumulative decay and the masks M, M'
+  (``masks``), and the UT inverse (``unit_lower_inverse``); the kernel with its glue is the
+  rest of the whole stage's time."""
+  from triadic.chunked import unit_lower_inverse
+  from triadic.pallas import masks
+  q, k, k2, q2, g, beta = prep_args
+  c = q.shape[-2]
+
+  def mask_work(k2, q2, g):
+    gc_col = masks.chunk_cumsum(g)
+    return masks.decay_masks(k2, jnp.swapaxes(k2, -1, -2).astype(jnp.float32), q2, gc_col,
+                             jnp.swapaxes(gc_col, -1, -2), erase=True)
+
+  strict = jnp.tril(jnp.ones((c, c), bool), -1)
+  lower = jnp.where(strict, 0.1 * jax.random.normal(jax.random.PRNGKey(3), q.shape[:2] + (c, c)),
+                    0.0)
+  ms_masks = timeit(jax.jit(mask_work), (k2, q2, g), reps)
+  ms_inv = timeit(jax.jit(unit_lower_inverse), (lower,), reps)
+  return f"masks {ms_masks:.2f} | UT inverse {ms_inv:.2f} ms"
 
 
 def mosaic_backward_parts(cbw_args, reps, value_slices=None):
