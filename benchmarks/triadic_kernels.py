@@ -118,10 +118,10 @@ def attention_fns():
   return jax.jit(run), jax.jit(fwd_bwd)
 
 
-def check(only=None, value_slices=None):
+def check(only=None, value_slices=None, fields=None):
   """Relative RMS error of pallas (the device's default kernels: Mosaic GPU on Hopper for bf16;
-  ``value_slices`` overrides that ``Config`` field) against scan (float32) and chunked (bf16) on
-  this machine."""
+  ``value_slices`` and ``fields`` override those ``Config`` fields) against scan (float32) and
+  chunked (bf16) on this machine."""
   names = "o state dq dk dv dk2 dq2 dg dbeta dh0".split()
   print("| case | " + " | ".join(names) + " |")
   print("|" + "---|" * (len(names) + 1))
@@ -149,8 +149,8 @@ def check(only=None, value_slices=None):
     def grads(impl):
       f = lambda *a: triadic_gdn(*a[:7], initial_state=a[7], erase=erase, impl=impl,
                                  chunk_size=64)
-      if impl == "pallas" and value_slices:
-        cfg = pallas_config(e, vd, value_slices=value_slices)
+      if impl == "pallas" and (value_slices or fields):
+        cfg = pallas_config(e, vd, value_slices=value_slices, **(fields or {}))
         f = lambda *a: pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7],
                                            erase=erase, chunk_size=64, config=cfg)
       (o, s), pull = jax.vjp(f, *args, h0)
@@ -384,8 +384,10 @@ def main():
                       help="PyTorch GDN kernels timed on the same inputs (E = 1 slices of ours); "
                            "missing packages are reported and skipped; none: --peers")
   parser.add_argument("--op-variants", nargs="*", default=[],
-                      help="op table: also the op with these boolean Config fields on, one "
-                           "comma-joined set per pair of columns, e.g. fused_tail")
+                      help="op table: also the op with these Config fields set, one "
+                           "comma-joined set per pair of columns: a name alone is True, name=N "
+                           "an int, e.g. fused_tail sequence_pieces=0 (--check: the first set "
+                           "replaces the default's fields)")
   parser.add_argument("--tail-variants", action="store_true",
                       help="with --stages on Hopper: the chunk backward's tail, fused and split, "
                            "under a few tile choices")
@@ -396,12 +398,23 @@ def main():
   print(f"# {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
         f"{datetime.datetime.now():%Y-%m-%d %H:%M}")
   if args.check:
-    check(args.cases, (args.value_slices or [None])[0])
+    check(args.cases, (args.value_slices or [None])[0],
+          variant_fields(args.op_variants[0]) if args.op_variants else None)
     return
   if args.stages:
     stages(args.t[0], args.e, args.reps, args.variants, args.value_slices, args.tail_variants)
     return
   op_table(args)
+
+
+def variant_fields(variant: str) -> dict:
+  """``--op-variants`` syntax: comma-joined Config fields, a bare name set True, name=N an int
+  (e.g. ``fused_tail``, ``sequence_pieces=0,warmup_chunks=8``)."""
+  fields = {}
+  for item in variant.split(","):
+    name, _, value = item.partition("=")
+    fields[name] = int(value) if value else True
+  return fields
 
 
 def op_table(args):
@@ -449,7 +462,14 @@ def op_table(args):
         variants.append(timeit(triadic_fns("pallas", value_slices=g)[1], xs, args.reps)
                         if e % g == 0 else nan)
       for variant in args.op_variants:
-        vf, vfb = triadic_fns("pallas", **dict.fromkeys(variant.split(","), True))
+        fields = variant_fields(variant)
+        if "sequence_pieces" in fields:
+          from triadic.pallas import plan as plan_lib
+          cfg = pallas_config(e, vd, **fields)
+          print(f"# {variant} at B={b} T={t} E={e}: " + str(plan_lib.sequence_pieces(
+              cfg, bh=b * h, nc=-(-t // 64), d=d, vd=vd, c=64, e=pops.pow2(e),
+              dtype=jnp.bfloat16)))
+        vf, vfb = triadic_fns("pallas", **fields)
         variants += [timeit(vf, xs, args.reps), timeit(vfb, xs, args.reps)]
       tri = (nan, nan)
       if hopper and not args.no_triton:

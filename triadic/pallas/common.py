@@ -57,6 +57,10 @@ class Config:
   (None: ``mosaic_backward.default_value_slices``, the most that keep its load pipeline).
   fused_tail: with ``mosaic_gpu_backward``, whether that backward's tail is one kernel with the
   mask work inside (None: ``mosaic_backward.default_fused_tail``, small E).
+  sequence_pieces: cut the sequence into this many pieces for the state passes, each started
+  from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
+  rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
+  keep the programs within the device's multiprocessors, n >= 2 exactly n.
   """
   platform: str
   block_v: int
@@ -69,10 +73,17 @@ class Config:
   mosaic_gpu_backward: bool = False
   value_slices: int | None = None
   fused_tail: bool | None = None
+  sequence_pieces: int = 1
+  warmup_chunks: int = 16
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
       raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
+    if not isinstance(self.sequence_pieces, int) or self.sequence_pieces < 0:
+      raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
+                       f"{self.sequence_pieces!r}")
+    if not isinstance(self.warmup_chunks, int) or self.warmup_chunks < 1:
+      raise ValueError(f"warmup_chunks must be an int >= 1, got {self.warmup_chunks!r}")
     if self.platform == "cpu" and not self.interpret:
       object.__setattr__(self, "interpret", True)
     if (self.mosaic_gpu or self.mosaic_gpu_backward) and self.platform == "tpu":

@@ -6,6 +6,9 @@ U). Backward (``jax.custom_vjp``): the reverse state pass (chunk-end state gradi
 the chunk-parallel backward (every input gradient). Only the inputs, gc, A, P, U and the
 chunk-start states are kept from the forward; M, M', K K^T and Q K^T are recomputed. Which kernel
 runs each stage is decided in one place, ``plan.resolve`` (``explain`` shows it for given sizes).
+When the state passes' programs cannot fill the GPU (B = 1 at long T), ``Config.sequence_pieces``
+runs them over pieces of the sequence, each started from a short warm-up pass (``pieces.py``,
+``plan.sequence_pieces``; exact to far below rounding, and only where every window decays enough).
 
 Layout: (B, T, H, X) -> (B, H, NC, C, X) with T zero-padded to NC*C (padded tokens have k = q = v =
 beta = k2 = q2 = 0 and g = 0, so they leave the state alone); the kernels see (B*H, NC, C, X).
@@ -39,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from triadic.pallas import backward as bwd_kernels
-from triadic.pallas import mosaic, mosaic_backward, partition, recurrent
+from triadic.pallas import mosaic, mosaic_backward, partition, pieces, recurrent
 from triadic.pallas import plan as plan_lib
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import F32, PLATFORMS, Config
@@ -147,6 +150,13 @@ def state_pass_kernels(cfg, q, v, k2):
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))
 
 
+def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
+  """The plan's pieces of the sequence for the state passes (``plan.sequence_pieces``), on the
+  kernels' (B*H, NC, C, X) operands."""
+  return plan_lib.sequence_pieces(cfg, bh=q.shape[0], nc=q.shape[1], d=q.shape[-1],
+                                  vd=v.shape[-1], c=q.shape[-2], e=k2.shape[-1], dtype=q.dtype)
+
+
 def chunk_gradients_kernel(cfg, q, v, k2):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (``cfg.value_slices`` slices per
   value-kernel pass, ``cfg.fused_tail``) or ``backward.chunk_gradients``."""
@@ -166,7 +176,8 @@ def _forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
   q, k, v, k2, q2, g, beta, h0 = map(_merge, (q, k, v, k2, q2, g, beta, h0))
   gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg)
   forward = state_pass_kernels(cfg, q, v, k2)[0]
-  o, u, states, ht = forward(q, k, v, k2, q2, gc_col, beta, a, p, h0, scale=scale, erase=erase)
+  o, u, states, ht = pieces.state_pass(forward, sequence_pieces(cfg, q, v, k2), q, k, v, k2, q2,
+                                       gc_col, beta, a, p, h0, g, scale=scale, erase=erase)
   return tuple(_split(x, b, h) for x in (o, ht, gc_col, gc_row, a, p, u, states))
 
 
@@ -178,8 +189,10 @@ def _backward(scale, erase, cfg, q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u,
   q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht = map(
       _merge, (q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht))
   backward = state_pass_kernels(cfg, q, do, k2)[1]
-  du, dstates, dh0 = backward(q, k, do.astype(q.dtype), k2, q2, gc_col, beta, a, p, dht.astype(F32),
-                              scale=scale, erase=erase)
+  g = gc_col - jnp.pad(gc_col[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0)))  # per-token decay
+  du, dstates, dh0 = pieces.reverse_state_pass(
+      backward, sequence_pieces(cfg, q, do, k2), q, k, do.astype(q.dtype), k2, q2, gc_col, beta,
+      a, p, dht.astype(F32), g, scale=scale, erase=erase)
   chunk_gradients = chunk_gradients_kernel(cfg, q, v, k2)
   dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = chunk_gradients(
       q, k, v, do, u, du, states, dstates, k2, _rows(k2), q2, gc_col, gc_row, beta, a, scale=scale,

@@ -16,7 +16,7 @@ import logging
 
 import jax.numpy as jnp
 
-from triadic.pallas import mosaic, mosaic_backward
+from triadic.pallas import mosaic, mosaic_backward, pieces
 from triadic.pallas.common import Config
 
 log = logging.getLogger("triadic.pallas")
@@ -110,3 +110,21 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
 @functools.lru_cache(maxsize=None)
 def _log_once(plan: Plan) -> None:
   log.info("%s", plan)
+
+
+def sequence_pieces(cfg: Config, *, bh: int, nc: int, d: int, vd: int, c: int, e: int, dtype
+                    ) -> pieces.Pieces:
+  """How the state passes of a call with B*H = ``bh`` over ``nc`` chunks are cut
+  (``Config.sequence_pieces``, ``pieces.choose``); its programs are bh times the forward state
+  pass's value blocks. Logged once per distinct answer."""
+  plan = resolve(cfg, d=d, vd=vd, c=c, e=e, dtype=dtype)
+  bv = mosaic.default_block_v(d, vd, c, e) if plan.mosaic_state_kernels else cfg.block_v
+  choice = pieces.choose(cfg.sequence_pieces, cfg.warmup_chunks, programs=bh * max(1, vd // bv),
+                         nc=nc)
+  _log_pieces_once(plan.sizes, bh, nc, choice)
+  return choice
+
+
+@functools.lru_cache(maxsize=None)
+def _log_pieces_once(sizes: str, bh: int, nc: int, choice: pieces.Pieces) -> None:
+  log.info("triadic_pallas state passes (%s, B*H=%d, %d chunks): %s", sizes, bh, nc, choice)

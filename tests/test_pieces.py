@@ -1,0 +1,114 @@
+"""The state passes over pieces of the sequence (``triadic/pallas/pieces.py``): the op with pieces
+against the scan where every window decays enough (the pieces run) and where one does not (the
+plain pass runs), the decision, the bound, and the CUDA lowering."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from testkit.triadic import check_against_scan, make_grad_inputs
+from triadic.pallas import ops as pops
+from triadic.pallas import pieces
+from triadic.pallas.common import Config
+from triadic.pallas.ops import kernel_layout, triadic_pallas
+
+jax.config.update("jax_default_matmul_precision", "highest")
+
+# T = 181 at C = 16 is 12 chunks: three pieces of four, two-chunk warm-ups.
+PIECES = Config("cpu", block_v=16, bwd_block_v=16, sequence_pieces=3, warmup_chunks=2)
+
+
+def _window_fits(b, t, h, e, decay, chunk, cfg):
+  """Whether the op's forward windows (before pieces 1 ..) all decay below exp(LOG_TOL) on
+  ``make_grad_inputs``' values."""
+  args, _, _ = make_grad_inputs(0, b, t, h, 16, 16, e, decay=decay, dtype=jnp.float32)
+  nc = -(-t // chunk)
+  lay = lambda x: kernel_layout(x, nc, chunk).reshape(b * h, nc, chunk, -1)
+  k, k2, g, beta = (lay(args[i]) for i in (1, 3, 5, 6))
+  live = jnp.ones((b * h, e), bool)
+  choice = pieces.choose(cfg.sequence_pieces, cfg.warmup_chunks, programs=1, nc=nc)
+  starts = range(choice.length - choice.warmup, nc - choice.warmup, choice.length)
+  return bool(pieces._fits(pieces.token_log_bound(k, k2, g, beta, live, erase=True), starts,
+                           choice.warmup))
+
+
+@pytest.mark.parametrize("e,erase,decay,dtype,pieces_run", [
+    pytest.param(3, True, 4.0, jnp.float32, True, id="E3-decaying-pieces-run"),
+    pytest.param(2, False, 6.0, jnp.bfloat16, True, id="E2-noerase-bf16-pieces-run"),
+    pytest.param(3, True, 0.05, jnp.float32, False, id="E3-weak-decay-plain-pass"),
+])
+def test_pieces_match_scan(e, erase, decay, dtype, pieces_run):
+  """Output, final state and every gradient against the scan with three pieces, B = 2, H = 2,
+  E = 3 padded to 4 (an inert slice): where every window decays below exp(LOG_TOL) the pieces
+  run; under weak decay the windows do not, and the op must take the plain pass (pieces there
+  would drop state that still matters)."""
+  assert _window_fits(2, 181, 2, e, decay, 16, PIECES) == pieces_run
+  check_against_scan(2, 181, 2, 16, 32, e, 16, erase, decay, dtype, config=PIECES)
+
+
+def test_mosaic_gpu_pieces_match_scan():
+  """The Hopper state-passing kernels (Mosaic GPU interpret mode) over two pieces of a 5-chunk
+  warm-up: 768 tokens at C = 64 are 12 chunks."""
+  from triadic.pallas import mosaic
+  if not mosaic.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable in this JAX")
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, sequence_pieces=2,
+               warmup_chunks=5)
+  check_against_scan(1, 740, 1, 64, 32, 1, 64, True, 1.0, jnp.bfloat16, config=cfg)
+
+
+def test_choose():
+  auto = lambda programs, nc, sms=132: pieces.choose(0, 16, programs=programs, nc=nc, sms=sms)
+  assert auto(64, 1024).count == 2            # B = 1, H = 16, four value blocks at T = 65536
+  assert auto(16, 1024).count == 8
+  assert auto(128, 1024).count == 1           # the programs fill the device
+  assert auto(64, 24).count == 1              # pieces shorter than the warm-up
+  assert auto(30, 36).count == 2              # 4 does not divide 36 into 16-chunk pieces; 2 does
+  assert pieces.choose(1, 16, programs=1, nc=1024).count == 1
+  assert pieces.choose(3, 2, programs=999, nc=12) == pieces.Pieces(3, 4, 2,
+                                                                   "Config.sequence_pieces = 3")
+  assert pieces.choose(5, 2, programs=1, nc=12).count == 1   # 5 does not divide 12
+
+
+def test_token_log_bound():
+  """With unit keys and beta in [0, 1] the bound is the decay of the weakest live slice; a key
+  longer than 1 adds log(beta |u|^2 - 1) where that exceeds 1; dead slices are left out."""
+  rng = np.random.default_rng(0)
+  g = jnp.asarray(-rng.uniform(0.5, 1.0, size=(1, 2, 4, 3)), jnp.float32)
+  k = jnp.asarray(rng.normal(size=(1, 2, 4, 8)), jnp.float32)
+  k = k / jnp.linalg.norm(k, axis=-1, keepdims=True)
+  k2 = jnp.full((1, 2, 4, 3), 3 ** -0.5, jnp.float32)
+  beta = jnp.full((1, 2, 4, 1), 0.7, jnp.float32)
+  live = jnp.array([[True, True, False]])
+  got = pieces.token_log_bound(k, k2, g, beta, live, erase=True)
+  np.testing.assert_allclose(got, jnp.max(g[..., :2], -1), rtol=1e-6)
+  got = pieces.token_log_bound(3 * k, k2, g, beta, live, erase=True)   # |u|^2 = 9
+  np.testing.assert_allclose(got, jnp.max(g[..., :2], -1) + np.log(0.7 * 9 - 1), rtol=1e-5)
+  assert jnp.all(pieces.token_log_bound(3 * k, k2, g, beta, live, erase=False)
+                 == jnp.max(g[..., :2], -1))
+
+
+def test_pieces_lower_for_cuda():
+  """The op with pieces (both branches of the cond, forward and backward) lowers for CUDA with
+  the Mosaic GPU state kernels."""
+  b, t, h, d, vdim, e = 1, 2048, 1, 64, 64, 1
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vdim), spec(b, t, h, e),
+          spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, vdim, dt=jnp.float32)]
+  cfg = dataclasses.replace(pops.default_config("gpu", e, vdim), mosaic_gpu=True,
+                            sequence_pieces=2, warmup_chunks=4)
+
+  def loss(*a):
+    o, s = triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7], erase=True, chunk_size=64,
+                          config=cfg)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+  text = jax.jit(jax.grad(loss, argnums=tuple(range(8)))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
+  assert text.count("triadic_forward_mgpu") >= 3      # the plain pass, the warm-up, the pieces
+  assert "triadic_backward_states_mgpu" in text

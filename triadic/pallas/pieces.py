@@ -1,0 +1,178 @@
+"""The state passes over pieces of the sequence, for calls whose programs cannot fill the GPU.
+
+A state pass runs one program per (batch*head, value block), each a chain of NC dependent chunk
+steps. When those programs are fewer than the device's multiprocessors (B = 1 at long T), the
+sequence is cut into P pieces of L = NC / P chunks and the pass runs P times the programs, each L
+steps long: the inputs reshape (B*H, NC, ...) -> (B*H*P, L, ...) without a copy.
+
+A piece's start state is the state after the W chunks before it, computed from zero by a short
+pass over those windows (``warm-up``); whatever the state held before the window is dropped. The
+dropped part reaches the piece multiplied by the window's transitions, and each token's
+transition has norm at most
+
+  max_e alpha_te * max(1, |1 - beta_t ||k2_t||^2 ||k_t||^2|)
+
+on the stacked E x D state (decay diag(alpha), then the erase I - beta u u^T with u = k2 (x) k;
+without erase only the decay). So the dropped part is at most exp(sum of ``token_log_bound`` over
+the window) of the dropped state's norm; with unit keys and beta in [0, 1] that is the window's
+decay, exp(sum_t max_e g_te). When every window of the call is below exp(``LOG_TOL``) the pieces
+are exact to far below float32 rounding; when any window decays less, the call runs the plain
+pass (``jax.lax.cond``: both are compiled, the data picks). FlashQLA's intra-sequence context
+parallelism rests on the same decay argument.
+
+The reverse pass is the same with each window after its piece (the transposed transitions have
+the same norms): the window's pass from a zero gradient gives the gradient at the piece's end.
+Slices whose state stays zero (k2 = 0 at every token and a zero start, e.g. E padded to a power
+of two) are left out of the max over e.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+F32 = jnp.float32
+LOG_TOL = -20.0          # log of the largest factor a dropped state may reach a piece with
+DEFAULT_SMS = 132        # an H100 / H200, when the device does not say
+
+
+@dataclasses.dataclass(frozen=True)
+class Pieces:
+  """How a call's state passes run: ``count`` pieces of ``length`` chunks, each started from a
+  warm-up over the ``warmup`` chunks before it (count 1: the plain pass), and why."""
+  count: int
+  length: int
+  warmup: int
+  reason: str
+
+  def __str__(self) -> str:
+    if self.count == 1:
+      return f"one piece ({self.reason})"
+    return (f"{self.count} pieces of {self.length} chunks, {self.warmup}-chunk warm-ups, when "
+            f"every window decays below exp({LOG_TOL:g}) ({self.reason})")
+
+
+def device_sms() -> int:
+  """The default device's multiprocessor count (``core_count``), else ``DEFAULT_SMS``."""
+  return int(getattr(jax.devices()[0], "core_count", 0) or DEFAULT_SMS)
+
+
+def choose(requested: int, warmup: int, *, programs: int, nc: int, sms: int | None = None
+           ) -> Pieces:
+  """The pieces for ``programs`` (B*H*value blocks) state-pass programs over ``nc`` chunks.
+  ``requested``: 1 none; n >= 2 exactly n; 0 the most of (8, 4, 2) that keep programs * P
+  within the device's multiprocessors. A piece must be at least ``warmup`` chunks long and P must
+  divide nc; otherwise one piece, with the reason."""
+  if requested == 1:
+    return Pieces(1, nc, 0, "Config.sequence_pieces = 1")
+  if requested >= 2:
+    candidates, why = (requested,), f"Config.sequence_pieces = {requested}"
+  else:
+    sms = sms or device_sms()
+    candidates = tuple(p for p in (8, 4, 2) if programs * p <= sms)
+    why = f"{programs} programs for {sms} multiprocessors"
+    if not candidates:
+      return Pieces(1, nc, 0, why + ": they fill the device")
+  for p in candidates:
+    if nc % p == 0 and nc // p >= warmup:
+      return Pieces(p, nc // p, warmup, why)
+  return Pieces(1, nc, 0, f"{why}: no piece count in {candidates} divides {nc} chunks into "
+                          f"pieces of at least {warmup}")
+
+
+def token_log_bound(k, k2, g, beta, live, *, erase):
+  """(BH, NC, C) log of each token's transition-norm bound (module docstring). k (BH,NC,C,D),
+  k2 / g (BH,NC,C,E), beta (BH,NC,C,1); ``live`` (BH, E) marks the slices whose state can be
+  nonzero (the others are left out of the max over e)."""
+  decay = jnp.max(jnp.where(live[:, None, None, :], g.astype(F32), -jnp.inf), axis=-1)
+  decay = jnp.maximum(decay, -1e30)                       # no live slice: no state at all
+  if not erase:
+    return decay
+  u2 = jnp.sum(jnp.square(k.astype(F32)), -1) * jnp.sum(jnp.square(k2.astype(F32)), -1)
+  return decay + jnp.log(jnp.maximum(1.0, jnp.abs(1.0 - beta[..., 0].astype(F32) * u2)))
+
+
+def _live(writes, start):
+  """(BH, E): slices written at some token (``writes`` (BH,NC,C,E) nonzero) or started nonzero
+  (``start`` (BH,E,D,V))."""
+  return jnp.any(writes != 0, axis=(1, 2)) | jnp.any(start != 0, axis=(2, 3))
+
+
+def _window_index(starts, w):
+  """(len(starts), w) chunk indices of the windows [s, s + w); ``starts`` an arithmetic range,
+  built from iotas (a custom_partitioning body may close over no array constants)."""
+  first, n = starts.start, len(starts)
+  return first + starts.step * jnp.arange(n)[:, None] + jnp.arange(w)[None, :]
+
+
+def _windows(x, starts, w):
+  """x (BH, NC, ...) -> (BH * len(starts), w, ...): chunks [s, s + w) for each start s."""
+  y = x[:, _window_index(starts, w)]
+  return y.reshape(y.shape[0] * y.shape[1], *y.shape[2:])
+
+
+def _pieces(x, n):
+  """(BH, NC, ...) -> (BH * n, NC / n, ...), a reshape."""
+  return x.reshape(x.shape[0] * n, x.shape[1] // n, *x.shape[2:])
+
+
+def _whole(x, n):
+  """(BH * n, L, ...) -> (BH, n * L, ...), a reshape."""
+  return x.reshape(x.shape[0] // n, n * x.shape[1], *x.shape[2:])
+
+
+def _fits(log_bound, starts, w):
+  """Whether every window [s, s + w) of chunks has a summed log bound below LOG_TOL."""
+  per_chunk = jnp.sum(log_bound, axis=-1)                                    # (BH, NC)
+  return jnp.all(jnp.sum(per_chunk[:, _window_index(starts, w)], axis=-1) <= LOG_TOL)
+
+
+def state_pass(fn, pieces: Pieces, q, k, v, k2, q2, gc, beta, a, p, h0, g, *, scale, erase):
+  """``fn`` (a forward state pass: ``recurrent.state_pass`` / ``mosaic.state_pass`` operands and
+  results) over ``pieces``, or over the whole sequence where a window decays too little. ``g``
+  is the per-token log decay (BH, NC, C, E)."""
+  kw = dict(scale=scale, erase=erase)
+  n, length, w = pieces.count, pieces.length, pieces.warmup
+  ins = (q, k, v, k2, q2, gc, beta, a, p)
+  if n == 1:
+    return fn(*ins, h0, **kw)
+  starts = range(length - w, n * length - w, length)      # the windows before pieces 1 .. n-1
+
+  def split(ins, h0):
+    zero = jnp.zeros((h0.shape[0] * (n - 1),) + h0.shape[1:], h0.dtype)
+    warm = fn(*(_windows(x, starts, w) for x in ins), zero, **kw)[3]
+    starts_h = jnp.concatenate([h0[:, None], warm.reshape(h0.shape[0], n - 1, *h0.shape[1:])], 1)
+    o, u, states, ht = fn(*(_pieces(x, n) for x in ins),
+                          starts_h.reshape(-1, *h0.shape[1:]).astype(h0.dtype), **kw)
+    return _whole(o, n), _whole(u, n), _whole(states, n), ht.reshape(-1, n, *ht.shape[1:])[:, -1]
+
+  ok = _fits(token_log_bound(k, k2, g, beta, _live(k2, h0), erase=erase), starts, w)
+  return jax.lax.cond(ok, split, lambda ins, h0: fn(*ins, h0, **kw), ins, h0)
+
+
+def reverse_state_pass(fn, pieces: Pieces, q, k, do, k2, q2, gc, beta, a, p, dht, g, *, scale,
+                       erase):
+  """``fn`` (a reverse state pass) over ``pieces``, each started from the gradient that a pass
+  over the ``warmup`` chunks after it brings back from zero, or over the whole sequence where a
+  window decays too little."""
+  kw = dict(scale=scale, erase=erase)
+  n, length, w = pieces.count, pieces.length, pieces.warmup
+  ins = (q, k, do, k2, q2, gc, beta, a, p)
+  if n == 1:
+    return fn(*ins, dht, **kw)
+  starts = range(length, n * length, length)              # the windows after pieces 0 .. n-2
+
+  def split(ins, dht):
+    zero = jnp.zeros((dht.shape[0] * (n - 1),) + dht.shape[1:], dht.dtype)
+    warm = fn(*(_windows(x, starts, w) for x in ins), zero, **kw)[2]
+    ends = jnp.concatenate([warm.reshape(dht.shape[0], n - 1, *dht.shape[1:]), dht[:, None]], 1)
+    du, dstates, dh0 = fn(*(_pieces(x, n) for x in ins),
+                          ends.reshape(-1, *dht.shape[1:]).astype(dht.dtype), **kw)
+    return _whole(du, n), _whole(dstates, n), dh0.reshape(-1, n, *dh0.shape[1:])[:, 0]
+
+  # A gradient slice is written through q2 (the read) and k2 (the erase).
+  live = _live(k2, dht) | _live(q2, dht)
+  ok = _fits(token_log_bound(k, k2, g, beta, live, erase=erase), starts, w)
+  return jax.lax.cond(ok, split, lambda ins, dht: fn(*ins, dht, **kw), ins, dht)
