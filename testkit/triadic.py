@@ -89,3 +89,20 @@ def check_against_scan(b, t, h, d, vdim, e, chunk, erase, decay, dtype, config=N
     assert np.all(np.isfinite(np.asarray(got, np.float32))), name
     err = rel_rms(got, want)
     assert err < bound["grad"], f"d{name}: rel RMS {err:.2e}"
+
+
+def cuda_lowering_text(config, b, t, h, d, vdim, e, *, erase=True, chunk_size=64):
+  """The StableHLO text of the op's forward and backward under ``config`` (bf16 inputs), lowered
+  for CUDA on this machine: what kernels a GPU would run."""
+  from triadic.pallas.ops import triadic_pallas
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vdim), spec(b, t, h, e),
+          spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, vdim, dt=jnp.float32)]
+
+  def loss(*a):
+    o, s = triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7], erase=erase,
+                          chunk_size=chunk_size, config=config)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+  return jax.jit(jax.grad(loss, argnums=tuple(range(8)))).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()

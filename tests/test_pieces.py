@@ -11,11 +11,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from testkit.triadic import check_against_scan, make_grad_inputs
+from testkit.triadic import check_against_scan, cuda_lowering_text, make_grad_inputs
 from triadic.pallas import ops as pops
 from triadic.pallas import pieces
 from triadic.pallas.common import Config
-from triadic.pallas.ops import kernel_layout, triadic_pallas
+from triadic.pallas.ops import kernel_layout
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
@@ -96,19 +96,8 @@ def test_token_log_bound():
 def test_pieces_lower_for_cuda():
   """The op with pieces (both branches of the cond, forward and backward) lowers for CUDA with
   the Mosaic GPU state kernels."""
-  b, t, h, d, vdim, e = 1, 2048, 1, 64, 64, 1
-  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
-  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vdim), spec(b, t, h, e),
-          spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, vdim, dt=jnp.float32)]
-  cfg = dataclasses.replace(pops.default_config("gpu", e, vdim), mosaic_gpu=True,
+  cfg = dataclasses.replace(pops.default_config("gpu", 1, 64), mosaic_gpu=True,
                             sequence_pieces=2, warmup_chunks=4)
-
-  def loss(*a):
-    o, s = triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7], erase=True, chunk_size=64,
-                          config=cfg)
-    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
-
-  text = jax.jit(jax.grad(loss, argnums=tuple(range(8)))).trace(*args).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = cuda_lowering_text(cfg, 1, 2048, 1, 64, 64, 1)
   assert text.count("triadic_forward_mgpu") >= 3      # the plain pass, the warm-up, the pieces
   assert "triadic_backward_states_mgpu" in text

@@ -34,8 +34,8 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 
 from testkit import rel_rms
-from testkit.triadic import (NAMES, PALLAS_BOUNDS, check_against_scan, make_grad_inputs,
-                             value_and_grads)
+from testkit.triadic import (NAMES, PALLAS_BOUNDS, check_against_scan, cuda_lowering_text,
+                             make_grad_inputs, value_and_grads)
 from triadic import triadic_gdn
 from triadic.pallas import ops as pops
 from triadic.pallas import recurrent
@@ -172,20 +172,9 @@ def test_hopper_path_lowers_for_cuda():
   """With ``mosaic_gpu=True`` (the default on Hopper) and ``mosaic_gpu_backward=True`` the whole
   op, forward and backward, lowers for CUDA with the Mosaic GPU kernels in place of the Triton
   state-passing kernels and chunk-parallel backward (bf16, C = 64)."""
-  b, t, h, d, vdim, e = 1, 200, 2, 64, 64, 8
-  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
-  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vdim), spec(b, t, h, e),
-          spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, vdim, dt=jnp.float32)]
-  cfg = dataclasses.replace(pops.default_config("gpu", e, vdim), mosaic_gpu=True,
+  cfg = dataclasses.replace(pops.default_config("gpu", 8, 64), mosaic_gpu=True,
                             mosaic_gpu_backward=True)
-
-  def loss(*a):
-    o, s = triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7], erase=True, chunk_size=64,
-                          config=cfg)
-    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
-
-  text = jax.jit(jax.grad(loss, argnums=tuple(range(8)))).trace(*args).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = cuda_lowering_text(cfg, 1, 200, 2, 64, 64, 8)
   for kernel in ("triadic_chunk_prep", "triadic_forward_mgpu", "triadic_backward_states_mgpu",
                  "triadic_chunk_backward_mgpu", "triadic_chunk_backward_tail"):
     assert kernel in text, kernel
