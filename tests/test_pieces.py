@@ -52,14 +52,17 @@ def test_pieces_match_scan(e, erase, decay, dtype, pieces_run):
 
 
 def test_mosaic_gpu_pieces_match_scan():
-  """The Hopper state-passing kernels (Mosaic GPU interpret mode) over two pieces of a 5-chunk
-  warm-up: 768 tokens at C = 64 are 12 chunks."""
+  """The Hopper state-passing kernels (Mosaic GPU interpret mode, a 64-column value block,
+  ``Config.state_block_v``) over two pieces with 5-chunk warm-ups: 740 tokens at C = 64 are 12
+  chunks."""
   from triadic.pallas import mosaic
   if not mosaic.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this JAX")
-  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, sequence_pieces=2,
-               warmup_chunks=5)
-  check_against_scan(1, 740, 1, 64, 32, 1, 64, True, 1.0, jnp.bfloat16, config=cfg)
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, state_block_v=64,
+               sequence_pieces=2, warmup_chunks=5)
+  plan = pops.explain(64, 64, 1, 64, jnp.bfloat16, config=cfg)
+  assert plan.mosaic_state_kernels and "block_v 64" in plan.forward.tiles
+  check_against_scan(1, 740, 1, 64, 64, 1, 64, True, 1.0, jnp.bfloat16, config=cfg)
 
 
 def test_choose():

@@ -57,6 +57,9 @@ class Config:
   (None: ``mosaic_backward.default_value_slices``, the most that keep its load pipeline).
   fused_tail: with ``mosaic_gpu_backward``, whether that backward's tail is one kernel with the
   mask work inside (None: ``mosaic_backward.default_fused_tail``, small E).
+  state_block_v: with ``mosaic_gpu``, the Mosaic state passes' value block (None:
+  ``mosaic.default_block_v``; one that ``mosaic.supported`` refuses sends them to Triton, as the
+  plan says). Wider blocks read K, Q, A, P fewer times over, with fewer programs.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -73,6 +76,7 @@ class Config:
   mosaic_gpu_backward: bool = False
   value_slices: int | None = None
   fused_tail: bool | None = None
+  state_block_v: int | None = None
   sequence_pieces: int = 1
   warmup_chunks: int = 16
 

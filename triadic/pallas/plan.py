@@ -73,9 +73,10 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   prep = Stage("prep", base, "one program per chunk",
                "masks M, M' in plain JAX (E-independent kernel)")
 
-  state_reason = mosaic.supported(d, vd, c, e, dtype) if cfg.mosaic_gpu else "Config.mosaic_gpu off"
+  state_reason = (mosaic.supported(d, vd, c, e, dtype, block_v=cfg.state_block_v)
+                  if cfg.mosaic_gpu else "Config.mosaic_gpu off")
   if state_reason is None:
-    bv = mosaic.default_block_v(d, vd, c, e)
+    bv = state_block_v(cfg, d=d, vd=vd, c=c, e=e)
     tiles = f"block_v {bv}, S_cat D x {e * bv}, copies "
     forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead", "Config.mosaic_gpu")
     bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles + "at chunk start",
@@ -112,13 +113,18 @@ def _log_once(plan: Plan) -> None:
   log.info("%s", plan)
 
 
+def state_block_v(cfg: Config, *, d: int, vd: int, c: int, e: int) -> int | None:
+  """The Mosaic state passes' value block: ``Config.state_block_v`` or ``mosaic.default_block_v``."""
+  return cfg.state_block_v or mosaic.default_block_v(d, vd, c, e)
+
+
 def sequence_pieces(cfg: Config, *, bh: int, nc: int, d: int, vd: int, c: int, e: int, dtype
                     ) -> pieces.Pieces:
   """How the state passes of a call with B*H = ``bh`` over ``nc`` chunks are cut
   (``Config.sequence_pieces``, ``pieces.choose``); its programs are bh times the forward state
   pass's value blocks. Logged once per distinct answer."""
   plan = resolve(cfg, d=d, vd=vd, c=c, e=e, dtype=dtype)
-  bv = mosaic.default_block_v(d, vd, c, e) if plan.mosaic_state_kernels else cfg.block_v
+  bv = state_block_v(cfg, d=d, vd=vd, c=c, e=e) if plan.mosaic_state_kernels else cfg.block_v
   choice = pieces.choose(cfg.sequence_pieces, cfg.warmup_chunks, programs=bh * max(1, vd // bv),
                          nc=nc)
   _log_pieces_once(plan.sizes, bh, nc, choice)
