@@ -10,7 +10,6 @@ all in the time.
   PYTHONPATH=. python benchmarks/block.py --T 2048,4096,8192                # one part of it
   PYTHONPATH=. python benchmarks/block.py --T 16384,32768,65536 --no-parts  # the other
   PYTHONPATH=. python benchmarks/block.py --mixers gdn,triadic8 --T 4096 --parts-T 4096
-  PYTHONPATH=. python benchmarks/block.py --mixers gdn --T 4096 --parts-E 1,8 --conv-impl pallas
   PYTHONPATH=. python benchmarks/block.py --tiny                            # CPU smoke test
 
 Mixers: ``attention`` (``jax.nn.dot_product_attention``, implementation "cudnn" on GPU, "xla"
@@ -24,10 +23,7 @@ Then a breakdown of the triadic layer (the mixer alone, without the block's norm
 ``--parts-T``: input projections (every matmul of x except the output gate's), short convolutions
 + activations + norms + gates, the op, and the output side (gate projection, RMSNorm-gate, output
 projection), each its own jitted function on the same inputs, so the glue around the op is visible.
-The composition of the parts is checked against the layer's own output. ``--conv-impl pallas``
-adds two rows: the same glue with the short convolutions + activations + norms as one Pallas
-kernel (``layers.fused_conv``; checked against the plain glue's outputs) and the whole mixer
-with conv_impl="pallas".
+The composition of the parts is checked against the layer's own output.
 
 Prints the machine (``jax.devices()[0].device_kind``) and the command first. Needs jax, flax,
 optax and numpy only (no grain, no ml_collections).
@@ -56,7 +52,6 @@ from benchmarks.common import is_oom, machine, median_ms  # noqa: E402
 from lm.mixers import make_mixer  # noqa: E402
 from lm.model import Group, ModelConfig  # noqa: E402
 from layers.blocks import RMSNorm, causal_conv, l2norm  # noqa: E402
-from layers.fused_conv import Stream, fused_short_conv  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
 
 PAPER = dict(d_model=2048, num_heads=16, head_dim=128, mlp_dim=5504, batch=4)
@@ -77,14 +72,12 @@ def mixer_kind(name: str) -> tuple[str, int]:
                    f"or hybrid")
 
 
-def model_config(shape: dict, mixer: str, e: int, *, impl: str, chunk: int,
-                 conv_impl: str = "xla") -> ModelConfig:
+def model_config(shape: dict, mixer: str, e: int, *, impl: str, chunk: int) -> ModelConfig:
   attention_impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
   return ModelConfig(vocab_size=256, num_layers=1, d_model=shape["d_model"],
                      num_heads=shape["num_heads"], head_dim=shape["head_dim"],
                      mlp_dim=shape["mlp_dim"], mixer=mixer, expand_e=e, impl=impl,
-                     chunk_size=chunk, attention_impl=attention_impl, dtype="bfloat16",
-                     conv_impl=conv_impl)
+                     chunk_size=chunk, attention_impl=attention_impl, dtype="bfloat16")
 
 
 def _normal(key, shape, dtype):
@@ -158,7 +151,7 @@ def run_blocks(args, shape, ts, names):
     built[n] = block_fn(model_config(shape, kind, e, impl=args.impl, chunk=args.chunk))
   b, d = shape["batch"], shape["d_model"]
   results = {}
-  print(f"\n| T | mixer | fwd ms | f+b ms | f+b / gdn | f+b / attention |")
+  print("\n| T | mixer | fwd ms | f+b ms | f+b / gdn | f+b / attention |")
   print("|---|---|---|---|---|---|", flush=True)
   for t in ts:
     x = _normal(jax.random.PRNGKey(t), (b, t, d), jnp.float32)
@@ -204,11 +197,10 @@ def _proj(x, kernel, dt):
   return jax.lax.dot_general(x.astype(dt), kernel.astype(dt), (((x.ndim - 1,), (0,)), ((), ())))
 
 
-def triadic_parts(cfg: ModelConfig, e: int, conv_impl: str = "xla"):
+def triadic_parts(cfg: ModelConfig, e: int):
   """The four parts of ``triadic.TriadicGDN`` (erase=True; ``layers.gdn`` holds its input and
   output sides) as functions of its parameters:
-  projections (p, x) -> z; glue (p, z) -> op inputs; op (inputs) -> o; output (p, o, x) -> y.
-  ``conv_impl`` "pallas": the glue's convolutions, activations and norms as ``fused_short_conv``."""
+  projections (p, x) -> z; glue (p, z) -> op inputs; op (inputs) -> o; output (p, o, x) -> y."""
   dt, w = cfg.compute_dtype, cfg.conv_width
   streams = ("q", "k", "v") + (("k2", "q2") if e > 1 else ())
 
@@ -221,24 +213,14 @@ def triadic_parts(cfg: ModelConfig, e: int, conv_impl: str = "xla"):
   def glue(p, z):
     kernels = [p[f"{s}_conv"]["kernel"] for s in streams]
     w_conv = jnp.concatenate([c.reshape(w, -1) for c in kernels], -1)
-    if conv_impl == "pallas":
-      specs = [Stream(*c.shape[1:], norm=s != "v") if s in ("q", "k", "v") else
-               Stream(*c.shape[1:], act="softplus", dtype=jnp.float32)
-               for s, c in zip(streams, kernels)]
-      y = dict(zip(streams, fused_short_conv(z["qkv"], w_conv, specs)))
-      q, k, v = y["q"], y["k"], y["v"]
-    else:
-      y = causal_conv(z["qkv"], w_conv)[0]
-      parts = jnp.split(y, np.cumsum([math.prod(c.shape[1:]) for c in kernels])[:-1], axis=-1)
-      y = {s: part.reshape(y.shape[:2] + c.shape[1:])
-           for s, part, c in zip(streams, parts, kernels)}
-      q, k = l2norm(jax.nn.silu(y["q"])), l2norm(jax.nn.silu(y["k"]))
-      v = jax.nn.silu(y["v"])
-      if e > 1:
-        y["k2"] = l2norm(jax.nn.softplus(y["k2"].astype(jnp.float32)))
-        y["q2"] = l2norm(jax.nn.softplus(y["q2"].astype(jnp.float32)))
+    y = causal_conv(z["qkv"], w_conv)[0]
+    parts = jnp.split(y, np.cumsum([math.prod(c.shape[1:]) for c in kernels])[:-1], axis=-1)
+    y = {s: part.reshape(y.shape[:2] + c.shape[1:]) for s, part, c in zip(streams, parts, kernels)}
+    q, k = l2norm(jax.nn.silu(y["q"])), l2norm(jax.nn.silu(y["k"]))
+    v = jax.nn.silu(y["v"])
     if e > 1:
-      k2, q2 = y["k2"], y["q2"]
+      k2 = l2norm(jax.nn.softplus(y["k2"].astype(jnp.float32)))
+      q2 = l2norm(jax.nn.softplus(y["q2"].astype(jnp.float32)))
     else:
       k2 = q2 = jnp.ones(q.shape[:3] + (1,), jnp.float32)
     decay = p["decay"]
@@ -265,11 +247,9 @@ def triadic_parts(cfg: ModelConfig, e: int, conv_impl: str = "xla"):
   return projections, glue, op, output
 
 
-def parts_setup(shape, t, e, *, impl="auto", chunk=64, conv_impl="xla"):
+def parts_setup(shape, t, e, *, impl="auto", chunk=64):
   """The layer's parameters, input x (B, t, d_model) bf16, each part's input, and the relative
-  RMS distance between the composed parts and the layer's own output (which must be ~0).
-  ``conv_impl`` "pallas" adds two rows after the five: the glue and the whole mixer with the
-  fused convolution kernel, whose op inputs must match the plain glue's to bf16 rounding."""
+  RMS distance between the composed parts and the layer's own output (which must be ~0)."""
   kind = "gdn" if e == 1 else "triadic_gdn"
   cfg = model_config(shape, kind, e, impl=impl, chunk=chunk)
   mixer = make_mixer(kind, cfg, dtype=cfg.compute_dtype)
@@ -287,27 +267,12 @@ def parts_setup(shape, t, e, *, impl="auto", chunk=64, conv_impl="xla"):
   rows = [("projections", projections, (p, x)), ("conv+act+norms+gates", glue, (p, z)),
           ("op", op, inputs), ("output gate+norm+proj", output, (p, o, x)),
           ("mixer (whole)", whole, (p, x))]
-  if conv_impl == "pallas":
-    fused_glue = triadic_parts(cfg, e, "pallas")[1]
-    fused = jax.jit(fused_glue)(p, z)
-    dist = max(float(np.linalg.norm(np.asarray(a, np.float64) - np.asarray(b, np.float64))
-                     / max(np.linalg.norm(np.asarray(b, np.float64)), 1e-30))
-               for a, b in zip(fused, inputs))
-    if not dist < 3e-2:
-      raise AssertionError(f"the fused glue's op inputs differ from the plain glue's (rel-RMS "
-                           f"{dist:.2e}): layers/fused_conv.py no longer matches layers/gdn.py")
-    print(f"(E = {e}: the fused glue matches the plain glue's op inputs to rel-RMS {dist:.1e})")
-    pcfg = model_config(shape, kind, e, impl=impl, chunk=chunk, conv_impl="pallas")
-    pmixer = make_mixer(kind, pcfg, dtype=pcfg.compute_dtype)
-    rows += [("conv+act+norms+gates [pallas]", fused_glue, (p, z)),
-             ("mixer (whole) [pallas conv]", lambda p, x: pmixer.apply({"params": p}, x)[0],
-              (p, x))]
   return rows, err
 
 
 def run_parts(args, shape, t, e):
   """Rows of the breakdown table for the triadic layer at E = e, T = t."""
-  rows, err = parts_setup(shape, t, e, impl=args.impl, chunk=args.chunk, conv_impl=args.conv_impl)
+  rows, err = parts_setup(shape, t, e, impl=args.impl, chunk=args.chunk)
   if not err < 1e-2:
     raise AssertionError(f"the parts of the E = {e} layer compose to a different output than the "
                          f"layer (rel-RMS {err:.2e}): benchmarks/block.py's triadic_parts no "
@@ -319,7 +284,7 @@ def run_parts(args, shape, t, e):
   total = tuple(sum(times[n][i] for n in parts) if all(isinstance(times[n][i], float) for n in parts)
                 else "-" for i in range(2))
   whole_fb = times["mixer (whole)"][1]
-  for name in parts + ["sum of parts", "mixer (whole)"] + [r[0] for r in rows[5:]]:
+  for name in parts + ["sum of parts", "mixer (whole)"]:
     fw, fb = total if name == "sum of parts" else times[name]
     share = ratio(fb, whole_fb)
     share = f"{100 * share:5.1f}%" if isinstance(share, float) else "-"
@@ -341,9 +306,6 @@ def main(argv=None):
   p.add_argument("--parts-T", type=int, default=None, help="T of the breakdown (default 4096)")
   p.add_argument("--parts-E", default="1,8", help="E values of the breakdown")
   p.add_argument("--no-parts", action="store_true", help="skip the breakdown")
-  p.add_argument("--conv-impl", default="xla", choices=("xla", "pallas"),
-                 help="pallas: the breakdown also times the glue and the whole mixer with the "
-                      "fused short-convolution kernel (layers.fused_conv)")
   p.add_argument("--tiny", action="store_true",
                  help="d_model 64, 2 heads of 16, MLP 128, batch 1, T 64,128: a CPU check")
   args = p.parse_args(argv)

@@ -24,7 +24,6 @@ from layers.blocks import (Param, RMSNorm, causal_conv, dense, dense_kernel_init
 
 
 A_MIN = 1e-6  # the lower end of U(0, 16) for A_log: keeps log(A) finite
-CONV_IMPLS = ("xla", "pallas")  # gdn_inputs' short convolutions + activations + norms
 
 
 def a_log_init(key, shape, dtype=jnp.float32, minval=A_MIN, maxval=16.0):
@@ -103,16 +102,9 @@ def check_value_heads(num_heads: int, num_v_heads: int | None) -> int:
   return num_v_heads
 
 
-def check_conv_impl(conv_impl) -> str:
-  """``conv_impl`` if it is one of ``CONV_IMPLS``, else ValueError."""
-  if conv_impl not in CONV_IMPLS:
-    raise ValueError(f"conv_impl must be one of {CONV_IMPLS}, got {conv_impl!r}")
-  return conv_impl
-
-
 def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4, *,
                a_min=A_MIN, dtype=jnp.float32, param_dtype=jnp.float32, conv_cache=None,
-               segment_ids=None, num_v_heads=None, conv_impl="xla"):
+               segment_ids=None, num_v_heads=None):
   """The input side of ``TriadicGDN``: (q, k, v, k2, q2, g, beta) from x (B, T, d_model).
 
   Call it inside a compact method: its parameters (q_proj, q_conv, ..., decay, beta_proj) belong to
@@ -135,13 +127,7 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   ``num_heads``. v, the decay and beta have ``num_v_heads`` heads; q, k (and k2, q2) are
   projected for ``num_heads`` heads and key head i serves value heads i G .. i G + G - 1, so every
   returned stream has ``num_v_heads`` heads.
-
-  ``conv_impl`` ("xla" | "pallas"): how the training path (no ``conv_cache``) forms the
-  convolutions, activations and norms: plain JAX (XLA fuses them as it can) or one Pallas kernel
-  over all streams (``layers.fused_conv``, Triton on GPU, interpret mode on CPU). Decoding (with
-  ``conv_cache``) always takes the JAX path; both give the same values.
   """
-  check_conv_impl(conv_impl)
   h, e = num_heads, expand_e
   hv = check_value_heads(num_heads, num_v_heads)
   streams = _streams(num_heads, head_dim, value_dim, expand_e, num_v_heads)
@@ -156,34 +142,23 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   w_in = jnp.concatenate([flat(w, 1) for w in proj], axis=-1).astype(dtype)  # (d_model, C)
   z = jax.lax.dot_general(x.astype(dtype), w_in, (((x.ndim - 1,), (0,)), ((), ())))  # (B, T, C)
   w_conv = jnp.concatenate([flat(w, 1) for w in conv], axis=-1)  # (width, C)
+  cache_in = None
+  if conv_cache is not None:
+    cache_in = jnp.concatenate([flat(conv_cache[s], 2) for s, _, _ in streams], axis=-1)
+  y, cache_out = causal_conv(z, w_conv, cache_in, segment_ids)
+  split = lambda z: {s: part.reshape(z.shape[:-1] + shape) for (s, shape, _), part in
+                     zip(streams, jnp.split(z, np.cumsum(sizes)[:-1], axis=-1))}
+  y = split(y)
+  new_cache = None if cache_out is None else split(cache_out)
+
+  q = l2norm(jax.nn.silu(y["q"]))
+  k = l2norm(jax.nn.silu(y["k"]))
+  v = jax.nn.silu(y["v"])
   b, t = x.shape[:2]
-  new_cache = None
-  if conv_impl == "pallas" and conv_cache is None:
-    # Imported here: layers.fused_conv imports triadic.pallas, whose package imports this module.
-    from layers.fused_conv import Stream, fused_short_conv
-    kinds = {"q": Stream, "k": Stream, "v": functools.partial(Stream, norm=False),
-             "k2": functools.partial(Stream, act="softplus", dtype=jnp.float32)}
-    kinds["q2"] = kinds["k2"]
-    specs = [kinds[s](*shape) for s, shape, _ in streams]
-    out = dict(zip([s for s, _, _ in streams], fused_short_conv(z, w_conv, specs, segment_ids)))
-    q, k, v = out["q"], out["k"], out["v"]
-    k2, q2 = out.get("k2"), out.get("q2")
+  if e > 1:
+    k2 = l2norm(jax.nn.softplus(y["k2"].astype(jnp.float32)))
+    q2 = l2norm(jax.nn.softplus(y["q2"].astype(jnp.float32)))
   else:
-    cache_in = None
-    if conv_cache is not None:
-      cache_in = jnp.concatenate([flat(conv_cache[s], 2) for s, _, _ in streams], axis=-1)
-    y, cache_out = causal_conv(z, w_conv, cache_in, segment_ids)
-    split = lambda z: {s: part.reshape(z.shape[:-1] + shape) for (s, shape, _), part in
-                       zip(streams, jnp.split(z, np.cumsum(sizes)[:-1], axis=-1))}
-    y = split(y)
-    new_cache = None if cache_out is None else split(cache_out)
-    q = l2norm(jax.nn.silu(y["q"]))
-    k = l2norm(jax.nn.silu(y["k"]))
-    v = jax.nn.silu(y["v"])
-    if e > 1:
-      k2 = l2norm(jax.nn.softplus(y["k2"].astype(jnp.float32)))
-      q2 = l2norm(jax.nn.softplus(y["q2"].astype(jnp.float32)))
-  if e == 1:
     k2 = q2 = jnp.ones((b, t, h, 1), jnp.float32)
   kw = dict(dtype=dtype, param_dtype=param_dtype)
   g = DecayGate(hv, e, a_min=a_min, name="decay", **kw)(x)

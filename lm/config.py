@@ -55,11 +55,7 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       state_dim=64,  # Mamba-2's N
       gate_rank=128,  # GDN-style mixers' output gate x -> gate_rank -> H x V (0: full rank)
       a_min=1e-6,  # GDN-style mixers' decay at init: A ~ U(a_min, 16) (1.0: Mamba-2's U(1, 16))
-      conv_width=4, impl="auto",
-      # GDN-style mixers' short convolutions + activations + norms (training): xla | pallas (one
-      # kernel, layers.fused_conv)
-      conv_impl="xla",
-      chunk_size=64, attention_impl="",
+      conv_width=4, impl="auto", chunk_size=64, attention_impl="",
       dtype="float32",  # compute dtype; params stay float32
       remat="none",  # none | full | save_mixer_op | dots | dots_no_batch | save_mixer_op_and_dots
       tie_embeddings=False,  # the output head is the input embedding's transpose

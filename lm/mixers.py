@@ -26,8 +26,7 @@ from triadic import TriadicGDN
 
 # The fields every recurrent mixer reads besides num_heads and head_dim (GDN-style ones also gate_rank).
 _OPS = ("conv_width", "impl", "chunk_size")
-# the GDN-style mixers' output gate, decay initialisation and short convolutions' implementation
-_GDN = ("gate_rank", "a_min", "conv_impl")
+_GDN = ("gate_rank", "a_min")  # the GDN-style mixers' output gate and decay initialisation
 _MULTISTATE = ("aggregator", "segment_len", "max_segments", "d_r")
 
 
@@ -115,7 +114,6 @@ def _triadic(expand_e: Callable, erase: bool, fields: tuple[str, ...]) -> Mixer:
       lambda cfg, **kw: TriadicGDN(cfg.num_heads, cfg.head_dim, value_dim=cfg.value_dim or None,
                                    num_v_heads=cfg.num_v_heads or None, expand_e=expand_e(cfg),
                                    erase=erase, gate_rank=cfg.gate_rank, a_min=cfg.a_min,
-                                   conv_impl=cfg.conv_impl,
                                    **_ops(cfg), **kw),
       fields + _VALUES,
       state_shape=lambda cfg: (expand_e(cfg), cfg.head_dim, cfg.value_dim or cfg.head_dim),
@@ -139,8 +137,7 @@ MIXERS: dict[str, Mixer] = {
         ("state_dim",) + _OPS, state_shape=lambda cfg: (1, cfg.state_dim, cfg.head_dim)),
     "multistate_gdn": _recurrent(
         lambda cfg, **kw: MultiStateGDN(cfg.num_heads, cfg.head_dim, **_multistate(cfg),
-                                        gate_rank=cfg.gate_rank, a_min=cfg.a_min,
-                                        conv_impl=cfg.conv_impl, **_ops(cfg),
+                                        gate_rank=cfg.gate_rank, a_min=cfg.a_min, **_ops(cfg),
                                         **kw),
         _MULTISTATE + _GDN + _OPS, state_shape=lambda cfg: (1, cfg.head_dim, cfg.head_dim),
         multistate=True),

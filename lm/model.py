@@ -26,7 +26,6 @@ import jax
 import jax.numpy as jnp
 
 from layers.blocks import Param, RMSNorm, dense, dense_kernel_init
-from layers.gdn import CONV_IMPLS
 from layers.remat import MIXER_OP
 from lm import mixers
 
@@ -73,7 +72,6 @@ class ModelConfig:
   conv_width: int = 4
   gate_rank: int = 128  # GDN-style mixers' output gate: x -> rank -> H x V (0: full rank)
   a_min: float = 1e-6  # GDN-style mixers' decay at init: A ~ U(a_min, 16)
-  conv_impl: str = "xla"  # GDN-style mixers' short convs + activations + norms: "xla" | "pallas"
   impl: str = "auto"
   chunk_size: int = 64
   attention_impl: str | None = None
@@ -111,8 +109,6 @@ class ModelConfig:
     if not isinstance(self.gate_rank, int) or self.gate_rank < 0:
       raise ValueError(f"model.gate_rank must be a non-negative int (0: a full-rank output gate), "
                        f"got {self.gate_rank!r}")
-    if self.conv_impl not in CONV_IMPLS:
-      raise ValueError(f"model.conv_impl must be one of {CONV_IMPLS}, got {self.conv_impl!r}")
     if self.remat_name() not in REMAT_POLICIES:
       raise ValueError(f"model.remat must be one of {tuple(REMAT_POLICIES)} (or a bool), got "
                        f"{self.remat!r}")

@@ -59,7 +59,7 @@ class MultiStateGDN(nn.Module):
 
   x (B, T, d_model) -> (B, T, d_model); T <= max_segments * segment_len. The chunk length is
   min(chunk_size, segment_len) and must divide segment_len. ``gate_rank``: the output gate's rank
-  (as ``triadic.TriadicGDN``), and ``conv_impl`` its short convolutions' implementation.
+  (as ``triadic.TriadicGDN``).
   """
 
   num_heads: int
@@ -73,7 +73,6 @@ class MultiStateGDN(nn.Module):
   conv_width: int = 4
   gate_rank: int = 128
   a_min: float = A_MIN
-  conv_impl: str = "xla"
   impl: str = "auto"
   chunk_size: int = 64
   dtype: Any = jnp.float32
@@ -94,8 +93,7 @@ class MultiStateGDN(nn.Module):
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     (q, k, v, _, _, g, beta), conv = gdn_inputs(
         x, self.num_heads, self.head_dim, self.value_dim, 1, self.conv_width, a_min=self.a_min,
-        conv_cache=None if cache is None else cache["conv"], segment_ids=segment_ids,
-        conv_impl=self.conv_impl, **kw)
+        conv_cache=None if cache is None else cache["conv"], segment_ids=segment_ids, **kw)
     aggregator = _aggregator(self, groups=self.num_heads, impl=self.impl, name="aggregator", **kw)
     lam, moments = aggregator(x, *_moments_and_length(cache), segment_ids=segment_ids)
     if cache is None:

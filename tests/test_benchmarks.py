@@ -15,15 +15,6 @@ def test_triadic_parts_compose_to_the_layer(e):
   assert err < 1e-2
 
 
-def test_triadic_parts_with_the_fused_conv():
-  """--conv-impl pallas: two more rows, the fused glue checked against the plain one inside."""
-  rows, err = block.parts_setup(dict(block.TINY, batch=1), 37, 3, impl="chunked", chunk=16,
-                                conv_impl="pallas")
-  assert err < 1e-2
-  assert [r[0] for r in rows[5:]] == ["conv+act+norms+gates [pallas]",
-                                      "mixer (whole) [pallas conv]"]
-
-
 @pytest.mark.slow
 def test_block_table_runs(capsys):
   block.main(["--tiny", "--T", "32", "--mixers", "attention,gdn,hybrid", "--hybrid-e", "2",

@@ -85,7 +85,10 @@ def test_fused_inputs_equal_one_projection_and_conv_per_stream(e, vd):
     got, new = fused.apply(params, x[:, lo:hi], cache)
     want, ref_cache = ref.apply(params, x[:, lo:hi], cache)
     assert jax.tree.structure(new) == jax.tree.structure(cache)
-    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-7), new, ref_cache)
+    # The cached conv inputs are projections of O(1) size: one fused matmul against one per
+    # stream may round differently by a few float32 ulps of that size (seen: 4e-7 on a 0.047).
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6), new,
+                 ref_cache)
     for a, b in zip(got, want):
       assert rel_rms(a, b) < 1e-6
     cache = new

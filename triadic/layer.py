@@ -40,8 +40,6 @@ class TriadicGDN(nn.Module):
   ``num_v_heads``: grouped value heads (FLA's GVA; None: num_heads), a multiple G of num_heads:
   num_v_heads states, each with its own v, decay and beta, the G of a group reading and writing
   with their key head's q, k (``gdn_inputs``).
-  ``conv_impl``: the short convolutions + activations + norms of training, "xla" (plain JAX) or
-  "pallas" (one kernel, ``layers.fused_conv``); decoding takes the JAX path either way.
   """
 
   num_heads: int
@@ -53,7 +51,6 @@ class TriadicGDN(nn.Module):
   conv_width: int = 4
   gate_rank: int = 128
   a_min: float = A_MIN
-  conv_impl: str = "xla"
   impl: str = "auto"
   chunk_size: int = 64
   dtype: Any = jnp.float32
@@ -75,7 +72,7 @@ class TriadicGDN(nn.Module):
     (q, k, v, k2, q2, g, beta), conv = gdn_inputs(
         x, self.num_heads, self.head_dim, self.value_dim, self.expand_e, self.conv_width,
         a_min=self.a_min, conv_cache=None if cache is None else cache["conv"],
-        segment_ids=segment_ids, num_v_heads=self.num_v_heads, conv_impl=self.conv_impl, **kw)
+        segment_ids=segment_ids, num_v_heads=self.num_v_heads, **kw)
     ops = dict(erase=self.erase, impl=self.impl, chunk_size=self.chunk_size)
     if cache is None:
       op = lambda *z: triadic_gdn(*z[:-1], segment_ids=z[-1], **ops)[0]
