@@ -32,9 +32,8 @@ def _window_fits(b, t, h, e, decay, chunk, cfg):
   k, k2, g, beta = (lay(args[i]) for i in (1, 3, 5, 6))
   live = jnp.ones((b * h, e), bool)
   choice = pieces.choose(cfg.sequence_pieces, cfg.warmup_chunks, programs=1, nc=nc)
-  starts = range(choice.length - choice.warmup, nc - choice.warmup, choice.length)
-  return bool(pieces._fits(pieces.token_log_bound(k, k2, g, beta, live, erase=True), starts,
-                           choice.warmup))
+  return bool(pieces._fits(pieces.token_log_bound(k, k2, g, beta, live, erase=True),
+                           pieces.window_starts(choice, reverse=False), choice.warmup))
 
 
 @pytest.mark.parametrize("e,erase,decay,dtype,pieces_run", [

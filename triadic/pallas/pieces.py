@@ -129,27 +129,45 @@ def _fits(log_bound, starts, w):
   return jnp.all(jnp.sum(per_chunk[:, _window_index(starts, w)], axis=-1) <= LOG_TOL)
 
 
+def window_starts(pieces: Pieces, *, reverse: bool) -> range:
+  """The first chunk of each warm-up window: the ``warmup`` chunks before pieces 1 .. n-1, or
+  (``reverse``) after pieces 0 .. n-2."""
+  step, w = pieces.length, pieces.warmup
+  last = pieces.count * step
+  return range(step, last, step) if reverse else range(step - w, last - w, step)
+
+
+def _over_pieces(fn, pieces: Pieces, ins, boundary, live, bound_inputs, *, reverse, kw):
+  """``fn`` (a state pass whose last result is the state, or gradient, at the far end from
+  ``boundary``) over ``pieces``, or over the whole sequence where a window decays too little.
+  ``boundary``: h0 (forward) or dht (``reverse``); ``bound_inputs``: (k, k2, g, beta) for
+  ``token_log_bound``."""
+  n, w = pieces.count, pieces.warmup
+  if n == 1:
+    return fn(*ins, boundary, **kw)
+  starts = window_starts(pieces, reverse=reverse)
+
+  def split(ins, boundary):
+    bh, shape = boundary.shape[0], boundary.shape[1:]
+    zero = jnp.zeros((bh * (n - 1),) + shape, boundary.dtype)
+    warm = fn(*(_windows(x, starts, w) for x in ins), zero, **kw)[-1].reshape(bh, n - 1, *shape)
+    ends = [warm, boundary[:, None]] if reverse else [boundary[:, None], warm]
+    outs = fn(*(_pieces(x, n) for x in ins),
+              jnp.concatenate(ends, 1).reshape(-1, *shape).astype(boundary.dtype), **kw)
+    far = outs[-1].reshape(bh, n, *outs[-1].shape[1:])[:, 0 if reverse else -1]
+    return (*(_whole(x, n) for x in outs[:-1]), far)
+
+  ok = _fits(token_log_bound(*bound_inputs, live, erase=kw["erase"]), starts, w)
+  return jax.lax.cond(ok, split, lambda ins, boundary: fn(*ins, boundary, **kw), ins, boundary)
+
+
 def state_pass(fn, pieces: Pieces, q, k, v, k2, q2, gc, beta, a, p, h0, g, *, scale, erase):
   """``fn`` (a forward state pass: ``recurrent.state_pass`` / ``mosaic.state_pass`` operands and
-  results) over ``pieces``, or over the whole sequence where a window decays too little. ``g``
-  is the per-token log decay (BH, NC, C, E)."""
-  kw = dict(scale=scale, erase=erase)
-  n, length, w = pieces.count, pieces.length, pieces.warmup
-  ins = (q, k, v, k2, q2, gc, beta, a, p)
-  if n == 1:
-    return fn(*ins, h0, **kw)
-  starts = range(length - w, n * length - w, length)      # the windows before pieces 1 .. n-1
-
-  def split(ins, h0):
-    zero = jnp.zeros((h0.shape[0] * (n - 1),) + h0.shape[1:], h0.dtype)
-    warm = fn(*(_windows(x, starts, w) for x in ins), zero, **kw)[3]
-    starts_h = jnp.concatenate([h0[:, None], warm.reshape(h0.shape[0], n - 1, *h0.shape[1:])], 1)
-    o, u, states, ht = fn(*(_pieces(x, n) for x in ins),
-                          starts_h.reshape(-1, *h0.shape[1:]).astype(h0.dtype), **kw)
-    return _whole(o, n), _whole(u, n), _whole(states, n), ht.reshape(-1, n, *ht.shape[1:])[:, -1]
-
-  ok = _fits(token_log_bound(k, k2, g, beta, _live(k2, h0), erase=erase), starts, w)
-  return jax.lax.cond(ok, split, lambda ins, h0: fn(*ins, h0, **kw), ins, h0)
+  results) over ``pieces``, each started from the state that a pass over the ``warmup`` chunks
+  before it brings from zero, or over the whole sequence where a window decays too little.
+  ``g`` is the per-token log decay (BH, NC, C, E)."""
+  return _over_pieces(fn, pieces, (q, k, v, k2, q2, gc, beta, a, p), h0, _live(k2, h0),
+                      (k, k2, g, beta), reverse=False, kw=dict(scale=scale, erase=erase))
 
 
 def reverse_state_pass(fn, pieces: Pieces, q, k, do, k2, q2, gc, beta, a, p, dht, g, *, scale,
@@ -157,22 +175,6 @@ def reverse_state_pass(fn, pieces: Pieces, q, k, do, k2, q2, gc, beta, a, p, dht
   """``fn`` (a reverse state pass) over ``pieces``, each started from the gradient that a pass
   over the ``warmup`` chunks after it brings back from zero, or over the whole sequence where a
   window decays too little."""
-  kw = dict(scale=scale, erase=erase)
-  n, length, w = pieces.count, pieces.length, pieces.warmup
-  ins = (q, k, do, k2, q2, gc, beta, a, p)
-  if n == 1:
-    return fn(*ins, dht, **kw)
-  starts = range(length, n * length, length)              # the windows after pieces 0 .. n-2
-
-  def split(ins, dht):
-    zero = jnp.zeros((dht.shape[0] * (n - 1),) + dht.shape[1:], dht.dtype)
-    warm = fn(*(_windows(x, starts, w) for x in ins), zero, **kw)[2]
-    ends = jnp.concatenate([warm.reshape(dht.shape[0], n - 1, *dht.shape[1:]), dht[:, None]], 1)
-    du, dstates, dh0 = fn(*(_pieces(x, n) for x in ins),
-                          ends.reshape(-1, *dht.shape[1:]).astype(dht.dtype), **kw)
-    return _whole(du, n), _whole(dstates, n), dh0.reshape(-1, n, *dh0.shape[1:])[:, 0]
-
-  # A gradient slice is written through q2 (the read) and k2 (the erase).
-  live = _live(k2, dht) | _live(q2, dht)
-  ok = _fits(token_log_bound(k, k2, g, beta, live, erase=erase), starts, w)
-  return jax.lax.cond(ok, split, lambda ins, dht: fn(*ins, dht, **kw), ins, dht)
+  live = _live(k2, dht) | _live(q2, dht)   # a gradient slice is written through q2 and k2
+  return _over_pieces(fn, pieces, (q, k, do, k2, q2, gc, beta, a, p), dht, live,
+                      (k, k2, g, beta), reverse=True, kw=dict(scale=scale, erase=erase))
