@@ -25,7 +25,7 @@ from testkit import rel_rms
 from triadic.pallas import mosaic, recurrent
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import Config
-from triadic.pallas.ops import kernel_layout, pow2
+from triadic.pallas.ops import kernel_layout
 
 BOUND = 1e-2
 SCALE = 0.125
@@ -51,42 +51,38 @@ def build(b, t, h, d, vdim, e, c, erase, seed=0):
 CPU = Config("cpu", block_v=16, bwd_block_v=16)
 
 CASES = [
-    # b, t, h, v, e, block_v, erase, paired   (D = 64, C = 64; NC = 3 for t = 150)
-    pytest.param(1, 150, 2, 32, 1, 32, True, False, id="E1-BV32-erase"),
-    pytest.param(1, 150, 2, 32, 1, 32, True, True, id="E1-BV32-erase-paired"),
-    pytest.param(2, 150, 1, 64, 3, 32, True, True, id="E3-BV32-erase-paired"),
-    pytest.param(1, 150, 2, 32, 4, 16, False, False, id="E4-BV16-noerase"),
-    pytest.param(1, 150, 2, 32, 8, 16, True, False, id="E8-BV16-erase"),
-    pytest.param(1, 150, 2, 32, 8, 32, False, False, id="E8-BV32-noerase"),
+    # b, t, h, v, e, block_v, erase   (D = 64, C = 64; NC = 3 for t = 150)
+    pytest.param(1, 150, 2, 32, 1, 32, True, id="E1-BV32-erase"),
+    pytest.param(2, 150, 1, 64, 3, 32, True, id="E3-BV32-erase"),
+    pytest.param(1, 150, 2, 32, 4, 16, False, id="E4-BV16-noerase"),
+    pytest.param(1, 150, 2, 32, 8, 16, True, id="E8-BV16-erase"),
+    pytest.param(1, 150, 2, 32, 8, 32, False, id="E8-BV32-noerase"),
 ]
 
 
-@pytest.mark.parametrize("b,t,h,vdim,e,bv,erase,paired", CASES)
-def test_forward_and_backward_match_recurrent(b, t, h, vdim, e, bv, erase, paired):
+@pytest.mark.parametrize("b,t,h,vdim,e,bv,erase", CASES)
+def test_forward_and_backward_match_recurrent(b, t, h, vdim, e, bv, erase):
   d, c = 64, 64
   fargs, do, dht = build(b, t, h, d, vdim, e, c, erase)
   assert fargs[0].shape[1] >= 3 and fargs[0].shape[0] >= 2
-  assert not paired or mosaic.forward_pairs_fit(d, c, pow2(e), bv)
   kw = dict(scale=SCALE, erase=erase)
-  got = jax.jit(functools.partial(mosaic.state_pass, block_v=bv, paired=paired, interpret=True,
-                                  **kw))(*fargs)
+  got = jax.jit(functools.partial(mosaic.state_pass, block_v=bv, interpret=True, **kw))(*fargs)
   want = recurrent.state_pass(*fargs, cfg=CPU, **kw)
   for name, x, y in zip(("o", "U", "states", "final state"), got, want):
     assert x.shape == y.shape and x.dtype == y.dtype, name
     assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  got = jax.jit(functools.partial(mosaic.reverse_state_pass, block_v=bv, paired=paired,
-                                  interpret=True, **kw))(*bargs)
+  got = jax.jit(functools.partial(mosaic.reverse_state_pass, block_v=bv, interpret=True,
+                                  **kw))(*bargs)
   want = recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw)
   for name, x, y in zip(("dU", "dstates", "dh0"), got, want):
     assert x.shape == y.shape and x.dtype == y.dtype, name
     assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
 
 
-@pytest.mark.parametrize("d,vdim,e,erase,paired", [
-    (64, 64, 8, True, False), (128, 128, 8, True, False), (128, 64, 2, False, False),
-    (64, 32, 3, True, False), (128, 128, 1, True, True), (128, 128, 2, True, True)])
-def test_kernels_lower_for_cuda(d, vdim, e, erase, paired):
+@pytest.mark.parametrize("d,vdim,e,erase", [(64, 64, 8, True), (128, 128, 8, True),
+                                            (128, 64, 2, False), (64, 32, 3, True)])
+def test_kernels_lower_for_cuda(d, vdim, e, erase):
   """Both kernels pass the Mosaic GPU lowering (layout inference, wgmma/TMA checks, SMEM size)
   for the default block_v; nothing runs."""
   bh, nc, c = 2, 4, 64
@@ -94,12 +90,11 @@ def test_kernels_lower_for_cuda(d, vdim, e, erase, paired):
   f32 = functools.partial(spec, dt=jnp.float32)
   common = [f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, 1),
             f32(bh, nc, c, c), f32(bh, nc, c, c)]
-  fwd = jax.jit(functools.partial(mosaic.state_pass, scale=SCALE, erase=erase, paired=paired))
+  fwd = jax.jit(functools.partial(mosaic.state_pass, scale=SCALE, erase=erase))
   text = fwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
                    f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_forward_mgpu" in text
-  bwd = jax.jit(functools.partial(mosaic.reverse_state_pass, scale=SCALE, erase=erase,
-                                  paired=paired))
+  bwd = jax.jit(functools.partial(mosaic.reverse_state_pass, scale=SCALE, erase=erase))
   text = bwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
                    f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_backward_states_mgpu" in text

@@ -60,9 +60,6 @@ class Config:
   state_block_v: with ``mosaic_gpu``, the Mosaic state passes' value block (None:
   ``mosaic.default_block_v``; one that ``mosaic.supported`` refuses sends them to Triton, as the
   plan says). Wider blocks read K, Q, A, P fewer times over, with fewer programs.
-  paired_products: with ``mosaic_gpu``, issue each state pass's two products of the chunk-start
-  state together (forward R = K S and Y = Q S where both accumulators fit, reverse K dS and
-  P^T dO), one wait for both instead of one each.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -82,7 +79,6 @@ class Config:
   state_block_v: int | None = None
   sequence_pieces: int = 1
   warmup_chunks: int = 16
-  paired_products: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:

@@ -146,12 +146,6 @@ def default_block_v(d: int, vd: int, c: int, e: int) -> int | None:
   return None
 
 
-def forward_pairs_fit(d: int, c: int, e: int, bv: int) -> bool:
-  """Whether the forward pass can hold Y = Q S_cat beside R = K S_cat (``paired``): the state
-  plus two C x E*BV accumulators within REG_BUDGET floats."""
-  return (d + 2 * c) * e * bv <= REG_BUDGET
-
-
 # ------------------------------------------------------------------------------------------------
 # Plain-JAX preparation (O(T E) work, plus transposed / bf16 copies of K, Q, A, P).
 
@@ -252,16 +246,6 @@ class _Ops:
       return acc[...]
 
     return pl.run_scoped(body, plgpu.ACC((m, n), F32))
-
-  def mms(self, *pairs):
-    """a @ b for each (a_ref, b_ref) pair, all issued before any is read: independent wgmmas
-    back to back on the tensor cores, one wait for all."""
-    def body(*accs):
-      for acc, (a_ref, b_ref) in zip(accs, pairs):
-        plgpu.wgmma(acc, a_ref, b_ref)
-      return tuple(acc[...] for acc in accs)
-
-    return pl.run_scoped(body, *(plgpu.ACC((a.shape[0], b.shape[1]), F32) for a, b in pairs))
 
   def mm_add(self, init, pairs):
     """init + sum of a @ b over (a_ref, b_ref) pairs. On hardware the wgmmas accumulate into
@@ -414,7 +398,7 @@ def _compiler_params():
 
 def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
                     o_g, u_g, st_g, ht_g, bars, *, scratch, cat, nc, e_dim, bv, scale, erase,
-                    paired, interpret):
+                    interpret):
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
@@ -450,14 +434,9 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
     ins.wait("f", n)
     ins.wait("v", n)
     rhs = ops.rowvec(f_s, beta_row, bv) * ops.acc(v_s[...].astype(F32))
-    y = None
     if erase:
       ins.wait("k", n)
-      if paired:
-        ins.wait("q", n)
-        r, y = ops.mms((k_s, state_bf16_s), (q_s, state_bf16_s))
-      else:
-        r = ops.mm(k_s, state_bf16_s)
+      r = ops.mm(k_s, state_bf16_s)
       for e in range(e_dim):
         rhs = rhs - ops.rowvec(f_s, erase_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
       rhs_bf16_s[...] = rhs.astype(BF16)
@@ -475,9 +454,8 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
     ins.start_next(("a",) if erase else ("v",), n)
     plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
 
-    if y is None:
-      ins.wait("q", n)
-      y = ops.mm(q_s, state_bf16_s)
+    ins.wait("q", n)
+    y = ops.mm(q_s, state_bf16_s)
     ins.wait("p", n)
     out = ops.mm(p_s, u_bf16_s)
     for e in range(e_dim):
@@ -495,7 +473,7 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               paired=False, interpret=False):
+            interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32."""
@@ -523,9 +501,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   ]
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # initial / final state (cat layout)
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase,
-                             paired=bool(paired) and forward_pairs_fit(d, c, e_dim, bv),
-                             interpret=bool(interpret))
+                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
   o, u, states, ht = plgpu.kernel(
       kernel,
       out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype),
@@ -546,7 +522,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
 
 def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
                      du_g, dst_g, dh0_g, bars, *, scratch, cat, nc, e_dim, bv, scale, erase,
-                     paired, interpret):
+                     interpret):
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
@@ -578,16 +554,10 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
     ins.start(at_end, step)
 
     ins.wait("k", step)
-    if paired:
-      ins.wait("pt", step)
-      ins.wait("do", step)
-      r, pdo = ops.mms((k_s, state_bf16_s), (pt_s, do_s))
-    else:
-      r = ops.mm(k_s, state_bf16_s)
-      ins.wait("pt", step)
-      ins.wait("do", step)
-      pdo = ops.mm(pt_s, do_s)
-    du = scale * pdo
+    r = ops.mm(k_s, state_bf16_s)
+    ins.wait("pt", step)
+    ins.wait("do", step)
+    du = scale * ops.mm(pt_s, do_s)
     ins.wait("f", step)
     for e in range(e_dim):
       du = du + ops.rowvec(f_s, write_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
@@ -616,7 +586,7 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
 
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
-                       block_v=None, paired=False, interpret=False):
+                       block_v=None, interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   float32, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
   (BH,E,D,V) float32."""
@@ -644,8 +614,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   ]
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # dht / dh0 (cat layout)
   kernel = functools.partial(_backward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, paired=bool(paired),
-                             interpret=bool(interpret))
+                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
   du, dstates, dh0 = plgpu.kernel(
       kernel,
       out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), F32),

@@ -144,7 +144,7 @@ def state_pass_kernels(cfg, q, v, k2):
   interpret)."""
   if _plan(cfg, q, v, k2).mosaic_state_kernels:
     interpret = cfg.platform == "cpu"
-    kw = dict(interpret=interpret, block_v=cfg.state_block_v, paired=cfg.paired_products)
+    kw = dict(interpret=interpret, block_v=cfg.state_block_v)
     return (functools.partial(mosaic.state_pass, **kw),
             functools.partial(mosaic.reverse_state_pass, **kw))
   return (functools.partial(recurrent.state_pass, cfg=cfg),
