@@ -103,3 +103,17 @@ def test_pieces_lower_for_cuda():
   text = cuda_lowering_text(cfg, 1, 2048, 1, 64, 64, 1)
   assert text.count("triadic_forward_mgpu") >= 3      # the plain pass, the warm-up, the pieces
   assert "triadic_backward_states_mgpu" in text
+
+
+def test_hopper_default_config(monkeypatch):
+  """On Hopper the state passes take pieces by the device (``sequence_pieces=0``), and at E = 1
+  64-column state blocks when 32-column ones would fill at most half the multiprocessors."""
+  monkeypatch.setattr(pops, "is_hopper", lambda: True)
+  monkeypatch.setattr(pieces, "device_sms", lambda: 132)
+  cfg = lambda **kw: pops.default_config("gpu", vd=128, **kw)
+  assert cfg(e=1, bh=16).state_block_v == 64 and cfg(e=1, bh=16).sequence_pieces == 0
+  assert cfg(e=1, bh=32).state_block_v is None          # 128 programs fill the device
+  assert cfg(e=2, bh=16).state_block_v is None and cfg(e=2, bh=16).sequence_pieces == 0
+  assert cfg(e=1).state_block_v is None                 # sizes without B*H: the plain default
+  monkeypatch.setattr(pops, "is_hopper", lambda: False)
+  assert cfg(e=1, bh=16).sequence_pieces == 1 and cfg(e=1, bh=16).state_block_v is None

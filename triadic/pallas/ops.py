@@ -73,11 +73,17 @@ def is_hopper() -> bool:
   return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
 
 
-def default_config(platform: str, e: int, vd: int) -> Config:
+def default_config(platform: str, e: int, vd: int, bh: int | None = None) -> Config:
   """Tile choices per platform, which also fixes the recurrent kernels' structure (``Config``).
 
   GPU (Triton, chunk loop inside the kernel over whole-sequence blocks): block_v 32 (16 for
-  E >= 8, the state tile is E*D*block_v float32 in registers). TPU (Mosaic, chunks on the grid,
+  E >= 8, the state tile is E*D*block_v float32 in registers). On Hopper: the Mosaic GPU
+  kernels, and the state passes cut into pieces of the sequence where their programs (``bh`` =
+  B*H times the value blocks) cannot fill the device (``sequence_pieces=0``); at E = 1, where
+  those programs would fill at most half the device, 64-column state blocks (``state_block_v``):
+  each chunk's K, Q, A, P are then read half as often and the pieces give the programs back
+  (faster at B = 1, T = 65536, slower in the forward at B = 2, T = 16384, where 32-column blocks
+  fill the device: benchmarks/RESULTS.md). TPU (Mosaic, chunks on the grid,
   one chunk per VMEM block, state in VMEM scratch): whole V per program (Mosaic tiles are (8, 128)
   or the full dimension; at D = V = 128, C = 64, E = 8 a program's double-buffered blocks and
   state scratch take about 3.6 MiB of VMEM, whatever T). CPU (interpret mode, the GPU
@@ -86,8 +92,11 @@ def default_config(platform: str, e: int, vd: int) -> Config:
     raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
   if platform == "gpu":
     hopper = is_hopper()
+    wide = (hopper and e == 1 and bh is not None and vd % 64 == 0
+            and 2 * bh * (vd // 32) <= pieces.device_sms())
     return Config("gpu", block_v=16 if e >= 8 else 32, bwd_block_v=32, mosaic_gpu=hopper,
-                  mosaic_gpu_backward=hopper)
+                  mosaic_gpu_backward=hopper, sequence_pieces=0 if hopper else 1,
+                  state_block_v=64 if wide else None)
   if platform == "tpu":
     return Config("tpu", block_v=vd, bwd_block_v=vd)
   return Config("cpu", block_v=16, bwd_block_v=16)
@@ -267,7 +276,7 @@ def triadic_pallas(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: jax
     raise ValueError(reason)
   platform = platform or default_platform()
   dp, vp, ep = pow2(d, 16), pow2(vd, 16), pow2(e)
-  cfg = config or default_config(platform, ep, vp)
+  cfg = config or default_config(platform, ep, vp, bh=b * h)
   c = chunk_size
   nc = -(-t // c)
   dtype = q.dtype
