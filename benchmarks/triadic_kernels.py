@@ -74,6 +74,39 @@ def stage_flops(b, t, h, d, vd, e, c=64):
           n * (12 * e * d * vd + 6 * c * vd + 12 * c * d + 4 * c * c))
 
 
+def stage_bytes(b, t, h, d, vd, e, c=64, half=2):
+  """HBM bytes of each Pallas stage (prep, forward, backward states, chunk backward) with every
+  operand read once and every result written once, in the dtypes the kernels take and give
+  (``half`` bytes for q, k, v, o, dO and the chunk states, 4 for the rest), per token and head:
+
+  prep            q, k; k2, q2, g, beta  ->  gc (column and row), A, P (C each)
+  forward         q, k, v; k2, q2, gc, beta; A, P  ->  o, U, chunk-start states (E D V / C)
+  backward states q, k, dO; k2, q2, gc, beta; A, P  ->  dU, chunk-end state gradients
+  chunk backward  q, k, v, dO; U, dU; both chunk states; k2 (both layouts), q2, gc (both), beta,
+                  A  ->  dq, dk (half), dv, dk2 (both parts), dq2, d gc (both parts), dbeta
+
+  The floor of the stages as designed: re-reads (each value block of a state pass reads the
+  chunk's K, Q, A, P again), plain-JAX intermediates (the masks M, M', transposed and cast copies)
+  and residuals the stage keeps on chip are not counted."""
+  n = b * t * h
+  states = half * e * d * vd / c
+  return (n * (2 * half * d + 4 * (3 * e + 1) + 4 * 2 * e + 4 * 2 * c),
+          n * (half * (2 * d + vd) + 4 * (3 * e + 1) + 4 * 2 * c + half * vd + 4 * vd + states),
+          n * (half * (2 * d + vd) + 4 * (3 * e + 1) + 4 * 2 * c + 4 * vd + states),
+          n * (half * (2 * d + 2 * vd) + 4 * 2 * vd + 2 * states + 4 * (5 * e + 1) + 4 * c
+               + half * 2 * d + 4 * vd + 4 * (5 * e + 1)))
+
+
+def roofline_cells(ms, flops, nbytes, peak, hbm):
+  """Table cells per stage: counted GB, the floor max(FLOPs / matmul ceiling, bytes / HBM
+  ceiling) in ms, and measured / floor."""
+  cells = []
+  for x, f, by in zip(ms, flops, nbytes):
+    floor = 1e3 * max(f / (peak * 1e12), by / (hbm * 1e9))
+    cells.append(f"{by / 1e9:.2f} GB, {floor:.2f} ms, {x / floor:.1f}x")
+  return cells
+
+
 def timeit(fn, args, reps):
   """Median ms of ``fn(*args)`` over ``reps`` calls after a warm-up (``common.median_ms``)."""
   return median_ms(fn, args, reps=reps)
@@ -224,6 +257,10 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
       cells = [f"{x:.2f} ({f / (x * 1e-3) / 1e12:.0f})" for x, f in zip(ms, fl)]
       cells.append(f"{sum(ms):.2f} ({sum(fl) / (sum(ms) * 1e-3) / 1e12:.0f})")
       print(f"| {e} | {label} | " + " | ".join(cells) + " |")
+      by = stage_bytes(b, t, h, d, vd, e, c)
+      roof = roofline_cells(ms + [sum(ms)], fl + (sum(fl),), by + (sum(by),), peak, hbm)
+      print(f"# roofline, E = {e} (counted bytes, floor, measured / floor): prep | forward | "
+            "backward states | chunk backward | total: " + " | ".join(roof), flush=True)
       print(f"# prep by part, E = {e}: " + prep_parts(prep_args, reps), flush=True)
       if cfg.mosaic_gpu_backward:  # each row also printed as it comes (a run cut short keeps it)
         parts.append((e, mosaic_backward_parts(cbw_args, reps, cfg.value_slices)))
