@@ -289,9 +289,11 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
 def prep_parts(prep_args, reps):
   """The prep's plain-JAX parts, each timed alone (ms): the cumulative decay and the masks M, M'
   (``masks``), and the UT inverse (``unit_lower_inverse``); the kernel with its glue is the
-  rest of the whole stage's time."""
+  rest of the whole stage's time. Beside them the UT inverse's kernel
+  (``unit_lower_inverse_kernel``, ``Config.ut_kernel``)."""
   from triadic.chunked import unit_lower_inverse
   from triadic.pallas import masks
+  from triadic.pallas.chunk_prep import unit_lower_inverse_kernel
   q, k, k2, q2, g, beta = prep_args
   c = q.shape[-2]
 
@@ -305,7 +307,11 @@ def prep_parts(prep_args, reps):
                     0.0)
   ms_masks = timeit(jax.jit(mask_work), (k2, q2, g), reps)
   ms_inv = timeit(jax.jit(unit_lower_inverse), (lower,), reps)
-  return f"masks {ms_masks:.2f} | UT inverse {ms_inv:.2f} ms"
+  cfg = pops.default_config(pops.default_platform(), 1, 128)
+  ms_kernel = timeit(jax.jit(functools.partial(unit_lower_inverse_kernel, cfg=cfg)), (lower,),
+                     reps)
+  return (f"masks {ms_masks:.2f} | UT inverse {ms_inv:.2f} ms (plain JAX), "
+          f"{ms_kernel:.2f} ms (kernel, Config.ut_kernel)")
 
 
 def mosaic_backward_parts(cbw_args, reps, value_slices=None):

@@ -20,6 +20,7 @@ T = 65536 checks that no TPU block grows with T.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import os
 import subprocess
@@ -39,7 +40,7 @@ from testkit.triadic import (NAMES, PALLAS_BOUNDS, check_against_scan, cuda_lowe
 from triadic import triadic_gdn
 from triadic.pallas import ops as pops
 from triadic.pallas import recurrent
-from triadic.pallas.chunk_prep import chunk_prep
+from triadic.pallas.chunk_prep import chunk_prep, unit_lower_inverse_kernel
 from triadic.pallas.common import Config
 from triadic.pallas.ops import kernel_layout, triadic_pallas
 
@@ -257,17 +258,40 @@ def test_tpu_blocks_do_not_span_the_sequence():
   assert triton["triadic_forward"] > limit and triton["triadic_backward_states"] > limit, triton
 
 
-def test_aligned_keys_stay_accurate():
-  """A repeated token (identical keys in a chunk, beta near 1): the UT inverse must stay exact."""
+@pytest.mark.parametrize("ut_kernel", [False, True])
+def test_aligned_keys_stay_accurate(ut_kernel):
+  """A repeated token (identical keys in a chunk, beta near 1): the UT inverse must stay exact,
+  by plain JAX and by its kernel."""
   args, do, ds = make_grad_inputs(3, 1, 64, 1, 16, 16, 2, decay=0.0, dtype=jnp.float32)
   args[1] = jnp.broadcast_to(args[1][:, :1], args[1].shape)
   args[3] = jnp.broadcast_to(args[3][:, :1], args[3].shape)
   args[6] = jnp.full(args[6].shape, 0.99)
-  grads, (o, s) = value_and_grads("pallas", args, do, ds, erase=True, chunk_size=64)
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, ut_kernel=ut_kernel)
+  grads, (o, s) = value_and_grads("pallas", args, do, ds, erase=True, chunk_size=64, config=cfg)
   ref_grads, (o_ref, s_ref) = value_and_grads("scan", args, do, ds, erase=True, chunk_size=64)
   assert rel_rms(o, o_ref) < 1e-4 and rel_rms(s, s_ref) < 1e-4
   for name, got, want in zip(NAMES, grads, ref_grads):
     assert rel_rms(got, want) < 1e-4, name
+
+
+@pytest.mark.parametrize("c", [32, 64])
+def test_ut_inverse_kernel(c):
+  """``unit_lower_inverse_kernel`` against the float64 inverse: random strictly lower L and the
+  all-ones L of aligned keys (|L_ts| = 1, whose inverse is bidiagonal); and it lowers for CUDA."""
+  rng = np.random.default_rng(c)
+  lower = np.tril(0.4 * rng.normal(size=(2, 3, c, c)), -1)
+  lower[1, 2] = np.tril(np.ones((c, c)), -1)
+  want = np.linalg.inv(np.eye(c) + lower)
+  got = unit_lower_inverse_kernel(jnp.asarray(lower, jnp.float32),
+                                  cfg=Config("cpu", block_v=16, bwd_block_v=16))
+  assert got.dtype == jnp.float32 and got.shape == lower.shape
+  assert rel_rms(got, want) < 1e-5 and rel_rms(got[1, 2], want[1, 2]) < 1e-6
+  with pytest.raises(ValueError, match="multiple of 16"):
+    unit_lower_inverse_kernel(jnp.zeros((1, 1, 24, 24)), cfg=Config("cpu", 16, 16))
+  text = jax.jit(functools.partial(unit_lower_inverse_kernel, cfg=Config("gpu", 32, 32))).trace(
+      jax.ShapeDtypeStruct((2, 3, c, c), jnp.float32)).lower(
+          lowering_platforms=("cuda",)).as_text()
+  assert "triadic_ut_inverse" in text
 
 
 SHARDED_SCRIPT = textwrap.dedent("""

@@ -12,9 +12,17 @@ Computed once per chunk and shared by every value block of the state-passing ker
 The E-dependent part is elementwise (the masks), done by XLA over all chunks at once; the kernel
 here is E-independent: one program per (batch*head, chunk) forms K K^T and Q K^T on the matrix
 units and applies the masks. It writes the strictly lower L = StrictLower(beta_t (k_t . k_s) M_ts);
-A = (I + L)^-1 is then taken by forward substitution (``triadic.chunked.unit_lower_inverse``),
-not by the all-matmul doubling product (I - L)(I + L^2)(I + L^4)...: that product loses every
-digit in float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g. a repeated token).
+A = (I + L)^-1 is then taken by forward substitution (``triadic.chunked.unit_lower_inverse`` in
+plain JAX, or ``Config.ut_kernel``: ``unit_lower_inverse_kernel``, one program per chunk), not by
+the all-matmul doubling product (I - L)(I + L^2)(I + L^4)...: that product loses every digit in
+float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g. a repeated token).
+
+The kernel form: the chunk's ``SUB`` x ``SUB`` diagonal blocks A_ii = (I + L_ii)^-1 by
+substitution over their rows in registers (row t of A_ii = e_t - sum_{s < t} L_ts A_s, rows
+s < t final), then the blocks below the diagonal by block forward substitution,
+A_ij = -A_ii sum_{j <= m < i} L_im A_mj, as float32 products at ``Config.f32_precision``: the
+same arithmetic as ``unit_lower_inverse`` in another order, so as accurate, with L read once
+and A written once.
 """
 
 from __future__ import annotations
@@ -30,6 +38,8 @@ from triadic.pallas import masks
 from triadic.pallas.common import F32, call, mm
 from triadic.pallas.common import masks as causal_masks
 
+SUB = 16  # rows per diagonal block of ``unit_lower_inverse_kernel``
+
 
 def _prep_kernel(q_ref, k_ref, beta_ref, mq_ref, *rest, c, erase, dtype):
   lower_ref, p_ref = rest[-2:]
@@ -41,6 +51,61 @@ def _prep_kernel(q_ref, k_ref, beta_ref, mq_ref, *rest, c, erase, dtype):
     lower_ref[...] = jnp.where(strict, beta_ref[...].astype(F32) * kk * rest[0][...], 0.0)
   else:
     lower_ref[...] = jnp.zeros((c, c), F32)
+
+
+def _diagonal_block_inverse(lower_t):
+  """(I + L)^-1 of one SUB x SUB strictly lower block, given as L^T: row t of the inverse is
+  e_t - sum_{s < t} L_ts A_s, whose rows s < t are final; column t of L^T is row t of L, along
+  the axis that meets A's rows (Triton slices no register tensor: rows and columns are picked
+  by masked sums)."""
+  r = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
+  c = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
+  c_row = jax.lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
+  inv = jnp.where(r == c, 1.0, 0.0).astype(F32)
+  for t in range(1, SUB):
+    l_t = jnp.sum(jnp.where(c == t, lower_t, 0.0), axis=1, keepdims=True)   # (SUB, 1): L_t,s
+    new = jnp.where(c_row == t, 1.0, 0.0) - jnp.sum(l_t * inv, axis=0, keepdims=True)
+    inv = jnp.where(r == t, new, inv)
+  return inv
+
+
+def _inverse_kernel(lower_ref, a_ref, *, c, precision):
+  nb = c // SUB
+  blk = lambda i: pl.ds(i * SUB, SUB)
+  f32mm = lambda x, y: mm(x, y, F32, precision=precision)
+  inv = {(i, i): _diagonal_block_inverse(lower_ref[blk(i), blk(i)].T) for i in range(nb)}
+  for i in range(1, nb):
+    lower = {m: lower_ref[blk(i), blk(m)] for m in range(i)}
+    for j in range(i - 1, -1, -1):
+      acc = f32mm(lower[j], inv[j, j])
+      for m in range(j + 1, i):
+        acc = acc + f32mm(lower[m], inv[m, j])
+      inv[i, j] = -f32mm(inv[i, i], acc)
+  zero = jnp.zeros((SUB, SUB), F32)
+  for i in range(nb):
+    for j in range(nb):
+      a_ref[blk(i), blk(j)] = inv[i, j] if j <= i else zero
+
+
+def ut_kernel_supported(c: int) -> str | None:
+  """Why ``unit_lower_inverse_kernel`` cannot take chunk size ``c`` (None: it can)."""
+  if c % SUB:
+    return f"the UT-inverse kernel needs the chunk size to be a multiple of {SUB}, got {c}"
+  return None
+
+
+def unit_lower_inverse_kernel(lower, *, cfg):
+  """(I + L)^-1 of every chunk's strictly lower L (BH, NC, C, C) float32, one program per chunk:
+  ``triadic.chunked.unit_lower_inverse``'s values (the module docstring says how)."""
+  bh, nc, c, _ = lower.shape
+  reason = ut_kernel_supported(c)
+  if reason:
+    raise ValueError(reason)
+  spec = pl.BlockSpec((None, None, c, c), lambda i, j: (i, j, 0, 0))
+  kernel = functools.partial(_inverse_kernel, c=c, precision=cfg.f32_precision)
+  return call(kernel, cfg=cfg, grid=(bh, nc), in_specs=[spec], out_specs=spec,
+              out_shape=jax.ShapeDtypeStruct(lower.shape, F32),
+              semantics=("parallel", "parallel"), name="triadic_ut_inverse")(lower)
 
 
 def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg):
@@ -63,4 +128,8 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg):
       out_specs=[spec(c, c), spec(c, c)], out_shape=[shape, shape],
       semantics=("parallel", "parallel"), name="triadic_chunk_prep",
   )(q, k, beta_col, *mats)
-  return gc_col, gc_row, (unit_lower_inverse(lower) if erase else lower), p
+  if not erase:
+    return gc_col, gc_row, lower, p
+  inverse = (functools.partial(unit_lower_inverse_kernel, cfg=cfg) if cfg.ut_kernel
+             else unit_lower_inverse)
+  return gc_col, gc_row, inverse(lower), p

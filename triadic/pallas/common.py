@@ -60,6 +60,8 @@ class Config:
   state_block_v: with ``mosaic_gpu``, the Mosaic state passes' value block (None:
   ``mosaic.default_block_v``; one that ``mosaic.supported`` refuses sends them to Triton, as the
   plan says). Wider blocks read K, Q, A, P fewer times over, with fewer programs.
+  ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
+  (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -79,6 +81,7 @@ class Config:
   state_block_v: int | None = None
   sequence_pieces: int = 1
   warmup_chunks: int = 16
+  ut_kernel: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
