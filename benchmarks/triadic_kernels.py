@@ -112,10 +112,10 @@ def timeit(fn, args, reps):
   return median_ms(fn, args, reps=reps)
 
 
-def pallas_config(e, vd, **fields):
-  """This device's default kernel config at E (padded to a power of two) and V, with ``fields``
-  replaced; a field given as None keeps its default."""
-  cfg = pops.default_config(pops.default_platform(), pops.pow2(e), vd)
+def pallas_config(e, vd, bh, **fields):
+  """This device's default kernel config at E (padded to a power of two), V and B*H (as the op
+  takes it), with ``fields`` replaced; a field given as None keeps its default."""
+  cfg = pops.default_config(pops.default_platform(), pops.pow2(e), vd, bh=bh)
   return dataclasses.replace(cfg, **{k: x for k, x in fields.items() if x is not None})
 
 
@@ -127,7 +127,7 @@ def triadic_fns(impl, **config):
     run = lambda *a: triadic_gdn(*a, impl=impl, chunk_size=64)[0]
   else:
     def run(q, k, v, k2, q2, g, beta):
-      cfg = pallas_config(k2.shape[-1], v.shape[-1], **config)
+      cfg = pallas_config(k2.shape[-1], v.shape[-1], q.shape[0] * q.shape[2], **config)
       h0 = jnp.zeros((q.shape[0], q.shape[2], k2.shape[-1], q.shape[-1], v.shape[-1]),
                      jnp.float32)
       return pops.triadic_pallas(q, k, v, k2, q2, g, beta, scale=q.shape[-1] ** -0.5,
@@ -183,7 +183,7 @@ def check(only=None, value_slices=None, fields=None):
       f = lambda *a: triadic_gdn(*a[:7], initial_state=a[7], erase=erase, impl=impl,
                                  chunk_size=64)
       if impl == "pallas" and (value_slices or fields):
-        cfg = pallas_config(e, vd, value_slices=value_slices, **(fields or {}))
+        cfg = pallas_config(e, vd, b * h, value_slices=value_slices, **(fields or {}))
         f = lambda *a: pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7],
                                            erase=erase, chunk_size=64, config=cfg)
       (o, s), pull = jax.vjp(f, *args, h0)
@@ -427,9 +427,10 @@ def main():
                       help="PyTorch GDN kernels timed on the same inputs (E = 1 slices of ours); "
                            "missing packages are reported and skipped; none: --peers")
   parser.add_argument("--op-variants", nargs="*", default=[],
-                      help="op table: also the op with these Config fields set, one "
-                           "comma-joined set per pair of columns: a name alone is True, name=N "
-                           "an int, e.g. fused_tail sequence_pieces=0 (--check: the first set "
+                      help="op table: also the op with these Config fields set over the "
+                           "default (which depends on B*H), one comma-joined set per pair of "
+                           "columns: a name alone is True, name=N an int, e.g. ut_kernel "
+                           "sequence_pieces=1,state_block_v=32 (--check: the first set "
                            "replaces the default's fields)")
   parser.add_argument("--tail-variants", action="store_true",
                       help="with --stages on Hopper: the chunk backward's tail, fused and split, "
@@ -477,9 +478,7 @@ def op_table(args):
           + " pallas-triton fwd | pallas-triton f+b | chunked fwd | chunked f+b | cudnn fwd"
           " | cudnn f+b | best peer fwd | best peer f+b | fwd vs peer | f+b vs peer"
           " | pallas TFLOP/s fwd / f+b")
-  for e in args.e:
-    print("\n".join("# " + line for line in str(pops.explain(d, vd, e, 64,
-                                                             jnp.bfloat16)).splitlines()))
+  from triadic.pallas import plan as plan_lib
   print("| " + cols + " |")
   print("|" + "---|" * (cols.count("|") + 1))
   for t in args.t:
@@ -497,6 +496,12 @@ def op_table(args):
     e1 = None
     for e in args.e:
       xs = inputs(key, b, t, h, d, vd, e, jnp.bfloat16)
+      cfg = pops.default_config(pops.default_platform(), pops.pow2(e), vd, bh=b * h)
+      plan = pops.explain(d, vd, e, 64, jnp.bfloat16, bh=b * h)
+      split = plan_lib.sequence_pieces(cfg, bh=b * h, nc=-(-t // 64), d=d, vd=vd, c=64,
+                                       e=pops.pow2(e), dtype=jnp.bfloat16)
+      print("\n".join("# " + line for line in str(plan).splitlines())
+            + f"\n# state passes at B={b} T={t}: {split}")
       pf, pfb = triadic_fns("pallas")
       pal = (timeit(pf, xs, args.reps), timeit(pfb, xs, args.reps))
       e1 = pal[1] if e == 1 else e1
@@ -507,10 +512,9 @@ def op_table(args):
       for variant in args.op_variants:
         fields = variant_fields(variant)
         if "sequence_pieces" in fields:
-          from triadic.pallas import plan as plan_lib
-          cfg = pallas_config(e, vd, **fields)
+          variant_cfg = pallas_config(e, vd, b * h, **fields)
           print(f"# {variant} at B={b} T={t} E={e}: " + str(plan_lib.sequence_pieces(
-              cfg, bh=b * h, nc=-(-t // 64), d=d, vd=vd, c=64, e=pops.pow2(e),
+              variant_cfg, bh=b * h, nc=-(-t // 64), d=d, vd=vd, c=64, e=pops.pow2(e),
               dtype=jnp.bfloat16)))
         vf, vfb = triadic_fns("pallas", **fields)
         variants += [timeit(vf, xs, args.reps), timeit(vfb, xs, args.reps)]

@@ -248,15 +248,16 @@ _core.defvjp(_core_fwd, _core_bwd)
 
 
 def explain(d: int, vd: int, e: int, chunk_size: int, dtype, *, platform: str | None = None,
-            config: Config | None = None) -> plan_lib.Plan:
+            config: Config | None = None, bh: int | None = None) -> plan_lib.Plan:
   """The kernel plan ``triadic_pallas`` follows for these sizes (before padding) and input
-  dtype: per stage the backend, tiles and reason (``plan.resolve``). Raises ValueError for
-  sizes the kernels cannot take."""
+  dtype: per stage the backend, tiles and reason (``plan.resolve``); ``bh`` (B*H) where the
+  default config depends on it (``default_config``). Raises ValueError for sizes the kernels
+  cannot take."""
   reason = unsupported(d, vd, chunk_size)
   if reason:
     raise ValueError(reason)
   dp, vp, ep = pow2(d, 16), pow2(vd, 16), pow2(e)
-  cfg = config or default_config(platform or default_platform(), ep, vp)
+  cfg = config or default_config(platform or default_platform(), ep, vp, bh=bh)
   return plan_lib.resolve(cfg, d=dp, vd=vp, c=chunk_size, e=ep, dtype=dtype)
 
 
