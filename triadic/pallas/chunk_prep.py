@@ -18,11 +18,10 @@ the all-matmul doubling product (I - L)(I + L^2)(I + L^4)...: that product loses
 float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g. a repeated token).
 
 The kernel form: the chunk's ``SUB`` x ``SUB`` diagonal blocks A_ii = (I + L_ii)^-1 by
-substitution over their rows in registers (row t of A_ii = e_t - sum_{s < t} L_ts A_s, rows
-s < t final), then the blocks below the diagonal by block forward substitution,
-A_ij = -A_ii sum_{j <= m < i} L_im A_mj, as float32 products at ``Config.f32_precision``: the
-same arithmetic as ``unit_lower_inverse`` in another order, so as accurate, with L read once
-and A written once.
+substitution in registers (``_diagonal_block_inverse``), then the blocks below the diagonal by
+block forward substitution, A_ij = -A_ii sum_{j <= m < i} L_im A_mj, as float32 products at
+``Config.f32_precision``: the same arithmetic as ``unit_lower_inverse`` in another order, so as
+accurate, with L read from HBM once and A written once.
 """
 
 from __future__ import annotations
@@ -53,19 +52,19 @@ def _prep_kernel(q_ref, k_ref, beta_ref, mq_ref, *rest, c, erase, dtype):
     lower_ref[...] = jnp.zeros((c, c), F32)
 
 
-def _diagonal_block_inverse(lower_t):
-  """(I + L)^-1 of one SUB x SUB strictly lower block, given as L^T: row t of the inverse is
-  e_t - sum_{s < t} L_ts A_s, whose rows s < t are final; column t of L^T is row t of L, along
-  the axis that meets A's rows (Triton slices no register tensor: rows and columns are picked
-  by masked sums)."""
+def _diagonal_block_inverse(lower_ref, start):
+  """(I + L)^-1 of the SUB x SUB strictly lower diagonal block of ``lower_ref`` at rows and
+  columns ``start``.., by substitution: X = I, then for s = 0, 1, ..: row s of X is final, and
+  every row t > s takes -L_ts X_s (column s of L is loaded as a (SUB, 1) column; row s of X, a
+  register tensor Triton cannot slice, is picked by a masked sum)."""
   r = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
   c = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-  c_row = jax.lax.broadcasted_iota(jnp.int32, (1, SUB), 1)
   inv = jnp.where(r == c, 1.0, 0.0).astype(F32)
-  for t in range(1, SUB):
-    l_t = jnp.sum(jnp.where(c == t, lower_t, 0.0), axis=1, keepdims=True)   # (SUB, 1): L_t,s
-    new = jnp.where(c_row == t, 1.0, 0.0) - jnp.sum(l_t * inv, axis=0, keepdims=True)
-    inv = jnp.where(r == t, new, inv)
+  rows = pl.ds(start, SUB)
+  for s in range(SUB - 1):
+    l_s = lower_ref[rows, pl.ds(start + s, 1)].astype(F32)               # (SUB, 1): L_t,s
+    x_s = jnp.sum(jnp.where(r == s, inv, 0.0), axis=0, keepdims=True)    # (1, SUB): X_s
+    inv = inv - l_s * x_s
   return inv
 
 
@@ -73,7 +72,7 @@ def _inverse_kernel(lower_ref, a_ref, *, c, precision):
   nb = c // SUB
   blk = lambda i: pl.ds(i * SUB, SUB)
   f32mm = lambda x, y: mm(x, y, F32, precision=precision)
-  inv = {(i, i): _diagonal_block_inverse(lower_ref[blk(i), blk(i)].T) for i in range(nb)}
+  inv = {(i, i): _diagonal_block_inverse(lower_ref, i * SUB) for i in range(nb)}
   for i in range(1, nb):
     lower = {m: lower_ref[blk(i), blk(m)] for m in range(i)}
     for j in range(i - 1, -1, -1):
