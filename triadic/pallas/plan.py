@@ -70,8 +70,9 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   base = _base(cfg)
   interp = "/interpret" if cfg.platform == "cpu" else ""
   loop = "chunks on the grid, state in VMEM" if cfg.chunk_grid else "chunk loop per value block"
+  inverse = "UT inverse kernel (Config.ut_kernel)" if cfg.ut_kernel else "UT inverse in plain JAX"
   prep = Stage("prep", base, "one program per chunk",
-               "masks M, M' in plain JAX (E-independent kernel)")
+               f"masks M, M' in plain JAX (E-independent kernel); {inverse}")
 
   state_reason = (mosaic.supported(d, vd, c, e, dtype, block_v=cfg.state_block_v)
                   if cfg.mosaic_gpu else "Config.mosaic_gpu off")
