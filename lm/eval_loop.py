@@ -44,7 +44,8 @@ class ModelChangeError(ValueError):
 
 
 # Model keys that select an implementation of the same function; every other model key changes it.
-MODEL_KEYS_SAME_MATH = ("impl", "chunk_size", "attention_impl", "remat")
+# conv_impl: a deleted option (the short convolutions' kernel) that old runs' config.json still has.
+MODEL_KEYS_SAME_MATH = ("impl", "chunk_size", "attention_impl", "remat", "conv_impl")
 
 
 def config_variant(config, workdir: str, *, allow_model_change: bool = False) -> str | None:

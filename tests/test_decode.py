@@ -54,8 +54,8 @@ LAYERS = {
 def test_layer_prefill_then_decode_equals_parallel_forward(name):
   model = LAYERS[name]()
   x = jax.random.normal(jax.random.key(0), (2, 14, 16))
-  variables = model.init(jax.random.key(1), x)
-  full, _ = model.apply(variables, x)
+  variables = jax.jit(model.init)(jax.random.key(1), x)
+  full, _ = jax.jit(model.apply)(variables, x)
   got = prefill_then_steps(model, variables, x, prompt_len=11)  # 11 = mid-chunk (C = 8)
   assert rel_rms(got, full) < 1e-5
 
@@ -117,8 +117,8 @@ def small(**kw):
 def test_lm_prefill_then_decode_equals_parallel_forward(cfg):
   model = LM(cfg)
   tokens = jax.random.randint(jax.random.key(2), (2, 13), 0, cfg.vocab_size)
-  variables = model.init(jax.random.key(0), tokens)
-  full = model.apply(variables, tokens)
+  variables = jax.jit(model.init)(jax.random.key(0), tokens)
+  full = jax.jit(model.apply)(variables, tokens)
   got = prefill_then_steps(model, variables, tokens, prompt_len=10)
   assert rel_rms(got, full) < 1e-5
 

@@ -36,30 +36,30 @@ def load(single, multi):
 @pytest.mark.parametrize("erase", [True, False])
 def test_gdn_loads_single_state_checkpoint(x, erase):
   single = triadic.TriadicGDN(num_heads=H, head_dim=P, expand_e=1, erase=erase)
-  single_params = single.init(jax.random.PRNGKey(1), x)
+  single_params = jax.jit(single.init)(jax.random.PRNGKey(1), x)
   for agg in merlin.AGGREGATORS:
     layer = merlin.MultiStateGDN(num_heads=H, head_dim=P, aggregator=agg, erase=erase, **SMALL)
-    params = layer.init(jax.random.PRNGKey(2), x)
+    params = jax.jit(layer.init)(jax.random.PRNGKey(2), x)
     shared = {k: v for k, v in shapes(params)["params"].items() if k != "aggregator"}
     assert shared == shapes(single_params)["params"], agg  # same names, same shapes
-    y, _ = layer.apply(load(single_params, params), x)
+    y, _ = jax.jit(layer.apply)(load(single_params, params), x)
     assert y.shape == x.shape and np.all(np.isfinite(np.asarray(y))), agg
     if agg == "vanilla":  # lam = 1: the single-state layer exactly
-      assert rel(y, single.apply(single_params, x)[0]) < 1e-5
+      assert rel(y, jax.jit(single.apply)(single_params, x)[0]) < 1e-5
 
 
 def test_mamba2_loads_into_multistate(x):
   single = merlin.Mamba2(num_heads=H, head_dim=P, state_dim=6, chunk_size=4)
-  single_params = single.init(jax.random.PRNGKey(1), x)
+  single_params = jax.jit(single.init)(jax.random.PRNGKey(1), x)
   for agg in merlin.AGGREGATORS:
     layer = merlin.MultiStateMamba2(num_heads=H, head_dim=P, state_dim=6, aggregator=agg, **SMALL)
-    params = layer.init(jax.random.PRNGKey(2), x)
+    params = jax.jit(layer.init)(jax.random.PRNGKey(2), x)
     shared = {k: v for k, v in shapes(params)["params"].items() if k != "aggregator"}
     assert shared == shapes(single_params)["params"], agg
-    y, _ = layer.apply(load(single_params, params), x)
+    y, _ = jax.jit(layer.apply)(load(single_params, params), x)
     assert y.shape == x.shape and np.all(np.isfinite(np.asarray(y))), agg
     if agg == "vanilla":
-      assert rel(y, single.apply(single_params, x)[0]) < 1e-5
+      assert rel(y, jax.jit(single.apply)(single_params, x)[0]) < 1e-5
   assert shapes(params)["params"]["aggregator"]["kr_proj"]["kernel"] == (MODEL, 4)  # one group
 
 
@@ -100,8 +100,8 @@ def test_mamba2_matches_numpy(x):
 def test_multistate_layers_differentiate(x):
   for layer in (merlin.MultiStateGDN(num_heads=H, head_dim=P, **SMALL),
                 merlin.MultiStateMamba2(num_heads=H, head_dim=P, state_dim=6, **SMALL)):
-    params = layer.init(jax.random.PRNGKey(4), x)
-    grads = jax.grad(lambda p: jnp.sum(layer.apply(p, x)[0] ** 2))(params)
+    params = jax.jit(layer.init)(jax.random.PRNGKey(4), x)
+    grads = jax.jit(jax.grad(lambda p: jnp.sum(layer.apply(p, x)[0] ** 2)))(params)
     agg = nn.unbox(grads)["params"]["aggregator"]
     for leaf in jax.tree_util.tree_leaves(agg):
       assert np.all(np.isfinite(np.asarray(leaf))) and np.any(np.asarray(leaf) != 0)

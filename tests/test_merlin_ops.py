@@ -95,7 +95,7 @@ def test_chunked_gradients_match_scan(erase):
   def loss(impl):
     f = lambda *a: jnp.sum(cot * multistate_attention(*a, segment_len=L, erase=erase, impl=impl,
                                                        chunk_size=4))
-    return jax.grad(f, argnums=tuple(range(6)))(*args)
+    return jax.jit(jax.grad(f, argnums=tuple(range(6))))(*args)
 
   for name, got, want in zip("q k v g beta lam".split(), loss("chunked"), loss("scan")):
     assert rel(got, want) < 1e-4, name

@@ -26,7 +26,7 @@ def _grad_fn(mixer, remat):
   model = _model(mixer, remat)
   tokens = jax.random.randint(jax.random.key(1), (2, 13), 0, 16)
   loss = lambda p: jnp.mean(jax.nn.log_softmax(model.apply({"params": p}, tokens))[..., 0])
-  return jax.grad(loss), model.init(jax.random.key(0), tokens)["params"]
+  return jax.grad(loss), jax.jit(model.init)(jax.random.key(0), tokens)["params"]
 
 
 @pytest.mark.parametrize("mixer, policies", [

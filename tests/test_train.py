@@ -127,16 +127,16 @@ def test_chunked_loss_equals_the_plain_loss_and_holds_one_chunk_of_logits(tied):
   batch = {"inputs": tokens, "targets": jax.random.randint(keys[1], (b, t), 0, cfg.vocab_size),
            "weights": (jax.random.uniform(keys[2], (b, t)) < 0.7).astype(jnp.float32),
            "segment_ids": (jnp.arange(t)[None] >= jnp.array([[20], [9]])).astype(jnp.int32)}
-  params = nn.unbox(LM(cfg).init(keys[3], tokens)["params"])
+  params = nn.unbox(jax.jit(LM(cfg).init)(keys[3], tokens)["params"])
   # the head of the chunked loss is the model's own
-  hidden = LM(cfg).apply({"params": params}, tokens, head=False)
+  hidden = jax.jit(lambda p: LM(cfg).apply({"params": p}, tokens, head=False))(params)
   weight = params["embed"]["embedding"] if tied else params["head"]["kernel"]
-  np.testing.assert_array_equal(head_logits(cfg, weight, hidden),
-                                LM(cfg).apply({"params": params}, tokens))
+  np.testing.assert_array_equal(jax.jit(lambda w, h: head_logits(cfg, w, h))(weight, hidden),
+                                jax.jit(LM(cfg).apply)({"params": params}, tokens))
 
   def value_and_grad(c):
     fn = lambda p: train_step.loss_fn(LM(c), p, batch)
-    return jax.value_and_grad(fn, has_aux=True)(params), fn
+    return jax.jit(jax.value_and_grad(fn, has_aux=True))(params), fn
 
   (loss, aux), grads = value_and_grad(cfg)[0]
   (want, want_aux), want_grads = value_and_grad(dataclasses.replace(cfg, loss_chunk=0))[0]

@@ -43,15 +43,14 @@ def result(proc):
   return json.loads(line[len("RESULT "):])
 
 
-def test_sharded_step_matches_one_device(tmp_path):
+def test_sharded_step_and_two_processes_match_one_device(tmp_path):
+  """One reference run on one device; the sharded run (8 devices, data 4 x tensor 2) gives its loss
+  and gradient norm; two jax.distributed processes (data 2) agree with each other and with it."""
   one = run(tmp_path, "one")
   eight = run(tmp_path, "eight", devices=8, data=4, tensor=2)
   assert eight["step"] == one["step"] == 3
   assert eight["loss"] == pytest.approx(one["loss"], rel=1e-5)
   assert eight["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
-
-
-def test_two_processes_agree(tmp_path):
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
@@ -59,7 +58,6 @@ def test_two_processes_agree(tmp_path):
   procs = [run(tmp_path, "multi", devices=1, data=2, coordinator=coord, process_id=i, wait=False)
            for i in range(2)]
   a, b = [result(p) for p in procs]
-  one = run(tmp_path, "single")
   assert a["step"] == b["step"] == 3
   assert a["loss"] == b["loss"]
   assert a["loss"] == pytest.approx(one["loss"], rel=1e-5)

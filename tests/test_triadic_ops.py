@@ -77,7 +77,7 @@ def _grads(impl, args, s0, erase, chunk):
     o, s = triadic_gdn(*xs[:7], initial_state=xs[7], erase=erase, impl=impl, chunk_size=chunk)
     return jnp.sum(o.astype(jnp.float32) * do) + jnp.sum(s * ds)
 
-  return jax.grad(loss, argnums=tuple(range(8)))(*args, s0)
+  return jax.jit(jax.grad(loss, argnums=tuple(range(8))))(*args, s0)
 
 
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
@@ -109,10 +109,10 @@ def test_sub_chunk_masks_match_the_definition(c, e, decay):
             for _ in range(2))
   w = [jnp.asarray(rng.normal(size=(2, 3, c, c)), jnp.float32) for _ in range(2)]
   loss = lambda fn: lambda *x: sum(jnp.sum(m * wi) for m, wi in zip(fn(*x), w))
-  for got, want in zip(sub_chunk_masks(gc, k2, q2), chunk_masks(gc, k2, q2)):
+  for got, want in zip(jax.jit(sub_chunk_masks)(gc, k2, q2), jax.jit(chunk_masks)(gc, k2, q2)):
     assert bool(jnp.isfinite(got).all()) and rel_rms(got, want) < 1e-6
     assert bool(jnp.all(jnp.triu(got, 1) == 0))
-  grads = [jax.grad(loss(fn), argnums=(0, 1, 2))(gc, k2, q2)
+  grads = [jax.jit(jax.grad(loss(fn), argnums=(0, 1, 2)))(gc, k2, q2)
            for fn in (sub_chunk_masks, chunk_masks)]
   for name, got, want in zip(("gc", "k2", "q2"), *grads):
     assert bool(jnp.isfinite(got).all()) and rel_rms(got, want) < 1e-5, name
@@ -164,8 +164,9 @@ def test_extreme_decay_is_finite():
   args = list(make_inputs(7, 1, 70, 2, 8, 8, 3, decay=30.0))
   args[5] = args[5].at[:, ::5].set(-30.0)
   o, s = triadic_gdn(*args, impl="chunked", chunk_size=32)
-  grads = jax.grad(lambda *xs: jnp.sum(triadic_gdn(*xs, impl="chunked", chunk_size=32)[0] ** 2),
-                   argnums=tuple(range(7)))(*args)
+  grads = jax.jit(jax.grad(
+      lambda *xs: jnp.sum(triadic_gdn(*xs, impl="chunked", chunk_size=32)[0] ** 2),
+      argnums=tuple(range(7))))(*args)
   assert bool(jnp.isfinite(o).all()) and bool(jnp.isfinite(s).all())
   assert all(bool(jnp.isfinite(x).all()) for x in grads)
   want_o, _ = triadic_reference(*args)

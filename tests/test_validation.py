@@ -155,8 +155,9 @@ def test_minus_inf_decay_is_a_reset_in_every_triadic_impl(erase):
   # After the reset the output does not depend on the tokens before it.
   other = dict(args, v=np.concatenate([args["v"][:, :2] + 1.0, args["v"][:, 2:]], axis=1))
   assert rel_rms(run("chunked", **other)[0][:, 3:], want[:, 3:]) < 1e-5
-  grad = lambda impl: jax.grad(lambda q, k, g: run(impl, **dict(args, q=q, k=k, g=g))[0].sum(),
-                               argnums=(0, 1, 2))(args["q"], args["k"], args["g"])
+  grad = lambda impl: jax.jit(jax.grad(
+      lambda q, k, g: run(impl, **dict(args, q=q, k=k, g=g))[0].sum(),
+      argnums=(0, 1, 2)))(args["q"], args["k"], args["g"])
   for a, b in zip(grad("chunked"), grad("scan")):
     assert np.isfinite(np.asarray(a)).all() and rel_rms(a, b) < 1e-5
 
