@@ -288,6 +288,8 @@ def test_ut_inverse_kernel(c):
   assert rel_rms(got, want) < 1e-5 and rel_rms(got[1, 2], want[1, 2]) < 1e-6
   with pytest.raises(ValueError, match="multiple of 16"):
     unit_lower_inverse_kernel(jnp.zeros((1, 1, 24, 24)), cfg=Config("cpu", 16, 16))
+  with pytest.raises(ValueError, match="GPU structure"):
+    unit_lower_inverse_kernel(jnp.zeros((1, 1, c, c)), cfg=Config("tpu", c, c))
   text = jax.jit(functools.partial(unit_lower_inverse_kernel, cfg=Config("gpu", 32, 32))).trace(
       jax.ShapeDtypeStruct((2, 3, c, c), jnp.float32)).lower(
           lowering_platforms=("cuda",)).as_text()

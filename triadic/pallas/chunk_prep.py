@@ -86,8 +86,12 @@ def _inverse_kernel(lower_ref, a_ref, *, c, precision):
       a_ref[blk(i), blk(j)] = inv[i, j] if j <= i else zero
 
 
-def ut_kernel_supported(c: int) -> str | None:
-  """Why ``unit_lower_inverse_kernel`` cannot take chunk size ``c`` (None: it can)."""
+def ut_kernel_supported(c: int, cfg) -> str | None:
+  """Why ``unit_lower_inverse_kernel`` cannot take chunk size ``c`` under ``cfg`` (None: it
+  can): its 16 x 16 blocks and (16, 1) column loads are the GPU structure's (Triton, or
+  interpreted), not Mosaic TPU's (8, 128) tiles."""
+  if cfg.chunk_grid:
+    return "the UT-inverse kernel has the GPU structure only (Config.ut_kernel on TPU)"
   if c % SUB:
     return f"the UT-inverse kernel needs the chunk size to be a multiple of {SUB}, got {c}"
   return None
@@ -97,7 +101,7 @@ def unit_lower_inverse_kernel(lower, *, cfg):
   """(I + L)^-1 of every chunk's strictly lower L (BH, NC, C, C) float32, one program per chunk:
   ``triadic.chunked.unit_lower_inverse``'s values (the module docstring says how)."""
   bh, nc, c, _ = lower.shape
-  reason = ut_kernel_supported(c)
+  reason = ut_kernel_supported(c, cfg)
   if reason:
     raise ValueError(reason)
   spec = pl.BlockSpec((None, None, c, c), lambda i, j: (i, j, 0, 0))
