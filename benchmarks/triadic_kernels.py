@@ -496,12 +496,11 @@ def op_table(args):
     e1 = None
     for e in args.e:
       xs = inputs(key, b, t, h, d, vd, e, jnp.bfloat16)
-      cfg = pops.default_config(pops.default_platform(), pops.pow2(e), vd, bh=b * h)
+      pieces_of = lambda cfg: plan_lib.sequence_pieces(
+          cfg, bh=b * h, nc=-(-t // 64), d=d, vd=vd, c=64, e=pops.pow2(e), dtype=jnp.bfloat16)
       plan = pops.explain(d, vd, e, 64, jnp.bfloat16, bh=b * h)
-      split = plan_lib.sequence_pieces(cfg, bh=b * h, nc=-(-t // 64), d=d, vd=vd, c=64,
-                                       e=pops.pow2(e), dtype=jnp.bfloat16)
       print("\n".join("# " + line for line in str(plan).splitlines())
-            + f"\n# state passes at B={b} T={t}: {split}")
+            + f"\n# state passes at B={b} T={t}: {pieces_of(pallas_config(e, vd, b * h))}")
       pf, pfb = triadic_fns("pallas")
       pal = (timeit(pf, xs, args.reps), timeit(pfb, xs, args.reps))
       e1 = pal[1] if e == 1 else e1
@@ -512,10 +511,8 @@ def op_table(args):
       for variant in args.op_variants:
         fields = variant_fields(variant)
         if "sequence_pieces" in fields:
-          variant_cfg = pallas_config(e, vd, b * h, **fields)
-          print(f"# {variant} at B={b} T={t} E={e}: " + str(plan_lib.sequence_pieces(
-              variant_cfg, bh=b * h, nc=-(-t // 64), d=d, vd=vd, c=64, e=pops.pow2(e),
-              dtype=jnp.bfloat16)))
+          print(f"# {variant} at B={b} T={t} E={e}: "
+                f"{pieces_of(pallas_config(e, vd, b * h, **fields))}")
         vf, vfb = triadic_fns("pallas", **fields)
         variants += [timeit(vf, xs, args.reps), timeit(vfb, xs, args.reps)]
       tri = (nan, nan)
