@@ -308,10 +308,12 @@ def prep_parts(prep_args, reps):
   ms_masks = timeit(jax.jit(mask_work), (k2, q2, g), reps)
   ms_inv = timeit(jax.jit(unit_lower_inverse), (lower,), reps)
   cfg = pops.default_config(pops.default_platform(), 1, 128)
-  ms_kernel = timeit(jax.jit(functools.partial(unit_lower_inverse_kernel, cfg=cfg)), (lower,),
-                     reps)
-  return (f"masks {ms_masks:.2f} | UT inverse {ms_inv:.2f} ms (plain JAX), "
-          f"{ms_kernel:.2f} ms (kernel, Config.ut_kernel)")
+  kernel_ms = {w: timeit(jax.jit(functools.partial(unit_lower_inverse_kernel, cfg=cfg,
+                                                   num_warps=w)), (lower,), reps)
+               for w in (1, 2, 4)}
+  kernel = ", ".join(f"{ms:.2f} ms ({w} warp{'s' if w > 1 else ''})" for w, ms in kernel_ms.items())
+  return (f"masks {ms_masks:.2f} | UT inverse {ms_inv:.2f} ms (plain JAX); its kernel "
+          f"(Config.ut_kernel): {kernel}")
 
 
 def mosaic_backward_parts(cbw_args, reps, value_slices=None):

@@ -107,7 +107,8 @@ def test_pieces_lower_for_cuda():
 
 def test_hopper_default_config(monkeypatch):
   """On Hopper the state passes take pieces by the device (``sequence_pieces=0``), and at E = 1
-  64-column state blocks when 32-column ones would fill at most half the multiprocessors."""
+  64-column state blocks when 32-column ones would fill at most half the multiprocessors; every
+  GPU takes the UT inverse's kernel."""
   monkeypatch.setattr(pops, "is_hopper", lambda: True)
   monkeypatch.setattr(pieces, "device_sms", lambda: 132)
   cfg = lambda **kw: pops.default_config("gpu", vd=128, **kw)
@@ -117,3 +118,4 @@ def test_hopper_default_config(monkeypatch):
   assert cfg(e=1).state_block_v is None                 # sizes without B*H: the plain default
   monkeypatch.setattr(pops, "is_hopper", lambda: False)
   assert cfg(e=1, bh=16).sequence_pieces == 1 and cfg(e=1, bh=16).state_block_v is None
+  assert cfg(e=8).ut_kernel and not pops.default_config("cpu", 8, 128).ut_kernel  # GPUs only

@@ -116,13 +116,14 @@ def test_tpu_structure_under_tpu_interpret_mode():
 def test_mosaic_gpu_kernels_match_scan(b, t, h, d, vdim, e, erase, decay, chunk_bwd):
   """The whole op with the Hopper (Mosaic GPU, wgmma) state-passing kernels (and, with
   ``chunk_bwd``, the Mosaic chunk-parallel backward), run in Mosaic GPU interpret mode inside
-  ``triadic_pallas``'s custom_vjp: output, final state and every gradient against the scan, bf16,
-  with the Triton structure's bounds. The kernels take C = 64 and D in (64, 128) only; E = 3 is
+  ``triadic_pallas``'s custom_vjp, with the UT inverse's kernel as on GPUs: output, final state
+  and every gradient against the scan, bf16, with the Triton structure's bounds. The kernels take C = 64 and D in (64, 128) only; E = 3 is
   padded to 4 by the op."""
   from triadic.pallas import mosaic, mosaic_backward
   if not mosaic.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this JAX")
-  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=chunk_bwd)
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=chunk_bwd,
+               ut_kernel=True)
   q, v, k2 = (jnp.zeros((1, 1, 64, n), dt) for n, dt in ((d, jnp.bfloat16), (vdim, jnp.bfloat16),
                                                          (4, jnp.float32)))
   assert pops.state_pass_kernels(cfg, q, v, k2)[0].func is mosaic.state_pass
@@ -176,8 +177,9 @@ def test_hopper_path_lowers_for_cuda():
   cfg = dataclasses.replace(pops.default_config("gpu", 8, 64), mosaic_gpu=True,
                             mosaic_gpu_backward=True)
   text = cuda_lowering_text(cfg, 1, 200, 2, 64, 64, 8)
-  for kernel in ("triadic_chunk_prep", "triadic_forward_mgpu", "triadic_backward_states_mgpu",
-                 "triadic_chunk_backward_mgpu", "triadic_chunk_backward_tail"):
+  for kernel in ("triadic_chunk_prep", "triadic_ut_inverse", "triadic_forward_mgpu",
+                 "triadic_backward_states_mgpu", "triadic_chunk_backward_mgpu",
+                 "triadic_chunk_backward_tail"):
     assert kernel in text, kernel
 
 

@@ -12,13 +12,14 @@ Computed once per chunk and shared by every value block of the state-passing ker
 The E-dependent part is elementwise (the masks), done by XLA over all chunks at once; the kernel
 here is E-independent: one program per (batch*head, chunk) forms K K^T and Q K^T on the matrix
 units and applies the masks. It writes the strictly lower L = StrictLower(beta_t (k_t . k_s) M_ts);
-A = (I + L)^-1 is then taken by forward substitution (``triadic.chunked.unit_lower_inverse`` in
-plain JAX, or ``Config.ut_kernel``: ``unit_lower_inverse_kernel``, one program per chunk), not by
+A = (I + L)^-1 is then taken by forward substitution (``Config.ut_kernel``, the GPU default:
+``unit_lower_inverse_kernel``, one program per chunk; else ``triadic.chunked.unit_lower_inverse``
+in plain JAX, the TPU's and the CPU's path), not by
 the all-matmul doubling product (I - L)(I + L^2)(I + L^4)...: that product loses every digit in
 float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g. a repeated token).
 
 The kernel form: the chunk's ``SUB`` x ``SUB`` diagonal blocks A_ii = (I + L_ii)^-1 by
-substitution in registers (``_diagonal_block_inverse``), then the blocks below the diagonal by
+substitution in registers (``_diagonal_block_inverses``), then the blocks below the diagonal by
 block forward substitution, A_ij = -A_ii sum_{j <= m < i} L_im A_mj, as float32 products at
 ``Config.f32_precision``: the same arithmetic as ``unit_lower_inverse`` in another order, so as
 accurate, with L read from HBM once and A written once.
@@ -38,6 +39,7 @@ from triadic.pallas.common import F32, call, mm
 from triadic.pallas.common import masks as causal_masks
 
 SUB = 16  # rows per diagonal block of ``unit_lower_inverse_kernel``
+UT_NUM_WARPS = 1  # one warp: each substitution step's reductions stay in the warp (no barrier)
 
 
 def _prep_kernel(q_ref, k_ref, beta_ref, mq_ref, *rest, c, erase, dtype):
@@ -52,27 +54,28 @@ def _prep_kernel(q_ref, k_ref, beta_ref, mq_ref, *rest, c, erase, dtype):
     lower_ref[...] = jnp.zeros((c, c), F32)
 
 
-def _diagonal_block_inverse(lower_ref, start):
-  """(I + L)^-1 of the SUB x SUB strictly lower diagonal block of ``lower_ref`` at rows and
-  columns ``start``.., by substitution: X = I, then for s = 0, 1, ..: row s of X is final, and
-  every row t > s takes -L_ts X_s (column s of L is loaded as a (SUB, 1) column; row s of X, a
-  register tensor Triton cannot slice, is picked by a masked sum)."""
+def _diagonal_block_inverses(lower_ref, nb):
+  """(I + L_ii)^-1 of the ``nb`` SUB x SUB strictly lower diagonal blocks of ``lower_ref``, by
+  substitution: X = I, then for s = 0, 1, ..: row s of X is final, and every row t > s takes
+  -L_ts X_s (column s of L is loaded as a (SUB, 1) column; row s of X, a register tensor Triton
+  cannot slice, is picked by a masked sum). The blocks are independent chains, stepped together
+  so that each step's work for every block is issued at once."""
   r = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
   c = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
-  inv = jnp.where(r == c, 1.0, 0.0).astype(F32)
-  rows = pl.ds(start, SUB)
+  invs = [jnp.where(r == c, 1.0, 0.0).astype(F32)] * nb
   for s in range(SUB - 1):
-    l_s = lower_ref[rows, pl.ds(start + s, 1)].astype(F32)               # (SUB, 1): L_t,s
-    x_s = jnp.sum(jnp.where(r == s, inv, 0.0), axis=0, keepdims=True)    # (1, SUB): X_s
-    inv = inv - l_s * x_s
-  return inv
+    for i in range(nb):
+      l_s = lower_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB + s, 1)].astype(F32)  # (SUB, 1): L_t,s
+      x_s = jnp.sum(jnp.where(r == s, invs[i], 0.0), axis=0, keepdims=True)    # (1, SUB): X_s
+      invs[i] = invs[i] - l_s * x_s
+  return invs
 
 
 def _inverse_kernel(lower_ref, a_ref, *, c, precision):
   nb = c // SUB
   blk = lambda i: pl.ds(i * SUB, SUB)
   f32mm = lambda x, y: mm(x, y, F32, precision=precision)
-  inv = {(i, i): _diagonal_block_inverse(lower_ref, i * SUB) for i in range(nb)}
+  inv = {(i, i): x for i, x in enumerate(_diagonal_block_inverses(lower_ref, nb))}
   for i in range(1, nb):
     lower = {m: lower_ref[blk(i), blk(m)] for m in range(i)}
     for j in range(i - 1, -1, -1):
@@ -97,9 +100,11 @@ def ut_kernel_supported(c: int, cfg) -> str | None:
   return None
 
 
-def unit_lower_inverse_kernel(lower, *, cfg):
+def unit_lower_inverse_kernel(lower, *, cfg, num_warps=UT_NUM_WARPS):
   """(I + L)^-1 of every chunk's strictly lower L (BH, NC, C, C) float32, one program per chunk:
-  ``triadic.chunked.unit_lower_inverse``'s values (the module docstring says how)."""
+  ``triadic.chunked.unit_lower_inverse``'s values (the module docstring says how). ``num_warps``:
+  the Triton program's warps (the substitution is a chain of small reductions: with one warp
+  they are shuffles, with several each step also crosses warps through shared memory)."""
   bh, nc, c, _ = lower.shape
   reason = ut_kernel_supported(c, cfg)
   if reason:
@@ -108,7 +113,8 @@ def unit_lower_inverse_kernel(lower, *, cfg):
   kernel = functools.partial(_inverse_kernel, c=c, precision=cfg.f32_precision)
   return call(kernel, cfg=cfg, grid=(bh, nc), in_specs=[spec], out_specs=spec,
               out_shape=jax.ShapeDtypeStruct(lower.shape, F32),
-              semantics=("parallel", "parallel"), name="triadic_ut_inverse")(lower)
+              semantics=("parallel", "parallel"), name="triadic_ut_inverse",
+              num_warps=num_warps)(lower)
 
 
 def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg):

@@ -61,7 +61,8 @@ class Config:
   ``mosaic.default_block_v``; one that ``mosaic.supported`` refuses sends them to Triton, as the
   plan says). Wider blocks read K, Q, A, P fewer times over, with fewer programs.
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
-  (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution.
+  (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
+  structure only; on by default on GPUs).
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as

@@ -77,7 +77,9 @@ def default_config(platform: str, e: int, vd: int, bh: int | None = None) -> Con
   """Tile choices per platform, which also fixes the recurrent kernels' structure (``Config``).
 
   GPU (Triton, chunk loop inside the kernel over whole-sequence blocks): block_v 32 (16 for
-  E >= 8, the state tile is E*D*block_v float32 in registers). On Hopper: the Mosaic GPU
+  E >= 8, the state tile is E*D*block_v float32 in registers), and the prep's UT inverse by its
+  one-warp kernel (``ut_kernel``: 2.3x faster than the plain-JAX substitution on the H200,
+  benchmarks/RESULTS.md). On Hopper: the Mosaic GPU
   kernels, and the state passes cut into pieces of the sequence where their programs (``bh`` =
   B*H times the value blocks) cannot fill the device (``sequence_pieces=0``); at E = 1, where
   those programs would fill at most half the device, 64-column state blocks (``state_block_v``):
@@ -96,7 +98,7 @@ def default_config(platform: str, e: int, vd: int, bh: int | None = None) -> Con
             and 2 * bh * (vd // 32) <= pieces.device_sms())
     return Config("gpu", block_v=16 if e >= 8 else 32, bwd_block_v=32, mosaic_gpu=hopper,
                   mosaic_gpu_backward=hopper, sequence_pieces=0 if hopper else 1,
-                  state_block_v=64 if wide else None)
+                  state_block_v=64 if wide else None, ut_kernel=True)
   if platform == "tpu":
     return Config("tpu", block_v=vd, bwd_block_v=vd)
   return Config("cpu", block_v=16, bwd_block_v=16)
