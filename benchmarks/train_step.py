@@ -94,10 +94,12 @@ def build_config(job: dict):
     import jax
     c.model.attention_impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
   elif mixer == "merlin":
-    c.model.update(mixer="multistate_gdn", aggregator="merlin", segment_len=MERLIN_SEGMENT,
-                   max_segments=max(1, math.ceil(job["seq"] / MERLIN_SEGMENT)))
-    if job["tiny"]:
-      c.model.update(segment_len=32, max_segments=max(1, math.ceil(job["seq"] / 32)))
+    # Segments for the longest sequence the config holds: training's and every evaluation's.
+    from lm.config import eval_lengths
+    longest = max([job["seq"]] + [n for _, n in eval_lengths(c.data)])
+    segment = 32 if job["tiny"] else MERLIN_SEGMENT
+    c.model.update(mixer="multistate_gdn", aggregator="merlin", segment_len=segment,
+                   max_segments=max(1, math.ceil(longest / segment)))
   elif mixer.startswith("triadic") and mixer[len("triadic"):].isdigit():
     c.model.update(mixer="triadic_gdn", expand_e=int(mixer[len("triadic"):]))
   else:

@@ -48,6 +48,10 @@ def test_train_step_config_overrides():
   assert (c.model.mixer, c.model.aggregator, c.model.remat, c.model.d_r) == (
       "multistate_gdn", "merlin", "dots", 32)
   assert c.model.segment_len * c.model.max_segments >= 4096 and c.train.batch_size == 3
+  tiny = train_step.build_config(dict(job, seq=64, tiny=True))  # its evaluations are longer
+  from lm.config import eval_lengths, validate
+  assert max(n for _, n in eval_lengths(tiny.data)) > 64
+  validate(tiny)  # raises unless the model holds the training and every evaluation length
   assert train_step.model_shape(dict(job, mixer="gdn"))["d_model"] == 1024
   with pytest.raises(ValueError, match="unknown mixer"):
     train_step.build_config(dict(job, mixer="mamba7"))
