@@ -183,8 +183,11 @@ def fwd_and_fwd_bwd(fn, args, cot, repeats, backward):
   fwd, _, out = measure(fn, args, repeats)
   if not backward:
     return fwd, np.nan, np.nan, out
-  loss = lambda *a: jnp.sum(cot * fn(*a).astype(jnp.float32))
-  fb, mem, _ = measure(jax.grad(loss, argnums=tuple(range(len(args)))), args, repeats)
+  # cot is an argument, not a closure: a captured array would be a constant of the program,
+  # which XLA then folds at compile time (seconds per op at T = 16384).
+  loss = lambda cot, *a: jnp.sum(cot * fn(*a).astype(jnp.float32))
+  fb, mem, _ = measure(jax.grad(loss, argnums=tuple(range(1, len(args) + 1))), (cot, *args),
+                       repeats)
   return fwd, fb, mem, out
 
 
