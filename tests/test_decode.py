@@ -65,8 +65,8 @@ def test_aggregator_step_weights_equal_the_parallel_weights_at_every_position(ki
   """Token by token from the running moments (no old token revisited) == merlin_weights & co."""
   agg = make_aggregator(kind, num_heads=2, segment_len=3, max_segments=4, d_r=4, groups=2)
   x = jax.random.normal(jax.random.key(4), (2, 11, 16))
-  variables = agg.init(jax.random.key(5), x)
-  full, _ = agg.apply(variables, x)
+  variables = jax.jit(agg.init)(jax.random.key(5), x)
+  full, _ = jax.jit(agg.apply)(variables, x)
   step = jax.jit(lambda v, xt, c, pos: agg.apply(v, xt, c, pos))
   cache, got = agg.init_cache(2), []
   for t in range(x.shape[1]):
@@ -88,7 +88,7 @@ def test_aggregator_step_weights_equal_the_parallel_weights_at_every_position(ki
 def test_multistate_prefill_must_start_the_sequence():
   model = MultiStateGDN(2, 8, aggregator="vanilla", segment_len=4, max_segments=4, d_r=4)
   x = jnp.ones((1, 6, 16))
-  variables = model.init(jax.random.key(0), x)
+  variables = jax.jit(model.init)(jax.random.key(0), x)
   cache = {**model.init_cache(1), "length": jnp.int32(2)}
   with pytest.raises(ValueError, match="must start the sequence"):
     model.apply(variables, x, cache)
@@ -127,7 +127,7 @@ def test_generate_is_deterministic_and_greedy_is_the_argmax():
   cfg = small(layer_pattern="gdn,attention", num_layers=2)
   model = LM(cfg)
   prompt = jax.random.randint(jax.random.key(3), (2, 5), 0, cfg.vocab_size)
-  variables = model.init(jax.random.key(0), prompt)
+  variables = jax.jit(model.init)(jax.random.key(0), prompt)
   a = generate(variables, cfg, prompt, 6, temperature=1.0, top_k=5, seed=7)
   b = generate(variables, model, prompt, 6, temperature=1.0, top_k=5, seed=7)
   c = generate(variables["params"], cfg, prompt, 6, temperature=1.0, seed=8)
@@ -137,7 +137,7 @@ def test_generate_is_deterministic_and_greedy_is_the_argmax():
   assert not np.array_equal(a, c)  # another seed (and no top-k) draws other tokens
   greedy = generate(variables, cfg, prompt, 6, temperature=0.0)
   # each greedy token is the argmax of the parallel forward over its prefix (causal: one forward)
-  logits = model.apply(variables, greedy)
+  logits = jax.jit(model.apply)(variables, greedy)
   np.testing.assert_array_equal(greedy[:, 5:], jnp.argmax(logits[:, 4:-1], axis=-1))
 
 

@@ -58,32 +58,33 @@ class Inputs(nn.Module):
 def test_fused_inputs_equal_one_projection_and_conv_per_stream(e, vd):
   x = jax.random.normal(jax.random.key(0), (2, 13, 16))
   fused, ref = Inputs(gdn_inputs, e, vd), Inputs(per_stream_inputs, e, vd)
-  params = fused.init(jax.random.key(1), x)
-  ref_params = ref.init(jax.random.key(1), x)
+  params = jax.jit(fused.init)(jax.random.key(1), x)
+  ref_params = jax.jit(ref.init)(jax.random.key(1), x)
   # the same tree with the same fresh values: checkpoints and initialisation are unchanged
   assert jax.tree.structure(params) == jax.tree.structure(ref_params)
   jax.tree.map(np.testing.assert_array_equal, nn.unbox(params), nn.unbox(ref_params))
   params = jax.tree.map(lambda z: z + 0.1 * jax.random.normal(jax.random.key(2), z.shape),
                         nn.unbox(params))  # not the initialisation (whose conv kernels are all < 1/2)
-  got, none = fused.apply(params, x)
-  want, _ = ref.apply(params, x)
+  fused_apply, ref_apply = jax.jit(fused.apply), jax.jit(ref.apply)
+  got, none = fused_apply(params, x)
+  want, _ = ref_apply(params, x)
   assert none is None
   for a, b in zip(got, want):
     assert a.shape == b.shape and a.dtype == b.dtype
     assert rel_rms(a, b) < 1e-6
   # packed documents (a start at token 5 in row 0, at 1 and 11 in row 1): the same masked taps
   segment_ids = jnp.array([[0] * 5 + [1] * 8, [0] + [1] * 10 + [2] * 2])
-  got, _ = fused.apply(params, x, segment_ids=segment_ids)
-  want, _ = ref.apply(params, x, segment_ids=segment_ids)
-  assert rel_rms(got[0], fused.apply(params, x)[0][0]) > 1e-3  # the mask changes q
+  got, _ = fused_apply(params, x, segment_ids=segment_ids)
+  want, _ = ref_apply(params, x, segment_ids=segment_ids)
+  assert rel_rms(got[0], fused_apply(params, x)[0][0]) > 1e-3  # the mask changes q
   for a, b in zip(got, want):
     assert rel_rms(a, b) < 1e-6
 
   # decoding: a prompt then one token, each continuing the cached convolution inputs
   cache = gdn_cache(2, 2, 8, vd, e, 4, state=False)["conv"]
   for lo, hi in ((0, 9), (9, 10), (10, 13)):
-    got, new = fused.apply(params, x[:, lo:hi], cache)
-    want, ref_cache = ref.apply(params, x[:, lo:hi], cache)
+    got, new = fused_apply(params, x[:, lo:hi], cache)
+    want, ref_cache = ref_apply(params, x[:, lo:hi], cache)
     assert jax.tree.structure(new) == jax.tree.structure(cache)
     # The cached conv inputs are projections of O(1) size: one fused matmul against one per
     # stream may round differently by a few float32 ulps of that size (seen: 4e-7 on a 0.047).
@@ -100,9 +101,9 @@ def test_a_log_is_log_uniform_0_16_with_a_finite_lower_end():
   assert abs(np.mean(a < 1) - 1 / 16) < 0.003 and abs(a.mean() - 8) < 0.05  # U(0, 16), not U(1, 16)
   # the layers: GDN's decay gate draws from U(0, 16), Mamba-2 keeps its own U(1, 16)
   x = jnp.zeros((1, 2, 4))
-  gate = nn.unbox(DecayGate(256, 8).init(jax.random.key(4), x))["params"]
+  gate = nn.unbox(jax.jit(DecayGate(256, 8).init)(jax.random.key(4), x))["params"]
   assert 0 < np.mean(np.exp(gate["A_log"]) < 1) < 0.2
-  mamba = nn.unbox(Mamba2(512, 2, state_dim=2).init(jax.random.key(5), x))["params"]
+  mamba = nn.unbox(jax.jit(Mamba2(512, 2, state_dim=2).init)(jax.random.key(5), x))["params"]
   assert np.exp(mamba["A_log"]).min() >= 1
 
 
@@ -145,14 +146,14 @@ def test_grouped_value_heads_are_heads_with_their_key_heads_q_k_repeated(e):
   x = jax.random.normal(jax.random.key(0), (2, 11, 16))
   kw = dict(expand_e=e, impl="chunked", chunk_size=8)
   grouped = TriadicGDN(2, 8, value_dim=4, num_v_heads=6, **kw)
-  params = nn.unbox(grouped.init(jax.random.key(1), x))["params"]
+  params = nn.unbox(jax.jit(grouped.init)(jax.random.key(1), x))["params"]
   assert params["q_proj"]["kernel"].shape == (16, 2, 8)
   assert params["v_proj"]["kernel"].shape == (16, 6, 4)
   assert params["beta_proj"]["kernel"].shape == (16, 6)
   assert params["decay"]["A_log"].shape == (6, e)
   assert params["out_proj"]["kernel"].shape == (6, 4, 16)
   params = jax.tree.map(lambda z: z + 0.1 * jax.random.normal(jax.random.key(2), z.shape), params)
-  y, _ = grouped.apply({"params": params}, x)
+  y, _ = jax.jit(grouped.apply)({"params": params}, x)
   assert y.shape == x.shape
   cache = grouped.init_cache(2)
   assert cache["state"].shape == (2, 6, e, 8, 4)
@@ -163,17 +164,18 @@ def test_grouped_value_heads_are_heads_with_their_key_heads_q_k_repeated(e):
   wide = dict(params)
   for name in keys:
     wide[name] = {"kernel": jnp.repeat(params[name]["kernel"], 3, axis=-2)}
-  ref, _ = TriadicGDN(6, 8, value_dim=4, **kw).apply({"params": wide}, x)
+  wide_apply = jax.jit(TriadicGDN(6, 8, value_dim=4, **kw).apply)
+  ref, _ = wide_apply({"params": wide}, x)
   assert rel_rms(y, ref) < 1e-5
   other = dict(params, q_proj={"kernel": jnp.tile(params["q_proj"]["kernel"], (1, 3, 1))})
-  assert rel_rms(y, TriadicGDN(6, 8, value_dim=4, **kw).apply(
+  assert rel_rms(y, wide_apply(
       {"params": dict(wide, q_proj=other["q_proj"])}, x)[0]) > 1e-3  # the head order matters
 
   plain = TriadicGDN(2, 8, **kw)
   explicit = TriadicGDN(2, 8, value_dim=8, num_v_heads=2, **kw)
-  p0 = plain.init(jax.random.key(3), x)
-  p1 = explicit.init(jax.random.key(3), x)
+  p0 = jax.jit(plain.init)(jax.random.key(3), x)
+  p1 = jax.jit(explicit.init)(jax.random.key(3), x)
   jax.tree.map(np.testing.assert_array_equal, nn.unbox(p0), nn.unbox(p1))
-  np.testing.assert_array_equal(plain.apply(p0, x)[0], explicit.apply(p0, x)[0])
+  np.testing.assert_array_equal(jax.jit(plain.apply)(p0, x)[0], jax.jit(explicit.apply)(p0, x)[0])
   with pytest.raises(ValueError, match="num_v_heads must be a positive multiple of num_heads"):
     TriadicGDN(2, 8, num_v_heads=3, **kw).init(jax.random.key(1), x)

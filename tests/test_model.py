@@ -22,26 +22,28 @@ def test_every_mixer_gives_finite_logits_and_is_causal(mixer):
   cfg = small(mixer=mixer, expand_e=2)
   model = LM(cfg)
   tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
-  params = model.init(jax.random.key(0), tokens)
-  logits = model.apply(params, tokens)
+  params = jax.jit(model.init)(jax.random.key(0), tokens)
+  apply = jax.jit(model.apply)
+  logits = apply(params, tokens)
   assert logits.shape == (2, 16, 64) and logits.dtype == jnp.float32
   assert bool(jnp.all(jnp.isfinite(logits)))
   changed = tokens.at[:, 10].set((tokens[:, 10] + 1) % 64)  # the future must not leak back
-  np.testing.assert_allclose(model.apply(params, changed)[:, :10], logits[:, :10], atol=1e-5)
+  np.testing.assert_allclose(apply(params, changed)[:, :10], logits[:, :10], atol=1e-5)
 
 
 def test_tied_embeddings_read_the_logits_off_the_input_table():
   cfg = small(mixer="gdn", tie_embeddings=True)
   tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
-  params = nn.unbox(LM(cfg).init(jax.random.key(0), tokens)["params"])
+  params = nn.unbox(jax.jit(LM(cfg).init)(jax.random.key(0), tokens)["params"])
   assert "head" not in params
   untied = costs.count_params(small(mixer="gdn"))
   assert costs.count_params(cfg)["total"] == untied["total"] - 64 * 32
   # Scaling one token's embedding row scales that token's logit everywhere (and only its own).
   doubled = {**params, "embed": {"embedding": params["embed"]["embedding"].at[5].multiply(2.0)}}
   other = jnp.array([[1, 2, 3, 4]])  # inputs without token 5: the hidden states do not change
-  a = LM(cfg).apply({"params": params}, other)
-  b = LM(cfg).apply({"params": doubled}, other)
+  apply = jax.jit(LM(cfg).apply)
+  a = apply({"params": params}, other)
+  b = apply({"params": doubled}, other)
   np.testing.assert_allclose(b[..., 5], 2 * a[..., 5], rtol=1e-5)
   np.testing.assert_allclose(np.delete(np.asarray(b), 5, -1), np.delete(np.asarray(a), 5, -1))
 

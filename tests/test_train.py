@@ -138,8 +138,9 @@ def test_chunked_loss_equals_the_plain_loss_and_holds_one_chunk_of_logits(tied):
     fn = lambda p: train_step.loss_fn(LM(c), p, batch)
     return jax.jit(jax.value_and_grad(fn, has_aux=True))(params), fn
 
-  (loss, aux), grads = value_and_grad(cfg)[0]
-  (want, want_aux), want_grads = value_and_grad(dataclasses.replace(cfg, loss_chunk=0))[0]
+  plain = dataclasses.replace(cfg, loss_chunk=0)
+  ((loss, aux), grads), chunked_fn = value_and_grad(cfg)
+  ((want, want_aux), want_grads), plain_fn = value_and_grad(plain)
   assert abs(float(loss) / float(want) - 1) < 1e-6
   assert float(aux["accuracy"]) == float(want_aux["accuracy"])
   for g, h in zip(jax.tree.leaves(grads), jax.tree.leaves(want_grads)):
@@ -152,8 +153,7 @@ def test_chunked_loss_equals_the_plain_loss_and_holds_one_chunk_of_logits(tied):
       for sub in jax.extend.core.jaxprs_in_params(eqn.params):
         yield from logit_sizes(sub)
 
-  for c, most in ((cfg, b * 8 * cfg.vocab_size), (dataclasses.replace(cfg, loss_chunk=0), None)):
-    fn = value_and_grad(c)[1]
+  for fn, most in ((chunked_fn, b * 8 * cfg.vocab_size), (plain_fn, None)):
     biggest = max(logit_sizes(jax.make_jaxpr(jax.grad(lambda p: fn(p)[0]))(params).jaxpr))
     if most:  # one chunk of logits (and the head's weight and gradient, d_model x vocab)
       assert biggest <= max(most, cfg.d_model * cfg.vocab_size), biggest
@@ -168,12 +168,17 @@ def test_weight_decay_shrinks_matrices_and_leaves_vectors(mixer):
   cfg = ModelConfig(vocab_size=32, num_layers=2, d_model=16, num_heads=2, head_dim=8, mlp_dim=32,
                     mixer=mixer, expand_e=2, segment_len=8, max_segments=2, d_r=4, state_dim=4,
                     qk_norm=True)
-  params = nn.unbox(LM(cfg).init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
+  init = jax.jit(LM(cfg).init)
+  params = nn.unbox(init(jax.random.key(0), jnp.zeros((1, 8), jnp.int32))["params"])
   t = base_config("mqar").train
   t.update(warmup_steps=0, num_steps=10, learning_rate=0.5, weight_decay=0.1)
   tx = state_lib.optimizer(t)
-  zeros = jax.tree.map(jnp.zeros_like, params)
-  updates, _ = tx.update(zeros, tx.init(params), params)
+
+  @jax.jit
+  def zero_gradient_update(params):
+    return tx.update(jax.tree.map(jnp.zeros_like, params), tx.init(params), params)[0]
+
+  updates = zero_gradient_update(params)
   vectors = set()
   for (path, p), u in zip(jax.tree_util.tree_leaves_with_path(params), jax.tree.leaves(updates)):
     name = path[-1].key

@@ -163,7 +163,7 @@ def test_extreme_decay_is_finite():
   """g down to -30 per token: no inf or NaN in outputs, state or gradients (chunked)."""
   args = list(make_inputs(7, 1, 70, 2, 8, 8, 3, decay=30.0))
   args[5] = args[5].at[:, ::5].set(-30.0)
-  o, s = triadic_gdn(*args, impl="chunked", chunk_size=32)
+  o, s = jax.jit(lambda *xs: triadic_gdn(*xs, impl="chunked", chunk_size=32))(*args)
   grads = jax.jit(jax.grad(
       lambda *xs: jnp.sum(triadic_gdn(*xs, impl="chunked", chunk_size=32)[0] ** 2),
       argnums=tuple(range(7))))(*args)
@@ -193,8 +193,8 @@ def test_e1_without_erase_is_gated_linear_attention(impl):
 
 def test_auto_runs_and_agrees_with_scan():
   args = make_inputs(19, 1, 33, 2, 8, 8, 2)
-  o_auto, s_auto = triadic_gdn(*args, impl="auto", chunk_size=16)
-  o_scan, s_scan = triadic_gdn(*args, impl="scan")
+  o_auto, s_auto = jax.jit(lambda *xs: triadic_gdn(*xs, impl="auto", chunk_size=16))(*args)
+  o_scan, s_scan = jax.jit(lambda *xs: triadic_gdn(*xs, impl="scan"))(*args)
   assert rel_rms(o_auto, o_scan) < 2e-5 and rel_rms(s_auto, s_scan) < 2e-5
 
 
@@ -256,7 +256,7 @@ def test_aligned_keys_stay_accurate(impl):
   k2 = jnp.broadcast_to(k2[:, :1], k2.shape)
   beta = jnp.full(beta.shape, 0.99)
   want_o, want_s = triadic_reference(q, k, v, k2, q2, g, beta)
-  o, s = triadic_gdn(q, k, v, k2, q2, g, beta, impl=impl, chunk_size=64)
+  o, s = jax.jit(lambda *xs: triadic_gdn(*xs, impl=impl, chunk_size=64))(q, k, v, k2, q2, g, beta)
   assert rel_rms(o, want_o) < 2e-5 and rel_rms(s, want_s) < 2e-5
 
 
@@ -268,7 +268,8 @@ def test_prefill_then_decode_steps_continue_the_sequence(erase):
   args = make_inputs(31, 2, 45, 2, 8, 6, 3)
   prompt = 37  # not a multiple of the chunk
   want_o, want_s = triadic_reference(*args, erase=erase)
-  o, state = triadic_gdn(*(x[:, :prompt] for x in args), erase=erase, impl="chunked", chunk_size=16)
+  o, state = jax.jit(lambda *xs: triadic_gdn(*xs, erase=erase, impl="chunked", chunk_size=16))(
+      *(x[:, :prompt] for x in args))
   outs = [o]
   step = jax.jit(lambda s, *xs: triadic_gdn_step(s, *xs, erase=erase))
   for t in range(prompt, 45):
