@@ -78,11 +78,16 @@ def make_inputs(seed, b, t, h, d, vd, n, segment_len, decay, lam_kind, dtype):
   return (q, k, v, g, beta, lam), do
 
 
-def grads(impl, args, do, **kw):
+def compiled_grads(impl, args, do, **kw):
+  """The gradients of loss = sum(o * do) in the six inputs and o, compiled for ``args``."""
   def loss(*a):
     o = multistate_attention(*a, impl=impl, **kw)
     return jnp.sum(o.astype(jnp.float32) * do), o
-  return jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True))(*args)
+  return jax.jit(jax.grad(loss, argnums=tuple(range(6)), has_aux=True)).lower(*args).compile()
+
+
+def grads(impl, args, do, **kw):
+  return compiled_grads(impl, args, do, **kw)(*args)
 
 
 CASES = [
@@ -184,7 +189,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
     jax.config.update("jax_default_matmul_precision", "highest")
     sys.path.insert(0, "tests")
-    from test_merlin_pallas import NAMES, grads, make_inputs
+    from test_merlin_pallas import NAMES, compiled_grads, grads, make_inputs
     from testkit import rel_rms
 
     b, t, h, d, vd, segment_len, n = 2, 70, 2, 16, 16, 32, 3
@@ -198,9 +203,10 @@ SHARDED_SCRIPT = textwrap.dedent("""
       ref, o_ref = grads("scan", args, do, **kw)
       for partitioner in ("shardy", "gspmd"):
         jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
-        got, o = grads("pallas", tuple(map(put, args)), put(do), **kw)
-        hlo = jax.jit(lambda *a: grads("pallas", a, put(do), **kw)).lower(
-            *map(put, args)).compile().as_text()
+        sharded = tuple(map(put, args))
+        f = compiled_grads("pallas", sharded, put(do), **kw)  # the values come from this HLO
+        got, o = f(*sharded)
+        hlo = f.as_text()
         report[f"{partitioner} erase={erase}"] = dict(
             errors={"o": rel_rms(o, o_ref),
                     **{"d" + m: rel_rms(clean(x), clean(y)) for m, x, y in zip(NAMES, got, ref)}},
