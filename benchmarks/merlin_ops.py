@@ -184,7 +184,7 @@ def fwd_and_fwd_bwd(fn, args, cot, repeats, backward):
   if not backward:
     return fwd, np.nan, np.nan, out
   # cot is an argument, not a closure: a captured array would be a constant of the program,
-  # which XLA then folds at compile time (seconds per op at T = 16384).
+  # which XLA then folds at compile time.
   loss = lambda cot, *a: jnp.sum(cot * fn(*a).astype(jnp.float32))
   fb, mem, _ = measure(jax.grad(loss, argnums=tuple(range(1, len(args) + 1))), (cot, *args),
                        repeats)

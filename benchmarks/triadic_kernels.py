@@ -290,7 +290,7 @@ def prep_parts(prep_args, reps):
   """The prep's plain-JAX parts, each timed alone (ms): the cumulative decay and the masks M, M'
   (``masks``), and the UT inverse (``unit_lower_inverse``); the kernel with its glue is the
   rest of the whole stage's time. Beside them the UT inverse's kernel
-  (``unit_lower_inverse_kernel``, ``Config.ut_kernel``)."""
+  (``unit_lower_inverse_kernel``, ``Config.ut_kernel``) at 1, 2 and 4 warps."""
   from triadic.chunked import unit_lower_inverse
   from triadic.pallas import masks
   from triadic.pallas.chunk_prep import unit_lower_inverse_kernel

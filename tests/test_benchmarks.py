@@ -42,6 +42,7 @@ def test_train_step_table_runs(capsys):
 
 def test_train_step_config_overrides():
   from benchmarks import train_step
+  from lm.config import eval_lengths, validate
   job = dict(config="configs/lm_400m.py:mqar", batch=3, seq=4096, steps=1, warmup=1, remat="dots",
              fla_remat=False, set=["model.d_r=32"], tiny=False, mixer="merlin")
   c = train_step.build_config(job)
@@ -49,7 +50,6 @@ def test_train_step_config_overrides():
       "multistate_gdn", "merlin", "dots", 32)
   assert c.model.segment_len * c.model.max_segments >= 4096 and c.train.batch_size == 3
   tiny = train_step.build_config(dict(job, seq=64, tiny=True))  # its evaluations are longer
-  from lm.config import eval_lengths, validate
   assert max(n for _, n in eval_lengths(tiny.data)) > 64
   validate(tiny)  # raises unless the model holds the training and every evaluation length
   assert train_step.model_shape(dict(job, mixer="gdn"))["d_model"] == 1024

@@ -117,8 +117,8 @@ def test_mosaic_gpu_kernels_match_scan(b, t, h, d, vdim, e, erase, decay, chunk_
   """The whole op with the Hopper (Mosaic GPU, wgmma) state-passing kernels (and, with
   ``chunk_bwd``, the Mosaic chunk-parallel backward), run in Mosaic GPU interpret mode inside
   ``triadic_pallas``'s custom_vjp, with the UT inverse's kernel as on GPUs: output, final state
-  and every gradient against the scan, bf16, with the Triton structure's bounds. The kernels take C = 64 and D in (64, 128) only; E = 3 is
-  padded to 4 by the op."""
+  and every gradient against the scan, bf16, with the Triton structure's bounds. The kernels take
+  C = 64 and D in (64, 128) only; E = 3 is padded to 4 by the op."""
   from triadic.pallas import mosaic, mosaic_backward
   if not mosaic.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this JAX")

@@ -14,9 +14,9 @@ here is E-independent: one program per (batch*head, chunk) forms K K^T and Q K^T
 units and applies the masks. It writes the strictly lower L = StrictLower(beta_t (k_t . k_s) M_ts);
 A = (I + L)^-1 is then taken by forward substitution (``Config.ut_kernel``, the GPU default:
 ``unit_lower_inverse_kernel``, one program per chunk; else ``triadic.chunked.unit_lower_inverse``
-in plain JAX, the TPU's and the CPU's path), not by
-the all-matmul doubling product (I - L)(I + L^2)(I + L^4)...: that product loses every digit in
-float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g. a repeated token).
+in plain JAX, the TPU's and the CPU's path), not by the all-matmul doubling product
+(I - L)(I + L^2)(I + L^4)...: that product loses every digit in float32 once keys in a chunk are
+aligned (|L_ts| -> 1, e.g. a repeated token).
 
 The kernel form: the chunk's ``SUB`` x ``SUB`` diagonal blocks A_ii = (I + L_ii)^-1 by
 substitution in registers (``_diagonal_block_inverses``), then the blocks below the diagonal by

@@ -78,9 +78,8 @@ def default_config(platform: str, e: int, vd: int, bh: int | None = None) -> Con
 
   GPU (Triton, chunk loop inside the kernel over whole-sequence blocks): block_v 32 (16 for
   E >= 8, the state tile is E*D*block_v float32 in registers), and the prep's UT inverse by its
-  one-warp kernel (``ut_kernel``: 2.3x faster than the plain-JAX substitution on the H200,
-  benchmarks/RESULTS.md). On Hopper: the Mosaic GPU
-  kernels, and the state passes cut into pieces of the sequence where their programs (``bh`` =
+  one-warp kernel (``ut_kernel``; faster than the plain-JAX substitution: benchmarks/RESULTS.md).
+  On Hopper: the Mosaic GPU kernels, and the state passes cut into pieces of the sequence where their programs (``bh`` =
   B*H times the value blocks) cannot fill the device (``sequence_pieces=0``); at E = 1, where
   those programs would fill at most half the device, 64-column state blocks (``state_block_v``):
   each chunk's K, Q, A, P are then read half as often and the pieces give the programs back
