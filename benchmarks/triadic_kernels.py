@@ -65,13 +65,14 @@ def stage_flops(b, t, h, d, vd, e, c=64):
   prep            K K^T, Q K^T                                       4 C D
   forward         K S, Q S, K^T W (E slices);  A rhs, P U             6 E D V + 4 C V
   backward states K dS, Q^T dO, K^T (A^T dU) (E slices);  P^T dO, A^T dU   6 E D V + 4 C V
-  chunk backward  K S, Q S, K dS, dk (2 products), dq (E slices);    12 E D V
+  chunk backward  dX S^T, dO S^T, U dS^T, the diagonal blocks of       8 E D V
+                  S dS^T (E slices; the slice kernel, at C = 64)
                   A^T dU, dU rhs^T, dO U^T;  K K^T, Q K^T, dP K, dP^T Q, dL K, dL^T K;
                   A^T dA A^T                                          + 6 C V + 12 C D + 4 C^2
   Elementwise work (the C x C x E decay masks, the UT forward substitution) is not counted."""
   n = b * t * h
   return (n * 4 * c * d, n * (6 * e * d * vd + 4 * c * vd), n * (6 * e * d * vd + 4 * c * vd),
-          n * (12 * e * d * vd + 6 * c * vd + 12 * c * d + 4 * c * c))
+          n * (8 * e * d * vd + 6 * c * vd + 12 * c * d + 4 * c * c))
 
 
 def stage_bytes(b, t, h, d, vd, e, c=64, half=2):
@@ -80,9 +81,9 @@ def stage_bytes(b, t, h, d, vd, e, c=64, half=2):
   (``half`` bytes for q, k, v, o, dO and the chunk states, 4 for the rest), per token and head:
 
   prep            q, k; k2, q2, g, beta  ->  gc (column and row), A, P (C each)
-  forward         q, k, v; k2, q2, gc, beta; A, P  ->  o, U, chunk-start states (E D V / C)
+  forward         q, k, v; k2, q2, gc, beta; A, P  ->  o, U, X, chunk-start states (E D V / C)
   backward states q, k, dO; k2, q2, gc, beta; A, P  ->  dU, chunk-end state gradients
-  chunk backward  q, k, v, dO; U, dU; both chunk states; k2 (both layouts), q2, gc (both), beta,
+  chunk backward  q, k, v, X, dO; U, dU; both chunk states; k2 (both layouts), q2, gc (both), beta,
                   A  ->  dq, dk (half), dv, dk2 (both parts), dq2, d gc (both parts), dbeta
 
   The floor of the stages as designed: re-reads (each value block of a state pass reads the
@@ -91,9 +92,10 @@ def stage_bytes(b, t, h, d, vd, e, c=64, half=2):
   n = b * t * h
   states = half * e * d * vd / c
   return (n * (2 * half * d + 4 * (3 * e + 1) + 4 * 2 * e + 4 * 2 * c),
-          n * (half * (2 * d + vd) + 4 * (3 * e + 1) + 4 * 2 * c + half * vd + 4 * vd + states),
+          n * (half * (2 * d + vd) + 4 * (3 * e + 1) + 4 * 2 * c + 2 * half * vd + 4 * vd
+               + states),
           n * (half * (2 * d + vd) + 4 * (3 * e + 1) + 4 * 2 * c + 4 * vd + states),
-          n * (half * (2 * d + 2 * vd) + 4 * 2 * vd + 2 * states + 4 * (5 * e + 1) + 4 * c
+          n * (half * (2 * d + 3 * vd) + 4 * 2 * vd + 2 * states + 4 * (5 * e + 1) + 4 * c
                + half * 2 * d + 4 * vd + 4 * (5 * e + 1)))
 
 
@@ -236,16 +238,17 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
       pre = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))
       prep_args = (q, k, k2, q2, g, beta)
       gc_col, gc_row, a, p = pre(*prep_args)
-      state_fwd, state_bwd = pops.state_pass_kernels(cfg, q, v, k2)
+      saves_x = pops.explain(d, vd, e, c, jnp.bfloat16, config=cfg).saves_x(True)
+      state_fwd, state_bwd = pops.state_pass_kernels(cfg, q, v, k2, save_x=saves_x)
       fwd = jax.jit(functools.partial(state_fwd, scale=0.1, erase=True))
       fwd_args = (q, k, v, k2, q2, gc_col, beta, a, p, h0)
-      o, u, st, ht = fwd(*fwd_args)
+      o, u, *x, st, ht = fwd(*fwd_args)     # X where the plan saves it (``Plan.saves_x``)
       bst = jax.jit(functools.partial(state_bwd, scale=0.1, erase=True))
       bst_args = (q, k, do, k2, q2, gc_col, beta, a, p, h0)
       du, dst, _ = bst(*bst_args)
       cbw = jax.jit(functools.partial(pops.chunk_gradients_kernel(cfg, q, v, k2), scale=0.1,
                                       erase=True))
-      cbw_args = (q, k, v, do, u, du, st, dst, k2, rows(k2), q2, gc_col, gc_row, beta, a)
+      cbw_args = (q, k, v, do, u, du, st, dst, k2, rows(k2), q2, gc_col, gc_row, beta, a, *x)
       ms = [timeit(f, xs, reps) for f, xs in ((pre, prep_args), (fwd, fwd_args),
                                               (bst, bst_args), (cbw, cbw_args))]
       label = (f"bv{cfg.block_v} w{cfg.num_warps} s{cfg.num_stages} "
@@ -263,7 +266,7 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
             "backward states | chunk backward | total: " + " | ".join(roof), flush=True)
       print(f"# prep by part, E = {e}: " + prep_parts(prep_args, reps), flush=True)
       if cfg.mosaic_gpu_backward:  # each row also printed as it comes (a run cut short keeps it)
-        parts.append((e, mosaic_backward_parts(cbw_args, reps, cfg.value_slices)))
+        parts.append((e, mosaic_backward_parts(cbw_args, reps, cfg)))
         print(f"# chunk backward by part, E = {e}: " + " | ".join(parts[-1][1]), flush=True)
         if tails and cfg is default:
           for row in tail_variants(cbw_args, reps):
@@ -316,29 +319,41 @@ def prep_parts(prep_args, reps):
           f"(Config.ut_kernel): {kernel}")
 
 
-def mosaic_backward_parts(cbw_args, reps, value_slices=None):
+def mosaic_backward_parts(cbw_args, reps, cfg):
   """Table cells: the times of the parts of ``mosaic_backward.chunk_gradients`` (erase=True,
-  scale 0.1)."""
+  scale 0.1) under ``cfg``: the slice kernel (X from ``cbw_args``' last entry, the forward's)
+  or the value kernel's passes."""
   from triadic.pallas import masks
   from triadic.pallas import mosaic_backward as mb
-  q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args
+  q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args[:15]
   bh, nc, c, d = q.shape
   e_dim = k2_col.shape[-1]
-  size = value_slices or mb.default_value_slices(d, v.shape[-1], c, e_dim)
-  bv = mb.default_block_v(d, v.shape[-1], c, size)
-  n_stages = mb.default_stages(d, v.shape[-1], c, size, bv)
+  plan = pops.explain(d, v.shape[-1], e_dim, c, q.dtype, config=cfg)
   pro = jax.jit(lambda a, du, gc_col, k2_col, q2_col, beta_col: (
       mb.rhs_gradient(a, du, True), mb.factor_rows(gc_col, k2_col, q2_col, beta_col)))
   drhs, _ = pro(a, du, gc_col, k2_col, q2_col, beta_col)
+  if plan.slice_kernel:
+    size, label = e_dim, f"slice kernel, {e_dim} slices"
+    low = lambda y: y.astype(q.dtype)
 
-  def value(q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
-    outs = []
-    for e0 in range(0, e_dim, size):
-      grp = slice(e0, e0 + size)
-      f = mb.factor_rows(gc_col[..., grp], k2_col[..., grp], q2_col[..., grp], beta_col)
-      outs.append(mb.value_pass(q, k, v, do, u, drhs, st, dst, f, scale=0.1, erase=True,
-                                block_v=bv, e_offset=e0))
-    return outs
+    def value(q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
+      f = mb.factor_rows(gc_col, k2_col, q2_col, beta_col)
+      return [(cbw_args[15],) + tuple(mb.slices_pass(
+          q, k, low(beta_col * drhs), low(do), low(u), st, dst, f, scale=0.1, erase=True))]
+  else:
+    size = cfg.value_slices or mb.default_value_slices(d, v.shape[-1], c, e_dim)
+    bv = mb.default_block_v(d, v.shape[-1], c, size)
+    label = (f"{e_dim // size} x {size} slices, bv{bv} "
+             f"{mb.default_stages(d, v.shape[-1], c, size, bv)} st")
+
+    def value(q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
+      outs = []
+      for e0 in range(0, e_dim, size):
+        grp = slice(e0, e0 + size)
+        f = mb.factor_rows(gc_col[..., grp], k2_col[..., grp], q2_col[..., grp], beta_col)
+        outs.append(mb.value_pass(q, k, v, do, u, drhs, st, dst, f, scale=0.1, erase=True,
+                                  block_v=bv, e_offset=e0))
+      return outs
 
   val = jax.jit(value)
   val_args = (q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)
@@ -357,7 +372,7 @@ def mosaic_backward_parts(cbw_args, reps, value_slices=None):
   times = [timeit(fn, xs, reps) for fn, xs in ((pro, (a, du, gc_col, k2_col, q2_col, beta_col)),
                                                (val, val_args), (msk, msk_args), (tk, tk_args),
                                                (mg, mg_args))]
-  return [f"{e_dim // size} x {size} slices, bv{bv} {n_stages} st"] + [f"{x:.2f}" for x in times]
+  return [label] + [f"{x:.2f}" for x in times]
 
 
 TAIL_VARIANTS = ({}, {"bwd_block_v": 128, "num_stages": 1}, {"bwd_block_v": 32},

@@ -9,7 +9,10 @@ the tail kernel in Pallas interpret mode and the mask work (``masks.py``) in pla
 Error bound (relative RMS, ||a - b|| / ||b||): 1e-2 for every output, 2e-2 for dk2 and dgc's
 column parts (they collect the row sums, which the two kernels form from differently rounded bf16
 products: rowsum((K S_e) * dX) here, rowsum(K * (dX S_e^T)) in Triton).
-Cases cover one and two staging buffers, several value-kernel passes (``value_slices``: the
+Two kernels compute the E-dependent part: the slice kernel (``slices_pass``, the default, one
+whole D x V state slice at a time, X given by the forward or formed in plain JAX) and the value
+kernel (``value_pass``, value blocks of every slice). Value-kernel cases cover one and two
+staging buffers, several value-kernel passes (``value_slices``: the
 groups' X, dq, dk and row sums must add up), strong decay (g down to -20 per token, which only the
 masking before exp keeps finite) and weak decay (where the chunk-end term dlam exp(gc_C) of d gc
 is not negligible). Lowering tests compile the whole function for "cuda" (Mosaic GPU layout
@@ -88,8 +91,42 @@ def test_matches_triton_structure(b, t, h, vdim, e, bv, erase, decay, stages, sl
   assert args[0].shape[0] >= 2 and args[0].shape[1] >= 3
   want = backward.chunk_gradients(*args, scale=SCALE, erase=erase, cfg=CPU)
   got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                  block_v=bv, stages=stages, value_slices=slices,
-                                  interpret=True))(*args)
+                                  slice_kernel=False, block_v=bv, stages=stages,
+                                  value_slices=slices, interpret=True))(*args)
+  check_outputs(got, want, BOUNDS)
+
+
+SLICE_CASES = [
+    # b, t, h, v, e, erase, decay, d, x from the forward (else ``x_from_states``)
+    pytest.param(1, 150, 2, 32, 1, True, 1.0, 64, True, id="E1-erase"),
+    pytest.param(2, 150, 1, 64, 3, False, 1.0, 64, False, id="E3-noerase"),
+    pytest.param(1, 150, 2, 32, 5, True, 20.0, 64, True, id="E5-erase-strong-decay"),
+    pytest.param(1, 150, 2, 32, 8, True, 0.02, 64, False, id="E8-erase-weak-decay-x-jax"),
+    pytest.param(1, 150, 2, 64, 4, True, 1.0, 128, True, id="D128-E4"),
+]
+
+
+@pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d,saved_x", SLICE_CASES)
+def test_slice_kernel_matches_triton_structure(b, t, h, vdim, e, erase, decay, d, saved_x):
+  """The slice kernel (and, for ``saved_x``, X as the Mosaic forward saves it) against the
+  Triton structure."""
+  args = backward_operands(b, t, h, d, vdim, e, erase, decay)
+  want = backward.chunk_gradients(*args, scale=SCALE, erase=erase, cfg=CPU)
+  x = ()
+  if saved_x:
+    q, k, v, _, _, _, _, _, k2, _, q2, gc, _, beta, a = args
+    p = jnp.zeros_like(a)
+    h0 = jnp.zeros((q.shape[0], e, d, vdim), jnp.float32)
+    *_, x, states, _ = mosaic.state_pass(q, k, v, k2, q2, gc, beta, a, p, h0, scale=SCALE,
+                                         erase=True, save_x=True, interpret=True)
+    assert x.dtype == q.dtype
+    # The forward's states from h0 = 0 are the test's states (``backward_operands`` starts
+    # from a random h0), so X is checked on its own against its definition.
+    want_x = mosaic_backward.x_from_states(k, v, states, k2, gc)
+    assert rel_rms(x, want_x) < 1e-2
+    x = (mosaic_backward.x_from_states(k, v, args[6], k2, gc).astype(q.dtype),)
+  got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
+                                  slice_kernel=True, interpret=True))(*args, *x)
   check_outputs(got, want, BOUNDS)
 
 
@@ -103,7 +140,7 @@ def test_tail_variants_match_triton_structure(e, erase, decay, fused):
   args = backward_operands(1, 150, 2, 64, 32, e, erase, decay)
   want = backward.chunk_gradients(*args, scale=SCALE, erase=erase, cfg=CPU)
   got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                  fused_tail=fused, interpret=True))(*args)
+                                  fused_tail=fused, slice_kernel=False, interpret=True))(*args)
   check_outputs(got, want, BOUNDS)
 
 
@@ -143,12 +180,40 @@ def test_lowers_for_cuda(d, vdim, e, erase, bv, stages, slices):
   for "cuda" (which checks the SMEM allocation against 227 KiB); nothing runs."""
   args = _abstract_operands(d, vdim, e)
   fn = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                 block_v=bv, stages=stages, value_slices=slices))
+                                 slice_kernel=False, block_v=bv, stages=stages,
+                                 value_slices=slices))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   passes = e // (slices or mosaic_backward.default_value_slices(d, vdim, 64, e))
   assert text.count("triadic_chunk_backward_mgpu") >= passes
   tail = "fused" if mosaic_backward.default_fused_tail(e) else "ut"
   assert f"triadic_chunk_backward_tail_{tail}" in text
+
+
+@pytest.mark.parametrize("d,vdim,e,erase", [
+    (128, 128, 8, True),      # 214 KiB: the largest the slice kernel takes
+    (128, 128, 1, True),
+    (64, 32, 3, False),
+    (128, 64, 2, True),
+])
+def test_slice_kernel_lowers_for_cuda(d, vdim, e, erase):
+  """The slice kernel (transpose_ref operands of row pieces of the staged slices) lowers for
+  "cuda" within the SMEM limit, X given; nothing runs."""
+  args = _abstract_operands(d, vdim, e) + (jax.ShapeDtypeStruct((2, 4, 64, vdim), jnp.bfloat16),)
+  fn = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
+                                 slice_kernel=True))
+  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_chunk_backward_slices" in text and "triadic_chunk_backward_mgpu" not in text
+
+
+def test_slice_kernel_supported():
+  sup = mosaic_backward.slice_kernel_supported
+  for d, vd, e in ((128, 128, 8), (128, 128, 1), (64, 64, 3), (64, 32, 8)):
+    assert sup(d, vd, 64, e, jnp.bfloat16) is None, (d, vd, e)
+  assert mosaic_backward.slice_kernel_smem(128, 128, 64, 8) <= mosaic_backward.SMEM_LIMIT
+  assert "bfloat16" in sup(128, 128, 64, 8, jnp.float32)
+  assert "E <=" in sup(128, 128, 64, 16, jnp.bfloat16)
+  assert "V in" in sup(128, 256, 64, 1, jnp.bfloat16)
+  assert "chunk size" in sup(128, 128, 32, 1, jnp.bfloat16)
 
 
 def test_supported():
@@ -193,11 +258,29 @@ def test_hopper_op_matches_scan():
   mode, inside ``triadic_pallas``'s custom_vjp) against the scan, bf16 bounds of
   ``test_triadic_pallas``; E = 3 is padded to 4 by the op."""
   cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
-               value_slices=2)
+               value_slices=2, slice_kernel=False)
   q, v, k2 = (jnp.zeros((1, 1, 64, n), dt) for n, dt in ((64, jnp.bfloat16), (32, jnp.bfloat16),
                                                          (4, jnp.float32)))
   fn = pops.chunk_gradients_kernel(cfg, q, v, k2)
   assert fn.func is mosaic_backward.chunk_gradients and fn.keywords["value_slices"] == 2
+  assert not fn.keywords["slice_kernel"]
+  check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 1.0, jnp.bfloat16, config=cfg)
+
+
+def test_hopper_op_with_slice_kernel_matches_scan():
+  """The whole op with the Hopper default backward (the slice kernel, reading the X that the
+  Mosaic forward saves: ``Plan.saves_x``) against the scan; E = 3 padded to 4."""
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True)
+  plan = pops.explain(64, 32, 3, 64, jnp.bfloat16, config=cfg)
+  assert plan.slice_kernel and plan.saves_x(True) and not plan.saves_x(False)
+  # Above SLICE_KERNEL_MAX_E the value kernel, and the forward saves no X; forced, the slice one.
+  wide = pops.explain(64, 32, 8, 64, jnp.bfloat16, config=cfg)
+  assert not wide.slice_kernel and not wide.saves_x(True)
+  assert "value kernel is faster" in wide.chunk_gradients.reason
+  forced = dataclasses.replace(cfg, slice_kernel=True)
+  assert pops.explain(64, 32, 8, 64, jnp.bfloat16, config=forced).slice_kernel
+  off = dataclasses.replace(cfg, slice_kernel=False)
+  assert not pops.explain(64, 32, 3, 64, jnp.bfloat16, config=off).slice_kernel
   check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 1.0, jnp.bfloat16, config=cfg)
 
 
@@ -218,6 +301,9 @@ def test_hopper_op_lowers_for_cuda():
 
   text = jax.jit(jax.grad(loss, argnums=tuple(range(8)))).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
+  # Not differentiated: the partitioned forward without X.
+  assert "triadic_forward_mgpu" in jax.jit(loss).trace(*args).lower(
+      lowering_platforms=("cuda",)).as_text()
   for kernel in ("triadic_chunk_prep", "triadic_forward_mgpu", "triadic_backward_states_mgpu",
-                 "triadic_chunk_backward_mgpu", "triadic_chunk_backward_tail_ut"):  # E = 4
+                 "triadic_chunk_backward_slices", "triadic_chunk_backward_tail_ut"):  # E = 4
     assert kernel in text, kernel

@@ -57,6 +57,10 @@ class Config:
   (None: ``mosaic_backward.default_value_slices``, the most that keep its load pipeline).
   fused_tail: with ``mosaic_gpu_backward``, whether that backward's tail is one kernel with the
   mask work inside (None: ``mosaic_backward.default_fused_tail``, small E).
+  slice_kernel: with ``mosaic_gpu_backward``, whether its E-dependent part is the slice kernel
+  (``mosaic_backward.slices_pass``: one state slice at a time, X saved by the forward) or the
+  value kernel (value blocks of every slice, ``value_slices`` per pass). None:
+  ``mosaic_backward.default_slice_kernel`` (where it runs, up to E = 4).
   state_block_v: with ``mosaic_gpu``, the Mosaic state passes' value block (None:
   ``mosaic.default_block_v``; one that ``mosaic.supported`` refuses sends them to Triton, as the
   plan says). Wider blocks read K, Q, A, P fewer times over, with fewer programs.
@@ -79,6 +83,7 @@ class Config:
   mosaic_gpu_backward: bool = False
   value_slices: int | None = None
   fused_tail: bool | None = None
+  slice_kernel: bool | None = None
   state_block_v: int | None = None
   sequence_pieces: int = 1
   warmup_chunks: int = 16

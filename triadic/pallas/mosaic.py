@@ -396,13 +396,17 @@ def _compiler_params():
 # Forward.
 
 
-def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
-                    o_g, u_g, st_g, ht_g, bars, *, scratch, cat, nc, e_dim, bv, scale, erase,
-                    interpret):
+def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch,
+                    cat, nc, e_dim, bv, scale, erase, save_x, interpret):
+  if save_x:
+    o_g, u_g, x_g, st_g, ht_g, bars = outs_and_bars
+  else:
+    o_g, u_g, st_g, ht_g, bars = outs_and_bars
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
   erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
+  x_rows = 3 * e_dim + 1              # save_x: c = k2 a (E rows) after beta
   state0 = _load_cat(ops, h0_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
   def copies(q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s):
@@ -418,7 +422,7 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
     copies(*refs[:8]).start(first, 0)
 
   def chunk(n, s, q_s, k_s, kt_s, v_s, a_s, p_s, f2_s, lam_s, state_bf16_s, w_s, rhs_bf16_s,
-            u_bf16_s, o_s, u_s, st_s):
+            u_bf16_s, o_s, u_s, st_s, *x_out):
     ins = copies(q_s, k_s, kt_s, v_s, a_s, p_s, f2_s, lam_s)
     f_s = ins.ref("f", n)
     d = q_s.shape[1]
@@ -433,19 +437,30 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
 
     ins.wait("f", n)
     ins.wait("v", n)
-    rhs = ops.rowvec(f_s, beta_row, bv) * ops.acc(v_s[...].astype(F32))
+    beta = ops.rowvec(f_s, beta_row, bv)
     if erase:
       ins.wait("k", n)
       r = ops.mm(k_s, state_bf16_s)
-      for e in range(e_dim):
-        rhs = rhs - ops.rowvec(f_s, erase_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
+      if save_x:
+        # X = V - sum_e diag(c_e) R_e, which the chunk-parallel backward reads; rhs = beta X.
+        x = ops.acc(v_s[...].astype(F32))
+        for e in range(e_dim):
+          x = x - ops.rowvec(f_s, x_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
+        x_out[0][...] = x.astype(x_out[0].dtype)
+        rhs = beta * x
+      else:
+        rhs = beta * ops.acc(v_s[...].astype(F32))
+        for e in range(e_dim):
+          rhs = rhs - ops.rowvec(f_s, erase_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
       rhs_bf16_s[...] = rhs.astype(BF16)
       plgpu.commit_smem()
       ins.start_next(("k", "v"), n)
+      if save_x:
+        plgpu.copy_smem_to_gmem(x_out[0], x_g.at[i, n, :, cols])
       ins.wait("a", n)
       u = ops.mm(a_s, rhs_bf16_s)
     else:
-      u = rhs
+      u = beta * ops.acc(v_s[...].astype(F32))
     u_s[...] = u
     u_bf16_s[...] = u.astype(BF16)
     for e in range(e_dim):
@@ -473,12 +488,17 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g,
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-            interpret=False):
+               save_x=False, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
-  (BH,E,D,V) float32."""
+  (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
+  (BH,NC,C,V) in q's dtype, after U: the chunk-parallel backward's ``x``."""
   vd = v.shape[-1]
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v)
+  save_x = bool(save_x and erase)
+  if save_x:
+    f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
+  n_rows = f.shape[2]
   n_cat = e_dim * bv
   ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, lam_cat, _to_cat(h0.astype(F32), bv))
   sw_n, sw_v = _swizzle(n_cat), _swizzle(bv)
@@ -489,7 +509,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
       _smem((c, bv), BF16, sw_v),         # v block
       _smem((c, c), BF16, sw_v),          # A
       _smem((c, c), BF16, sw_v),          # P
-      _smem((2, 3 * e_dim + 1, c), F32),  # row factors (two chunks' buffers)
+      _smem((2, n_rows, c), F32),         # row factors (two chunks' buffers)
       _smem((n_cat,), F32),               # lam_cat
       _smem((d, n_cat), BF16, sw_n),      # S_cat (bf16 operand)
       _smem((c, n_cat), BF16, sw_v),      # W = [diag(fw_e) U]_e
@@ -498,22 +518,23 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
       _smem((c, bv), q.dtype, sw_v),      # o
       _smem((c, bv), F32, _swizzle(bv, F32)),             # U
       _smem((e_dim, d, bv), q.dtype, sw_v),               # chunk-start state
-  ]
+  ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else [])   # X
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # initial / final state (cat layout)
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
-  o, u, states, ht = plgpu.kernel(
+                             bv=bv, scale=scale, erase=erase, save_x=save_x,
+                             interpret=bool(interpret))
+  per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
+  *outs, ht = plgpu.kernel(
       kernel,
-      out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype),
-                jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
-                jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
-                jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
+      out_type=[per_chunk(q.dtype), per_chunk(F32)] + ([per_chunk(q.dtype)] if save_x else []) + [
+          jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
+          jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
       scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv),
       grid_names=("bh", "v"),
       compiler_params=_compiler_params(),
       interpret=_interpret_params(interpret), kernel_name="triadic_forward_mgpu",
   )(*ins)
-  return o, u, states, _from_cat(ht, e_dim)
+  return (*outs, _from_cat(ht, e_dim))
 
 
 # ------------------------------------------------------------------------------------------------

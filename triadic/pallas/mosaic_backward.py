@@ -1,9 +1,21 @@
 """Hopper (Mosaic GPU) chunk-parallel backward: a drop-in for ``backward.chunk_gradients`` (same
-operands and outputs, minus ``cfg``), for bf16 inputs.
+operands and outputs, minus ``cfg``, plus the forward's X), for bf16 inputs.
 
-The E-dependent work is a few wide wgmmas per value block, with the E slices of the D x BV state
-tile side by side as ONE D x (E*BV) bf16 SMEM operand, "S_cat" (column block e = S_e[:, value
-block]), and dS_cat likewise (the idiom of ``mosaic.py``). With c_e = k2_e a_e, fq_e = q2_e a_e,
+Two kernels can do the E-dependent work; ``chunk_gradients`` runs one of them, then the tail:
+
+* the slice kernel (``slices_pass``, the default up to E = ``SLICE_KERNEL_MAX_E``): one
+  program per chunk streams the state slices S_e, dS_e in pieces of 64 rows, each a wgmma operand
+  straight from its TMA copy, and contracts over V: dX S_e^T, dO S_e^T, U dS_e^T give the dq / dk
+  columns and the row sums at once (3 products per slice where the value kernel takes 6), and
+  the diagonal of S_e dS_e^T gives dlam. It needs X = V - sum_e diag(c_e) K S_e, which the Mosaic
+  forward saves (``mosaic.state_pass(save_x=True)``; ``x_from_states`` in plain JAX otherwise).
+  At E = 8 its live registers spill (255 per thread and 2 KB of spill stores; the value kernel
+  spills 0.5 KB), and the value kernel is faster there (benchmarks/RESULTS.md).
+* the value kernel (``value_pass``), described below, which also forms X.
+
+The value kernel's E-dependent work is a few wide wgmmas per value block, with the E slices of
+the D x BV state tile side by side as ONE D x (E*BV) bf16 SMEM operand, "S_cat" (column block
+e = S_e[:, value block]), and dS_cat likewise (the idiom of ``mosaic.py``). With c_e = k2_e a_e, fq_e = q2_e a_e,
 fw_e = k2_e b_e (a = exp(gc), b = exp(gc_C - gc)), drhs = A^T dU and dX = beta drhs, per value
 block:
 
@@ -458,6 +470,226 @@ def value_pass(q, k, v, do, u, drhs, states, dstates, f, *, scale, erase, block_
 
 
 # ------------------------------------------------------------------------------------------------
+# The slice kernel: the same outputs as the value kernel's passes (minus X), one slice at a time.
+
+PIECE = 64                    # state rows (D) per stream item: the C x PIECE accumulators
+
+
+def slice_kernel_smem(d: int, vd: int, c: int, e: int, erase: bool = True) -> int:
+  """SMEM of the slice kernel's main scope on hardware (the row sums leave from a smaller one)."""
+  return (2 * c * d * 2                           # K, Q
+          + (3 if erase else 2) * c * vd * 2      # dX, dO, U
+          + 2 * 2 * PIECE * vd * 2                # two slots of (S_e, dS_e) row pieces
+          + 2 * c * d * 4                         # dq, dk (float32)
+          + (3 * e + 1) * c * 4)                  # factor rows
+
+
+# The slice kernel is the default up to this E; above it the value kernel (measured at D = V = 128:
+# benchmarks/RESULTS.md).
+SLICE_KERNEL_MAX_E = 4
+
+
+def default_slice_kernel(d: int, vd: int, c: int, e: int, dtype) -> bool:
+  """Whether the chunk-parallel backward takes the slice kernel by default: where it runs
+  (``slice_kernel_supported``) and E <= SLICE_KERNEL_MAX_E."""
+  return e <= SLICE_KERNEL_MAX_E and slice_kernel_supported(d, vd, c, e, dtype) is None
+
+
+def slice_kernel_supported(d: int, vd: int, c: int, e: int, dtype, erase: bool = True
+                           ) -> str | None:
+  """Why ``slices_pass`` cannot take these sizes, or None if it can."""
+  what = "the Mosaic GPU slice kernel"
+  if jnp.dtype(dtype) != jnp.dtype(BF16):
+    return f"{what} takes bfloat16 inputs only, got {jnp.dtype(dtype).name}"
+  if c != 64:
+    return f"{what} needs chunk size 64, got {c}"
+  if d not in (64, 128):
+    return f"{what} needs D in (64, 128), got {d}"
+  if e > MAX_E:
+    return f"{what} takes E <= {MAX_E}, got {e}"
+  if vd not in (32, 64, 128):
+    return f"{what} needs V in (32, 64, 128), got {vd}"
+  need = slice_kernel_smem(d, vd, c, e, erase)
+  if need > SMEM_LIMIT:
+    return f"{what} needs {need} B of SMEM > {SMEM_LIMIT} B"
+  return None
+
+
+def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g, lam_g, bars, *,
+                  scratch, c, d, e_dim, scale, erase, interpret):
+  ops = _Ops(interpret)
+  i, n = lax.axis_index("bh"), lax.axis_index("n")
+  erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
+  # The stream: item j = (h, e) = (j // E, j % E) is rows h * PIECE.. of S_e and dS_e,
+  # piece-major, so that only one piece's dq, dk columns are live; slot = j % 2. Up to
+  # SLICE_KERNEL_MAX_E slices the items are unrolled; above it they are a loop per piece, which
+  # keeps the compiler from holding several items' values at once (the unrolled E = 8 spilled).
+  n_pieces = d // PIECE
+  n_items = n_pieces * e_dim
+  loop = e_dim > SLICE_KERNEL_MAX_E
+  # Barriers: 0..5 q, k, factors, dO, U, dX; 6 + 2 slot: S rows, 7 + 2 slot: dS rows.
+  bar_s = 6
+
+  def onehot_add(acc, vec, column):
+    rows, width = acc.shape
+    idx = ops.acc(lax.broadcasted_iota(jnp.int32, (rows, width), 1))
+    return acc + jnp.where(idx == column, lax.broadcast_in_dim(vec, (rows, width), [0]), 0.0)
+
+  def main(q_s, k_s, f_s, dx_s, do_s, u_s, s_s, ds_s, dq_s, dk_s, *interp):
+    def load_item(j):
+      h, e, slot = j // e_dim, j % e_dim, j % 2
+      rows = pl.ds(h * PIECE, PIECE)
+      plgpu.copy_gmem_to_smem(s_g.at[i, n, e, rows, :], s_s.at[slot], bars.at[bar_s + 2 * slot])
+      plgpu.copy_gmem_to_smem(ds_g.at[i, n, e, rows, :], ds_s.at[slot],
+                              bars.at[bar_s + 2 * slot + 1])
+
+    firsts = [(q_g, q_s), (k_g, k_s), (f_g, f_s), (do_g, do_s), (u_g, u_s)]
+    if erase:
+      firsts.append((dx_g, dx_s))
+    _load([(src.at[i, n], dst) for src, dst in firsts], bars)
+    for j in range(min(2, n_items)):
+      load_item(j)
+    _wait(len(firsts), bars)
+
+    def transposed(ref, slot):
+      """ref[slot]^T (V x PIECE) as a wgmma B operand."""
+      if interpret:
+        return interp[0 if ref is s_s else 1]
+      return plgpu.transpose_ref(ref.at[slot], (1, 0))
+
+    rows_iota = lambda dim: ops.acc(lax.broadcasted_iota(jnp.int32, (PIECE, PIECE), dim))
+
+    def item(h, e, carry):
+      """Item (h, e): rows h * PIECE.. of S_e and dS_e. ``e`` is a Python int (unrolled) or
+      traced (``lax.fori_loop``)."""
+      dq, dk, coef, lam = carry
+      j = h * e_dim + e
+      slot, cols = j % 2, slice(h * PIECE, (h + 1) * PIECE)
+      plgpu.barrier_wait(bars.at[bar_s + 2 * slot])
+      if interpret:                     # explicit transposes (the interpreter has no transpose_ref)
+        interp[0][...] = s_s[slot].T
+      if erase:
+        p1 = ops.mm(dx_s, transposed(s_s, slot))             # dX S_e[rows]^T
+        kh = ops.acc(k_s[:, cols].astype(F32))
+        coef = onehot_add(coef, -jnp.sum(kh * p1, axis=1), e)
+        dk = dk - ops.rowvec(f_s, erase_rows + e, PIECE) * p1
+      p2 = ops.mm(do_s, transposed(s_s, slot))               # dO S_e[rows]^T
+      qh = ops.acc(q_s[:, cols].astype(F32))
+      coef = onehot_add(coef, scale * jnp.sum(qh * p2, axis=1), e_dim + e)
+      dq = dq + (scale * ops.rowvec(f_s, read_rows + e, PIECE)) * p2
+      plgpu.barrier_wait(bars.at[bar_s + 2 * slot + 1])
+      if interpret:
+        interp[1][...] = ds_s[slot].T
+      p3 = ops.mm(u_s, transposed(ds_s, slot))               # U dS_e[rows]^T
+      kh = ops.acc(k_s[:, cols].astype(F32))
+      coef = onehot_add(coef, jnp.sum(kh * p3, axis=1), 2 * e_dim + e)
+      dk = dk + ops.rowvec(f_s, write_rows + e, PIECE) * p3
+      # <dS_e, S_e> over these rows: the diagonal of S_e[rows] dS_e[rows]^T.
+      g = ops.mm(s_s.at[slot], transposed(ds_s, slot))
+      lam = onehot_add(lam, jnp.sum(jnp.where(rows_iota(0) == rows_iota(1), g, 0.0), axis=1), e)
+
+      def next_copy():
+        plgpu.commit_smem()             # every wgmma and register read of this slot is done
+        load_item(j + 2)
+
+      if isinstance(j, int):
+        if j + 2 < n_items:
+          next_copy()
+      else:
+        pl.when(j + 2 < n_items)(next_copy)
+      return dq, dk, coef, lam
+
+    coef = ops.acc(jnp.zeros((c, COEF_W), F32))
+    lam = ops.acc(jnp.zeros((PIECE, LAM_W), F32))
+    for h in range(n_pieces):
+      cols = slice(h * PIECE, (h + 1) * PIECE)
+      carry = (ops.acc(jnp.zeros((c, PIECE), F32)), ops.acc(jnp.zeros((c, PIECE), F32)), coef,
+               lam)
+      if loop:
+        carry = lax.fori_loop(0, e_dim, functools.partial(item, h), carry)
+      else:
+        for e in range(e_dim):
+          carry = item(h, e, carry)
+      dq, dk, coef, lam = carry
+      dq_s[:, cols] = dq
+      dk_s[:, cols] = dk
+    plgpu.commit_smem()
+    for src, dst in ((dq_s, dq_g), (dk_s, dk_g)):
+      plgpu.copy_smem_to_gmem(src, dst.at[i, n])
+    plgpu.wait_smem_to_gmem(0)
+    return coef, lam
+
+  coef, lam = pl.run_scoped(main, *scratch)
+
+  def store(coef_s, lam_s):
+    coef_s[...] = coef
+    lam_s[...] = lam
+    plgpu.commit_smem()
+    for src, dst in ((coef_s, coef_g), (lam_s, lam_g)):
+      plgpu.copy_smem_to_gmem(src, dst.at[i, n])
+    plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(store, _smem((c, COEF_W), F32, _swizzle(COEF_W, F32)),
+                _smem((PIECE, LAM_W), F32, _swizzle(LAM_W, F32)))
+
+
+def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, interpret=False):
+  """The Mosaic GPU slice kernel ``triadic_chunk_backward_slices`` (grid (B*H, NC), one
+  warpgroup). Per chunk it streams the state slices in pieces of 64 rows (item (h, e): rows
+  h*64.. of S_e and dS_e, two slots, the next item's copies in flight while one is used,
+  piece-major so that only that piece's dq, dk columns are live), and per item takes the products
+  over V
+
+    P1 = dX S_e[rows]^T (erase), P2 = dO S_e[rows]^T, P3 = U dS_e[rows]^T      (C x V)(V x 64)
+
+  which give the dq / dk columns (dk -= diag(c_e) P1, dq += scale diag(fq_e) P2,
+  dk += diag(fw_e) P3, summed in registers) and the row sums at once (dcoef_e -= rowsum(K * P1),
+  dqcoef_e += scale rowsum(Q * P2), dkcoef_e += rowsum(K * P3), K and Q the piece's columns);
+  dlam_e += the trace of S_e[rows] dS_e[rows]^T (its diagonal, summed over the item's rows). The
+  states are wgmma operands straight from their copies (no register pass), each byte read once;
+  X is not formed here (the forward saves it).
+  Operands: q, k (BH,NC,C,D), dX = beta A^T dU, dO, U (BH,NC,C,V), all bf16; the states
+  (BH,NC,E,D,V) bf16; the factor rows f (BH,NC,3E+1,C) float32 (``factor_rows``). Returns dq, dk
+  partials (BH,NC,C,D), the row-sum matrix (BH,NC,C,32) and dlam partials (BH,NC,64,8), float32."""
+  bh, nc, c, d = q.shape
+  vd, e_dim = do.shape[-1], (f.shape[2] - 1) // 3
+  sw = _swizzle(min(vd, 64))
+  sk = _swizzle(min(d, 64))
+  scratch = [
+      _smem((c, d), BF16, sk),                      # q
+      _smem((c, d), BF16, sk),                      # k
+      _smem((3 * e_dim + 1, c), F32),               # factor rows
+      _smem((c, vd), BF16, sw),                     # dX
+      _smem((c, vd), BF16, sw),                     # dO
+      _smem((c, vd), BF16, sw),                     # U
+      _smem((2, PIECE, vd), BF16, sw),              # S_e row pieces, two slots
+      _smem((2, PIECE, vd), BF16, sw),              # dS_e row pieces, two slots
+      _smem((c, d), F32, _swizzle(PIECE, F32)),     # dq
+      _smem((c, d), F32, _swizzle(PIECE, F32)),     # dk
+  ]
+  if interpret:                                     # explicit S^T, dS^T (interpreter)
+    scratch += [_smem((vd, PIECE), BF16, sw), _smem((vd, PIECE), BF16, sw)]
+  out_type = [jax.ShapeDtypeStruct((bh, nc, c, d), F32), jax.ShapeDtypeStruct((bh, nc, c, d), F32),
+              jax.ShapeDtypeStruct((bh, nc, c, COEF_W), F32),
+              jax.ShapeDtypeStruct((bh, nc, PIECE, LAM_W), F32)]
+  kernel = functools.partial(_slice_kernel, scratch=scratch, c=c, d=d, e_dim=e_dim, scale=scale,
+                             erase=erase, interpret=bool(interpret))
+  return plgpu.kernel(
+      kernel, out_type=out_type, scratch_types=[plgpu.Barrier(num_barriers=10)],
+      grid=(bh, nc), grid_names=("bh", "n"), compiler_params=plgpu.CompilerParams(),
+      interpret=_interpret_params(interpret), kernel_name="triadic_chunk_backward_slices",
+  )(q, k, dx, do, u, states, dstates, f)
+
+
+def x_from_states(k, v, states, k2_col, gc_col):
+  """X = V - sum_e diag(k2_e exp(gc_e)) K S_e (BH,NC,C,V) float32 in plain JAX: the slice
+  kernel's X when the forward did not save it (its state passes not the Mosaic ones)."""
+  ks = jnp.einsum("bncd,bnedv->bnecv", k, states.astype(k.dtype), preferred_element_type=F32)
+  coef = k2_col * jnp.exp(gc_col)
+  return v.astype(F32) - jnp.einsum("bnce,bnecv->bncv", coef, ks)
+
+
+# ------------------------------------------------------------------------------------------------
 # The tail: E-independent products over the whole V, the UT-transform gradient and dM', dM; the
 # masks M, M' come in from plain JAX (``masks.decay_masks``) and dM', dM go out to plain JAX
 # (``masks.mask_grads``), which turns them into dk2, dq2 and d gc.
@@ -645,26 +877,66 @@ def default_value_slices(d: int, vd: int, c: int, e: int) -> int:
 
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
-                    beta_col, a, *, scale, erase, block_v=None, stages=None, value_slices=None,
-                    fused_tail=None, interpret=False):
+                    beta_col, a, x=None, *, scale, erase, slice_kernel=None, block_v=None,
+                    stages=None, value_slices=None, fused_tail=None, interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   (dq, dk (BH,NC,C,D) in q's dtype, the rest float32): dv (BH,NC,C,V), dk2 column and row parts
-  ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1). The value kernel runs once
-  per group of ``value_slices`` slices (default ``default_value_slices``); its outputs are sums
-  or per-slice columns, so the groups' results add up (X: V - sum_e ..., one V per extra group
-  taken back). ``fused_tail``: the tail as one kernel (None: ``default_fused_tail``).
+  ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
+
+  The E-dependent part runs as the slice kernel (``slices_pass``; ``slice_kernel`` None:
+  ``default_slice_kernel``) or as the value kernel, once per group of
+  ``value_slices`` slices (default ``default_value_slices``; its outputs are sums or per-slice
+  columns, so the groups' results add up: X = V - sum_e ..., one V per extra group taken back).
+  ``x`` (erase only): X = V - sum_e diag(c_e) K S_e as the forward saved it, which the slice
+  kernel needs (without it, ``x_from_states`` forms it in plain JAX); the value kernel forms X
+  itself. ``fused_tail``: the tail as one kernel (None: ``default_fused_tail``).
   ``interpret=True``: Mosaic GPU interpret mode for the value kernel and Pallas interpret mode
   for the tail (CPU tests)."""
   bh, nc, c, d = q.shape
   vd, e_dim = v.shape[-1], k2_col.shape[-1]
-  size = value_slices or default_value_slices(d, vd, c, e_dim)
-  bv = block_v or default_block_v(d, vd, c, size)
-  reason = supported(d, vd, c, e_dim, q.dtype, bv, stages, size)
+  if slice_kernel is None:
+    slice_kernel = default_slice_kernel(d, vd, c, e_dim, q.dtype)
+  reason = (slice_kernel_supported(d, vd, c, e_dim, q.dtype, erase) if slice_kernel else
+            supported(d, vd, c, e_dim, q.dtype, block_v, stages, value_slices))
   if reason:
     raise ValueError(reason)
   beta = beta_col.astype(F32)
   drhs = rhs_gradient(a, du, erase)
   dv = beta * drhs
+  low = lambda y: y.astype(q.dtype)
+  if slice_kernel:
+    f = factor_rows(gc_col, k2_col, q2_col, beta_col)
+    dqp, dkp, coef, lam = slices_pass(q, k, low(dv), low(do), low(u), low(states), low(dstates),
+                                      f, scale=scale, erase=erase, interpret=interpret)
+    if not erase:
+      x = v
+    elif x is None:
+      x = x_from_states(k, v, states, k2_col, gc_col)
+    dcoef, dqcoef, dkcoef = (coef[..., j * e_dim:(j + 1) * e_dim] for j in range(3))
+    dlam = jnp.sum(lam, axis=2)[..., :e_dim]          # (BH, NC, E): the sum over the D rows
+  else:
+    x, dqp, dkp, dcoef, dqcoef, dkcoef, dlam = _value_passes(
+        q, k, v, do, u, drhs, states, dstates, k2_col, q2_col, gc_col, beta_col, scale=scale,
+        erase=erase, block_v=block_v, stages=stages, value_slices=value_slices,
+        interpret=interpret)
+  # The tail kernel's products over V take bf16 operands anyway (``mm``), so its C x V inputs
+  # travel in the inputs' dtype (half the kernel's traffic; dbeta's rowsum(drhs X) then sees
+  # bf16-rounded factors, summed in float32).
+  fused = default_fused_tail(e_dim) if fused_tail is None else fused_tail
+  dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta = tail(
+      q, k, low(x), do, low(u), low(du), low(drhs), dqp, dkp, dcoef, dqcoef, dkcoef, dlam,
+      k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a, scale=scale, erase=erase,
+      cfg=tail_config(interpret, fused), fused=fused)
+  return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta
+
+
+def _value_passes(q, k, v, do, u, drhs, states, dstates, k2_col, q2_col, gc_col, beta_col, *,
+                  scale, erase, block_v, stages, value_slices, interpret):
+  """The value kernel over groups of slices: X (float32), dq and dk partials, the row sums
+  dcoef, dqcoef, dkcoef (BH,NC,C,E) and dlam (BH,NC,E)."""
+  d, vd, c, e_dim = q.shape[-1], v.shape[-1], q.shape[2], k2_col.shape[-1]
+  size = value_slices or default_value_slices(d, vd, c, e_dim)
+  bv = block_v or default_block_v(d, vd, c, size)
   v16, do16, u32 = v.astype(q.dtype), do.astype(q.dtype), u.astype(F32)
   s16, ds16 = states.astype(q.dtype), dstates.astype(q.dtype)
   xs, dqps, dkps, coefs, lams = [], [], [], [], []
@@ -682,13 +954,4 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   x = v.astype(F32) if not erase else sum(xs) - (len(xs) - 1) * v.astype(F32)
   dcoef, dqcoef, dkcoef = (jnp.concatenate([cf[..., j * size:(j + 1) * size] for cf in coefs],
                                            axis=-1) for j in range(3))
-  # The tail kernel's products over V take bf16 operands anyway (``mm``), so its C x V inputs
-  # travel in the inputs' dtype (half the kernel's traffic; dbeta's rowsum(drhs X) then sees
-  # bf16-rounded factors, summed in float32).
-  low = lambda y: y.astype(q.dtype)
-  fused = default_fused_tail(e_dim) if fused_tail is None else fused_tail
-  dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta = tail(
-      q, k, low(x), do, low(u), low(du), low(drhs), sum(dqps), sum(dkps), dcoef, dqcoef, dkcoef,
-      jnp.concatenate(lams, axis=-1), k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
-      scale=scale, erase=erase, cfg=tail_config(interpret, fused), fused=fused)
-  return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta
+  return x, sum(dqps), sum(dkps), dcoef, dqcoef, dkcoef, jnp.concatenate(lams, axis=-1)

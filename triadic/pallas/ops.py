@@ -4,8 +4,10 @@ Pipeline (forward): ``chunk_prep`` (parallel over chunks: gc, A, P; the masks M,
 ``masks.py``) -> the forward state pass (chunk loop per value block; saves chunk-start states and
 U). Backward (``jax.custom_vjp``): the reverse state pass (chunk-end state gradients and dU) ->
 the chunk-parallel backward (every input gradient). Only the inputs, gc, A, P, U and the
-chunk-start states are kept from the forward; M, M', K K^T and Q K^T are recomputed. Which kernel
-runs each stage is decided in one place, ``plan.resolve`` (``explain`` shows it for given sizes).
+chunk-start states are kept from the forward (and X = V - sum_e diag(c_e) K S_e where the Hopper
+backward's slice kernel reads it: ``Plan.saves_x``); M, M', K K^T and Q K^T are recomputed. Which
+kernel runs each stage is decided in one place, ``plan.resolve`` (``explain`` shows it for given
+sizes).
 When the state passes' programs cannot fill the GPU (B = 1 at long T), ``Config.sequence_pieces``
 runs them over pieces of the sequence, each started from a short warm-up pass (``pieces.py``,
 ``plan.sequence_pieces``; exact to far below rounding, and only where every window decays enough).
@@ -148,14 +150,15 @@ def _plan(cfg, q, v, k2):
                           dtype=q.dtype)
 
 
-def state_pass_kernels(cfg, q, v, k2):
+def state_pass_kernels(cfg, q, v, k2, save_x=False):
   """The plan's state-passing kernels, as (forward, backward) functions of
   ``recurrent.state_pass``'s operands: ``mosaic`` (Hopper wgmma) or ``recurrent`` (Triton / TPU /
-  interpret)."""
+  interpret). ``save_x``: the forward also returns X after U (the Mosaic forward only: pass
+  ``Plan.saves_x``)."""
   if _plan(cfg, q, v, k2).mosaic_state_kernels:
     interpret = cfg.platform == "cpu"
     kw = dict(interpret=interpret, block_v=cfg.state_block_v)
-    return (functools.partial(mosaic.state_pass, **kw),
+    return (functools.partial(mosaic.state_pass, save_x=save_x, **kw),
             functools.partial(mosaic.reverse_state_pass, **kw))
   return (functools.partial(recurrent.state_pass, cfg=cfg),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))
@@ -169,11 +172,14 @@ def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
 
 
 def chunk_gradients_kernel(cfg, q, v, k2):
-  """The plan's chunk-parallel backward: ``mosaic_backward`` (``cfg.value_slices`` slices per
-  value-kernel pass, ``cfg.fused_tail``) or ``backward.chunk_gradients``."""
-  if _plan(cfg, q, v, k2).mosaic_chunk_gradients:
+  """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel, or the value
+  kernel with ``cfg.value_slices`` slices per pass; ``cfg.fused_tail``) or
+  ``backward.chunk_gradients``."""
+  plan = _plan(cfg, q, v, k2)
+  if plan.mosaic_chunk_gradients:
     return functools.partial(mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
-                             value_slices=cfg.value_slices, fused_tail=cfg.fused_tail)
+                             slice_kernel=plan.slice_kernel, value_slices=cfg.value_slices,
+                             fused_tail=cfg.fused_tail)
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 
@@ -183,22 +189,34 @@ def _forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
   Returns (o, final state) and the residuals gc (column and row layouts), A, P, U and the
   chunk-start states, all with leading (B, H).
   """
+  return _forward_kernels(False, scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)
+
+
+def _forward_saving_x(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
+  """``_forward`` whose residuals end with X (``Plan.saves_x``)."""
+  return _forward_kernels(True, scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)
+
+
+def _forward_kernels(saves_x, scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
   b, h = q.shape[:2]
   q, k, v, k2, q2, g, beta, h0 = map(_merge, (q, k, v, k2, q2, g, beta, h0))
   gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg)
-  forward = state_pass_kernels(cfg, q, v, k2)[0]
-  o, u, states, ht = pieces.state_pass(forward, sequence_pieces(cfg, q, v, k2), q, k, v, k2, q2,
-                                       gc_col, beta, a, p, h0, g, scale=scale, erase=erase)
-  return tuple(_split(x, b, h) for x in (o, ht, gc_col, gc_row, a, p, u, states))
+  forward = state_pass_kernels(cfg, q, v, k2, save_x=saves_x)[0]
+  o, u, *x, states, ht = pieces.state_pass(
+      forward, sequence_pieces(cfg, q, v, k2), q, k, v, k2, q2, gc_col, beta, a, p, h0, g,
+      scale=scale, erase=erase)
+  return tuple(_split(y, b, h) for y in (o, ht, gc_col, gc_row, a, p, u, states, *x))
 
 
-def _backward(scale, erase, cfg, q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht):
-  """Backward kernels: the residuals of ``_forward`` and the cotangents (do, dht), all with
-  leading (B, H). Returns the gradients of the eight ``_forward`` operands, in their dtypes."""
+def _backward(scale, erase, cfg, q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht,
+              *x):
+  """Backward kernels: the residuals of ``_forward`` (X, where saved, last) and the cotangents
+  (do, dht), all with leading (B, H). Returns the gradients of the eight ``_forward`` operands,
+  in their dtypes."""
   b, h = q.shape[:2]
   dtypes = (q.dtype, k.dtype, v.dtype, k2.dtype, q2.dtype, beta.dtype)
-  q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht = map(
-      _merge, (q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht))
+  q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht, *x = map(
+      _merge, (q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht, *x))
   backward = state_pass_kernels(cfg, q, do, k2)[1]
   g = gc_col - jnp.pad(gc_col[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0)))  # per-token decay
   du, dstates, dh0 = pieces.reverse_state_pass(
@@ -206,8 +224,8 @@ def _backward(scale, erase, cfg, q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u,
       a, p, dht.astype(F32), g, scale=scale, erase=erase)
   chunk_gradients = chunk_gradients_kernel(cfg, q, v, k2)
   dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = chunk_gradients(
-      q, k, v, do, u, du, states, dstates, k2, _rows(k2), q2, gc_col, gc_row, beta, a, scale=scale,
-      erase=erase)
+      q, k, v, do, u, du, states, dstates, k2, _rows(k2), q2, gc_col, gc_row, beta, a, *x,
+      scale=scale, erase=erase)
   dgc = dgc_col + _rows(dgc_row)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dgc, 2), axis=2), 2)  # gc is a cumsum over the chunk axis
   dk2 = dk2_col + _rows(dk2_row)
@@ -216,33 +234,51 @@ def _backward(scale, erase, cfg, q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u,
   return tuple(_split(x, b, h) for x in (dq, dk, dv, dk2, dq2, dg, dbeta, dh0))
 
 
-_forward_sharded = partition.batch_head_partitioned(_forward, n_static=3, rule=_FWD_RULE,
+# The same with X (b h n c v) after the states: residual of the forward, operand of the backward.
+_FWD_RULE_X = _FWD_RULE + ", b h n c v"
+_BWD_RULE_X = _BWD_RULE.replace(" -> ", ", b h n c v -> ")
+
+
+_PARTITIONED = {
+    saves_x: tuple(partition.batch_head_partitioned(fn, n_static=3, rule=rule,
                                                     replicated=_REPLICATED)
-_backward_sharded = partition.batch_head_partitioned(_backward, n_static=3, rule=_BWD_RULE,
-                                                     replicated=_REPLICATED)
+                   for fn, rule in ((fwd, fwd_rule), (_backward, bwd_rule)))
+    for saves_x, fwd, fwd_rule, bwd_rule in ((False, _forward, _FWD_RULE, _BWD_RULE),
+                                             (True, _forward_saving_x, _FWD_RULE_X, _BWD_RULE_X))}
 
 
-def _sharded(cfg):
-  """The custom-partitioned forward and backward, or the plain functions when the kernels run as
-  host callbacks (Mosaic GPU interpret mode on a CPU), which custom_partitioning cannot lower.
-  On one device the two compile to the same program."""
+def _sharded(cfg, saves_x):
+  """The forward and backward, the forward saving X or not (``Plan.saves_x``): custom-partitioned
+  (their rules with or without X), or the plain functions when the kernels run as host callbacks
+  (Mosaic GPU interpret mode on a CPU), which custom_partitioning cannot lower. On one device the
+  two compile to the same program."""
   if (cfg.mosaic_gpu or cfg.mosaic_gpu_backward) and cfg.platform == "cpu":
-    return _forward, _backward
-  return _forward_sharded, _backward_sharded
+    return (_forward_saving_x if saves_x else _forward), _backward
+  return _PARTITIONED[saves_x]
+
+
+def _saves_x(cfg, q, v, k2, erase) -> bool:
+  """``Plan.saves_x`` for the (B, H, NC, C, X) operands."""
+  return _plan(cfg, q, v, k2).saves_x(erase)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _core(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
-  return _sharded(cfg)[0](scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)[:2]
+  # Not differentiated: nothing needs X.
+  return _sharded(cfg, False)[0](scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)[:2]
 
 
 def _core_fwd(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
-  o, ht, *res = _sharded(cfg)[0](scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)
+  forward = _sharded(cfg, _saves_x(cfg, q, v, k2, erase))[0]
+  o, ht, *res = forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)
   return (o, ht), (q, k, v, k2, q2, beta, *res)
 
 
 def _core_bwd(scale, erase, cfg, saved, cotangents):
-  return _sharded(cfg)[1](scale, erase, cfg, *saved, *cotangents)
+  q, v, k2 = saved[0], saved[2], saved[3]
+  saves_x = _saves_x(cfg, q, v, k2, erase)
+  saved, x = (saved[:-1], saved[-1:]) if saves_x else (saved, ())
+  return _sharded(cfg, saves_x)[1](scale, erase, cfg, *saved, *cotangents, *x)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
