@@ -15,9 +15,9 @@ Two kernels can do the E-dependent work; ``chunk_gradients`` runs one of them, t
 
 The value kernel's E-dependent work is a few wide wgmmas per value block, with the E slices of
 the D x BV state tile side by side as ONE D x (E*BV) bf16 SMEM operand, "S_cat" (column block
-e = S_e[:, value block]), and dS_cat likewise (the idiom of ``mosaic.py``). With c_e = k2_e a_e, fq_e = q2_e a_e,
-fw_e = k2_e b_e (a = exp(gc), b = exp(gc_C - gc)), drhs = A^T dU and dX = beta drhs, per value
-block:
+e = S_e[:, value block]), and dS_cat likewise (the idiom of ``mosaic.py``). With c_e = k2_e a_e,
+fq_e = q2_e a_e, fw_e = k2_e b_e (a = exp(gc), b = exp(gc_C - gc)), drhs = A^T dU and
+dX = beta drhs, per value block:
 
   R = K S_cat       X = V - sum_e diag(c_e) R_e          dcoef_e  -= rowsum(R_e * dX)   (erase)
   Y = Q S_cat                                            dqcoef_e += scale rowsum(Y_e * dO)
