@@ -333,13 +333,15 @@ def mosaic_backward_parts(cbw_args, reps, cfg):
       mb.rhs_gradient(a, du, True), mb.factor_rows(gc_col, k2_col, q2_col, beta_col)))
   drhs, _ = pro(a, du, gc_col, k2_col, q2_col, beta_col)
   if plan.slice_kernel:
-    size, label = e_dim, f"slice kernel, {e_dim} slices"
+    size, label = e_dim, (f"slice kernel, {e_dim} slices, "
+                          f"{mb.slice_warpgroups(cfg.slice_warpgroups, d)} warpgroup(s)")
     low = lambda y: y.astype(q.dtype)
 
     def value(q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
       f = mb.factor_rows(gc_col, k2_col, q2_col, beta_col)
       return [(cbw_args[15],) + tuple(mb.slices_pass(
-          q, k, low(beta_col * drhs), low(do), low(u), st, dst, f, scale=0.1, erase=True))]
+          q, k, low(beta_col * drhs), low(do), low(u), st, dst, f, scale=0.1, erase=True,
+          warpgroups=mb.slice_warpgroups(cfg.slice_warpgroups, d)))]
   else:
     size = cfg.value_slices or mb.default_value_slices(d, v.shape[-1], c, e_dim)
     bv = mb.default_block_v(d, v.shape[-1], c, size)

@@ -189,18 +189,38 @@ def test_lowers_for_cuda(d, vdim, e, erase, bv, stages, slices):
   assert f"triadic_chunk_backward_tail_{tail}" in text
 
 
-@pytest.mark.parametrize("d,vdim,e,erase", [
-    (128, 128, 8, True),      # 214 KiB: the largest the slice kernel takes
-    (128, 128, 1, True),
-    (64, 32, 3, False),
-    (128, 64, 2, True),
+@pytest.mark.parametrize("e,erase", [(3, True), (6, False)])   # items unrolled; a loop
+def test_slice_kernel_two_warpgroups_match_one(e, erase):
+  """The slice kernel with two warpgroups (each its own piece, stream and slots) gives what one
+  gives: dq, dk the same products, the row sums and dlam summed over the warpgroups' partials.
+  (The kernel alone under jit: inside a larger jitted function the interpreter's two simulated
+  threads can wait on each other forever on a 2-core machine.)"""
+  q, k, v, do, u, du, st, dst, k2, _, q2, gc, _, beta, a = backward_operands(
+      1, 150, 2, 128, 32, e, erase, 1.0)
+  low = lambda y: y.astype(jnp.bfloat16)
+  ops_in = (q, k, low(beta * mosaic_backward.rhs_gradient(a, du, erase)), do, low(u), st, dst,
+            mosaic_backward.factor_rows(gc, k2, q2, beta))
+  run = lambda wgs: jax.jit(functools.partial(mosaic_backward.slices_pass, scale=SCALE,
+                                              erase=erase, warpgroups=wgs, interpret=True))(*ops_in)
+  for got, want in zip(run(2), run(1), strict=True):
+    assert got.shape == want.shape
+    assert rel_rms(got, want) < 1e-6
+
+
+@pytest.mark.parametrize("d,vdim,e,erase,wgs", [
+    (128, 128, 8, True, 1),   # 214 KiB: the largest the slice kernel takes
+    (128, 128, 8, True, 2),
+    (128, 64, 4, False, 2),
+    (128, 128, 1, True, 1),
+    (64, 32, 3, False, 1),
+    (128, 64, 2, True, 1),
 ])
-def test_slice_kernel_lowers_for_cuda(d, vdim, e, erase):
-  """The slice kernel (transpose_ref operands of row pieces of the staged slices) lowers for
-  "cuda" within the SMEM limit, X given; nothing runs."""
+def test_slice_kernel_lowers_for_cuda(d, vdim, e, erase, wgs):
+  """The slice kernel (transpose_ref operands of the staged row pieces; one or two warpgroups)
+  lowers for "cuda" within the SMEM limit, X given; nothing runs."""
   args = _abstract_operands(d, vdim, e) + (jax.ShapeDtypeStruct((2, 4, 64, vdim), jnp.bfloat16),)
   fn = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                 slice_kernel=True))
+                                 slice_kernel=True, slice_warpgroups=wgs))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_chunk_backward_slices" in text and "triadic_chunk_backward_mgpu" not in text
 
@@ -281,6 +301,11 @@ def test_hopper_op_with_slice_kernel_matches_scan():
   assert pops.explain(64, 32, 8, 64, jnp.bfloat16, config=forced).slice_kernel
   off = dataclasses.replace(cfg, slice_kernel=False)
   assert not pops.explain(64, 32, 3, 64, jnp.bfloat16, config=off).slice_kernel
+  two = dataclasses.replace(cfg, slice_warpgroups=2)
+  at_128 = pops.explain(128, 32, 3, 64, jnp.bfloat16, config=two).chunk_gradients
+  assert "2 warpgroup(s)" in at_128.tiles
+  at_64 = pops.explain(64, 32, 3, 64, jnp.bfloat16, config=two).chunk_gradients
+  assert "1 warpgroup(s)" in at_64.tiles and "D = 128" in at_64.reason
   check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 1.0, jnp.bfloat16, config=cfg)
 
 

@@ -61,6 +61,8 @@ class Config:
   (``mosaic_backward.slices_pass``: one state slice at a time, X saved by the forward) or the
   value kernel (value blocks of every slice, ``value_slices`` per pass). None:
   ``mosaic_backward.default_slice_kernel`` (where it runs, up to E = 4).
+  slice_warpgroups: the slice kernel's warpgroups: 1, or 2 (at D = 128, each owning one 64-row
+  piece of the state and half the live registers; elsewhere 1, as the plan says).
   state_block_v: with ``mosaic_gpu``, the Mosaic state passes' value block (None:
   ``mosaic.default_block_v``; one that ``mosaic.supported`` refuses sends them to Triton, as the
   plan says). Wider blocks read K, Q, A, P fewer times over, with fewer programs.
@@ -84,6 +86,7 @@ class Config:
   value_slices: int | None = None
   fused_tail: bool | None = None
   slice_kernel: bool | None = None
+  slice_warpgroups: int = 1
   state_block_v: int | None = None
   sequence_pieces: int = 1
   warmup_chunks: int = 16

@@ -515,41 +515,61 @@ def slice_kernel_supported(d: int, vd: int, c: int, e: int, dtype, erase: bool =
   return None
 
 
-def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g, lam_g, bars, *,
-                  scratch, c, d, e_dim, scale, erase, interpret):
+def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g, lam_g, bars,
+                  done, *, scratch, outs, c, d, e_dim, scale, erase, wgs, interpret):
   ops = _Ops(interpret)
   i, n = lax.axis_index("bh"), lax.axis_index("n")
   erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
-  # The stream: item j = (h, e) = (j // E, j % E) is rows h * PIECE.. of S_e and dS_e,
-  # piece-major, so that only one piece's dq, dk columns are live; slot = j % 2. Up to
+  n_pieces = d // PIECE
+  # The pieces (64-row blocks of the state, 64-column blocks of dq, dk, K, Q) a warpgroup owns:
+  # all of them with one warpgroup, piece w for warpgroup w with two.
+  w = lax.axis_index("wg") if wgs == 2 else 0
+  pieces = [w] if wgs == 2 else list(range(n_pieces))
+  # The stream of a warpgroup: item j = rows of piece pieces[j // E] of S_e and dS_e, e = j % E,
+  # piece-major, so that only that piece's dq, dk columns are live; slot = j % 2. Up to
   # SLICE_KERNEL_MAX_E slices the items are unrolled; above it they are a loop per piece, which
   # keeps the compiler from holding several items' values at once (the unrolled E = 8 spilled).
-  n_pieces = d // PIECE
-  n_items = n_pieces * e_dim
+  n_items = len(pieces) * e_dim
   loop = e_dim > SLICE_KERNEL_MAX_E
-  # Barriers: 0..5 q, k, factors, dO, U, dX; 6 + 2 slot: S rows, 7 + 2 slot: dS rows.
-  bar_s = 6
+  # Barriers: 0..(2 + 2 P + 3) the pieces of q and k, the factors, dO, U, dX (copied by
+  # warpgroup 0, waited by all); then per warpgroup 2 slot: S rows, 2 slot + 1: dS rows.
+  firsts = 2 * n_pieces + 4
+  bar_s = firsts + 4 * w
+
+  def piece_of(j):
+    return w if wgs == 2 else j // e_dim
 
   def onehot_add(acc, vec, column):
     rows, width = acc.shape
     idx = ops.acc(lax.broadcasted_iota(jnp.int32, (rows, width), 1))
     return acc + jnp.where(idx == column, lax.broadcast_in_dim(vec, (rows, width), [0]), 0.0)
 
-  def main(q_s, k_s, f_s, dx_s, do_s, u_s, s_s, ds_s, dq_s, dk_s, *interp):
+  def main(q_s, k_s, f_s, dx_s, do_s, u_s, s_s, ds_s, *interp):
+    s_s, ds_s = s_s.at[w], ds_s.at[w]           # this warpgroup's two slots
+    interp = [x.at[w] for x in interp]
+
     def load_item(j):
-      h, e, slot = j // e_dim, j % e_dim, j % 2
+      h, e, slot = piece_of(j), j % e_dim, j % 2
       rows = pl.ds(h * PIECE, PIECE)
       plgpu.copy_gmem_to_smem(s_g.at[i, n, e, rows, :], s_s.at[slot], bars.at[bar_s + 2 * slot])
       plgpu.copy_gmem_to_smem(ds_g.at[i, n, e, rows, :], ds_s.at[slot],
                               bars.at[bar_s + 2 * slot + 1])
 
-    firsts = [(q_g, q_s), (k_g, k_s), (f_g, f_s), (do_g, do_s), (u_g, u_s)]
-    if erase:
-      firsts.append((dx_g, dx_s))
-    _load([(src.at[i, n], dst) for src, dst in firsts], bars)
+    def load_firsts():
+      cols = lambda h: pl.ds(h * PIECE, PIECE)
+      pairs = ([(q_g.at[i, n, :, cols(h)], q_s.at[h]) for h in range(n_pieces)]
+               + [(k_g.at[i, n, :, cols(h)], k_s.at[h]) for h in range(n_pieces)]
+               + [(f_g.at[i, n], f_s), (do_g.at[i, n], do_s), (u_g.at[i, n], u_s)]
+               + ([(dx_g.at[i, n], dx_s)] if erase else []))
+      _load(pairs, bars)
+
+    if wgs == 2:
+      pl.when(w == 0)(load_firsts)
+    else:
+      load_firsts()
     for j in range(min(2, n_items)):
       load_item(j)
-    _wait(len(firsts), bars)
+    _wait(firsts - (0 if erase else 1), bars)
 
     def transposed(ref, slot):
       """ref[slot]^T (V x PIECE) as a wgmma B operand."""
@@ -561,27 +581,27 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
 
     def item(h, e, carry):
       """Item (h, e): rows h * PIECE.. of S_e and dS_e. ``e`` is a Python int (unrolled) or
-      traced (``lax.fori_loop``)."""
+      traced (``lax.fori_loop``), ``h`` an int or the warpgroup's index."""
       dq, dk, coef, lam = carry
-      j = h * e_dim + e
-      slot, cols = j % 2, slice(h * PIECE, (h + 1) * PIECE)
+      j = (h if wgs == 1 else 0) * e_dim + e
+      slot = j % 2
       plgpu.barrier_wait(bars.at[bar_s + 2 * slot])
       if interpret:                     # explicit transposes (the interpreter has no transpose_ref)
         interp[0][...] = s_s[slot].T
       if erase:
         p1 = ops.mm(dx_s, transposed(s_s, slot))             # dX S_e[rows]^T
-        kh = ops.acc(k_s[:, cols].astype(F32))
+        kh = ops.acc(k_s[h].astype(F32))
         coef = onehot_add(coef, -jnp.sum(kh * p1, axis=1), e)
         dk = dk - ops.rowvec(f_s, erase_rows + e, PIECE) * p1
       p2 = ops.mm(do_s, transposed(s_s, slot))               # dO S_e[rows]^T
-      qh = ops.acc(q_s[:, cols].astype(F32))
+      qh = ops.acc(q_s[h].astype(F32))
       coef = onehot_add(coef, scale * jnp.sum(qh * p2, axis=1), e_dim + e)
       dq = dq + (scale * ops.rowvec(f_s, read_rows + e, PIECE)) * p2
       plgpu.barrier_wait(bars.at[bar_s + 2 * slot + 1])
       if interpret:
         interp[1][...] = ds_s[slot].T
       p3 = ops.mm(u_s, transposed(ds_s, slot))               # U dS_e[rows]^T
-      kh = ops.acc(k_s[:, cols].astype(F32))
+      kh = ops.acc(k_s[h].astype(F32))
       coef = onehot_add(coef, jnp.sum(kh * p3, axis=1), 2 * e_dim + e)
       dk = dk + ops.rowvec(f_s, write_rows + e, PIECE) * p3
       # <dS_e, S_e> over these rows: the diagonal of S_e[rows] dS_e[rows]^T.
@@ -601,8 +621,8 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
 
     coef = ops.acc(jnp.zeros((c, COEF_W), F32))
     lam = ops.acc(jnp.zeros((PIECE, LAM_W), F32))
-    for h in range(n_pieces):
-      cols = slice(h * PIECE, (h + 1) * PIECE)
+    dqs, dks = [], []
+    for h in pieces:
       carry = (ops.acc(jnp.zeros((c, PIECE), F32)), ops.acc(jnp.zeros((c, PIECE), F32)), coef,
                lam)
       if loop:
@@ -611,34 +631,50 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
         for e in range(e_dim):
           carry = item(h, e, carry)
       dq, dk, coef, lam = carry
-      dq_s[:, cols] = dq
-      dk_s[:, cols] = dk
+      dqs.append(dq)
+      dks.append(dk)
+    if wgs == 2:                        # both warpgroups are done with the scope's buffers
+      plgpu.barrier_arrive(done)
+      plgpu.barrier_wait(done)
+    return dqs, dks, coef, lam
+
+  dqs, dks, coef, lam = pl.run_scoped(main, *scratch, collective_axes=("wg",) * (wgs == 2))
+
+  def store(dq_s, dk_s, coef_s, lam_s):
+    for h, dq, dk in zip(pieces, dqs, dks):
+      dq_s[h] = dq
+      dk_s[h] = dk
+    coef_s.at[w][...] = coef
+    lam_s.at[w][...] = lam
     plgpu.commit_smem()
-    for src, dst in ((dq_s, dq_g), (dk_s, dk_g)):
-      plgpu.copy_smem_to_gmem(src, dst.at[i, n])
-    plgpu.wait_smem_to_gmem(0)
-    return coef, lam
-
-  coef, lam = pl.run_scoped(main, *scratch)
-
-  def store(coef_s, lam_s):
-    coef_s[...] = coef
-    lam_s[...] = lam
-    plgpu.commit_smem()
-    for src, dst in ((coef_s, coef_g), (lam_s, lam_g)):
-      plgpu.copy_smem_to_gmem(src, dst.at[i, n])
+    for h in pieces:
+      cols = pl.ds(h * PIECE, PIECE)
+      plgpu.copy_smem_to_gmem(dq_s.at[h], dq_g.at[i, n, :, cols])
+      plgpu.copy_smem_to_gmem(dk_s.at[h], dk_g.at[i, n, :, cols])
+    plgpu.copy_smem_to_gmem(coef_s.at[w], coef_g.at[i, n, w])
+    plgpu.copy_smem_to_gmem(lam_s.at[w], lam_g.at[i, n, w])
     plgpu.wait_smem_to_gmem(0)
 
-  pl.run_scoped(store, _smem((c, COEF_W), F32, _swizzle(COEF_W, F32)),
-                _smem((PIECE, LAM_W), F32, _swizzle(LAM_W, F32)))
+  pl.run_scoped(store, *outs, collective_axes=("wg",) * (wgs == 2))
 
 
-def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, interpret=False):
-  """The Mosaic GPU slice kernel ``triadic_chunk_backward_slices`` (grid (B*H, NC), one
-  warpgroup). Per chunk it streams the state slices in pieces of 64 rows (item (h, e): rows
-  h*64.. of S_e and dS_e, two slots, the next item's copies in flight while one is used,
-  piece-major so that only that piece's dq, dk columns are live), and per item takes the products
-  over V
+def slice_warpgroups_supported(d: int) -> str | None:
+  """Why the slice kernel cannot run with two warpgroups (one per 64-row piece) at this D."""
+  return None if d == 2 * PIECE else f"two warpgroups need D = {2 * PIECE}, got {d}"
+
+
+def slice_warpgroups(requested: int, d: int) -> int:
+  """The slice kernel's warpgroups for ``Config.slice_warpgroups``: 2 where asked and
+  ``slice_warpgroups_supported``, else 1."""
+  return 2 if requested == 2 and slice_warpgroups_supported(d) is None else 1
+
+
+def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups=1,
+                interpret=False):
+  """The Mosaic GPU slice kernel ``triadic_chunk_backward_slices`` (grid (B*H, NC)). Per chunk it
+  streams the state slices in pieces of 64 rows (item (h, e): rows h*64.. of S_e and dS_e, two
+  slots, the next item's copies in flight while one is used, piece-major so that only that
+  piece's dq, dk columns are live), and per item takes the products over V
 
     P1 = dX S_e[rows]^T (erase), P2 = dO S_e[rows]^T, P3 = U dS_e[rows]^T      (C x V)(V x 64)
 
@@ -647,38 +683,49 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, interpret=
   dqcoef_e += scale rowsum(Q * P2), dkcoef_e += rowsum(K * P3), K and Q the piece's columns);
   dlam_e += the trace of S_e[rows] dS_e[rows]^T (its diagonal, summed over the item's rows). The
   states are wgmma operands straight from their copies (no register pass), each byte read once;
-  X is not formed here (the forward saves it).
+  X is not formed here (the forward saves it). ``warpgroups``: 1, or 2 at D = 128, each owning
+  one piece with its own stream and slots (``slice_warpgroups_supported``).
   Operands: q, k (BH,NC,C,D), dX = beta A^T dU, dO, U (BH,NC,C,V), all bf16; the states
   (BH,NC,E,D,V) bf16; the factor rows f (BH,NC,3E+1,C) float32 (``factor_rows``). Returns dq, dk
   partials (BH,NC,C,D), the row-sum matrix (BH,NC,C,32) and dlam partials (BH,NC,64,8), float32."""
   bh, nc, c, d = q.shape
   vd, e_dim = do.shape[-1], (f.shape[2] - 1) // 3
+  if warpgroups not in (1, 2) or (warpgroups == 2 and slice_warpgroups_supported(d)):
+    raise ValueError(f"warpgroups must be 1, or 2 at D = {2 * PIECE}; got {warpgroups} at D={d}")
+  n_pieces = d // PIECE
   sw = _swizzle(min(vd, 64))
   sk = _swizzle(min(d, 64))
   scratch = [
-      _smem((c, d), BF16, sk),                      # q
-      _smem((c, d), BF16, sk),                      # k
+      _smem((n_pieces, c, PIECE), BF16, sk),        # q, by 64-column pieces
+      _smem((n_pieces, c, PIECE), BF16, sk),        # k
       _smem((3 * e_dim + 1, c), F32),               # factor rows
       _smem((c, vd), BF16, sw),                     # dX
       _smem((c, vd), BF16, sw),                     # dO
       _smem((c, vd), BF16, sw),                     # U
-      _smem((2, PIECE, vd), BF16, sw),              # S_e row pieces, two slots
-      _smem((2, PIECE, vd), BF16, sw),              # dS_e row pieces, two slots
-      _smem((c, d), F32, _swizzle(PIECE, F32)),     # dq
-      _smem((c, d), F32, _swizzle(PIECE, F32)),     # dk
+      _smem((warpgroups, 2, PIECE, vd), BF16, sw),  # S_e row pieces, two slots per warpgroup
+      _smem((warpgroups, 2, PIECE, vd), BF16, sw),  # dS_e row pieces
   ]
   if interpret:                                     # explicit S^T, dS^T (interpreter)
-    scratch += [_smem((vd, PIECE), BF16, sw), _smem((vd, PIECE), BF16, sw)]
+    scratch += [_smem((warpgroups, vd, PIECE), BF16, sw)] * 2
+  outs = [_smem((n_pieces, c, PIECE), F32, _swizzle(PIECE, F32)),     # dq
+          _smem((n_pieces, c, PIECE), F32, _swizzle(PIECE, F32)),     # dk
+          _smem((warpgroups, c, COEF_W), F32, _swizzle(COEF_W, F32)),
+          _smem((warpgroups, PIECE, LAM_W), F32, _swizzle(LAM_W, F32))]
   out_type = [jax.ShapeDtypeStruct((bh, nc, c, d), F32), jax.ShapeDtypeStruct((bh, nc, c, d), F32),
-              jax.ShapeDtypeStruct((bh, nc, c, COEF_W), F32),
-              jax.ShapeDtypeStruct((bh, nc, PIECE, LAM_W), F32)]
-  kernel = functools.partial(_slice_kernel, scratch=scratch, c=c, d=d, e_dim=e_dim, scale=scale,
-                             erase=erase, interpret=bool(interpret))
-  return plgpu.kernel(
-      kernel, out_type=out_type, scratch_types=[plgpu.Barrier(num_barriers=10)],
+              jax.ShapeDtypeStruct((bh, nc, warpgroups, c, COEF_W), F32),
+              jax.ShapeDtypeStruct((bh, nc, warpgroups, PIECE, LAM_W), F32)]
+  kernel = functools.partial(_slice_kernel, scratch=scratch, outs=outs, c=c, d=d, e_dim=e_dim,
+                             scale=scale, erase=erase, wgs=warpgroups, interpret=bool(interpret))
+  threads = dict(num_threads=2, thread_name="wg") if warpgroups == 2 else {}
+  dqp, dkp, coef, lam = plgpu.kernel(
+      kernel, out_type=out_type,
+      scratch_types=[plgpu.Barrier(num_barriers=2 * n_pieces + 4 + 4 * warpgroups),
+                     plgpu.Barrier(num_arrivals=warpgroups)],
       grid=(bh, nc), grid_names=("bh", "n"), compiler_params=plgpu.CompilerParams(),
       interpret=_interpret_params(interpret), kernel_name="triadic_chunk_backward_slices",
+      **threads,
   )(q, k, dx, do, u, states, dstates, f)
+  return dqp, dkp, jnp.sum(coef, axis=2), jnp.sum(lam, axis=2)
 
 
 def x_from_states(k, v, states, k2_col, gc_col):
@@ -877,8 +924,9 @@ def default_value_slices(d: int, vd: int, c: int, e: int) -> int:
 
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
-                    beta_col, a, x=None, *, scale, erase, slice_kernel=None, block_v=None,
-                    stages=None, value_slices=None, fused_tail=None, interpret=False):
+                    beta_col, a, x=None, *, scale, erase, slice_kernel=None, slice_warpgroups=1,
+                    block_v=None, stages=None, value_slices=None, fused_tail=None,
+                    interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   (dq, dk (BH,NC,C,D) in q's dtype, the rest float32): dv (BH,NC,C,V), dk2 column and row parts
   ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
@@ -889,7 +937,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   columns, so the groups' results add up: X = V - sum_e ..., one V per extra group taken back).
   ``x`` (erase only): X = V - sum_e diag(c_e) K S_e as the forward saved it, which the slice
   kernel needs (without it, ``x_from_states`` forms it in plain JAX); the value kernel forms X
-  itself. ``fused_tail``: the tail as one kernel (None: ``default_fused_tail``).
+  itself. ``slice_warpgroups``: the slice kernel's warpgroups (``slices_pass``).
+  ``fused_tail``: the tail as one kernel (None: ``default_fused_tail``).
   ``interpret=True``: Mosaic GPU interpret mode for the value kernel and Pallas interpret mode
   for the tail (CPU tests)."""
   bh, nc, c, d = q.shape
@@ -907,13 +956,14 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   if slice_kernel:
     f = factor_rows(gc_col, k2_col, q2_col, beta_col)
     dqp, dkp, coef, lam = slices_pass(q, k, low(dv), low(do), low(u), low(states), low(dstates),
-                                      f, scale=scale, erase=erase, interpret=interpret)
+                                      f, scale=scale, erase=erase,
+                                      warpgroups=slice_warpgroups, interpret=interpret)
     if not erase:
       x = v
     elif x is None:
       x = x_from_states(k, v, states, k2_col, gc_col)
     dcoef, dqcoef, dkcoef = (coef[..., j * e_dim:(j + 1) * e_dim] for j in range(3))
-    dlam = jnp.sum(lam, axis=2)[..., :e_dim]          # (BH, NC, E): the sum over the D rows
+    dlam = jnp.sum(lam, axis=2)[..., :e_dim]          # (BH, NC, E): the sum over the rows
   else:
     x, dqp, dkp, dcoef, dqcoef, dkcoef, dlam = _value_passes(
         q, k, v, do, u, drhs, states, dstates, k2_col, q2_col, gc_col, beta_col, scale=scale,

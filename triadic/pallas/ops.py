@@ -177,9 +177,11 @@ def chunk_gradients_kernel(cfg, q, v, k2):
   ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
-    return functools.partial(mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
-                             slice_kernel=plan.slice_kernel, value_slices=cfg.value_slices,
-                             fused_tail=cfg.fused_tail)
+    return functools.partial(
+        mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
+        slice_kernel=plan.slice_kernel,
+        slice_warpgroups=mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, q.shape[-1]),
+        value_slices=cfg.value_slices, fused_tail=cfg.fused_tail)
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 

@@ -110,9 +110,13 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, value_slices=cfg.value_slices)
                if cfg.mosaic_gpu_backward else "Config.mosaic_gpu_backward off")
   if cfg.mosaic_gpu_backward and sk_reason is None:
+    wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
+    wg_reason = ("" if wgs == cfg.slice_warpgroups else
+                 "; one warpgroup: " + str(mosaic_backward.slice_warpgroups_supported(d)))
     chunk_bwd = Stage("chunk_gradients", "mosaic_gpu" + interp + " + triton tail",
-                      f"slice kernel: {e} slice(s) in 64-row pieces, two slots, {tail}",
-                      "Config.mosaic_gpu_backward" + tail_reason)
+                      f"slice kernel: {e} slice(s) in 64-row pieces, two slots, {wgs} "
+                      f"warpgroup(s), {tail}",
+                      "Config.mosaic_gpu_backward" + tail_reason + wg_reason)
   elif cb_reason is None:
     g = cfg.value_slices or mosaic_backward.default_value_slices(d, vd, c, e)
     bv = mosaic_backward.default_block_v(d, vd, c, g)
