@@ -197,9 +197,10 @@ def check(only=None, value_slices=None, fields=None):
   sys.stdout.flush()
 
 
-def stages(t, e_list, reps, variants=False, slices=(), tails=False):
+def stages(t, e_list, reps, variants=False, slices=(), tails=False, fields=()):
   """Time each Pallas stage alone (bf16, H = 16, D = V = 128). On Hopper: the default kernels (all
-  Mosaic GPU where they take the sizes) and, for each of ``slices`` that differs from the
+  Mosaic GPU where they take the sizes), the default with each of ``fields`` (``Config`` fields,
+  ``--op-variants``' sets) set over it, and, for each of ``slices`` that differs from the
   default, the Mosaic chunk backward with that many slices per value-kernel pass; with
   ``variants``, also the Triton kernels and a few of their tile configurations; with ``tails``,
   the Hopper backward's tail (fused and split) under ``TAIL_VARIANTS``. Elsewhere: the Triton
@@ -223,7 +224,7 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
     h0 = jnp.zeros((b * h, e, d, vd), jnp.float32)
     default = pops.default_config("gpu", e, vd)
     triton = dataclasses.replace(default, mosaic_gpu=False, mosaic_gpu_backward=False)
-    configs = [default]
+    configs = [default] + [dataclasses.replace(default, **f) for f in fields]
     if default.mosaic_gpu_backward:
       from triadic.pallas import mosaic_backward as mb
       own = mb.default_value_slices(d, vd, c, e)
@@ -256,6 +257,9 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False):
       label = "mgpu state kernels, " + label if cfg.mosaic_gpu else label
       label = "mgpu chunk backward, " + label if cfg.mosaic_gpu_backward else label
       label = f"value_slices {cfg.value_slices}, " + label if cfg.value_slices else label
+      changed = [f.name for f in dataclasses.fields(cfg)
+                 if getattr(cfg, f.name) != getattr(default, f.name) and f.name != "value_slices"]
+      label = "".join(f"{n}={getattr(cfg, n)}, " for n in changed) + label
       fl = stage_flops(b, t, h, d, vd, e, c)
       cells = [f"{x:.2f} ({f / (x * 1e-3) / 1e12:.0f})" for x, f in zip(ms, fl)]
       cells.append(f"{sum(ms):.2f} ({sum(fl) / (sum(ms) * 1e-3) / 1e12:.0f})")
@@ -450,7 +454,7 @@ def main():
                            "default (which depends on B*H), one comma-joined set per pair of "
                            "columns: a name alone is True, name=N an int, e.g. ut_kernel "
                            "sequence_pieces=1,state_block_v=32 (--check: the first set "
-                           "replaces the default's fields)")
+                           "replaces the default's fields; --stages: a row per set)")
   parser.add_argument("--tail-variants", action="store_true",
                       help="with --stages on Hopper: the chunk backward's tail, fused and split, "
                            "under a few tile choices")
@@ -465,7 +469,8 @@ def main():
           variant_fields(args.op_variants[0]) if args.op_variants else None)
     return
   if args.stages:
-    stages(args.t[0], args.e, args.reps, args.variants, args.value_slices, args.tail_variants)
+    stages(args.t[0], args.e, args.reps, args.variants, args.value_slices, args.tail_variants,
+           [variant_fields(v) for v in args.op_variants])
     return
   op_table(args)
 
