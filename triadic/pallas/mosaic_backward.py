@@ -9,8 +9,7 @@ Two kernels can do the E-dependent work; ``chunk_gradients`` runs one of them, t
   columns and the row sums at once (3 products per slice where the value kernel takes 6), and
   the diagonal of S_e dS_e^T gives dlam. It needs X = V - sum_e diag(c_e) K S_e, which the Mosaic
   forward saves (``mosaic.state_pass(save_x=True)``; ``x_from_states`` in plain JAX otherwise).
-  At E = 8 its live registers spill (255 per thread and 2 KB of spill stores; the value kernel
-  spills 0.5 KB), and the value kernel is faster there (benchmarks/RESULTS.md).
+  Above that E its live registers spill and the value kernel is faster (benchmarks/RESULTS.md).
 * the value kernel (``value_pass``), described below, which also forms X.
 
 The value kernel's E-dependent work is a few wide wgmmas per value block, with the E slices of
@@ -249,6 +248,14 @@ def rhs_gradient(a, du, erase):
 # The Mosaic GPU kernel: everything that touches S or dS.
 
 
+def _onehot_add(ops, acc, vec, column):
+  """acc + vec placed in column ``column`` (acc (rows, W) WGMMA layout, vec a row sum)."""
+  rows, width = acc.shape
+  idx = ops.acc(lax.broadcasted_iota(jnp.int32, (rows, width), 1))
+  return acc + jnp.where(idx == column, lax.broadcast_in_dim(vec, (rows, width), [0]), 0.0)
+
+
+
 def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch, outs, c, d,
                   e_dim, e_offset, bv, nv, piece, stages, scale, erase, interpret):
   if erase:
@@ -265,11 +272,7 @@ def _value_kernel(q_g, k_g, v_g, do_g, u_g, dr_g, s_g, ds_g, f_g, *rest, scratch
   # BAR_DS.. the E dS slices (each barrier: one copy in flight at a time, waited in issue order).
   bar_s, bar_ds = 7, 7 + e_dim
 
-  def onehot_add(acc, vec, column):
-    """acc + vec placed in column ``column`` (acc (rows, W) WGMMA layout, vec a row sum)."""
-    rows, width = acc.shape
-    idx = ops.acc(lax.broadcasted_iota(jnp.int32, (rows, width), 1))
-    return acc + jnp.where(idx == column, lax.broadcast_in_dim(vec, (rows, width), [0]), 0.0)
+  onehot_add = functools.partial(_onehot_add, ops)
 
   def main(dq_acc, dk_acc, q_s, k_s, f_s, stg_s, s_cat, ds_cat, w2, w3, v_s, do_s, u_s, dr_s,
            *extra):
@@ -489,10 +492,22 @@ def slice_kernel_smem(d: int, vd: int, c: int, e: int, erase: bool = True) -> in
 SLICE_KERNEL_MAX_E = 4
 
 
+def slice_kernel_reason(requested: bool | None, d: int, vd: int, c: int, e: int, dtype
+                        ) -> str | None:
+  """Why the chunk-parallel backward does not take the slice kernel, or None if it does, for
+  ``Config.slice_kernel`` = ``requested``: None takes it where it runs
+  (``slice_kernel_supported``) and E <= SLICE_KERNEL_MAX_E, True wherever it runs."""
+  if requested is not None and not requested:
+    return "Config.slice_kernel off"
+  if requested is None and e > SLICE_KERNEL_MAX_E:
+    return f"E > {SLICE_KERNEL_MAX_E}, where the value kernel is faster"
+  return slice_kernel_supported(d, vd, c, e, dtype)
+
+
 def default_slice_kernel(d: int, vd: int, c: int, e: int, dtype) -> bool:
-  """Whether the chunk-parallel backward takes the slice kernel by default: where it runs
-  (``slice_kernel_supported``) and E <= SLICE_KERNEL_MAX_E."""
-  return e <= SLICE_KERNEL_MAX_E and slice_kernel_supported(d, vd, c, e, dtype) is None
+  """Whether the chunk-parallel backward takes the slice kernel by default
+  (``slice_kernel_reason`` with ``Config.slice_kernel`` None)."""
+  return slice_kernel_reason(None, d, vd, c, e, dtype) is None
 
 
 def slice_kernel_supported(d: int, vd: int, c: int, e: int, dtype, erase: bool = True
@@ -528,10 +543,10 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
   # The stream of a warpgroup: item j = rows of piece pieces[j // E] of S_e and dS_e, e = j % E,
   # piece-major, so that only that piece's dq, dk columns are live; slot = j % 2. Up to
   # SLICE_KERNEL_MAX_E slices the items are unrolled; above it they are a loop per piece, which
-  # keeps the compiler from holding several items' values at once (the unrolled E = 8 spilled).
+  # keeps the compiler from holding several items' values (registers) at once.
   n_items = len(pieces) * e_dim
   loop = e_dim > SLICE_KERNEL_MAX_E
-  # Barriers: 0..(2 + 2 P + 3) the pieces of q and k, the factors, dO, U, dX (copied by
+  # Barriers: 0 .. 2P + 3 the P pieces of q and of k, the factors, dO, U, dX (copied by
   # warpgroup 0, waited by all); then per warpgroup 2 slot: S rows, 2 slot + 1: dS rows.
   firsts = 2 * n_pieces + 4
   bar_s = firsts + 4 * w
@@ -539,10 +554,7 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
   def piece_of(j):
     return w if wgs == 2 else j // e_dim
 
-  def onehot_add(acc, vec, column):
-    rows, width = acc.shape
-    idx = ops.acc(lax.broadcasted_iota(jnp.int32, (rows, width), 1))
-    return acc + jnp.where(idx == column, lax.broadcast_in_dim(vec, (rows, width), [0]), 0.0)
+  onehot_add = functools.partial(_onehot_add, ops)
 
   def main(q_s, k_s, f_s, dx_s, do_s, u_s, s_s, ds_s, *interp):
     s_s, ds_s = s_s.at[w], ds_s.at[w]           # this warpgroup's two slots
@@ -659,7 +671,8 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
 
 
 def slice_warpgroups_supported(d: int) -> str | None:
-  """Why the slice kernel cannot run with two warpgroups (one per 64-row piece) at this D."""
+  """None if the slice kernel takes two warpgroups (one per 64-row piece) at this D, else why
+  not."""
   return None if d == 2 * PIECE else f"two warpgroups need D = {2 * PIECE}, got {d}"
 
 

@@ -101,12 +101,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   tail = "fused tail" if fused else "tail between JAX mask work"
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
-  if cfg.slice_kernel is False or cfg.slice_kernel == 0:
-    sk_reason = "Config.slice_kernel off"
-  elif cfg.slice_kernel is None and e > mosaic_backward.SLICE_KERNEL_MAX_E:
-    sk_reason = f"E > {mosaic_backward.SLICE_KERNEL_MAX_E}, where the value kernel is faster"
-  else:
-    sk_reason = mosaic_backward.slice_kernel_supported(d, vd, c, e, dtype)
+  sk_reason = mosaic_backward.slice_kernel_reason(cfg.slice_kernel, d, vd, c, e, dtype)
   cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, value_slices=cfg.value_slices)
                if cfg.mosaic_gpu_backward else "Config.mosaic_gpu_backward off")
   if cfg.mosaic_gpu_backward and sk_reason is None:
