@@ -124,7 +124,7 @@ def pallas_config(e, vd, bh, **fields):
 def triadic_fns(impl, **config):
   """jitted forward and forward+backward of ``impl``; for "pallas", ``config`` replaces fields of
   the device's default kernel ``Config`` (e.g. ``mosaic_gpu=False, mosaic_gpu_backward=False``
-  for the Triton kernels on Hopper, ``value_slices=2``)."""
+  for the Triton kernels on Hopper, ``slice_warpgroups=1``)."""
   if not config:
     run = lambda *a: triadic_gdn(*a, impl=impl, chunk_size=64)[0]
   else:
@@ -153,10 +153,10 @@ def attention_fns():
   return jax.jit(run), jax.jit(fwd_bwd)
 
 
-def check(only=None, value_slices=None, fields=None):
+def check(only=None, fields=None):
   """Relative RMS error of pallas (the device's default kernels: Mosaic GPU on Hopper for bf16;
-  ``value_slices`` and ``fields`` override those ``Config`` fields) against scan (float32) and
-  chunked (bf16) on this machine."""
+  ``fields`` override those ``Config`` fields) against scan (float32) and chunked (bf16) on this
+  machine."""
   names = "o state dq dk dv dk2 dq2 dg dbeta dh0".split()
   print("| case | " + " | ".join(names) + " |")
   print("|" + "---|" * (len(names) + 1))
@@ -184,8 +184,8 @@ def check(only=None, value_slices=None, fields=None):
     def grads(impl):
       f = lambda *a: triadic_gdn(*a[:7], initial_state=a[7], erase=erase, impl=impl,
                                  chunk_size=64)
-      if impl == "pallas" and (value_slices or fields):
-        cfg = pallas_config(e, vd, b * h, value_slices=value_slices, **(fields or {}))
+      if impl == "pallas" and fields:
+        cfg = pallas_config(e, vd, b * h, **fields)
         f = lambda *a: pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7],
                                            erase=erase, chunk_size=64, config=cfg)
       (o, s), pull = jax.vjp(f, *args, h0)
@@ -197,12 +197,10 @@ def check(only=None, value_slices=None, fields=None):
   sys.stdout.flush()
 
 
-def stages(t, e_list, reps, variants=False, slices=(), tails=False, fields=()):
+def stages(t, e_list, reps, variants=False, tails=False, fields=()):
   """Time each Pallas stage alone (bf16, H = 16, D = V = 128). On Hopper: the default kernels (all
-  Mosaic GPU where they take the sizes), the default with each of ``fields`` (``Config`` fields,
-  ``--op-variants``' sets) set over it, and, for each of ``slices`` that differs from the
-  default, the Mosaic chunk backward with that many slices per value-kernel pass; with
-  ``variants``, also the Triton kernels and a few of their tile configurations; with ``tails``,
+  Mosaic GPU where they take the sizes) and the default with each of ``fields`` (``Config``
+  fields, ``--op-variants``' sets) set over it; with ``variants``, also the Triton kernels and a few of their tile configurations; with ``tails``,
   the Hopper backward's tail (fused and split) under ``TAIL_VARIANTS``. Elsewhere: the Triton
   kernels (and their variants)."""
   from triadic.pallas.chunk_prep import chunk_prep
@@ -225,12 +223,6 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False, fields=()):
     default = pops.default_config("gpu", e, vd)
     triton = dataclasses.replace(default, mosaic_gpu=False, mosaic_gpu_backward=False)
     configs = [default] + [dataclasses.replace(default, **f) for f in fields]
-    if default.mosaic_gpu_backward:
-      from triadic.pallas import mosaic_backward as mb
-      own = mb.default_value_slices(d, vd, c, e)
-      configs += [dataclasses.replace(default, value_slices=g) for g in slices
-                  if g != own and e % g == 0 and mb.supported(d, vd, c, e, jnp.bfloat16,
-                                                               value_slices=g) is None]
     if variants or not default.mosaic_gpu:
       configs += [triton] + ([dataclasses.replace(triton, **kw) for kw in (
           {"num_stages": 1}, {"num_stages": 3}, {"block_v": 64}, {"num_warps": 8},
@@ -256,9 +248,8 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False, fields=()):
                f"bwd_bv{cfg.bwd_block_v} bwd_w{cfg.bwd_num_warps}")
       label = "mgpu state kernels, " + label if cfg.mosaic_gpu else label
       label = "mgpu chunk backward, " + label if cfg.mosaic_gpu_backward else label
-      label = f"value_slices {cfg.value_slices}, " + label if cfg.value_slices else label
       changed = [f.name for f in dataclasses.fields(cfg)
-                 if getattr(cfg, f.name) != getattr(default, f.name) and f.name != "value_slices"]
+                 if getattr(cfg, f.name) != getattr(default, f.name)]
       label = "".join(f"{n}={getattr(cfg, n)}, " for n in changed) + label
       fl = stage_flops(b, t, h, d, vd, e, c)
       cells = [f"{x:.2f} ({f / (x * 1e-3) / 1e12:.0f})" for x, f in zip(ms, fl)]
@@ -278,15 +269,15 @@ def stages(t, e_list, reps, variants=False, slices=(), tails=False, fields=()):
             print("# tail " + row, flush=True)
   if parts:
     print("\nThe Mosaic chunk backward by part (ms): plain-JAX prologue (A^T dU, factor rows), "
-          "the Mosaic value kernel (all its passes), the tail (masks M, M' in plain JAX, the "
+          "the Mosaic slice kernel, the tail (masks M, M' in plain JAX, the "
           "E-independent tail kernel, the mask gradients in plain JAX)")
-    print("| E | value kernel config | prologue | value kernel | masks | tail kernel "
+    print("| E | slice kernel | prologue | slice kernel | masks | tail kernel "
           "| mask grads |")
     print("|---|---|---|---|---|---|---|")
     for e, cells in parts:
       print(f"| {e} | " + " | ".join(cells) + " |")
   if tail_rows:
-    print("\nThe tail (everything after the value kernel; ms) by tiles, as one fused kernel and as "
+    print("\nThe tail (everything after the slice kernel; ms) by tiles, as one fused kernel and as "
           "the E-independent kernel between the plain-JAX masks and mask gradients")
     print("| E | tiles | fused | split |")
     print("|---|---|---|---|")
@@ -325,41 +316,24 @@ def prep_parts(prep_args, reps):
 
 def mosaic_backward_parts(cbw_args, reps, cfg):
   """Table cells: the times of the parts of ``mosaic_backward.chunk_gradients`` (erase=True,
-  scale 0.1) under ``cfg``: the slice kernel (X from ``cbw_args``' last entry, the forward's)
-  or the value kernel's passes."""
+  scale 0.1) under ``cfg`` (X from ``cbw_args``' 16th entry, the forward's, where it saved it)."""
   from triadic.pallas import masks
   from triadic.pallas import mosaic_backward as mb
   q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args[:15]
-  bh, nc, c, d = q.shape
-  e_dim = k2_col.shape[-1]
-  plan = pops.explain(d, v.shape[-1], e_dim, c, q.dtype, config=cfg)
+  d, e_dim = q.shape[-1], k2_col.shape[-1]
+  wgs = mb.slice_warpgroups(cfg.slice_warpgroups, d)
   pro = jax.jit(lambda a, du, gc_col, k2_col, q2_col, beta_col: (
       mb.rhs_gradient(a, du, True), mb.factor_rows(gc_col, k2_col, q2_col, beta_col)))
   drhs, _ = pro(a, du, gc_col, k2_col, q2_col, beta_col)
-  if plan.slice_kernel:
-    size, label = e_dim, (f"slice kernel, {e_dim} slices, "
-                          f"{mb.slice_warpgroups(cfg.slice_warpgroups, d)} warpgroup(s)")
-    low = lambda y: y.astype(q.dtype)
+  saved_x = cbw_args[15] if len(cbw_args) > 15 else mb.x_from_states(k, v, st, k2_col, gc_col)
+  label = f"{e_dim} slices, {wgs} warpgroup(s)"
+  low = lambda y: y.astype(q.dtype)
 
-    def value(q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
-      f = mb.factor_rows(gc_col, k2_col, q2_col, beta_col)
-      return [(cbw_args[15],) + tuple(mb.slices_pass(
-          q, k, low(beta_col * drhs), low(do), low(u), st, dst, f, scale=0.1, erase=True,
-          warpgroups=mb.slice_warpgroups(cfg.slice_warpgroups, d)))]
-  else:
-    size = cfg.value_slices or mb.default_value_slices(d, v.shape[-1], c, e_dim)
-    bv = mb.default_block_v(d, v.shape[-1], c, size)
-    label = (f"{e_dim // size} x {size} slices, bv{bv} "
-             f"{mb.default_stages(d, v.shape[-1], c, size, bv)} st")
-
-    def value(q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
-      outs = []
-      for e0 in range(0, e_dim, size):
-        grp = slice(e0, e0 + size)
-        f = mb.factor_rows(gc_col[..., grp], k2_col[..., grp], q2_col[..., grp], beta_col)
-        outs.append(mb.value_pass(q, k, v, do, u, drhs, st, dst, f, scale=0.1, erase=True,
-                                  block_v=bv, e_offset=e0))
-      return outs
+  def value(q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
+    f = mb.factor_rows(gc_col, k2_col, q2_col, beta_col)
+    return [(saved_x,) + tuple(mb.slices_pass(
+        q, k, low(beta_col * drhs), low(do), low(u), st, dst, f, scale=0.1, erase=True,
+        warpgroups=wgs))]
 
   val = jax.jit(value)
   val_args = (q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)
@@ -371,7 +345,7 @@ def mosaic_backward_parts(cbw_args, reps, cfg):
                                  cfg=mb.tail_config(False, fused=False)))
   tk_args = (q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a)
   _, _, _, dmq, dm = tk(*tk_args)
-  cols = coef[..., :e_dim] if size == e_dim else jnp.zeros_like(k2_col)
+  cols = coef[..., :e_dim]
   mg = jax.jit(functools.partial(masks.mask_grads, erase=True))
   mg_args = (dmq, dm, cols, cols, cols, jnp.zeros_like(k2_col[..., 0, :]), k2_col, k2_row, q2_col,
              gc_col, gc_row)
@@ -390,10 +364,10 @@ def tile_label(tiles):
 
 
 def tail_variants(cbw_args, reps):
-  """Table rows: ``mosaic_backward.tail`` (everything after the value kernel), fused and split,
+  """Table rows: ``mosaic_backward.tail`` (everything after the slice kernel), fused and split,
   under ``TAIL_VARIANTS`` (overrides of each one's ``mosaic_backward.TAIL_TILES``), in ms."""
   from triadic.pallas import mosaic_backward as mb
-  q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args
+  q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args[:15]
   e_dim = k2_col.shape[-1]
   drhs = mb.rhs_gradient(a, du, True)
   low = lambda y: y.astype(q.dtype)
@@ -438,14 +412,11 @@ def main():
   parser.add_argument("--reps", type=int, default=10)
   parser.add_argument("--check", action="store_true", help="correctness table, then exit")
   parser.add_argument("--no-chunked", action="store_true", help="skip the chunked JAX column")
+  parser.add_argument("--no-attention", action="store_true", help="skip the cuDNN attention column")
   parser.add_argument("--no-triton", action="store_true",
                       help="on Hopper, skip the pallas-triton column (Triton kernels only)")
   parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0..6)")
   parser.add_argument("--stages", action="store_true", help="per-kernel times, then exit")
-  parser.add_argument("--value-slices", type=int, nargs="*", default=[],
-                      help="Hopper: slices per pass of the chunk backward's value kernel to time "
-                           "beside the default (--stages: rows; the op table: f+b columns; "
-                           "--check: the first one)")
   parser.add_argument("--peers", nargs="*", default=list(peers.PEERS),
                       help="PyTorch GDN kernels timed on the same inputs (E = 1 slices of ours); "
                            "missing packages are reported and skipped; none: --peers")
@@ -465,11 +436,10 @@ def main():
   print(f"# {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
         f"{datetime.datetime.now():%Y-%m-%d %H:%M}")
   if args.check:
-    check(args.cases, (args.value_slices or [None])[0],
-          variant_fields(args.op_variants[0]) if args.op_variants else None)
+    check(args.cases, variant_fields(args.op_variants[0]) if args.op_variants else None)
     return
   if args.stages:
-    stages(args.t[0], args.e, args.reps, args.variants, args.value_slices, args.tail_variants,
+    stages(args.t[0], args.e, args.reps, args.variants, args.tail_variants,
            [variant_fields(v) for v in args.op_variants])
     return
   op_table(args)
@@ -487,7 +457,7 @@ def variant_fields(variant: str) -> dict:
 
 def op_table(args):
   """The whole op, forward and forward+backward, at every (T, E): pallas (the device's defaults;
-  with --value-slices also those chunk-backward variants' f+b), on Hopper the Triton-only kernels,
+  with --op-variants also those Config variants), on Hopper the Triton-only kernels,
   the chunked JAX form, cuDNN attention, and the PyTorch peers on the E = 1 slice of the same
   inputs, with the ratios to the fastest peer."""
   h, d, vd = 16, 128, 128
@@ -496,8 +466,7 @@ def op_table(args):
   if hopper:
     print("# pallas: Mosaic GPU (wgmma) state-passing kernels and chunk-parallel backward where "
           "they take the sizes; pallas-triton: the same op with the Triton kernels only")
-  extra = "".join(f" value_slices {g} f+b |" for g in args.value_slices)
-  extra += "".join(f" {v} fwd | {v} f+b |" for v in args.op_variants)
+  extra = "".join(f" {v} fwd | {v} f+b |" for v in args.op_variants)
   cols = ("B | T | E | pallas fwd | pallas f+b | f+b vs E=1 |" + extra
           + " pallas-triton fwd | pallas-triton f+b | chunked fwd | chunked f+b | cudnn fwd"
           " | cudnn f+b | best peer fwd | best peer f+b | fwd vs peer | f+b vs peer"
@@ -511,11 +480,12 @@ def op_table(args):
     att_fwd, att_fb = attention_fns()
     e1_inputs = inputs(key, b, t, h, d, vd, 1, jnp.bfloat16)
     qa, ka, va = e1_inputs[:3]
+    att = (nan, nan)
     try:
-      att = (timeit(att_fwd, (qa, ka, va), args.reps), timeit(att_fb, (qa, ka, va), args.reps))
+      if not args.no_attention:
+        att = (timeit(att_fwd, (qa, ka, va), args.reps), timeit(att_fb, (qa, ka, va), args.reps))
     except Exception as err:  # cuDNN missing or shape refused: report, do not stop the table
       print(f"# cudnn attention failed at T={t}: {type(err).__name__}: {err}"[:300])
-      att = (nan, nan)
     best = peer_table(e1_inputs, args.peers, args.reps)
     e1 = None
     for e in args.e:
@@ -529,9 +499,6 @@ def op_table(args):
       pal = (timeit(pf, xs, args.reps), timeit(pfb, xs, args.reps))
       e1 = pal[1] if e == 1 else e1
       variants = []
-      for g in args.value_slices:
-        variants.append(timeit(triadic_fns("pallas", value_slices=g)[1], xs, args.reps)
-                        if e % g == 0 else nan)
       for variant in args.op_variants:
         fields = variant_fields(variant)
         if "sequence_pieces" in fields:

@@ -4,19 +4,16 @@ structured ``backward.chunk_gradients``, both in interpret mode on this CPU.
 Inputs are built as ``ops._backward`` sees them: chunked bf16 q, k, v, do, float32 k2, q2, beta,
 ``chunk_prep`` for gc, A, P, then ``recurrent.state_pass`` / ``recurrent.reverse_state_pass``
 (Pallas interpret mode) for realistic U, chunk-start states, dU and chunk-end state gradients.
-The Mosaic value kernel runs in Mosaic GPU interpret mode (simulated SMEM, TMA, barriers, wgmma),
-the tail kernel in Pallas interpret mode and the mask work (``masks.py``) in plain JAX.
+The slice kernel runs in Mosaic GPU interpret mode (simulated SMEM, TMA, barriers, wgmma), the
+tail kernel in Pallas interpret mode and the mask work (``masks.py``) in plain JAX.
 Error bound (relative RMS, ||a - b|| / ||b||): 1e-2 for every output, 2e-2 for dk2 and dgc's
 column parts (they collect the row sums, which the two kernels form from differently rounded bf16
-products: rowsum((K S_e) * dX) here, rowsum(K * (dX S_e^T)) in Triton).
-Two kernels compute the E-dependent part: the slice kernel (``slices_pass``, the default, one
-whole D x V state slice at a time, X given by the forward or formed in plain JAX) and the value
-kernel (``value_pass``, value blocks of every slice). Value-kernel cases cover one and two
-staging buffers, several value-kernel passes (``value_slices``: the
-groups' X, dq, dk and row sums must add up), strong decay (g down to -20 per token, which only the
-masking before exp keeps finite) and weak decay (where the chunk-end term dlam exp(gc_C) of d gc
-is not negligible). Lowering tests compile the whole function for "cuda" (Mosaic GPU layout
-inference, wgmma / TMA operand checks, the SMEM limit) and the Triton tail; nothing runs.
+products). Cases cover E unrolled and as a loop (E > ``UNROLL_MAX_E``), E not a power of two, X
+from the forward or formed in plain JAX, with and without erase, strong decay (g down to -20 per
+token, which only the masking before exp keeps finite) and weak decay (where the chunk-end term
+dlam exp(gc_C) of d gc is not negligible), one and two warpgroups. Lowering tests compile the
+whole function for "cuda" (Mosaic GPU layout inference, wgmma / TMA operand checks, the SMEM
+limit) and the Triton tail; nothing runs.
 """
 
 from __future__ import annotations
@@ -64,50 +61,19 @@ def backward_operands(b, t, h, d, vdim, e, erase, decay, c=64, seed=0):
 
 
 CASES = [
-    # b, t, h, v, e, block_v (None: default), erase, decay, stages (None: default),
-    # value_slices (None: default), d (C = 64; NC = 3). The defaults at D = 64 take two staging
-    # buffers (``default_stages``) and all slices in one pass.
-    pytest.param(1, 150, 2, 32, 1, None, True, 1.0, None, None, 64, id="E1-erase"),
-    pytest.param(2, 150, 1, 64, 3, None, False, 1.0, None, None, 64, id="E3-noerase"),
-    pytest.param(1, 150, 2, 32, 4, 16, True, 20.0, None, None, 64, id="E4-BV16-erase-strong-decay"),
-    pytest.param(1, 150, 2, 32, 4, None, True, 0.02, None, None, 64, id="E4-erase-weak-decay"),
-    pytest.param(1, 150, 2, 32, 8, None, False, 1.0, None, None, 64, id="E8-noerase"),
-    # One staging buffer (S, then dS in it).
-    pytest.param(1, 150, 2, 32, 8, None, True, 1.0, 1, None, 64, id="E8-erase-1stage"),
-    pytest.param(2, 150, 1, 64, 3, None, False, 10.0, 1, None, 64,
-                 id="E3-noerase-1stage-strong-decay"),
-    # Several passes of the value kernel over groups of slices (the default at D = 128, E = 8).
-    pytest.param(1, 150, 2, 32, 8, None, True, 20.0, None, 2, 64, id="E8-erase-4passes-strong"),
-    pytest.param(2, 150, 1, 32, 6, None, False, 0.02, None, 3, 64, id="E6-noerase-2passes-weak"),
-    # D = 128, E = 4: BV = 16 with two staging buffers (default) and BV = 32 with one.
-    pytest.param(1, 150, 2, 64, 4, None, True, 1.0, None, None, 128, id="D128-E4-default"),
-    pytest.param(1, 150, 2, 64, 4, 32, True, 1.0, None, None, 128, id="D128-E4-BV32-1stage"),
-]
-
-
-@pytest.mark.parametrize("b,t,h,vdim,e,bv,erase,decay,stages,slices,d", CASES)
-def test_matches_triton_structure(b, t, h, vdim, e, bv, erase, decay, stages, slices, d):
-  args = backward_operands(b, t, h, d, vdim, e, erase, decay)
-  assert args[0].shape[0] >= 2 and args[0].shape[1] >= 3
-  want = backward.chunk_gradients(*args, scale=SCALE, erase=erase, cfg=CPU)
-  got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                  slice_kernel=False, block_v=bv, stages=stages,
-                                  value_slices=slices, interpret=True))(*args)
-  check_outputs(got, want, BOUNDS)
-
-
-SLICE_CASES = [
-    # b, t, h, v, e, erase, decay, d, x from the forward (else ``x_from_states``)
+    # b, t, h, v, e, erase, decay, d, x from the forward (else ``x_from_states``); C = 64, NC = 3
     pytest.param(1, 150, 2, 32, 1, True, 1.0, 64, True, id="E1-erase"),
     pytest.param(2, 150, 1, 64, 3, False, 1.0, 64, False, id="E3-noerase"),
+    pytest.param(1, 150, 2, 32, 4, True, 0.02, 64, True, id="E4-erase-weak-decay"),
     pytest.param(1, 150, 2, 32, 5, True, 20.0, 64, True, id="E5-erase-strong-decay"),
+    pytest.param(2, 150, 1, 32, 6, False, 10.0, 64, False, id="E6-noerase-strong-decay"),
     pytest.param(1, 150, 2, 32, 8, True, 0.02, 64, False, id="E8-erase-weak-decay-x-jax"),
     pytest.param(1, 150, 2, 64, 4, True, 1.0, 128, True, id="D128-E4"),
 ]
 
 
-@pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d,saved_x", SLICE_CASES)
-def test_slice_kernel_matches_triton_structure(b, t, h, vdim, e, erase, decay, d, saved_x):
+@pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d,saved_x", CASES)
+def test_matches_triton_structure(b, t, h, vdim, e, erase, decay, d, saved_x):
   """The slice kernel (and, for ``saved_x``, X as the Mosaic forward saves it) against the
   Triton structure."""
   args = backward_operands(b, t, h, d, vdim, e, erase, decay)
@@ -126,7 +92,7 @@ def test_slice_kernel_matches_triton_structure(b, t, h, vdim, e, erase, decay, d
     assert rel_rms(x, want_x) < 1e-2
     x = (mosaic_backward.x_from_states(k, v, args[6], k2, gc).astype(q.dtype),)
   got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                  slice_kernel=True, interpret=True))(*args, *x)
+                                  interpret=True))(*args, *x)
   check_outputs(got, want, BOUNDS)
 
 
@@ -140,7 +106,7 @@ def test_tail_variants_match_triton_structure(e, erase, decay, fused):
   args = backward_operands(1, 150, 2, 64, 32, e, erase, decay)
   want = backward.chunk_gradients(*args, scale=SCALE, erase=erase, cfg=CPU)
   got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                  fused_tail=fused, slice_kernel=False, interpret=True))(*args)
+                                  fused_tail=fused, interpret=True))(*args)
   check_outputs(got, want, BOUNDS)
 
 
@@ -167,28 +133,6 @@ def _abstract_operands(d, vdim, e, bh=2, nc=4, c=64):
           f32(bh, nc, c, e), f32(bh, nc, e, c), f32(bh, nc, c, 1), f32(bh, nc, c, c))
 
 
-@pytest.mark.parametrize("d,vdim,e,erase,bv,stages,slices", [
-    (128, 128, 8, True, None, None, None),  # 2 passes of 4 slices, BV 16, two staging buffers
-    (128, 128, 8, True, None, 1, 8),        # 1 pass, BV 16, one staging buffer (201 KiB)
-    (64, 64, 3, False, None, None, None),   # BV 32, two
-    (128, 128, 1, True, None, None, None),  # BV 64, two (187 KiB)
-    (128, 128, 4, True, 32, None, None),    # BV 32, one (214 KiB)
-    (128, 128, 2, True, 32, 2, None),       # BV 32, two (156 KiB)
-])
-def test_lowers_for_cuda(d, vdim, e, erase, bv, stages, slices):
-  """The Mosaic GPU kernel (with the hardware's transpose_ref operands) and the Triton tail lower
-  for "cuda" (which checks the SMEM allocation against 227 KiB); nothing runs."""
-  args = _abstract_operands(d, vdim, e)
-  fn = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                 slice_kernel=False, block_v=bv, stages=stages,
-                                 value_slices=slices))
-  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  passes = e // (slices or mosaic_backward.default_value_slices(d, vdim, 64, e))
-  assert text.count("triadic_chunk_backward_mgpu") >= passes
-  tail = "fused" if mosaic_backward.default_fused_tail(e) else "ut"
-  assert f"triadic_chunk_backward_tail_{tail}" in text
-
-
 @pytest.mark.parametrize("e,erase", [(3, True), (6, False)])   # items unrolled; a loop
 def test_slice_kernel_two_warpgroups_match_one(e, erase):
   """The slice kernel with two warpgroups (each its own piece, stream and slots) gives what one
@@ -208,99 +152,64 @@ def test_slice_kernel_two_warpgroups_match_one(e, erase):
 
 
 @pytest.mark.parametrize("d,vdim,e,erase,wgs", [
-    (128, 128, 8, True, 1),   # 214 KiB: the largest the slice kernel takes
-    (128, 128, 8, True, 2),
+    (128, 128, 8, True, 1),
+    (128, 128, 8, True, 2),   # 214 KiB: the largest the slice kernel takes
     (128, 64, 4, False, 2),
     (128, 128, 1, True, 1),
     (64, 32, 3, False, 1),
     (128, 64, 2, True, 1),
 ])
-def test_slice_kernel_lowers_for_cuda(d, vdim, e, erase, wgs):
+def test_lowers_for_cuda(d, vdim, e, erase, wgs):
   """The slice kernel (transpose_ref operands of the staged row pieces; one or two warpgroups)
   lowers for "cuda" within the SMEM limit, X given; nothing runs."""
   args = _abstract_operands(d, vdim, e) + (jax.ShapeDtypeStruct((2, 4, 64, vdim), jnp.bfloat16),)
   fn = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                 slice_kernel=True, slice_warpgroups=wgs))
+                                 slice_warpgroups=wgs))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triadic_chunk_backward_slices" in text and "triadic_chunk_backward_mgpu" not in text
-
-
-def test_slice_kernel_supported():
-  sup = mosaic_backward.slice_kernel_supported
-  for d, vd, e in ((128, 128, 8), (128, 128, 1), (64, 64, 3), (64, 32, 8)):
-    assert sup(d, vd, 64, e, jnp.bfloat16) is None, (d, vd, e)
-  assert mosaic_backward.slice_kernel_smem(128, 128, 64, 8) <= mosaic_backward.SMEM_LIMIT
-  assert "bfloat16" in sup(128, 128, 64, 8, jnp.float32)
-  assert "E <=" in sup(128, 128, 64, 16, jnp.bfloat16)
-  assert "V in" in sup(128, 256, 64, 1, jnp.bfloat16)
-  assert "chunk size" in sup(128, 128, 32, 1, jnp.bfloat16)
+  assert "triadic_chunk_backward_slices" in text
+  tail = "fused" if mosaic_backward.default_fused_tail(e) else "ut"
+  assert f"triadic_chunk_backward_tail_{tail}" in text
 
 
 def test_supported():
   sup = mosaic_backward.supported
-  assert sup(64, 64, 64, 8, jnp.bfloat16) is None
-  assert sup(128, 128, 64, 8, jnp.bfloat16) is None
-  assert sup(128, 128, 64, 1, jnp.bfloat16) is None
-  assert mosaic_backward.default_block_v(128, 128, 64, 8) == 16
-  # (D, E) -> default slices per value-kernel pass at V = 128.
-  slices = {(128, 1): 1, (128, 2): 2, (128, 4): 4, (128, 8): 4, (128, 16): 4, (64, 8): 8}
-  for (d, e), g in slices.items():
-    assert mosaic_backward.default_value_slices(d, 128, 64, e) == g, (d, e)
-  assert sup(128, 128, 64, 16, jnp.bfloat16) is None                  # 4 passes of 4
-  assert "value_slices" in sup(128, 128, 64, 8, jnp.bfloat16, value_slices=3)
-  # (D, E) -> default (BV, stages) at V = 128, all E slices in one pass.
-  want = {(128, 1): (64, 2), (128, 2): (32, 2), (128, 4): (16, 2), (128, 8): (16, 1),
-          (64, 1): (64, 2), (64, 2): (64, 2), (64, 4): (32, 2), (64, 8): (16, 2)}
-  for (d, e), (bv, st) in want.items():
-    assert mosaic_backward.default_block_v(d, 128, 64, e) == bv, (d, e)
-    assert mosaic_backward.default_stages(d, 128, 64, e, bv) == st, (d, e)
-    assert mosaic_backward.smem_bytes(d, 128, 64, e, bv, stages=st) <= mosaic_backward.SMEM_LIMIT
-  assert "SMEM" in sup(128, 128, 64, 8, jnp.bfloat16, block_v=16, stages=2, value_slices=8)
-  assert sup(128, 128, 64, 8, jnp.bfloat16, block_v=16, stages=2) is None   # 2 passes of 4
-  assert sup(128, 128, 64, 4, jnp.bfloat16, block_v=32) is None      # one staging buffer
-  assert "SMEM" in sup(128, 128, 64, 4, jnp.bfloat16, block_v=32, stages=2)
-  assert "stages" in sup(128, 128, 64, 4, jnp.bfloat16, stages=3)
-  assert "bfloat16" in sup(64, 64, 64, 8, jnp.float32)
-  assert "chunk size" in sup(64, 64, 32, 8, jnp.bfloat16)
+  for d, vd, e in ((128, 128, 8), (128, 128, 1), (64, 64, 3), (64, 32, 8)):
+    assert sup(d, vd, 64, e, jnp.bfloat16) is None, (d, vd, e)
+  for wgs in (1, 2):
+    smem = mosaic_backward.slice_kernel_smem(128, 128, 64, 8, True, wgs)
+    assert smem <= mosaic_backward.SMEM_LIMIT, wgs
+  assert "bfloat16" in sup(128, 128, 64, 8, jnp.float32)
+  assert "E <=" in sup(128, 128, 64, 16, jnp.bfloat16)
+  assert "V in" in sup(128, 256, 64, 1, jnp.bfloat16)
   assert "D in" in sup(32, 64, 64, 1, jnp.bfloat16)
-  assert "SMEM" in sup(128, 128, 64, 8, jnp.bfloat16, block_v=32, value_slices=8)
-  assert "divides V=40" in sup(64, 40, 64, 1, jnp.bfloat16)
-  assert "multiple" in sup(64, 40, 64, 1, jnp.bfloat16, block_v=16)
+  assert "chunk size" in sup(128, 128, 32, 1, jnp.bfloat16)
+  assert [mosaic_backward.slice_warpgroups(r, d) for r, d in
+          ((None, 128), (None, 64), (1, 128), (2, 64))] == [2, 1, 1, 1]
   with pytest.raises(ValueError, match="bfloat16"):
     x = jnp.zeros((1, 1, 64, 64), jnp.float32)
     mosaic_backward.chunk_gradients(x, x, x, x, x, x, jnp.zeros((1, 1, 1, 64, 64)),
                                    jnp.zeros((1, 1, 1, 64, 64)), *(jnp.zeros((1, 1, 64, 1)),) * 5,
                                    jnp.zeros((1, 1, 64, 1)), x, scale=1.0, erase=True)
+  with pytest.raises(ValueError, match="slice_warpgroups"):
+    Config("gpu", block_v=16, bwd_block_v=16, slice_warpgroups=3)
 
 
 def test_hopper_op_matches_scan():
-  """The whole op (Mosaic state kernels and chunk backward, two value-kernel passes, interpret
-  mode, inside ``triadic_pallas``'s custom_vjp) against the scan, bf16 bounds of
-  ``test_triadic_pallas``; E = 3 is padded to 4 by the op."""
-  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
-               value_slices=2, slice_kernel=False)
-  q, v, k2 = (jnp.zeros((1, 1, 64, n), dt) for n, dt in ((64, jnp.bfloat16), (32, jnp.bfloat16),
-                                                         (4, jnp.float32)))
-  fn = pops.chunk_gradients_kernel(cfg, q, v, k2)
-  assert fn.func is mosaic_backward.chunk_gradients and fn.keywords["value_slices"] == 2
-  assert not fn.keywords["slice_kernel"]
-  check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 1.0, jnp.bfloat16, config=cfg)
-
-
-def test_hopper_op_with_slice_kernel_matches_scan():
-  """The whole op with the Hopper default backward (the slice kernel, reading the X that the
-  Mosaic forward saves: ``Plan.saves_x``) against the scan; E = 3 padded to 4."""
+  """The whole op with the Hopper kernels (the Mosaic state passes and the slice kernel, reading
+  the X that the Mosaic forward saves: ``Plan.saves_x``; interpret mode, inside
+  ``triadic_pallas``'s custom_vjp) against the scan, bf16 bounds of ``test_triadic_pallas``;
+  E = 3 padded to 4."""
   cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True)
   plan = pops.explain(64, 32, 3, 64, jnp.bfloat16, config=cfg)
-  assert plan.slice_kernel and plan.saves_x(True) and not plan.saves_x(False)
-  # Above SLICE_KERNEL_MAX_E the value kernel, and the forward saves no X; forced, the slice one.
-  wide = pops.explain(64, 32, 8, 64, jnp.bfloat16, config=cfg)
-  assert not wide.slice_kernel and not wide.saves_x(True)
-  assert "value kernel is faster" in wide.chunk_gradients.reason
-  forced = dataclasses.replace(cfg, slice_kernel=True)
-  assert pops.explain(64, 32, 8, 64, jnp.bfloat16, config=forced).slice_kernel
-  off = dataclasses.replace(cfg, slice_kernel=False)
-  assert not pops.explain(64, 32, 3, 64, jnp.bfloat16, config=off).slice_kernel
+  assert plan.mosaic_chunk_gradients and plan.saves_x(True) and not plan.saves_x(False)
+  fn = pops.chunk_gradients_kernel(cfg, *(jnp.zeros((1, 1, 64, n), dt) for n, dt in (
+      (64, jnp.bfloat16), (32, jnp.bfloat16), (4, jnp.float32))))
+  assert fn.func is mosaic_backward.chunk_gradients and fn.keywords["slice_warpgroups"] == 1
+  # Without the Mosaic forward nothing saves X (the backward forms it).
+  alone = dataclasses.replace(cfg, mosaic_gpu=False)
+  assert not pops.explain(64, 32, 3, 64, jnp.bfloat16, config=alone).saves_x(True)
+  off = dataclasses.replace(cfg, mosaic_gpu_backward=False)
+  assert "off" in pops.explain(64, 32, 3, 64, jnp.bfloat16, config=off).chunk_gradients.reason
   two = dataclasses.replace(cfg, slice_warpgroups=2)
   at_128 = pops.explain(128, 32, 3, 64, jnp.bfloat16, config=two).chunk_gradients
   assert "2 warpgroup(s)" in at_128.tiles

@@ -50,19 +50,14 @@ class Config:
   (``mosaic.py``, their own block_v) wherever ``mosaic.supported`` takes the sizes (bf16, C = 64,
   ...), the Triton ones elsewhere. On by default on Hopper GPUs; on "cpu" it selects Mosaic GPU
   interpret mode (how the tests run them).
-  mosaic_gpu_backward: also run the chunk-parallel backward's E-dependent part as a Mosaic GPU
-  kernel (``mosaic_backward.py``), where ``mosaic_backward.supported`` takes the sizes. On by
-  default on Hopper GPUs.
-  value_slices: with ``mosaic_gpu_backward``, slices per pass of that backward's value kernel
-  (None: ``mosaic_backward.default_value_slices``, the most that keep its load pipeline).
+  mosaic_gpu_backward: also run the chunk-parallel backward's E-dependent part as the Mosaic GPU
+  slice kernel (``mosaic_backward.py``), where ``mosaic_backward.supported`` takes the sizes. On
+  by default on Hopper GPUs.
   fused_tail: with ``mosaic_gpu_backward``, whether that backward's tail is one kernel with the
   mask work inside (None: ``mosaic_backward.default_fused_tail``, small E).
-  slice_kernel: with ``mosaic_gpu_backward``, whether its E-dependent part is the slice kernel
-  (``mosaic_backward.slices_pass``: one state slice at a time, X saved by the forward) or the
-  value kernel (value blocks of every slice, ``value_slices`` per pass). None:
-  ``mosaic_backward.default_slice_kernel`` (where it runs, up to E = 4).
-  slice_warpgroups: the slice kernel's warpgroups: 1, or 2 (at D = 128, each owning one 64-row
-  piece of the state and half the live registers; elsewhere 1, as the plan says).
+  slice_warpgroups: the slice kernel's warpgroups: 1, or 2 (D = 128 only: each owns one 64-row
+  piece of the state and half the live registers). None: 2 where D = 128, else 1
+  (``mosaic_backward.slice_warpgroups``).
   state_block_v: with ``mosaic_gpu``, the Mosaic state passes' value block (None:
   ``mosaic.default_block_v``; one that ``mosaic.supported`` refuses sends them to Triton, as the
   plan says). Wider blocks read K, Q, A, P fewer times over, with fewer programs.
@@ -83,10 +78,8 @@ class Config:
   interpret: bool | pltpu.InterpretParams = False
   mosaic_gpu: bool = False
   mosaic_gpu_backward: bool = False
-  value_slices: int | None = None
   fused_tail: bool | None = None
-  slice_kernel: bool | None = None
-  slice_warpgroups: int = 1
+  slice_warpgroups: int | None = None
   state_block_v: int | None = None
   sequence_pieces: int = 1
   warmup_chunks: int = 16
@@ -95,6 +88,8 @@ class Config:
   def __post_init__(self):
     if self.platform not in PLATFORMS:
       raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
+    if self.slice_warpgroups not in (None, 1, 2):
+      raise ValueError(f"slice_warpgroups must be None, 1 or 2, got {self.slice_warpgroups!r}")
     if not isinstance(self.sequence_pieces, int) or self.sequence_pieces < 0:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")

@@ -8,7 +8,7 @@ over all chunks; the Pallas kernels around these functions are then E-independen
             ``decay_masks``: M_ts = sum_e k2_te k2_se D_ets, M'_ts = sum_e q2_te k2_se D_ets,
             masked before exp (``common.decay_mask``): nothing overflows for any g <= 0.
   backward  ``mask_grads``: from dM' = dP * (Q K^T) and dM = dL * beta * (K K^T) (the tail
-            kernel's outputs) and the value kernel's row coefficients, dk2, dq2 and d gc.
+            kernel's outputs) and the slice kernel's row coefficients, dk2, dq2 and d gc.
 
 Per slice e, with W'_ts = dM'_ts D_ets and W_ts = dM_ts D_ets (W only with erase), and
 a = exp(gc), b = exp(gc_C - gc):
@@ -88,7 +88,7 @@ def mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_
   """The per-slice gradients of the masks (``backward.chunk_local``'s loop over e), for all
   chunks at once.
 
-  dmq = dM' (BH, NC, C, C), dm = dM (None without erase); the value kernel's row coefficients
+  dmq = dM' (BH, NC, C, C), dm = dM (None without erase); the slice kernel's row coefficients
   dcoef (unused without erase), dqcoef, dkcoef (BH, NC, C, E) and dlam (BH, NC, E); k2, q2, gc
   in the kernels' column (C, E) and row (E, C) layouts. Returns float32 dk2 column (C, E), dk2
   row (E, C), dq2 (C, E), d gc column (C, E) and d gc row (E, C) parts, each (BH, NC, ...)."""

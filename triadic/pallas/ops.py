@@ -5,7 +5,7 @@ Pipeline (forward): ``chunk_prep`` (parallel over chunks: gc, A, P; the masks M,
 U). Backward (``jax.custom_vjp``): the reverse state pass (chunk-end state gradients and dU) ->
 the chunk-parallel backward (every input gradient). Only the inputs, gc, A, P, U and the
 chunk-start states are kept from the forward (and X = V - sum_e diag(c_e) K S_e where the Hopper
-backward's slice kernel reads it: ``Plan.saves_x``); M, M', K K^T and Q K^T are recomputed. Which
+backward reads it: ``Plan.saves_x``); M, M', K K^T and Q K^T are recomputed. Which
 kernel runs each stage is decided in one place, ``plan.resolve`` (``explain`` shows it for given
 sizes).
 When the state passes' programs cannot fill the GPU (B = 1 at long T), ``Config.sequence_pieces``
@@ -172,16 +172,14 @@ def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
 
 
 def chunk_gradients_kernel(cfg, q, v, k2):
-  """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel, or the value
-  kernel with ``cfg.value_slices`` slices per pass; ``cfg.fused_tail``) or
-  ``backward.chunk_gradients``."""
+  """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel with
+  ``cfg.slice_warpgroups``, ``cfg.fused_tail``) or ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
     return functools.partial(
         mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
-        slice_kernel=plan.slice_kernel,
         slice_warpgroups=mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, q.shape[-1]),
-        value_slices=cfg.value_slices, fused_tail=cfg.fused_tail)
+        fused_tail=cfg.fused_tail)
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 

@@ -53,15 +53,10 @@ class Plan:
   def mosaic_chunk_gradients(self) -> bool:
     return self.chunk_gradients.backend.startswith("mosaic_gpu")
 
-  @property
-  def slice_kernel(self) -> bool:
-    """Whether the chunk-parallel backward is the Mosaic slice kernel (which reads X)."""
-    return self.chunk_gradients.tiles.startswith("slice kernel")
-
   def saves_x(self, erase: bool) -> bool:
-    """Whether the forward state pass saves X for the backward: the slice kernel reads it, and
-    the Mosaic forward forms it anyway (erase only; without erase X = V)."""
-    return erase and self.slice_kernel and self.mosaic_state_kernels
+    """Whether the forward state pass saves X for the backward: the Mosaic chunk backward reads
+    it, and the Mosaic forward forms it anyway (erase only; without erase X = V)."""
+    return erase and self.mosaic_chunk_gradients and self.mosaic_state_kernels
 
   def __str__(self) -> str:
     rows = [f"triadic_pallas plan ({self.sizes}):"]
@@ -101,26 +96,16 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   tail = "fused tail" if fused else "tail between JAX mask work"
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
-  sk_reason = mosaic_backward.slice_kernel_reason(cfg.slice_kernel, d, vd, c, e, dtype)
-  cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, value_slices=cfg.value_slices)
+  wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
+  cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, warpgroups=wgs)
                if cfg.mosaic_gpu_backward else "Config.mosaic_gpu_backward off")
-  if cfg.mosaic_gpu_backward and sk_reason is None:
-    wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
-    wg_reason = ("" if wgs == cfg.slice_warpgroups else
+  if cb_reason is None:
+    wg_reason = ("" if wgs == (cfg.slice_warpgroups or 2) else
                  "; one warpgroup: " + str(mosaic_backward.slice_warpgroups_supported(d)))
     chunk_bwd = Stage("chunk_gradients", "mosaic_gpu" + interp + " + triton tail",
                       f"slice kernel: {e} slice(s) in 64-row pieces, two slots, {wgs} "
                       f"warpgroup(s), {tail}",
                       "Config.mosaic_gpu_backward" + tail_reason + wg_reason)
-  elif cb_reason is None:
-    g = cfg.value_slices or mosaic_backward.default_value_slices(d, vd, c, e)
-    bv = mosaic_backward.default_block_v(d, vd, c, g)
-    st = mosaic_backward.default_stages(d, vd, c, g, bv)
-    chunk_bwd = Stage("chunk_gradients", "mosaic_gpu" + interp + " + triton tail",
-                      f"value kernel: {e // g} pass(es) x {g} slices, block_v {bv}, {st} "
-                      f"stage(s), {tail}",
-                      f"Config.mosaic_gpu_backward, not the slice kernel: {sk_reason}"
-                      + tail_reason)
   else:
     chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
