@@ -10,6 +10,10 @@ with float32 accumulation but round differently (the Triton kernel scales K by t
 before the bf16 cast, the Mosaic kernel scales the float32 product after), so they are not
 bit-equal.
 A second test lowers both kernels for "cuda" (Mosaic GPU lowering and layout checks, no GPU).
+The two-warpgroup kernels (``warpgroups=2``, D = 128) are checked the same way, against the same
+reference and bounds. They run eagerly (the kernel alone under jit): inside a larger jitted
+function the interpreter's two simulated warpgroups can wait on each other forever on a 2-core
+machine.
 """
 
 from __future__ import annotations
@@ -22,7 +26,7 @@ import pytest
 
 from testkit.triadic import make_grad_inputs
 from testkit import rel_rms
-from triadic.pallas import mosaic, recurrent
+from triadic.pallas import mosaic, mosaic_backward, recurrent
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import Config
 from triadic.pallas.ops import kernel_layout
@@ -98,6 +102,86 @@ def test_kernels_lower_for_cuda(d, vdim, e, erase):
   text = bwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
                    f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_backward_states_mgpu" in text
+
+
+WG2_CASES = [
+    # b, t, h, v, e, erase, save_x   (D = 128, C = 64, block_v = 32; NC = 3 for t = 150)
+    pytest.param(1, 150, 2, 64, 1, False, False, id="E1-noerase-V64"),
+    pytest.param(1, 150, 2, 32, 3, True, True, id="E3-erase-saveX"),
+    pytest.param(1, 150, 2, 32, 8, True, False, id="E8-erase"),
+    pytest.param(1, 150, 2, 32, 8, False, False, id="E8-noerase", marks=pytest.mark.slow),
+]
+
+
+@pytest.mark.parametrize("b,t,h,vdim,e,erase,save_x", WG2_CASES)
+def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x):
+  """``warpgroups=2`` (each warpgroup 64 of the D = 128 state rows, E * block_v = 256 at E = 8):
+  the forward and reverse passes against ``recurrent``; with save_x, X against X formed from the
+  reference's chunk-start states."""
+  d, c = 128, 64
+  fargs, do, dht = build(b, t, h, d, vdim, e, c, erase)
+  kw = dict(scale=SCALE, erase=erase)
+  bv = mosaic.default_block_v(d, vdim, c, e, warpgroups=2)
+  assert bv == 32
+  got = mosaic.state_pass(*fargs, warpgroups=2, save_x=save_x, interpret=True, **kw)
+  want = recurrent.state_pass(*fargs, cfg=CPU, **kw)
+  if save_x:
+    x, got = got[2], got[:2] + got[3:]
+    q, k, v, k2, _, gc_col = fargs[:6]
+    want_x = mosaic_backward.x_from_states(k, v, want[2], k2, gc_col)
+    assert x.shape == want_x.shape and x.dtype == q.dtype
+    assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
+  for name, x, y in zip(("o", "U", "states", "final state"), got, want, strict=True):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+  bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
+  got = mosaic.reverse_state_pass(*bargs, warpgroups=2, interpret=True, **kw)
+  want = recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw)
+  for name, x, y in zip(("dU", "dstates", "dh0"), got, want, strict=True):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+
+
+@pytest.mark.parametrize("vdim,e,erase,save_x", [(128, 8, True, True), (128, 8, False, False),
+                                                 (64, 3, True, False), (32, 1, True, True)])
+def test_two_warpgroups_lower_for_cuda(vdim, e, erase, save_x):
+  """The two-warpgroup kernels lower for "cuda" at D = 128 with the default block_v (32: at E = 8
+  E * block_v = 256, SMEM within the limit); nothing runs."""
+  bh, nc, c, d = 2, 4, 64, 128
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  f32 = functools.partial(spec, dt=jnp.float32)
+  common = [f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, 1),
+            f32(bh, nc, c, c), f32(bh, nc, c, c)]
+  args = (spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
+          f32(bh, e, d, vdim))
+  kw = dict(scale=SCALE, erase=erase, warpgroups=2)
+  fwd = jax.jit(functools.partial(mosaic.state_pass, save_x=save_x, **kw))
+  text = fwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_forward_mgpu_wg2" in text
+  bwd = jax.jit(functools.partial(mosaic.reverse_state_pass, **kw))
+  text = bwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_backward_states_mgpu_wg2" in text
+
+
+def test_two_warpgroups_supported():
+  bf16 = jnp.bfloat16
+  assert mosaic.warpgroups_supported(128, 128, 64, 8) is None
+  assert mosaic.default_block_v(128, 128, 64, 8, warpgroups=2) == 32
+  assert mosaic.default_block_v(128, 128, 64, 8) == 16              # one warpgroup unchanged
+  assert mosaic.supported(128, 128, 64, 8, bf16, block_v=32, warpgroups=2) is None
+  assert mosaic.supported(128, 128, 64, 3, bf16, warpgroups=2) is None
+  assert "D = 128" in mosaic.warpgroups_supported(64, 64, 64, 8)
+  assert "D = 128" in mosaic.supported(64, 64, 64, 8, bf16, warpgroups=2)
+  assert "bfloat16" in mosaic.supported(128, 128, 64, 8, jnp.float32, warpgroups=2)
+  assert "multiple of 32" in mosaic.warpgroups_supported(128, 128, 64, 3, block_v=16)
+  assert "warpgroups" in mosaic.supported(128, 128, 64, 8, bf16, warpgroups=3)
+  x = jnp.zeros((1, 1, 64, 64), bf16)
+  rest = (*(jnp.zeros((1, 1, 64, 1)),) * 4, jnp.zeros((1, 1, 64, 64)), jnp.zeros((1, 1, 64, 64)),
+          jnp.zeros((1, 1, 64, 64)))
+  with pytest.raises(ValueError, match="D = 128"):
+    mosaic.state_pass(x, x, x, *rest, scale=1.0, erase=True, warpgroups=2)
+  with pytest.raises(ValueError, match="warpgroups must be 1 or 2"):
+    mosaic.reverse_state_pass(x, x, x, *rest, scale=1.0, erase=True, warpgroups=4)
 
 
 def test_supported():

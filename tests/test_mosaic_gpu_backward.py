@@ -192,6 +192,8 @@ def test_supported():
                                    jnp.zeros((1, 1, 64, 1)), x, scale=1.0, erase=True)
   with pytest.raises(ValueError, match="slice_warpgroups"):
     Config("gpu", block_v=16, bwd_block_v=16, slice_warpgroups=3)
+  with pytest.raises(ValueError, match="state_warpgroups"):
+    Config("gpu", block_v=16, bwd_block_v=16, state_warpgroups=None)
 
 
 def test_hopper_op_matches_scan():
@@ -218,15 +220,21 @@ def test_hopper_op_matches_scan():
   check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 1.0, jnp.bfloat16, config=cfg)
 
 
-def test_hopper_op_lowers_for_cuda():
-  """The whole op, forward and backward, with the Hopper defaults, lowers for CUDA (bf16,
-  C = 64)."""
-  b, t, h, d, vdim, e = 1, 200, 2, 64, 64, 4
+@pytest.mark.parametrize("d,e,state_wgs", [(64, 4, 1), (128, 8, 2)])
+def test_hopper_op_lowers_for_cuda(d, e, state_wgs):
+  """The whole op, forward and backward, with the Hopper defaults (and, at D = 128, the
+  two-warpgroup state passes, ``Config.state_warpgroups``), lowers for CUDA (bf16, C = 64)."""
+  b, t, h, vdim = 1, 200, 2, 64
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
   args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vdim), spec(b, t, h, e),
           spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, vdim, dt=jnp.float32)]
   cfg = dataclasses.replace(pops.default_config("gpu", e, vdim), mosaic_gpu=True,
-                            mosaic_gpu_backward=True)
+                            mosaic_gpu_backward=True, state_warpgroups=state_wgs)
+  plan = pops.explain(d, vdim, e, 64, jnp.bfloat16, config=cfg)
+  assert f"{state_wgs} warpgroup(s)" in plan.forward.tiles
+  if state_wgs == 2:   # refused at D = 64, with the reason
+    narrow = pops.explain(64, vdim, e, 64, jnp.bfloat16, config=cfg).backward_states
+    assert "1 warpgroup(s)" in narrow.tiles and "D = 128" in narrow.reason
 
   def loss(*a):
     o, s = pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7], erase=True,
@@ -238,6 +246,9 @@ def test_hopper_op_lowers_for_cuda():
   # Not differentiated: the partitioned forward without X.
   assert "triadic_forward_mgpu" in jax.jit(loss).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
-  for kernel in ("triadic_chunk_prep", "triadic_forward_mgpu", "triadic_backward_states_mgpu",
-                 "triadic_chunk_backward_slices", "triadic_chunk_backward_tail_ut"):  # E = 4
+  wg2 = "_wg2" if state_wgs == 2 else ""
+  tail = "fused" if mosaic_backward.default_fused_tail(e) else "ut"
+  for kernel in ("triadic_chunk_prep", "triadic_forward_mgpu" + wg2,
+                 "triadic_backward_states_mgpu" + wg2, "triadic_chunk_backward_slices",
+                 f"triadic_chunk_backward_tail_{tail}"):
     assert kernel in text, kernel

@@ -6,7 +6,9 @@ small matmuls (N = BV = 16..32) per chunk, so its cost grows with E. Here one pr
 (grid (B*H, V / BV), one warpgroup) holds all E slices of its D x BV state tile side by side as
 ONE D x (E*BV) float32 array in the WGMMA register layout, "S_cat" (column block e = S_e[:, value
 block]). Every E-dependent matmul is then one wgmma with N = E*BV (128 or 256 at E = 8), and
-E = 1 vs E = 8 differ mostly in the width of those wgmmas. Per chunk (C = 64 tokens), with the
+E = 1 vs E = 8 differ mostly in the width of those wgmmas. At D = 128 the program can instead
+run two warpgroups, each holding 64 rows of S_cat ("Two warpgroups" below), which fits
+E*BV = 256 in registers. Per chunk (C = 64 tokens), with the
 per-row factors fe = beta k2 a, fq = q2 a, fw = k2 b (a = exp(gc), b = exp(gc_C - gc)) and
 lam = exp(gc_C) precomputed in plain JAX (O(T E), ``_factors``):
 
@@ -37,8 +39,9 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   K^T W into the carried state's own registers. The interpreter runs no ``run_state`` and no store
   into an accumulator, so interpret mode computes K^T W in a fresh accumulator and adds it (same
   values). Likewise ``plgpu.layout_cast`` is skipped in interpret mode (it has no CPU rule).
-* One warpgroup. Each chunk input has its own SMEM buffer and barrier (``_Inputs``), and every
-  input is waited for where it is first read, not all at the chunk's top. The forward pass
+* One warpgroup (``warpgroups=1``). Each chunk input has its own SMEM buffer and barrier
+  (``_Inputs``), and every input is waited for where it is first read, not all at the chunk's
+  top. The forward pass
   starts its copies one chunk ahead: chunk n + 1's copy of an input starts as soon as every warp
   is done with chunk n's (after the ``commit_smem`` that follows its last reader: K after R, A
   after U, Q and P after the output, V after rhs, lam after the decay), so each wait finds its
@@ -54,13 +57,40 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   what the previous state update read; ``wait_smem_to_gmem(0, wait_read_only=True)`` (also a
   warpgroup barrier) before the per-chunk output buffers are rewritten; no copy is in flight
   when the loop's SMEM scope ends (the next-chunk copies are under ``pl.when``).
+* Two warpgroups (``warpgroups=2``, D = 128 only: ``warpgroups_supported``). One kernel of two
+  threads (``num_threads=2, thread_name="wg"``), every SMEM scope shared by both
+  (``collective_axes=("wg",)``). Warpgroup w owns state rows [64 w, 64 w + 64): its 64 x E*BV
+  float32 piece of S_cat in registers, its bf16 operand copy as E separate (64, BV) SMEM blocks
+  (which are also the TMA sources of its rows of the chunk-start states: no separate state output
+  buffer, which would not fit beside them at E*BV = 256), and its own 64-column pieces of K and Q
+  and 64-row pieces of K^T (Q^T), which it copies and waits for alone. The products that
+  contract over D are split over D: each warpgroup forms its part of the e-reduced C x BV
+  results, sum_e diag(f_e) (K_w S_w,e) (and with Q), one N = BV wgmma per slice, so only C x BV
+  accumulators are live; warpgroup 1 writes its parts to SMEM (float32) and warpgroup 0 adds
+  them. Warpgroup 0 alone does the C x BV work (rhs, U = A rhs, o; dU, X and Z in the backward;
+  V, A, P or dO, A^T, P^T are its copies) and writes the whole W (X, Z) that both state updates
+  read; each warpgroup's update is its rows, K^T_w W (M = 64, N = E*BV). The factor rows and lam
+  are copied once, by warpgroup 0, and waited for by both. Per chunk the warpgroups meet twice at
+  a two-arrival barrier (``_sync``: ``commit_smem``, arrive, wait): once the parts are in SMEM
+  (both have read lam), and once warpgroup 0 has written W (X, Z) and read the parts (it has read
+  the factors). A shared buffer is rewritten only after a meeting that follows its last reader in
+  the other warpgroup: the parts and W (X, Z) one meeting on, lam and the factors refilled by
+  warpgroup 0 after the first and the second meeting. In the backward, warpgroup 1's part goes
+  through dU's output buffer, so warpgroup 0 waits for dU's store to have read it before the
+  second meeting. Barrier phases are tracked per thread, so a barrier that both warpgroups wait
+  for (a shared copy's, the meeting's) is waited once per phase by each. All bf16 operands use
+  swizzle V (K, Q in 64-column pieces share it with the (64, BV) blocks).
 * SMEM scopes: the chunk loop's buffers live in one ``run_scoped``; the (D, E*BV) float32 buffer
   for the initial / final state in separate scopes before and after it (together they exceed the
-  227 KiB at D = 64, E*BV = 256).
-* Registers: the state is D * E * BV / 128 float32 registers per thread, plus a C x E*BV
-  accumulator while R or Y is reduced. ``default_block_v`` keeps (D + C) * E * BV <= 192 * 128
-  (BV = 32 below E = 4 at D = 64...). D = 128 with E * BV = 256 would need the state split over
-  two warpgroups (M = D = 2 x 64), which these kernels do not do (``supported`` says so).
+  227 KiB at D = 64, E*BV = 256). With two warpgroups that buffer is (2, 64, E*BV), a row piece
+  each, and both warpgroups meet before a scope they share ends.
+* Registers: with one warpgroup the state is D * E * BV / 128 float32 registers per thread, plus
+  a C x E*BV accumulator while R or Y is reduced. ``default_block_v`` keeps (D + C) * E * BV <=
+  192 * 128 (BV = 32 below E = 4 at D = 64...), and ``supported`` refuses D * E * BV > 128 * 128.
+  With two warpgroups each thread holds 64 * E * BV / 128 state floats (128 at E * BV = 256)
+  and C x BV accumulators and temporaries (16 registers each at BV = 32), so D = 128 takes
+  E * BV = 256: ``default_block_v(..., warpgroups=2)`` is the widest BV in (32, 16) with E * BV
+  <= 256, a multiple of 32, within SMEM_LIMIT (``smem_bytes_2wg``; BV = 32 at E = 8).
 * The initial / final state is moved once per program in the "cat" layout (BH, V/BV, D, E*BV),
   rearranged in plain JAX (state-sized, once); the per-chunk states are written directly in
   recurrent.py's (BH, NC, E, D, V) layout from an (E, D, BV) SMEM buffer.
@@ -84,6 +114,8 @@ MAX_N = 256                 # wgmma N limit: E * BV
 REG_BUDGET = 192 * 128      # (D + C) * E * BV: default block_v choice (state + one C x E*BV acc)
 STATE_BUDGET = 128 * 128    # D * E * BV: hard limit, the state alone at 128 registers a thread
 CAT_BARRIER = 9             # barriers 0..8: the chunk inputs (the factors take two); 9: h0 / dht
+HALF = 64                   # two warpgroups: state rows (D) per warpgroup
+SMEM_LIMIT = 220 * 1024     # of the 227 KiB a block may have (reduction scratch etc.)
 
 
 def _interpret_params(interpret):
@@ -122,8 +154,16 @@ def sizes_reason(d: int, vd: int, c: int, e: int, dtype, bv: int | None, block_v
   return None
 
 
-def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None) -> str | None:
-  """Why these kernels cannot take these sizes, or None if they can."""
+def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None,
+              warpgroups: int = 1) -> str | None:
+  """Why these kernels cannot take these sizes, or None if they can. ``warpgroups``: 1, or 2
+  (``warpgroups_supported``)."""
+  if warpgroups == 2:
+    bv = block_v or default_block_v(d, vd, c, e, warpgroups=2)
+    return (sizes_reason(d, vd, c, e, dtype, bv, BLOCK_VS, "the Mosaic GPU state kernels")
+            or warpgroups_supported(d, vd, c, e, bv))
+  if warpgroups != 1:
+    return f"warpgroups must be 1 or 2, got {warpgroups}"
   bv = block_v or default_block_v(d, vd, c, e)
   reason = sizes_reason(d, vd, c, e, dtype, bv, BLOCK_VS, "the Mosaic GPU state kernels")
   if reason:
@@ -132,17 +172,64 @@ def supported(d: int, vd: int, c: int, e: int, dtype, block_v: int | None = None
     return f"E * block_v must be a multiple of 32 (a warpgroup-wide load of lam), got {e} * {bv}"
   if d * e * bv > STATE_BUDGET:
     return (f"D * E * block_v = {d * e * bv} > {STATE_BUDGET}: the state would not fit one "
-            "warpgroup's registers (two warpgroups not implemented)")
+            "warpgroup's registers (at D = 128 use warpgroups=2)")
   return None
 
 
-def default_block_v(d: int, vd: int, c: int, e: int) -> int | None:
+def default_block_v(d: int, vd: int, c: int, e: int, warpgroups: int = 1) -> int | None:
   """The widest BV in (32, 16) dividing V with E * BV <= 256, a multiple of 32, and the state plus
-  one C x E*BV accumulator within REG_BUDGET floats (the rest of the register file for temps)."""
+  one C x E*BV accumulator within REG_BUDGET floats (the rest of the register file for temps).
+  ``warpgroups=2`` (D = 128): the widest such BV whose two-warpgroup kernels fit SMEM_LIMIT (each
+  warpgroup holds 64 x E*BV state floats and only C x BV accumulators: E * BV = 256 fits)."""
+  if warpgroups == 2:
+    for bv in (32, 16):
+      if (vd % bv == 0 and e * bv <= MAX_N and (e * bv) % 32 == 0
+          and max(smem_bytes_2wg(d, c, e, bv, backward) for backward in (False, True))
+          <= SMEM_LIMIT):
+        return bv
+    return None
   for bv in (32, 16):
     if (vd % bv == 0 and e * bv <= MAX_N and (e * bv) % 32 == 0
         and (d + c) * e * bv <= REG_BUDGET):
       return bv
+  return None
+
+
+def smem_bytes_2wg(d: int, c: int, e: int, bv: int, backward: bool) -> int:
+  """SMEM of a two-warpgroup kernel's chunk loop (erase, and the forward with save_x: the most)."""
+  n = e * bv
+  common = (3 * c * d * 2                     # q, k, k^T (forward); k, k^T, q^T (backward)
+            + 2 * c * c * 2                   # A, P (A^T, P^T)
+            + n * 4                           # lam_cat
+            + d * n * 2                       # S_cat pieces (E, 64, BV) per warpgroup
+            + c * bv * 2)                     # v / dO block
+  if backward:
+    return (common + (3 * e + 1) * c * 4      # factor rows
+            + 2 * c * n * 2                   # X, Z
+            + c * bv * (2 + 4))               # dU bf16, dU f32 (also the partial's buffer)
+  return (common + (4 * e + 1) * c * 4        # factor rows (with save_x's c rows)
+          + c * n * 2                         # W
+          + c * bv * (2 + 2 + 2 + 4 + 2)      # rhs, U bf16, o, U f32, X
+          + 2 * c * bv * 4)                   # the second warpgroup's R and Y partials
+
+
+def warpgroups_supported(d: int, vd: int, c: int, e: int, block_v: int | None = None
+                         ) -> str | None:
+  """None if the state kernels take ``warpgroups=2`` at these sizes (bf16 assumed; ``supported``
+  checks the dtype), else why not: D must be 128 (one 64-row piece of the state per warpgroup),
+  C = 64, E * block_v <= 256 and a multiple of 32, within SMEM_LIMIT."""
+  if d != 2 * HALF:
+    return f"two warpgroups need D = {2 * HALF} (one {HALF}-row piece each), got {d}"
+  bv = block_v or default_block_v(d, vd, c, e, warpgroups=2)
+  reason = sizes_reason(d, vd, c, e, BF16, bv, BLOCK_VS, "the two-warpgroup Mosaic GPU state "
+                        "kernels")
+  if reason:
+    return reason
+  if (e * bv) % 32:
+    return f"E * block_v must be a multiple of 32 (a warpgroup-wide load of lam), got {e} * {bv}"
+  need = max(smem_bytes_2wg(d, c, e, bv, backward) for backward in (False, True))
+  if need > SMEM_LIMIT:
+    return f"two warpgroups at E={e}, block_v={bv} need {need} B of SMEM > {SMEM_LIMIT} B"
   return None
 
 
@@ -187,12 +274,14 @@ def _t(x):
   return jnp.swapaxes(x, -1, -2)
 
 
-def _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v):
+def _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v, warpgroups=1):
   """Shapes, the checked value block and the row factors: (bh, nc, c, d, e, bv, f, lam_cat)."""
   bh, nc, c, d = q.shape
   e_dim = k2_col.shape[-1]
-  bv = block_v or default_block_v(d, vd, c, e_dim)
-  reason = supported(d, vd, c, e_dim, q.dtype, bv)
+  if warpgroups not in (1, 2):
+    raise ValueError(f"warpgroups must be 1 or 2, got {warpgroups}")
+  bv = block_v or default_block_v(d, vd, c, e_dim, warpgroups=warpgroups)
+  reason = supported(d, vd, c, e_dim, q.dtype, bv, warpgroups=warpgroups)
   if reason:
     raise ValueError(reason)
   f, lam = _factors(gc_col, k2_col, q2_col, beta_col)
@@ -488,16 +577,21 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_b
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               save_x=False, interpret=False):
+               save_x=False, warpgroups=1, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
-  (BH,NC,C,V) in q's dtype, after U: the chunk-parallel backward's ``x``."""
+  (BH,NC,C,V) in q's dtype, after U: the chunk-parallel backward's ``x``. ``warpgroups``: 1, or 2
+  at D = 128 (``warpgroups_supported``; block_v default ``default_block_v(.., warpgroups=2)``)."""
   vd = v.shape[-1]
-  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v)
+  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v,
+                                                  warpgroups)
   save_x = bool(save_x and erase)
   if save_x:
     f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
+  if warpgroups == 2:
+    return _forward_2wg(q, k, v, a, p, f, lam_cat, h0, e_dim=e_dim, bv=bv, scale=scale,
+                        erase=erase, save_x=save_x, interpret=interpret)
   n_rows = f.shape[2]
   n_cat = e_dim * bv
   ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, lam_cat, _to_cat(h0.astype(F32), bv))
@@ -607,12 +701,16 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
 
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
-                       block_v=None, interpret=False):
+                       block_v=None, warpgroups=1, interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   float32, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
-  (BH,E,D,V) float32."""
+  (BH,E,D,V) float32. ``warpgroups``: as ``state_pass``."""
   vd = do.shape[-1]
-  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v)
+  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v,
+                                                  warpgroups)
+  if warpgroups == 2:
+    return _backward_2wg(q, k, do, a, p, f, lam_cat, dht, e_dim=e_dim, bv=bv, scale=scale,
+                         erase=erase, interpret=interpret)
   n_cat = e_dim * bv
   ins = (k, _t(k), _t(q), do.astype(q.dtype), _t(a).astype(BF16), _t(p).astype(BF16), f,
          lam_cat, _to_cat(dht.astype(F32), bv))
@@ -646,4 +744,355 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
       compiler_params=_compiler_params(),
       interpret=_interpret_params(interpret), kernel_name="triadic_backward_states_mgpu",
   )(*ins)
+  return du, dstates, _from_cat(dh0, e_dim)
+
+
+# ------------------------------------------------------------------------------------------------
+# Two warpgroups (D = 128): warpgroup w owns state rows [64 w, 64 w + 64) of S_cat.
+#
+# Barrier slots: 3 w .. 3 w + 2 warpgroup w's own copies (its 64 columns of K and Q, its 64 rows
+# of K^T / Q^T: issued and waited by it alone); 6, 7 the factor rows and lam (issued by warpgroup
+# 0, waited by both); 8 .. 10 warpgroup 0's own inputs; 11 + w the carried state's rows. ``xbar``
+# (two arrivals) is the barrier both warpgroups meet at (``_sync``).
+
+_FACTORS, _LAM, _ROWS = 6, 7, 11
+_N_BARRIERS_2WG = 13
+
+
+def _sync(xbar):
+  """Both warpgroups meet: every register -> SMEM store before it (fenced for the async proxy
+  by ``commit_smem``) is visible after it to the other warpgroup's reads and wgmmas."""
+  plgpu.commit_smem()
+  plgpu.barrier_arrive(xbar)
+  plgpu.barrier_wait(xbar)
+
+
+class _Copies:
+  """A two-warpgroup pass's per-chunk inputs: name -> (chunk -> gmem ref, smem ref, barrier)."""
+
+  def __init__(self, bars, table, nc, order):
+    self.bars, self.table, self.nc, self.order = bars, table, nc, order
+
+  def start(self, names, step):
+    for name in names:
+      src, dst, slot = self.table[name]
+      plgpu.copy_gmem_to_smem(src(self.order(step)), dst, self.bars.at[slot])
+
+  def start_next(self, names, step):
+    @pl.when(step + 1 < self.nc)
+    def _():
+      self.start(names, step + 1)
+
+  def wait(self, *names):
+    for name in names:
+      plgpu.barrier_wait(self.bars.at[self.table[name][2]])
+
+
+def _load_rows(ops, src, cat, barrier, w, xbar):
+  """Warpgroup w's (64, E*BV) float32 rows of the carried state from gmem, through a shared
+  scoped (2, 64, E*BV) SMEM buffer; both warpgroups have read it before the scope ends."""
+  def body(cat_s):
+    plgpu.copy_gmem_to_smem(src, cat_s.at[w], barrier)
+    plgpu.barrier_wait(barrier)
+    x = ops.acc(cat_s.at[w][...])
+    _sync(xbar)
+    return x
+  return pl.run_scoped(body, cat, collective_axes=("wg",))
+
+
+def _store_rows(x, dst, cat, w):
+  def body(cat_s):
+    cat_s.at[w][...] = x
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(cat_s.at[w], dst)
+    plgpu.wait_smem_to_gmem(0)
+  pl.run_scoped(body, cat, collective_axes=("wg",))
+
+
+def _chunk_loop_2wg(chunk, nc, init, scratch, prologue, xbar):
+  """``_chunk_loop`` with the scope shared by both warpgroups, who meet before it ends."""
+  def body(*refs):
+    prologue(*refs)
+    out = lax.fori_loop(0, nc, lambda n, s: chunk(n, s, *refs), init)
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _sync(xbar)
+    return out
+  return pl.run_scoped(body, *scratch, collective_axes=("wg",))
+
+
+def _partial(ops, lhs, pieces, f_s, first_row, bv):
+  """sum_e diag(f[first_row + e]) (lhs @ pieces[e]): this warpgroup's part (its 64 of the D
+  contracted) of an e-reduced C x BV product, one C x BV accumulator at a time."""
+  out = None
+  for e in range(pieces.shape[0]):
+    term = ops.rowvec(f_s, first_row + e, bv) * ops.mm(lhs, pieces.at[e])
+    out = term if out is None else out + term
+  return out
+
+
+def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch,
+                        cat, nc, e_dim, bv, scale, erase, save_x, interpret):
+  if save_x:
+    o_g, u_g, x_g, st_g, ht_g, bars, xbar = outs_and_bars
+  else:
+    o_g, u_g, st_g, ht_g, bars, xbar = outs_and_bars
+  ops = _Ops(interpret)
+  i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
+  cols, rows = pl.ds(j * bv, bv), pl.ds(w * HALF, HALF)
+  read_rows, write_rows, beta_row = e_dim, 2 * e_dim, 3 * e_dim
+  # R's row factor: c = k2 a with save_x (X = V - sum_e c_e R_e, rhs = beta X), else fe = beta c.
+  r_rows = 3 * e_dim + 1 if save_x else 0
+  state0 = _load_rows(ops, h0_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
+
+  def copies(q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s):
+    return _Copies(bars, {
+        "q": (lambda n: q_g.at[i, n, :, rows], q_s.at[w], 3 * w),
+        "k": (lambda n: k_g.at[i, n, :, rows], k_s.at[w], 3 * w + 1),
+        "kt": (lambda n: kt_g.at[i, n, rows, :], kt_s.at[w], 3 * w + 2),
+        "f": (lambda n: f_g.at[i, n], f_s, _FACTORS),
+        "lam": (lambda n: lam_g.at[i, n], lam_s, _LAM),
+        "v": (lambda n: v_g.at[i, n, :, cols], v_s, 8),
+        "a": (lambda n: a_g.at[i, n], a_s, 9),
+        "p": (lambda n: p_g.at[i, n], p_s, 10)}, nc, lambda n: n)
+
+  own = ("q", "k") if erase else ("q",)
+  first0 = ("f", "lam", "v", "p") + (("a",) if erase else ())
+
+  def prologue(*refs):
+    cp = copies(*refs[:8])
+    cp.start(own, 0)
+    pl.when(w == 0)(lambda: cp.start(first0, 0))
+
+  def chunk(n, s, q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s, s_s, w_s, rhs_s, u16_s, o_s, u_s,
+            red_r, red_y, *x_out):
+    cp = copies(q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s)
+    mine = s_s.at[w]                      # (E, 64, BV): this warpgroup's rows, slice by slice
+    plgpu.wgmma_wait(0)                   # its previous state update has read K^T, W
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # its stores have read their buffers
+    _store_blocks(s, mine, e_dim, bv, BF16)
+    cp.wait("lam")
+    decayed = ops.colvec(lam_s, HALF) * s
+    plgpu.commit_smem()
+    for e in range(e_dim):                # the chunk-start state, straight from the operand
+      plgpu.copy_smem_to_gmem(mine.at[e], st_g.at[i, n, e, rows, cols])
+    cp.start(("kt",), n)                  # read only by the state update at the chunk's end
+    cp.wait("f")
+    part_r = None
+    if erase:
+      cp.wait("k")
+      part_r = _partial(ops, k_s.at[w], mine, f_s, r_rows, bv)
+    cp.wait("q")
+    part_y = _partial(ops, q_s.at[w], mine, f_s, read_rows, bv)
+
+    @pl.when(w == 1)
+    def _():
+      if erase:
+        red_r[...] = part_r
+      red_y[...] = part_y
+
+    _sync(xbar)       # the partials are in SMEM; both warpgroups are done with lam
+    cp.start_next(own, n)
+
+    @pl.when(w == 0)
+    def _():
+      cp.start_next(("lam",), n)
+      cp.wait("v")
+      beta = ops.rowvec(f_s, beta_row, bv)
+      v = ops.acc(v_s[...].astype(F32))
+      if erase:
+        r = part_r + ops.acc(red_r[...])
+        if save_x:
+          x = v - r
+          x_out[0][...] = x.astype(x_out[0].dtype)
+          rhs = beta * x
+        else:
+          rhs = beta * v - r
+        rhs_s[...] = rhs.astype(BF16)
+        plgpu.commit_smem()
+        cp.start_next(("v",), n)
+        if save_x:
+          plgpu.copy_smem_to_gmem(x_out[0], x_g.at[i, n, :, cols])
+        cp.wait("a")
+        u = ops.mm(a_s, rhs_s)
+      else:
+        u = beta * v
+      u_s[...] = u
+      u16_s[...] = u.astype(BF16)
+      for e in range(e_dim):
+        w_s[:, e * bv:(e + 1) * bv] = (ops.rowvec(f_s, write_rows + e, bv) * u).astype(BF16)
+      plgpu.commit_smem()
+      cp.start_next(("a",) if erase else ("v",), n)
+      plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
+      cp.wait("p")
+      out = ops.mm(p_s, u16_s) + part_y + ops.acc(red_y[...])
+      o_s[...] = (scale * out).astype(o_s.dtype)
+      plgpu.commit_smem()
+      cp.start_next(("p",), n)
+      plgpu.copy_smem_to_gmem(o_s, o_g.at[i, n, :, cols])
+
+    _sync(xbar)       # W is in SMEM; warpgroup 0 has read the partials; both are done with f
+    pl.when(w == 0)(lambda: cp.start_next(("f",), n))
+    cp.wait("kt")
+    return ops.mm_add(decayed, [(kt_s.at[w], w_s)])
+
+  state = _chunk_loop_2wg(chunk, nc, state0, scratch, prologue, xbar)
+  _store_rows(state, ht_g.at[i, j, rows], cat, w)
+
+
+def _kernel_2wg(kernel, ins, out_type, grid, name, interpret):
+  return plgpu.kernel(
+      kernel, out_type=out_type,
+      scratch_types=[plgpu.Barrier(num_barriers=_N_BARRIERS_2WG), plgpu.Barrier(num_arrivals=2)],
+      grid=grid, grid_names=("bh", "v"), num_threads=2, thread_name="wg",
+      compiler_params=_compiler_params(), interpret=_interpret_params(interpret),
+      kernel_name=name)(*ins)
+
+
+def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save_x, interpret):
+  bh, nc, c, d = q.shape
+  vd = v.shape[-1]
+  n_cat = e_dim * bv
+  sw_v, sw_f = _swizzle(bv), _swizzle(bv, F32)
+  scratch = [
+      _smem((2, c, HALF), BF16, sw_v),            # q, a 64-column piece per warpgroup
+      _smem((2, c, HALF), BF16, sw_v),            # k
+      _smem((2, HALF, c), BF16, sw_v),            # k^T, a 64-row piece per warpgroup
+      _smem((c, bv), BF16, sw_v),                 # v block
+      _smem((c, c), BF16, sw_v),                  # A
+      _smem((c, c), BF16, sw_v),                  # P
+      _smem((f.shape[2], c), F32),                # row factors
+      _smem((n_cat,), F32),                       # lam_cat
+      _smem((2, e_dim, HALF, bv), BF16, sw_v),    # S_cat (bf16), per warpgroup and slice
+      _smem((c, n_cat), BF16, sw_v),              # W = [diag(fw_e) U]_e
+      _smem((c, bv), BF16, sw_v),                 # rhs (bf16 operand)
+      _smem((c, bv), BF16, sw_v),                 # U (bf16 operand)
+      _smem((c, bv), q.dtype, sw_v),              # o
+      _smem((c, bv), F32, sw_f),                  # U
+      _smem((c, bv), F32, sw_f),                  # warpgroup 1's part of sum_e f_e R_e
+      _smem((c, bv), F32, sw_f),                  # warpgroup 1's part of sum_e fq_e Y_e
+  ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else [])   # X
+  cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # initial / final state rows
+  kernel = functools.partial(_forward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
+                             bv=bv, scale=scale, erase=erase, save_x=save_x,
+                             interpret=bool(interpret))
+  per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
+  ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, lam_cat, _to_cat(h0.astype(F32), bv))
+  *outs, ht = _kernel_2wg(
+      kernel, ins,
+      [per_chunk(q.dtype), per_chunk(F32)] + ([per_chunk(q.dtype)] if save_x else []) + [
+          jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
+          jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
+      (bh, vd // bv), "triadic_forward_mgpu_wg2", interpret)
+  return (*outs, _from_cat(ht, e_dim))
+
+
+def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, du_g, dst_g, dh0_g,
+                         bars, xbar, *, scratch, cat, nc, e_dim, bv, scale, erase, interpret):
+  ops = _Ops(interpret)
+  i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
+  cols, rows = pl.ds(j * bv, bv), pl.ds(w * HALF, HALF)
+  erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
+  dstate0 = _load_rows(ops, dht_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
+
+  def copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s):
+    return _Copies(bars, {
+        "k": (lambda n: k_g.at[i, n, :, rows], k_s.at[w], 3 * w),
+        "kt": (lambda n: kt_g.at[i, n, rows, :], kt_s.at[w], 3 * w + 1),
+        "qt": (lambda n: qt_g.at[i, n, rows, :], qt_s.at[w], 3 * w + 2),
+        "f": (lambda n: f_g.at[i, n], f_s, _FACTORS),
+        "lam": (lambda n: lam_g.at[i, n], lam_s, _LAM),
+        "do": (lambda n: do_g.at[i, n, :, cols], do_s, 8),
+        "at": (lambda n: at_g.at[i, n], at_s, 9),
+        "pt": (lambda n: pt_g.at[i, n], pt_s, 10)}, nc, lambda step: nc - 1 - step)
+
+  first0 = ("f", "lam", "do", "pt") + (("at",) if erase else ())
+  at_end = ("qt", "kt") if erase else ("qt",)     # read only by the state update at the end
+
+  def chunk(step, ds, k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s, s_s, x_s, z_s, u16_s, u_s):
+    cp = copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s)
+    n = nc - 1 - step
+    mine = s_s.at[w]
+    plgpu.wgmma_wait(0)                   # its previous state update has read K^T, Q^T, X, Z
+    plgpu.commit_smem()
+    cp.start(("k",), step)
+    pl.when(w == 0)(lambda: cp.start(first0, step))
+    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _store_blocks(ds, mine, e_dim, bv, BF16)
+    cp.wait("lam")
+    decayed = ops.colvec(lam_s, HALF) * ds
+    plgpu.commit_smem()
+    for e in range(e_dim):
+      plgpu.copy_smem_to_gmem(mine.at[e], dst_g.at[i, n, e, rows, cols])
+    cp.start(at_end, step)
+    cp.wait("k", "f")
+    part = _partial(ops, k_s.at[w], mine, f_s, write_rows, bv)
+
+    @pl.when(w == 1)
+    def _():
+      u_s[...] = part
+
+    _sync(xbar)       # warpgroup 1's part of sum_e fw_e (K dS_cat)_e is in u_s
+
+    @pl.when(w == 0)
+    def _():
+      cp.wait("pt", "do")
+      du = scale * ops.mm(pt_s, do_s) + part + ops.acc(u_s[...])
+      u_s[...] = du
+      if erase:
+        u16_s[...] = du.astype(BF16)
+      plgpu.commit_smem()
+      plgpu.copy_smem_to_gmem(u_s, du_g.at[i, n, :, cols])
+      do = ops.acc(do_s[...].astype(F32))
+      for e in range(e_dim):
+        x_s[:, e * bv:(e + 1) * bv] = (scale * ops.rowvec(f_s, read_rows + e, bv) * do
+                                       ).astype(BF16)
+      if erase:
+        cp.wait("at")
+        drhs = ops.mm(at_s, u16_s)
+        for e in range(e_dim):
+          z_s[:, e * bv:(e + 1) * bv] = (-ops.rowvec(f_s, erase_rows + e, bv) * drhs
+                                         ).astype(BF16)
+      # u_s is warpgroup 1's next partial buffer: dU's store must have read it.
+      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+
+    _sync(xbar)       # X, Z are in SMEM; warpgroup 0 has read the partial
+    cp.wait(*at_end)
+    pairs = [(qt_s.at[w], x_s)] + ([(kt_s.at[w], z_s)] if erase else [])
+    return ops.mm_add(decayed, pairs)
+
+  dstate = _chunk_loop_2wg(chunk, nc, dstate0, scratch, lambda *refs: None, xbar)
+  _store_rows(dstate, dh0_g.at[i, j, rows], cat, w)
+
+
+def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, interpret):
+  bh, nc, c, d = q.shape
+  vd = do.shape[-1]
+  n_cat = e_dim * bv
+  sw_v = _swizzle(bv)
+  scratch = [
+      _smem((2, c, HALF), BF16, sw_v),            # k, a 64-column piece per warpgroup
+      _smem((2, HALF, c), BF16, sw_v),            # k^T, a 64-row piece per warpgroup
+      _smem((2, HALF, c), BF16, sw_v),            # q^T
+      _smem((c, bv), BF16, sw_v),                 # dO block
+      _smem((c, c), BF16, sw_v),                  # A^T
+      _smem((c, c), BF16, sw_v),                  # P^T
+      _smem((f.shape[2], c), F32),                # row factors
+      _smem((n_cat,), F32),                       # lam_cat
+      _smem((2, e_dim, HALF, bv), BF16, sw_v),    # dS_cat (bf16), per warpgroup and slice
+      _smem((c, n_cat), BF16, sw_v),              # X = [scale diag(fq_e) dO]_e
+      _smem((c, n_cat), BF16, sw_v),              # Z = [-diag(fe_e) A^T dU]_e
+      _smem((c, bv), BF16, sw_v),                 # dU (bf16 operand)
+      _smem((c, bv), F32, _swizzle(bv, F32)),     # dU; before it, warpgroup 1's partial
+  ]
+  cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # dht / dh0 rows
+  kernel = functools.partial(_backward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
+                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
+  ins = (k, _t(k), _t(q), do.astype(q.dtype), _t(a).astype(BF16), _t(p).astype(BF16), f,
+         lam_cat, _to_cat(dht.astype(F32), bv))
+  du, dstates, dh0 = _kernel_2wg(
+      kernel, ins,
+      [jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
+       jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
+       jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
+      (bh, vd // bv), "triadic_backward_states_mgpu_wg2", interpret)
   return du, dstates, _from_cat(dh0, e_dim)

@@ -87,11 +87,11 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from triadic.pallas import masks
 from triadic.pallas.backward import chunk_local, ut_after, ut_before
 from triadic.pallas.common import F32, Config, call, col, mm, rowsum
-from triadic.pallas.mosaic import _Ops, _interpret_params, _load, _smem, _swizzle, _wait
+from triadic.pallas.mosaic import (SMEM_LIMIT, _Ops, _interpret_params, _load, _smem, _swizzle,
+                                   _wait)
 
 BF16 = jnp.bfloat16
 
-SMEM_LIMIT = 220 * 1024       # of the 227 KiB a block may have (reduction scratch etc.)
 COEF_W = 32                   # columns of the row-sum matrix: [dcoef, dqcoef, dkcoef] (3E <= 32)
 LAM_W = 8                     # columns of the dlam matrix (E <= 8)
 MAX_E = 8

@@ -156,8 +156,9 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False):
   interpret). ``save_x``: the forward also returns X after U (the Mosaic forward only: pass
   ``Plan.saves_x``)."""
   if _plan(cfg, q, v, k2).mosaic_state_kernels:
-    interpret = cfg.platform == "cpu"
-    kw = dict(interpret=interpret, block_v=cfg.state_block_v)
+    sizes = dict(d=q.shape[-1], vd=v.shape[-1], c=q.shape[-2], e=k2.shape[-1])
+    kw = dict(interpret=cfg.platform == "cpu", block_v=plan_lib.state_block_v(cfg, **sizes),
+              warpgroups=plan_lib.state_warpgroups(cfg, **sizes))
     return (functools.partial(mosaic.state_pass, save_x=save_x, **kw),
             functools.partial(mosaic.reverse_state_pass, **kw))
   return (functools.partial(recurrent.state_pass, cfg=cfg),

@@ -79,14 +79,18 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   prep = Stage("prep", base, "one program per chunk",
                f"masks M, M' in plain JAX (E-independent kernel); {inverse}")
 
-  state_reason = (mosaic.supported(d, vd, c, e, dtype, block_v=cfg.state_block_v)
+  wgs = state_warpgroups(cfg, d=d, vd=vd, c=c, e=e)
+  state_reason = (mosaic.supported(d, vd, c, e, dtype, block_v=cfg.state_block_v, warpgroups=wgs)
                   if cfg.mosaic_gpu else "Config.mosaic_gpu off")
   if state_reason is None:
     bv = state_block_v(cfg, d=d, vd=vd, c=c, e=e)
-    tiles = f"block_v {bv}, S_cat D x {e * bv}, copies "
-    forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead", "Config.mosaic_gpu")
+    wg_reason = ("" if wgs == cfg.state_warpgroups else "; one warpgroup: "
+                 + str(mosaic.warpgroups_supported(d, vd, c, e, cfg.state_block_v)))
+    tiles = f"block_v {bv}, S_cat D x {e * bv}, {wgs} warpgroup(s), copies "
+    forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead",
+                    "Config.mosaic_gpu" + wg_reason)
     bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles + "at chunk start",
-                       "Config.mosaic_gpu")
+                       "Config.mosaic_gpu" + wg_reason)
   else:
     tiles = f"block_v {cfg.block_v}, {loop}"
     forward = Stage("forward", base, tiles, state_reason)
@@ -119,9 +123,20 @@ def _log_once(plan: Plan) -> None:
   log.info("%s", plan)
 
 
+def state_warpgroups(cfg: Config, *, d: int, vd: int, c: int, e: int) -> int:
+  """The Mosaic state passes' warpgroups: ``Config.state_warpgroups`` where
+  ``mosaic.warpgroups_supported`` takes it, else 1."""
+  if cfg.state_warpgroups == 2 and mosaic.warpgroups_supported(d, vd, c, e,
+                                                               cfg.state_block_v) is None:
+    return 2
+  return 1
+
+
 def state_block_v(cfg: Config, *, d: int, vd: int, c: int, e: int) -> int | None:
-  """The Mosaic state passes' value block: ``Config.state_block_v`` or ``mosaic.default_block_v``."""
-  return cfg.state_block_v or mosaic.default_block_v(d, vd, c, e)
+  """The Mosaic state passes' value block: ``Config.state_block_v`` or ``mosaic.default_block_v``
+  for their warpgroups."""
+  return cfg.state_block_v or mosaic.default_block_v(
+      d, vd, c, e, warpgroups=state_warpgroups(cfg, d=d, vd=vd, c=c, e=e))
 
 
 def sequence_pieces(cfg: Config, *, bh: int, nc: int, d: int, vd: int, c: int, e: int, dtype
