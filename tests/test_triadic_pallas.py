@@ -178,7 +178,7 @@ def test_hopper_path_lowers_for_cuda():
                             mosaic_gpu_backward=True)
   text = cuda_lowering_text(cfg, 1, 200, 2, 64, 64, 8)
   for kernel in ("triadic_chunk_prep", "triadic_ut_inverse", "triadic_forward_mgpu",
-                 "triadic_backward_states_mgpu", "triadic_chunk_backward_mgpu",
+                 "triadic_backward_states_mgpu", "triadic_chunk_backward_slices",
                  "triadic_chunk_backward_tail"):
     assert kernel in text, kernel
 
