@@ -109,7 +109,6 @@ WG2_CASES = [
     pytest.param(1, 150, 2, 64, 1, False, False, id="E1-noerase-V64"),
     pytest.param(1, 150, 2, 32, 3, True, True, id="E3-erase-saveX"),
     pytest.param(1, 150, 2, 32, 8, True, False, id="E8-erase"),
-    pytest.param(1, 150, 2, 32, 8, False, False, id="E8-noerase", marks=pytest.mark.slow),
 ]
 
 

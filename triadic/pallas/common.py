@@ -58,6 +58,9 @@ class Config:
   slice_warpgroups: the slice kernel's warpgroups: 1, or 2 (D = 128 only: each owns one 64-row
   piece of the state and half the live registers). None: 2 where D = 128, else 1
   (``mosaic_backward.slice_warpgroups``).
+  slice_chunks_per_program: the slice kernel's chunks per program G (1: one program per chunk;
+  G > 1: each program walks G chunks, the next chunk's copies and this chunk's output stores
+  overlapping compute: ``mosaic_backward.slices_pass``).
   state_warpgroups: with ``mosaic_gpu``, the Mosaic state passes' warpgroups: 1, or 2 (D = 128
   only: each holds 64 rows of the state, so that E * block_v = 256 fits the registers; where
   ``mosaic.warpgroups_supported`` refuses, 1, as the plan says).
@@ -83,6 +86,7 @@ class Config:
   mosaic_gpu_backward: bool = False
   fused_tail: bool | None = None
   slice_warpgroups: int | None = None
+  slice_chunks_per_program: int = 1
   state_warpgroups: int = 1
   state_block_v: int | None = None
   sequence_pieces: int = 1
@@ -94,6 +98,9 @@ class Config:
       raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
     if self.slice_warpgroups not in (None, 1, 2):
       raise ValueError(f"slice_warpgroups must be None, 1 or 2, got {self.slice_warpgroups!r}")
+    if not isinstance(self.slice_chunks_per_program, int) or self.slice_chunks_per_program < 1:
+      raise ValueError("slice_chunks_per_program must be an int >= 1, got "
+                       f"{self.slice_chunks_per_program!r}")
     if self.state_warpgroups not in (1, 2):
       raise ValueError(f"state_warpgroups must be 1 or 2, got {self.state_warpgroups!r}")
     if not isinstance(self.sequence_pieces, int) or self.sequence_pieces < 0:

@@ -101,14 +101,16 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
   wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
-  cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, warpgroups=wgs)
+  per = cfg.slice_chunks_per_program
+  cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, warpgroups=wgs,
+                                         chunks_per_program=per)
                if cfg.mosaic_gpu_backward else "Config.mosaic_gpu_backward off")
   if cb_reason is None:
     wg_reason = ("" if wgs == (cfg.slice_warpgroups or 2) else
                  "; one warpgroup: " + str(mosaic_backward.slice_warpgroups_supported(d)))
     chunk_bwd = Stage("chunk_gradients", "mosaic_gpu" + interp + " + triton tail",
                       f"slice kernel: {e} slice(s) in 64-row pieces, two slots, {wgs} "
-                      f"warpgroup(s), {tail}",
+                      f"warpgroup(s), {per} chunk(s) per program, {tail}",
                       "Config.mosaic_gpu_backward" + tail_reason + wg_reason)
   else:
     chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
