@@ -566,6 +566,26 @@ def slice_warpgroups(requested: int | None, d: int) -> int:
   return 2 if requested in (None, 2) and slice_warpgroups_supported(d) is None else 1
 
 
+def _input_scratch(c, d, vd, e_dim, warpgroups, interpret):
+  """The slice kernels' SMEM for their inputs: Q and K by 64-column pieces, the factor rows, dX,
+  dO, U, and per warpgroup two slots of S_e and of dS_e row pieces (and, in interpret mode, the
+  explicit S^T, dS^T the interpreter needs)."""
+  n_pieces, sw, sk = d // PIECE, _swizzle(min(vd, 64)), _swizzle(min(d, 64))
+  scratch = [
+      _smem((n_pieces, c, PIECE), BF16, sk),        # q, by 64-column pieces
+      _smem((n_pieces, c, PIECE), BF16, sk),        # k
+      _smem((3 * e_dim + 1, c), F32),               # factor rows
+      _smem((c, vd), BF16, sw),                     # dX
+      _smem((c, vd), BF16, sw),                     # dO
+      _smem((c, vd), BF16, sw),                     # U
+      _smem((warpgroups, 2, PIECE, vd), BF16, sw),  # S_e row pieces, two slots per warpgroup
+      _smem((warpgroups, 2, PIECE, vd), BF16, sw),  # dS_e row pieces
+  ]
+  if interpret:
+    scratch += [_smem((warpgroups, vd, PIECE), BF16, sw)] * 2
+  return scratch
+
+
 def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups=1,
                 chunks_per_program=1, interpret=False):
   """The Mosaic GPU slice kernel ``triadic_chunk_backward_slices`` (grid (B*H, NC)). Per chunk it
@@ -600,20 +620,7 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
     return _slices_loop_pass(q, k, dx, do, u, states, dstates, f, scale=scale, erase=erase,
                              warpgroups=warpgroups, per=chunks_per_program, interpret=interpret)
   n_pieces = d // PIECE
-  sw = _swizzle(min(vd, 64))
-  sk = _swizzle(min(d, 64))
-  scratch = [
-      _smem((n_pieces, c, PIECE), BF16, sk),        # q, by 64-column pieces
-      _smem((n_pieces, c, PIECE), BF16, sk),        # k
-      _smem((3 * e_dim + 1, c), F32),               # factor rows
-      _smem((c, vd), BF16, sw),                     # dX
-      _smem((c, vd), BF16, sw),                     # dO
-      _smem((c, vd), BF16, sw),                     # U
-      _smem((warpgroups, 2, PIECE, vd), BF16, sw),  # S_e row pieces, two slots per warpgroup
-      _smem((warpgroups, 2, PIECE, vd), BF16, sw),  # dS_e row pieces
-  ]
-  if interpret:                                     # explicit S^T, dS^T (interpreter)
-    scratch += [_smem((warpgroups, vd, PIECE), BF16, sw)] * 2
+  scratch = _input_scratch(c, d, vd, e_dim, warpgroups, interpret)
   outs = [_smem((n_pieces, c, PIECE), F32, _swizzle(PIECE, F32)),     # dq
           _smem((n_pieces, c, PIECE), F32, _swizzle(PIECE, F32)),     # dk
           _smem((warpgroups, c, COEF_W), F32, _swizzle(COEF_W, F32)),
@@ -645,21 +652,10 @@ def _slices_loop_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warp
     raise ValueError(f"chunks_per_program > 1 needs C = {PIECE} and 4E <= {COEF_W}")
   n_pieces = d // PIECE
   in_slots = vd == 2 * PIECE
-  sw = _swizzle(min(vd, 64))
-  sk = _swizzle(min(d, 64))
   s128 = _swizzle(64)
-  scratch = [
-      _smem((n_pieces, c, PIECE), BF16, sk),        # q, by 64-column pieces (row sums' staging)
-      _smem((n_pieces, c, PIECE), BF16, sk),        # k
-      _smem((3 * e_dim + 1, c), F32),               # factor rows
-      _smem((c, vd), BF16, sw),                     # dX
-      _smem((c, vd), BF16, sw),                     # dO
-      _smem((c, vd), BF16, sw),                     # U
-      _smem((warpgroups, 2, PIECE, vd), BF16, sw),  # S_e row pieces (V = 128: dq staging)
-      _smem((warpgroups, 2, PIECE, vd), BF16, sw),  # dS_e row pieces (V = 128: dk staging)
-  ]
-  if interpret:                                     # explicit S^T, dS^T (interpreter)
-    scratch += [_smem((warpgroups, vd, PIECE), BF16, sw)] * 2
+  # The inputs' buffers; here Q's pieces also stage the row sums and, at V = 128, the S and dS
+  # slots stage dq and dk (``_slice_loop_kernel``).
+  scratch = _input_scratch(c, d, vd, e_dim, warpgroups, interpret)
   if not in_slots:                                  # staging of dq, dk (hi | lo)
     scratch += [_smem((warpgroups, c, 2 * PIECE), BF16, s128)] * 2
   n_prog = -(-nc // per)
