@@ -200,9 +200,9 @@ def check(only=None, fields=None):
 def stages(t, e_list, reps, variants=False, tails=False, fields=()):
   """Time each Pallas stage alone (bf16, H = 16, D = V = 128). On Hopper: the default kernels (all
   Mosaic GPU where they take the sizes) and the default with each of ``fields`` (``Config``
-  fields, ``--op-variants``' sets) set over it; with ``variants``, also the Triton kernels and a few of their tile configurations; with ``tails``,
-  the Hopper backward's tail (fused and split) under ``TAIL_VARIANTS``. Elsewhere: the Triton
-  kernels (and their variants)."""
+  fields, ``--op-variants``' sets) set over it; with ``variants``, also the Triton kernels and a
+  few of their tile configurations; with ``tails``, the Hopper backward's tail (fused and split)
+  under ``TAIL_VARIANTS``. Elsewhere: the Triton kernels (and their variants)."""
   from triadic.pallas.chunk_prep import chunk_prep
   b, h, d, vd, c = SHAPES.get(t, 1), 16, 128, 128, 64
   nc = t // c
@@ -325,20 +325,19 @@ def mosaic_backward_parts(cbw_args, reps, cfg):
   pro = jax.jit(lambda a, du, gc_col, k2_col, q2_col, beta_col: (
       mb.rhs_gradient(a, du, True), mb.factor_rows(gc_col, k2_col, q2_col, beta_col)))
   drhs, _ = pro(a, du, gc_col, k2_col, q2_col, beta_col)
-  saved_x = cbw_args[15] if len(cbw_args) > 15 else mb.x_from_states(k, v, st, k2_col, gc_col)
+  x = cbw_args[15] if len(cbw_args) > 15 else mb.x_from_states(k, v, st, k2_col, gc_col)
   per = cfg.slice_chunks_per_program
   label = f"{e_dim} slices, {wgs} warpgroup(s), {per} chunk(s) per program"
   low = lambda y: y.astype(q.dtype)
 
-  def value(q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
+  def slices(q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
     f = mb.factor_rows(gc_col, k2_col, q2_col, beta_col)
-    return [(saved_x,) + tuple(mb.slices_pass(
-        q, k, low(beta_col * drhs), low(do), low(u), st, dst, f, scale=0.1, erase=True,
-        warpgroups=wgs, chunks_per_program=per))]
+    return mb.slices_pass(q, k, low(beta_col * drhs), low(do), low(u), st, dst, f, scale=0.1,
+                          erase=True, warpgroups=wgs, chunks_per_program=per)
 
-  val = jax.jit(value)
-  val_args = (q, k, v, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)
-  x, dqp, dkp, coef, _ = val(*val_args)[0]
+  sk = jax.jit(slices)
+  sk_args = (q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)
+  dqp, dkp, coef, _ = sk(*sk_args)
   msk = jax.jit(functools.partial(masks.decay_masks, erase=True))
   msk_args = (k2_col, k2_row, q2_col, gc_col, gc_row)
   m, mq = msk(*msk_args)
@@ -351,7 +350,7 @@ def mosaic_backward_parts(cbw_args, reps, cfg):
   mg_args = (dmq, dm, cols, cols, cols, jnp.zeros_like(k2_col[..., 0, :]), k2_col, k2_row, q2_col,
              gc_col, gc_row)
   times = [timeit(fn, xs, reps) for fn, xs in ((pro, (a, du, gc_col, k2_col, q2_col, beta_col)),
-                                               (val, val_args), (msk, msk_args), (tk, tk_args),
+                                               (sk, sk_args), (msk, msk_args), (tk, tk_args),
                                                (mg, mg_args))]
   return [label] + [f"{x:.2f}" for x in times]
 

@@ -65,8 +65,9 @@ class Config:
   only: each holds 64 rows of the state, so that E * block_v = 256 fits the registers; where
   ``mosaic.warpgroups_supported`` refuses, 1, as the plan says).
   state_block_v: with ``mosaic_gpu``, the Mosaic state passes' value block (None:
-  ``mosaic.default_block_v`` for their warpgroups; one that ``mosaic.supported`` refuses sends them to Triton, as the
-  plan says). Wider blocks read K, Q, A, P fewer times over, with fewer programs.
+  ``mosaic.default_block_v`` for their warpgroups; one that ``mosaic.supported`` refuses sends
+  them to Triton, as the plan says). Wider blocks read K, Q, A, P fewer times over, with fewer
+  programs.
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).

@@ -79,14 +79,15 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   prep = Stage("prep", base, "one program per chunk",
                f"masks M, M' in plain JAX (E-independent kernel); {inverse}")
 
-  wgs = state_warpgroups(cfg, d=d, vd=vd, c=c, e=e)
-  state_reason = (mosaic.supported(d, vd, c, e, dtype, block_v=cfg.state_block_v, warpgroups=wgs)
+  state_wgs = state_warpgroups(cfg, d=d, vd=vd, c=c, e=e)
+  state_reason = (mosaic.supported(d, vd, c, e, dtype, block_v=cfg.state_block_v,
+                                   warpgroups=state_wgs)
                   if cfg.mosaic_gpu else "Config.mosaic_gpu off")
   if state_reason is None:
     bv = state_block_v(cfg, d=d, vd=vd, c=c, e=e)
-    wg_reason = ("" if wgs == cfg.state_warpgroups else "; one warpgroup: "
+    wg_reason = ("" if state_wgs == cfg.state_warpgroups else "; one warpgroup: "
                  + str(mosaic.warpgroups_supported(d, vd, c, e, cfg.state_block_v)))
-    tiles = f"block_v {bv}, S_cat D x {e * bv}, {wgs} warpgroup(s), copies "
+    tiles = f"block_v {bv}, S_cat D x {e * bv}, {state_wgs} warpgroup(s), copies "
     forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead",
                     "Config.mosaic_gpu" + wg_reason)
     bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles + "at chunk start",
@@ -100,16 +101,16 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   tail = "fused tail" if fused else "tail between JAX mask work"
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
-  wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
+  slice_wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
   per = cfg.slice_chunks_per_program
-  cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, warpgroups=wgs,
+  cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, warpgroups=slice_wgs,
                                          chunks_per_program=per)
                if cfg.mosaic_gpu_backward else "Config.mosaic_gpu_backward off")
   if cb_reason is None:
-    wg_reason = ("" if wgs == (cfg.slice_warpgroups or 2) else
+    wg_reason = ("" if slice_wgs == (cfg.slice_warpgroups or 2) else
                  "; one warpgroup: " + str(mosaic_backward.slice_warpgroups_supported(d)))
     chunk_bwd = Stage("chunk_gradients", "mosaic_gpu" + interp + " + triton tail",
-                      f"slice kernel: {e} slice(s) in 64-row pieces, two slots, {wgs} "
+                      f"slice kernel: {e} slice(s) in 64-row pieces, two slots, {slice_wgs} "
                       f"warpgroup(s), {per} chunk(s) per program, {tail}",
                       "Config.mosaic_gpu_backward" + tail_reason + wg_reason)
   else:
