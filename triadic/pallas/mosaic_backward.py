@@ -204,11 +204,71 @@ def supported(d: int, vd: int, c: int, e: int, dtype, erase: bool = True,
   return None
 
 
+def _stream_item(ops, ins, bars, bar_s, interp, *, slot, h, e, e_dim, scale, erase, carry,
+                 place):
+  """One item of a warpgroup's stream, the same in both slice kernels: rows h * PIECE.. of S_e
+  and dS_e in ``slot`` (their copies waited for here). Takes P1 = dX S_e[rows]^T (erase),
+  P2 = dO S_e[rows]^T, P3 = U dS_e[rows]^T and S_e[rows] dS_e[rows]^T, adds the dq, dk columns
+  to ``carry`` = (dq, dk, sums) and hands each row sum to ``place(sums, kind, e, vec)``: kind 0,
+  1, 2 the dcoef, dqcoef, dkcoef row sums, 3 dlam's (the diagonal). ``ins`` = the SMEM refs
+  (k, q, f, dX, dO, U, S slots, dS slots); ``interp``: the explicit S^T, dS^T of interpret mode
+  (the interpreter has no transpose_ref), else empty. ``e`` is a Python int (unrolled) or traced
+  (``lax.fori_loop``), ``h`` an int or the warpgroup's index."""
+  k_s, q_s, f_s, dx_s, do_s, u_s, s_s, ds_s = ins
+  dq, dk, sums = carry
+  factor = lambda kind: ops.rowvec(f_s, kind * e_dim + e, PIECE)   # c, fq, fw rows
+  iota = lambda dim: ops.acc(lax.broadcasted_iota(jnp.int32, (PIECE, PIECE), dim))
+
+  def transposed(ref, which):
+    """ref[slot]^T (V x PIECE) as a wgmma B operand."""
+    if ops.interpret:
+      return interp[which]
+    return plgpu.transpose_ref(ref.at[slot], (1, 0))
+
+  plgpu.barrier_wait(bars.at[bar_s + 2 * slot])
+  if ops.interpret:
+    interp[0][...] = s_s[slot].T
+  if erase:
+    p1 = ops.mm(dx_s, transposed(s_s, 0))                   # dX S_e[rows]^T
+    kh = ops.acc(k_s[h].astype(F32))
+    sums = place(sums, 0, e, -jnp.sum(kh * p1, axis=1))
+    dk = dk - factor(0) * p1
+  p2 = ops.mm(do_s, transposed(s_s, 0))                     # dO S_e[rows]^T
+  qh = ops.acc(q_s[h].astype(F32))
+  sums = place(sums, 1, e, scale * jnp.sum(qh * p2, axis=1))
+  dq = dq + (scale * factor(1)) * p2
+  plgpu.barrier_wait(bars.at[bar_s + 2 * slot + 1])
+  if ops.interpret:
+    interp[1][...] = ds_s[slot].T
+  p3 = ops.mm(u_s, transposed(ds_s, 1))                     # U dS_e[rows]^T
+  kh = ops.acc(k_s[h].astype(F32))
+  sums = place(sums, 2, e, jnp.sum(kh * p3, axis=1))
+  dk = dk + factor(2) * p3
+  # <dS_e, S_e> over these rows: the diagonal of S_e[rows] dS_e[rows]^T.
+  g = ops.mm(s_s.at[slot], transposed(ds_s, 1))
+  sums = place(sums, 3, e, jnp.sum(jnp.where(iota(0) == iota(1), g, 0.0), axis=1))
+  return dq, dk, sums
+
+
+def _launch(kernel, operands, out_type, *, grid, n_pieces, warpgroups, interpret):
+  """``plgpu.kernel`` for both slice kernels: grid (B*H, programs), the barriers (the first
+  copies' and each warpgroup's four slot barriers, ``_slice_kernel``'s layout, and one of
+  ``warpgroups`` arrivals where they meet), one thread per warpgroup."""
+  threads = dict(num_threads=2, thread_name="wg") if warpgroups == 2 else {}
+  return plgpu.kernel(
+      kernel, out_type=out_type,
+      scratch_types=[plgpu.Barrier(num_barriers=2 * n_pieces + 4 + 4 * warpgroups),
+                     plgpu.Barrier(num_arrivals=warpgroups)],
+      grid=grid, grid_names=("bh", "n"), compiler_params=plgpu.CompilerParams(),
+      interpret=_interpret_params(interpret), kernel_name="triadic_chunk_backward_slices",
+      **threads,
+  )(*operands)
+
+
 def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g, lam_g, bars,
                   done, *, scratch, outs, c, d, e_dim, scale, erase, wgs, interpret):
   ops = _Ops(interpret)
   i, n = lax.axis_index("bh"), lax.axis_index("n")
-  erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
   n_pieces = d // PIECE
   # The pieces (64-row blocks of the state, 64-column blocks of dq, dk, K, Q) a warpgroup owns:
   # all of them with one warpgroup, piece w for warpgroup w with two.
@@ -257,42 +317,21 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
       load_item(j)
     _wait(firsts - (0 if erase else 1), bars)
 
-    def transposed(ref, slot):
-      """ref[slot]^T (V x PIECE) as a wgmma B operand."""
-      if interpret:
-        return interp[0 if ref is s_s else 1]
-      return plgpu.transpose_ref(ref.at[slot], (1, 0))
+    ins = (k_s, q_s, f_s, dx_s, do_s, u_s, s_s, ds_s)
 
-    rows_iota = lambda dim: ops.acc(lax.broadcasted_iota(jnp.int32, (PIECE, PIECE), dim))
+    def place(sums, kind, e, vec):
+      coef, lam = sums
+      if kind == 3:
+        return coef, onehot_add(lam, vec, e)
+      return onehot_add(coef, vec, kind * e_dim + e), lam
 
     def item(h, e, carry):
-      """Item (h, e): rows h * PIECE.. of S_e and dS_e. ``e`` is a Python int (unrolled) or
-      traced (``lax.fori_loop``), ``h`` an int or the warpgroup's index."""
-      dq, dk, coef, lam = carry
+      """Item (h, e) (``_stream_item``), then the copy two items ahead into its slot."""
       j = (h if wgs == 1 else 0) * e_dim + e
-      slot = j % 2
-      plgpu.barrier_wait(bars.at[bar_s + 2 * slot])
-      if interpret:                     # explicit transposes (the interpreter has no transpose_ref)
-        interp[0][...] = s_s[slot].T
-      if erase:
-        p1 = ops.mm(dx_s, transposed(s_s, slot))             # dX S_e[rows]^T
-        kh = ops.acc(k_s[h].astype(F32))
-        coef = onehot_add(coef, -jnp.sum(kh * p1, axis=1), e)
-        dk = dk - ops.rowvec(f_s, erase_rows + e, PIECE) * p1
-      p2 = ops.mm(do_s, transposed(s_s, slot))               # dO S_e[rows]^T
-      qh = ops.acc(q_s[h].astype(F32))
-      coef = onehot_add(coef, scale * jnp.sum(qh * p2, axis=1), e_dim + e)
-      dq = dq + (scale * ops.rowvec(f_s, read_rows + e, PIECE)) * p2
-      plgpu.barrier_wait(bars.at[bar_s + 2 * slot + 1])
-      if interpret:
-        interp[1][...] = ds_s[slot].T
-      p3 = ops.mm(u_s, transposed(ds_s, slot))               # U dS_e[rows]^T
-      kh = ops.acc(k_s[h].astype(F32))
-      coef = onehot_add(coef, jnp.sum(kh * p3, axis=1), 2 * e_dim + e)
-      dk = dk + ops.rowvec(f_s, write_rows + e, PIECE) * p3
-      # <dS_e, S_e> over these rows: the diagonal of S_e[rows] dS_e[rows]^T.
-      g = ops.mm(s_s.at[slot], transposed(ds_s, slot))
-      lam = onehot_add(lam, jnp.sum(jnp.where(rows_iota(0) == rows_iota(1), g, 0.0), axis=1), e)
+      dq, dk, coef, lam = carry
+      dq, dk, (coef, lam) = _stream_item(
+          ops, ins, bars, bar_s, interp, slot=j % 2, h=h, e=e, e_dim=e_dim, scale=scale,
+          erase=erase, carry=(dq, dk, (coef, lam)), place=place)
 
       def next_copy():
         plgpu.commit_smem()             # every wgmma and register read of this slot is done
@@ -376,8 +415,6 @@ def _slice_loop_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, co
   ``chunks_per_program`` > 1; the module docstring describes the structure)."""
   ops = _Ops(interpret)
   i, p = lax.axis_index("bh"), lax.axis_index("n")
-  erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
-  lam_col = 3 * e_dim                 # dlam_e in column 3E + e of the packed row sums
   n_pieces = d // PIECE
   w = lax.axis_index("wg") if wgs == 2 else 0
   pieces = [w] if wgs == 2 else list(range(n_pieces))
@@ -444,39 +481,13 @@ def _slice_loop_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, co
     load_item(0)
     load_item_if(1)
 
-    def transposed(ref, slot):
-      if interpret:
-        return interp[0 if ref is s_s else 1]
-      return plgpu.transpose_ref(ref.at[slot], (1, 0))
-
-    rows_iota = lambda dim: ops.acc(lax.broadcasted_iota(jnp.int32, (PIECE, PIECE), dim))
+    ins = (k_s, q_s, f_s, dx_s, do_s, u_s, s_s, ds_s)
+    place = lambda coef, kind, e, vec: onehot_add(coef, vec, kind * e_dim + e)
 
     def item(h, base, e, carry):
-      dq, dk, coef = carry
       jj = base + (h if wgs == 1 else 0) * e_dim + e
-      slot = jj % 2
-      plgpu.barrier_wait(bars.at[bar_s + 2 * slot])
-      if interpret:
-        interp[0][...] = s_s[slot].T
-      if erase:
-        p1 = ops.mm(dx_s, transposed(s_s, slot))
-        kh = ops.acc(k_s[h].astype(F32))
-        coef = onehot_add(coef, -jnp.sum(kh * p1, axis=1), e)
-        dk = dk - ops.rowvec(f_s, erase_rows + e, PIECE) * p1
-      p2 = ops.mm(do_s, transposed(s_s, slot))
-      qh = ops.acc(q_s[h].astype(F32))
-      coef = onehot_add(coef, scale * jnp.sum(qh * p2, axis=1), e_dim + e)
-      dq = dq + (scale * ops.rowvec(f_s, read_rows + e, PIECE)) * p2
-      plgpu.barrier_wait(bars.at[bar_s + 2 * slot + 1])
-      if interpret:
-        interp[1][...] = ds_s[slot].T
-      p3 = ops.mm(u_s, transposed(ds_s, slot))
-      kh = ops.acc(k_s[h].astype(F32))
-      coef = onehot_add(coef, jnp.sum(kh * p3, axis=1), 2 * e_dim + e)
-      dk = dk + ops.rowvec(f_s, write_rows + e, PIECE) * p3
-      g = ops.mm(s_s.at[slot], transposed(ds_s, slot))
-      coef = onehot_add(coef, jnp.sum(jnp.where(rows_iota(0) == rows_iota(1), g, 0.0), axis=1),
-                        lam_col + e)
+      carry = _stream_item(ops, ins, bars, bar_s, interp, slot=jj % 2, h=h, e=e, e_dim=e_dim,
+                           scale=scale, erase=erase, carry=carry, place=place)
 
       # A piece's last item keeps its slot: ``piece_end`` stages that piece's outputs there
       # (V = 128) and then starts the copy two items ahead.
@@ -489,7 +500,7 @@ def _slice_loop_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, co
           pl.when(jj + 2 < total)(next_copy)
       else:
         pl.when((e < e_dim - 1) & (jj + 2 < total))(next_copy)
-      return dq, dk, coef
+      return carry
 
     def piece_end(h, g, n, last_jj, dq, dk, coef):
       """Stage and store piece h's dq, dk (and at the chunk's end the row sums), start the copies
@@ -630,15 +641,9 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
               jax.ShapeDtypeStruct((bh, nc, warpgroups, PIECE, LAM_W), F32)]
   kernel = functools.partial(_slice_kernel, scratch=scratch, outs=outs, c=c, d=d, e_dim=e_dim,
                              scale=scale, erase=erase, wgs=warpgroups, interpret=bool(interpret))
-  threads = dict(num_threads=2, thread_name="wg") if warpgroups == 2 else {}
-  dqp, dkp, coef, lam = plgpu.kernel(
-      kernel, out_type=out_type,
-      scratch_types=[plgpu.Barrier(num_barriers=2 * n_pieces + 4 + 4 * warpgroups),
-                     plgpu.Barrier(num_arrivals=warpgroups)],
-      grid=(bh, nc), grid_names=("bh", "n"), compiler_params=plgpu.CompilerParams(),
-      interpret=_interpret_params(interpret), kernel_name="triadic_chunk_backward_slices",
-      **threads,
-  )(q, k, dx, do, u, states, dstates, f)
+  dqp, dkp, coef, lam = _launch(kernel, (q, k, dx, do, u, states, dstates, f), out_type,
+                                grid=(bh, nc), n_pieces=n_pieces, warpgroups=warpgroups,
+                                interpret=interpret)
   return dqp, dkp, jnp.sum(coef, axis=2), jnp.sum(lam, axis=2)
 
 
@@ -665,15 +670,9 @@ def _slices_loop_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warp
   kernel = functools.partial(_slice_loop_kernel, scratch=scratch, c=c, d=d, e_dim=e_dim,
                              scale=scale, erase=erase, wgs=warpgroups, per=per, nc=nc,
                              in_slots=in_slots, interpret=bool(interpret))
-  threads = dict(num_threads=2, thread_name="wg") if warpgroups == 2 else {}
-  dq2, dk2, coef2 = plgpu.kernel(
-      kernel, out_type=out_type,
-      scratch_types=[plgpu.Barrier(num_barriers=2 * n_pieces + 4 + 4 * warpgroups),
-                     plgpu.Barrier(num_arrivals=warpgroups)],
-      grid=(bh, n_prog), grid_names=("bh", "n"), compiler_params=plgpu.CompilerParams(),
-      interpret=_interpret_params(interpret), kernel_name="triadic_chunk_backward_slices",
-      **threads,
-  )(q, k, dx, do, u, states, dstates, f)
+  dq2, dk2, coef2 = _launch(kernel, (q, k, dx, do, u, states, dstates, f), out_type,
+                            grid=(bh, n_prog), n_pieces=n_pieces, warpgroups=warpgroups,
+                            interpret=interpret)
 
   def hi_lo(x, width):
     x = x.astype(F32).reshape(*x.shape[:-1], -1, 2, width)
