@@ -465,16 +465,19 @@ def _store_cat(x, dst, cat):
   pl.run_scoped(body, cat)
 
 
-def _chunk_loop(chunk, nc, init, scratch, prologue):
+def _chunk_loop(chunk, nc, init, scratch, prologue, xbar=None):
   """fori_loop over the chunks inside one SMEM scope (``scratch``), after ``prologue(*refs)`` (the
   first chunk's copies); the scope is released before the final state's buffer is allocated (the
-  two do not fit together at D * E * BV = 64 * 256)."""
+  two do not fit together at D * E * BV = 64 * 256). With ``xbar`` (two warpgroups) the scope is
+  shared by both, who meet at it before the scope ends."""
   def body(*refs):
     prologue(*refs)
     out = lax.fori_loop(0, nc, lambda n, s: chunk(n, s, *refs), init)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    if xbar is not None:
+      _sync(xbar)
     return out
-  return pl.run_scoped(body, *scratch)
+  return pl.run_scoped(body, *scratch, collective_axes=("wg",) * (xbar is not None))
 
 
 def _compiler_params():
@@ -767,27 +770,6 @@ def _sync(xbar):
   plgpu.barrier_wait(xbar)
 
 
-class _Copies:
-  """A two-warpgroup pass's per-chunk inputs: name -> (chunk -> gmem ref, smem ref, barrier)."""
-
-  def __init__(self, bars, table, nc, order):
-    self.bars, self.table, self.nc, self.order = bars, table, nc, order
-
-  def start(self, names, step):
-    for name in names:
-      src, dst, slot = self.table[name]
-      plgpu.copy_gmem_to_smem(src(self.order(step)), dst, self.bars.at[slot])
-
-  def start_next(self, names, step):
-    @pl.when(step + 1 < self.nc)
-    def _():
-      self.start(names, step + 1)
-
-  def wait(self, *names):
-    for name in names:
-      plgpu.barrier_wait(self.bars.at[self.table[name][2]])
-
-
 def _load_rows(ops, src, cat, barrier, w, xbar):
   """Warpgroup w's (64, E*BV) float32 rows of the carried state from gmem, through a shared
   scoped (2, 64, E*BV) SMEM buffer; both warpgroups have read it before the scope ends."""
@@ -807,17 +789,6 @@ def _store_rows(x, dst, cat, w):
     plgpu.copy_smem_to_gmem(cat_s.at[w], dst)
     plgpu.wait_smem_to_gmem(0)
   pl.run_scoped(body, cat, collective_axes=("wg",))
-
-
-def _chunk_loop_2wg(chunk, nc, init, scratch, prologue, xbar):
-  """``_chunk_loop`` with the scope shared by both warpgroups, who meet before it ends."""
-  def body(*refs):
-    prologue(*refs)
-    out = lax.fori_loop(0, nc, lambda n, s: chunk(n, s, *refs), init)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-    _sync(xbar)
-    return out
-  return pl.run_scoped(body, *scratch, collective_axes=("wg",))
 
 
 def _partial(ops, lhs, pieces, f_s, first_row, bv):
@@ -845,7 +816,7 @@ def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_a
   state0 = _load_rows(ops, h0_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
 
   def copies(q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s):
-    return _Copies(bars, {
+    return _Inputs(bars, {
         "q": (lambda n: q_g.at[i, n, :, rows], q_s.at[w], 3 * w),
         "k": (lambda n: k_g.at[i, n, :, rows], k_s.at[w], 3 * w + 1),
         "kt": (lambda n: kt_g.at[i, n, rows, :], kt_s.at[w], 3 * w + 2),
@@ -853,7 +824,7 @@ def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_a
         "lam": (lambda n: lam_g.at[i, n], lam_s, _LAM),
         "v": (lambda n: v_g.at[i, n, :, cols], v_s, 8),
         "a": (lambda n: a_g.at[i, n], a_s, 9),
-        "p": (lambda n: p_g.at[i, n], p_s, 10)}, nc, lambda n: n)
+        "p": (lambda n: p_g.at[i, n], p_s, 10)}, order=lambda n: n, nc=nc)
 
   own = ("q", "k") if erase else ("q",)
   first0 = ("f", "lam", "v", "p") + (("a",) if erase else ())
@@ -870,18 +841,18 @@ def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_a
     plgpu.wgmma_wait(0)                   # its previous state update has read K^T, W
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # its stores have read their buffers
     _store_blocks(s, mine, e_dim, bv, BF16)
-    cp.wait("lam")
+    cp.wait("lam", n)
     decayed = ops.colvec(lam_s, HALF) * s
     plgpu.commit_smem()
     for e in range(e_dim):                # the chunk-start state, straight from the operand
       plgpu.copy_smem_to_gmem(mine.at[e], st_g.at[i, n, e, rows, cols])
     cp.start(("kt",), n)                  # read only by the state update at the chunk's end
-    cp.wait("f")
+    cp.wait("f", n)
     part_r = None
     if erase:
-      cp.wait("k")
+      cp.wait("k", n)
       part_r = _partial(ops, k_s.at[w], mine, f_s, r_rows, bv)
-    cp.wait("q")
+    cp.wait("q", n)
     part_y = _partial(ops, q_s.at[w], mine, f_s, read_rows, bv)
 
     @pl.when(w == 1)
@@ -896,7 +867,7 @@ def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_a
     @pl.when(w == 0)
     def _():
       cp.start_next(("lam",), n)
-      cp.wait("v")
+      cp.wait("v", n)
       beta = ops.rowvec(f_s, beta_row, bv)
       v = ops.acc(v_s[...].astype(F32))
       if erase:
@@ -912,7 +883,7 @@ def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_a
         cp.start_next(("v",), n)
         if save_x:
           plgpu.copy_smem_to_gmem(x_out[0], x_g.at[i, n, :, cols])
-        cp.wait("a")
+        cp.wait("a", n)
         u = ops.mm(a_s, rhs_s)
       else:
         u = beta * v
@@ -923,7 +894,7 @@ def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_a
       plgpu.commit_smem()
       cp.start_next(("a",) if erase else ("v",), n)
       plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
-      cp.wait("p")
+      cp.wait("p", n)
       out = ops.mm(p_s, u16_s) + part_y + ops.acc(red_y[...])
       o_s[...] = (scale * out).astype(o_s.dtype)
       plgpu.commit_smem()
@@ -932,10 +903,10 @@ def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_a
 
     _sync(xbar)       # W is in SMEM; warpgroup 0 has read the partials; both are done with f
     pl.when(w == 0)(lambda: cp.start_next(("f",), n))
-    cp.wait("kt")
+    cp.wait("kt", n)
     return ops.mm_add(decayed, [(kt_s.at[w], w_s)])
 
-  state = _chunk_loop_2wg(chunk, nc, state0, scratch, prologue, xbar)
+  state = _chunk_loop(chunk, nc, state0, scratch, prologue, xbar)
   _store_rows(state, ht_g.at[i, j, rows], cat, w)
 
 
@@ -995,7 +966,7 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
   dstate0 = _load_rows(ops, dht_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
 
   def copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s):
-    return _Copies(bars, {
+    return _Inputs(bars, {
         "k": (lambda n: k_g.at[i, n, :, rows], k_s.at[w], 3 * w),
         "kt": (lambda n: kt_g.at[i, n, rows, :], kt_s.at[w], 3 * w + 1),
         "qt": (lambda n: qt_g.at[i, n, rows, :], qt_s.at[w], 3 * w + 2),
@@ -1003,7 +974,7 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
         "lam": (lambda n: lam_g.at[i, n], lam_s, _LAM),
         "do": (lambda n: do_g.at[i, n, :, cols], do_s, 8),
         "at": (lambda n: at_g.at[i, n], at_s, 9),
-        "pt": (lambda n: pt_g.at[i, n], pt_s, 10)}, nc, lambda step: nc - 1 - step)
+        "pt": (lambda n: pt_g.at[i, n], pt_s, 10)}, order=lambda step: nc - 1 - step, nc=nc)
 
   first0 = ("f", "lam", "do", "pt") + (("at",) if erase else ())
   at_end = ("qt", "kt") if erase else ("qt",)     # read only by the state update at the end
@@ -1018,13 +989,14 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
     pl.when(w == 0)(lambda: cp.start(first0, step))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     _store_blocks(ds, mine, e_dim, bv, BF16)
-    cp.wait("lam")
+    cp.wait("lam", step)
     decayed = ops.colvec(lam_s, HALF) * ds
     plgpu.commit_smem()
     for e in range(e_dim):
       plgpu.copy_smem_to_gmem(mine.at[e], dst_g.at[i, n, e, rows, cols])
     cp.start(at_end, step)
-    cp.wait("k", "f")
+    cp.wait("k", step)
+    cp.wait("f", step)
     part = _partial(ops, k_s.at[w], mine, f_s, write_rows, bv)
 
     @pl.when(w == 1)
@@ -1035,7 +1007,8 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
 
     @pl.when(w == 0)
     def _():
-      cp.wait("pt", "do")
+      cp.wait("pt", step)
+      cp.wait("do", step)
       du = scale * ops.mm(pt_s, do_s) + part + ops.acc(u_s[...])
       u_s[...] = du
       if erase:
@@ -1047,7 +1020,7 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
         x_s[:, e * bv:(e + 1) * bv] = (scale * ops.rowvec(f_s, read_rows + e, bv) * do
                                        ).astype(BF16)
       if erase:
-        cp.wait("at")
+        cp.wait("at", step)
         drhs = ops.mm(at_s, u16_s)
         for e in range(e_dim):
           z_s[:, e * bv:(e + 1) * bv] = (-ops.rowvec(f_s, erase_rows + e, bv) * drhs
@@ -1056,11 +1029,12 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
     _sync(xbar)       # X, Z are in SMEM; warpgroup 0 has read the partial
-    cp.wait(*at_end)
+    for name in at_end:
+      cp.wait(name, step)
     pairs = [(qt_s.at[w], x_s)] + ([(kt_s.at[w], z_s)] if erase else [])
     return ops.mm_add(decayed, pairs)
 
-  dstate = _chunk_loop_2wg(chunk, nc, dstate0, scratch, lambda *refs: None, xbar)
+  dstate = _chunk_loop(chunk, nc, dstate0, scratch, lambda *refs: None, xbar)
   _store_rows(dstate, dh0_g.at[i, j, rows], cat, w)
 
 
