@@ -71,37 +71,22 @@ def test_forward_and_backward_match_recurrent(b, t, h, vdim, e, bv, erase):
   assert fargs[0].shape[1] >= 3 and fargs[0].shape[0] >= 2
   kw = dict(scale=SCALE, erase=erase)
   got = jax.jit(functools.partial(mosaic.state_pass, block_v=bv, interpret=True, **kw))(*fargs)
-  want = recurrent.state_pass(*fargs, cfg=CPU, **kw)
-  for name, x, y in zip(("o", "U", "states", "final state"), got, want):
-    assert x.shape == y.shape and x.dtype == y.dtype, name
-    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+  check_close(FORWARD_OUTPUTS, got, recurrent.state_pass(*fargs, cfg=CPU, **kw))
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
   got = jax.jit(functools.partial(mosaic.reverse_state_pass, block_v=bv, interpret=True,
                                   **kw))(*bargs)
-  want = recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw)
-  for name, x, y in zip(("dU", "dstates", "dh0"), got, want):
+  check_close(BACKWARD_OUTPUTS, got, recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw))
+
+
+FORWARD_OUTPUTS = ("o", "U", "states", "final state")
+BACKWARD_OUTPUTS = ("dU", "dstates", "dh0")
+
+
+def check_close(names, got, want):
+  """Shape, dtype and relative RMS (< BOUND) of each output against the reference's."""
+  for name, x, y in zip(names, got, want, strict=True):
     assert x.shape == y.shape and x.dtype == y.dtype, name
     assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
-
-
-@pytest.mark.parametrize("d,vdim,e,erase", [(64, 64, 8, True), (128, 128, 8, True),
-                                            (128, 64, 2, False), (64, 32, 3, True)])
-def test_kernels_lower_for_cuda(d, vdim, e, erase):
-  """Both kernels pass the Mosaic GPU lowering (layout inference, wgmma/TMA checks, SMEM size)
-  for the default block_v; nothing runs."""
-  bh, nc, c = 2, 4, 64
-  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
-  f32 = functools.partial(spec, dt=jnp.float32)
-  common = [f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, 1),
-            f32(bh, nc, c, c), f32(bh, nc, c, c)]
-  fwd = jax.jit(functools.partial(mosaic.state_pass, scale=SCALE, erase=erase))
-  text = fwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
-                   f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triadic_forward_mgpu" in text
-  bwd = jax.jit(functools.partial(mosaic.reverse_state_pass, scale=SCALE, erase=erase))
-  text = bwd.trace(spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
-                   f32(bh, e, d, vdim)).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triadic_backward_states_mgpu" in text
 
 
 WG2_CASES = [
@@ -130,36 +115,37 @@ def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x):
     want_x = mosaic_backward.x_from_states(k, v, want[2], k2, gc_col)
     assert x.shape == want_x.shape and x.dtype == q.dtype
     assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
-  for name, x, y in zip(("o", "U", "states", "final state"), got, want, strict=True):
-    assert x.shape == y.shape and x.dtype == y.dtype, name
-    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+  check_close(FORWARD_OUTPUTS, got, want)
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
   got = mosaic.reverse_state_pass(*bargs, warpgroups=2, interpret=True, **kw)
-  want = recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw)
-  for name, x, y in zip(("dU", "dstates", "dh0"), got, want, strict=True):
-    assert x.shape == y.shape and x.dtype == y.dtype, name
-    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+  check_close(BACKWARD_OUTPUTS, got, recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw))
 
 
-@pytest.mark.parametrize("vdim,e,erase,save_x", [(128, 8, True, True), (128, 8, False, False),
-                                                 (64, 3, True, False), (32, 1, True, True)])
-def test_two_warpgroups_lower_for_cuda(vdim, e, erase, save_x):
-  """The two-warpgroup kernels lower for "cuda" at D = 128 with the default block_v (32: at E = 8
-  E * block_v = 256, SMEM within the limit); nothing runs."""
-  bh, nc, c, d = 2, 4, 64, 128
+@pytest.mark.parametrize("d,vdim,e,erase,wgs,save_x", [
+    (64, 64, 8, True, 1, False), (128, 128, 8, True, 1, False), (128, 64, 2, False, 1, False),
+    (64, 32, 3, True, 1, False),
+    # two warpgroups at D = 128 with their default block_v (32: E * block_v = 256 at E = 8)
+    (128, 128, 8, True, 2, True), (128, 128, 8, False, 2, False), (128, 64, 3, True, 2, False),
+    (128, 32, 1, True, 2, True),
+])
+def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x):
+  """Both kernels pass the Mosaic GPU lowering (layout inference, wgmma/TMA checks, SMEM size)
+  for the default block_v; nothing runs."""
+  bh, nc, c = 2, 4, 64
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
   f32 = functools.partial(spec, dt=jnp.float32)
   common = [f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, 1),
             f32(bh, nc, c, c), f32(bh, nc, c, c)]
   args = (spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
           f32(bh, e, d, vdim))
-  kw = dict(scale=SCALE, erase=erase, warpgroups=2)
+  kw = dict(scale=SCALE, erase=erase, warpgroups=wgs)
+  suffix = "_wg2" if wgs == 2 else ""
   fwd = jax.jit(functools.partial(mosaic.state_pass, save_x=save_x, **kw))
   text = fwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triadic_forward_mgpu_wg2" in text
+  assert "triadic_forward_mgpu" + suffix in text
   bwd = jax.jit(functools.partial(mosaic.reverse_state_pass, **kw))
   text = bwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triadic_backward_states_mgpu_wg2" in text
+  assert "triadic_backward_states_mgpu" + suffix in text
 
 
 def test_two_warpgroups_supported():
