@@ -326,14 +326,13 @@ def mosaic_backward_parts(cbw_args, reps, cfg):
       mb.rhs_gradient(a, du, True), mb.factor_rows(gc_col, k2_col, q2_col, beta_col)))
   drhs, _ = pro(a, du, gc_col, k2_col, q2_col, beta_col)
   x = cbw_args[15] if len(cbw_args) > 15 else mb.x_from_states(k, v, st, k2_col, gc_col)
-  per = cfg.slice_chunks_per_program
-  label = f"{e_dim} slices, {wgs} warpgroup(s), {per} chunk(s) per program"
+  label = f"{e_dim} slices, {wgs} warpgroup(s)"
   low = lambda y: y.astype(q.dtype)
 
   def slices(q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
     f = mb.factor_rows(gc_col, k2_col, q2_col, beta_col)
     return mb.slices_pass(q, k, low(beta_col * drhs), low(do), low(u), st, dst, f, scale=0.1,
-                          erase=True, warpgroups=wgs, chunks_per_program=per)
+                          erase=True, warpgroups=wgs)
 
   sk = jax.jit(slices)
   sk_args = (q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)

@@ -153,6 +153,13 @@ def test_two_warpgroups_supported():
   assert mosaic.warpgroups_supported(128, 128, 64, 8) is None
   assert mosaic.default_block_v(128, 128, 64, 8, warpgroups=2) == 32
   assert mosaic.default_block_v(128, 128, 64, 8) == 16              # one warpgroup unchanged
+  # By default two warpgroups where one warpgroup's state fills its registers (E * BV = 128 at
+  # D = 128), the forward only at BV >= 32; block_v stays one warpgroup's.
+  assert mosaic.default_state_tiles(128, 128, 64, 8) == (16, 1, 2)
+  assert mosaic.default_state_tiles(128, 128, 64, 4) == (32, 2, 2)
+  assert mosaic.default_state_tiles(128, 128, 64, 2) == (32, 1, 1)
+  assert mosaic.default_state_tiles(128, 128, 64, 8, block_v=32) == (32, 2, 2)
+  assert mosaic.default_state_tiles(64, 64, 64, 8) == (16, 1, 1)    # two need D = 128
   assert mosaic.supported(128, 128, 64, 8, bf16, block_v=32, warpgroups=2) is None
   assert mosaic.supported(128, 128, 64, 3, bf16, warpgroups=2) is None
   assert "D = 128" in mosaic.warpgroups_supported(64, 64, 64, 8)

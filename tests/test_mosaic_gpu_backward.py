@@ -11,11 +11,9 @@ column parts (they collect the row sums, which the two kernels form from differe
 products). Cases cover E unrolled and as a loop (E > ``UNROLL_MAX_E``), E not a power of two, X
 from the forward or formed in plain JAX, with and without erase, strong decay (g down to -20 per
 token, which only the masking before exp keeps finite) and weak decay (where the chunk-end term
-dlam exp(gc_C) of d gc is not negligible), one and two warpgroups, one or several chunks per
-program (``chunks_per_program``, with a program that gets fewer; two warpgroups there with the
-interpreter's race detector on). Lowering tests compile the whole function for "cuda" (Mosaic
-GPU layout inference, wgmma / TMA operand checks, the SMEM limit) and the Triton tail; nothing
-runs.
+dlam exp(gc_C) of d gc is not negligible), one and two warpgroups. Lowering tests compile the
+whole function for "cuda" (Mosaic GPU layout inference, wgmma / TMA operand checks, the SMEM
+limit) and the Triton tail; nothing runs.
 """
 
 from __future__ import annotations
@@ -193,10 +191,8 @@ def test_supported():
                                    jnp.zeros((1, 1, 64, 1)), x, scale=1.0, erase=True)
   with pytest.raises(ValueError, match="slice_warpgroups"):
     Config("gpu", block_v=16, bwd_block_v=16, slice_warpgroups=3)
-  with pytest.raises(ValueError, match="slice_chunks_per_program"):
-    Config("gpu", block_v=16, bwd_block_v=16, slice_chunks_per_program=0)
   with pytest.raises(ValueError, match="state_warpgroups"):
-    Config("gpu", block_v=16, bwd_block_v=16, state_warpgroups=None)
+    Config("gpu", block_v=16, bwd_block_v=16, state_warpgroups=3)
 
 
 def test_hopper_op_matches_scan():
@@ -210,10 +206,6 @@ def test_hopper_op_matches_scan():
   fn = pops.chunk_gradients_kernel(cfg, *(jnp.zeros((1, 1, 64, n), dt) for n, dt in (
       (64, jnp.bfloat16), (32, jnp.bfloat16), (4, jnp.float32))))
   assert fn.func is mosaic_backward.chunk_gradients and fn.keywords["slice_warpgroups"] == 1
-  assert fn.keywords["chunks_per_program"] == 1
-  looped = dataclasses.replace(cfg, slice_chunks_per_program=2)
-  assert "2 chunk(s) per program" in pops.explain(64, 32, 3, 64, jnp.bfloat16,
-                                                  config=looped).chunk_gradients.tiles
   # Without the Mosaic forward nothing saves X (the backward forms it).
   alone = dataclasses.replace(cfg, mosaic_gpu=False)
   assert not pops.explain(64, 32, 3, 64, jnp.bfloat16, config=alone).saves_x(True)
@@ -227,10 +219,15 @@ def test_hopper_op_matches_scan():
   check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 1.0, jnp.bfloat16, config=cfg)
 
 
-@pytest.mark.parametrize("d,e,state_wgs", [(64, 4, 1), (128, 8, 2)])
-def test_hopper_op_lowers_for_cuda(d, e, state_wgs):
-  """The whole op, forward and backward, with the Hopper defaults (and, at D = 128, the
-  two-warpgroup state passes, ``Config.state_warpgroups``), lowers for CUDA (bf16, C = 64)."""
+@pytest.mark.parametrize("d,e,state_wgs,fwd_wgs,rev_wgs", [
+    (64, 4, None, 1, 1),      # D = 64: one warpgroup
+    (128, 8, None, 1, 2),     # the default at E = 8: block_v 16, two warpgroups in reverse only
+    (128, 8, 2, 2, 2),        # Config.state_warpgroups=2: both passes, block_v 32
+])
+def test_hopper_op_lowers_for_cuda(d, e, state_wgs, fwd_wgs, rev_wgs):
+  """The whole op, forward and backward, with the Hopper defaults (the state passes' warpgroups
+  per pass by ``mosaic.default_state_tiles``, or both set by ``Config.state_warpgroups``), lowers
+  for CUDA (bf16, C = 64) with the kernels the plan names."""
   b, t, h, vdim = 1, 200, 2, 64
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
   args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vdim), spec(b, t, h, e),
@@ -238,7 +235,8 @@ def test_hopper_op_lowers_for_cuda(d, e, state_wgs):
   cfg = dataclasses.replace(pops.default_config("gpu", e, vdim), mosaic_gpu=True,
                             mosaic_gpu_backward=True, state_warpgroups=state_wgs)
   plan = pops.explain(d, vdim, e, 64, jnp.bfloat16, config=cfg)
-  assert f"{state_wgs} warpgroup(s)" in plan.forward.tiles
+  assert f"{fwd_wgs} warpgroup(s)" in plan.forward.tiles
+  assert f"{rev_wgs} warpgroup(s)" in plan.backward_states.tiles
   if state_wgs == 2:   # refused at D = 64, with the reason
     narrow = pops.explain(64, vdim, e, 64, jnp.bfloat16, config=cfg).backward_states
     assert "1 warpgroup(s)" in narrow.tiles and "D = 128" in narrow.reason
@@ -253,79 +251,9 @@ def test_hopper_op_lowers_for_cuda(d, e, state_wgs):
   # Not differentiated: the partitioned forward without X.
   assert "triadic_forward_mgpu" in jax.jit(loss).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
-  wg2 = "_wg2" if state_wgs == 2 else ""
+  wg2 = lambda wgs: "_wg2" if wgs == 2 else ""
   tail = "fused" if mosaic_backward.default_fused_tail(e) else "ut"
-  for kernel in ("triadic_chunk_prep", "triadic_forward_mgpu" + wg2,
-                 "triadic_backward_states_mgpu" + wg2, "triadic_chunk_backward_slices",
+  for kernel in ("triadic_chunk_prep", "triadic_forward_mgpu" + wg2(fwd_wgs),
+                 "triadic_backward_states_mgpu" + wg2(rev_wgs), "triadic_chunk_backward_slices",
                  f"triadic_chunk_backward_tail_{tail}"):
     assert kernel in text, kernel
-
-
-@pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d,per", [
-    # C = 64, NC = 3: with G = 2 the second program has one chunk (the tail).
-    pytest.param(1, 150, 2, 32, 1, True, 1.0, 64, 2, id="E1-erase-G2"),
-    pytest.param(2, 150, 1, 64, 5, False, 10.0, 64, 2, id="E5-noerase-G2"),
-    # V = 128: dq, dk staged in the state slots; D = 128: a piece ends mid-chunk.
-    pytest.param(1, 150, 1, 128, 2, True, 1.0, 128, 2, id="D128-V128-E2-G2"),
-])
-def test_chunks_per_program_match_triton_structure(b, t, h, vdim, e, erase, decay, d, per):
-  """The slice kernel walking ``per`` chunks per program (one warpgroup) against the Triton
-  structure, X formed in plain JAX."""
-  args = backward_operands(b, t, h, d, vdim, e, erase, decay)
-  want = backward.chunk_gradients(*args, scale=SCALE, erase=erase, cfg=CPU)
-  got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                  chunks_per_program=per, interpret=True))(*args)
-  check_outputs(got, want, BOUNDS)
-
-
-@pytest.mark.parametrize("vdim,e,erase,per", [
-    (32, 3, True, 2),     # items unrolled; dq, dk through their own staging; a tail program
-    (128, 6, False, 3),   # items a loop; dq, dk staged in the state slots; NC = 3 in one program
-])
-def test_chunks_per_program_two_warpgroups_match_one(vdim, e, erase, per):
-  """Two warpgroups walking ``per`` chunks per program give what one program per chunk gives
-  (up to the bf16 hi + lo outputs), with the interpreter's race detector on (it sees the
-  warpgroups' reads of the shared inputs against warpgroup 0's refills). The kernel alone under
-  jit, as in ``test_slice_kernel_two_warpgroups_match_one``."""
-  from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
-  from jax._src.pallas.mosaic_gpu.interpret.params import InterpretGPUParams
-  q, k, v, do, u, du, st, dst, k2, _, q2, gc, _, beta, a = backward_operands(
-      1, 150, 1, 128, vdim, e, erase, 1.0)
-  low = lambda y: y.astype(jnp.bfloat16)
-  ops_in = (q, k, low(beta * mosaic_backward.rhs_gradient(a, du, erase)), do, low(u), st, dst,
-            mosaic_backward.factor_rows(gc, k2, q2, beta))
-  run = lambda per, wgs, interpret=True: jax.jit(functools.partial(
-      mosaic_backward.slices_pass, scale=SCALE, erase=erase, warpgroups=wgs,
-      chunks_per_program=per, interpret=interpret))(*ops_in)
-  got = jax.block_until_ready(run(per, 2, InterpretGPUParams(detect_races=True)))
-  assert not gpu_callbacks.get_races().races_found
-  for x, y in zip(got, run(1, 1), strict=True):
-    assert x.shape == y.shape and x.dtype == y.dtype
-    assert rel_rms(x, y) < 1e-4
-
-
-@pytest.mark.parametrize("e,wgs,per", [(1, 1, 2), (8, 1, 4), (1, 2, 4), (8, 2, 2)])
-def test_chunks_per_program_lower_for_cuda(e, wgs, per):
-  """Several chunks per program at D = V = 128 (dq, dk staged in the state slots, the row sums
-  in Q's buffer) lower for "cuda" within the SMEM limit, NC = 4 or 5 (a tail); nothing runs."""
-  args = _abstract_operands(128, 128, e, nc=5) + (
-      jax.ShapeDtypeStruct((2, 5, 64, 128), jnp.bfloat16),)
-  assert mosaic_backward.supported(128, 128, 64, e, jnp.bfloat16, True, wgs, per) is None
-  fn = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=True,
-                                 slice_warpgroups=wgs, chunks_per_program=per))
-  text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triadic_chunk_backward_slices" in text
-
-
-def test_chunks_per_program_smem():
-  """The SMEM estimate with several chunks per program: the one-chunk main scope at V = 128
-  (outputs staged in the inputs' buffers), plus dq, dk staging below it; all within the limit."""
-  smem = mosaic_backward.slice_kernel_smem
-  for wgs in (1, 2):
-    for e in (1, 8):
-      assert smem(128, 128, 64, e, True, wgs, 2) == smem(128, 128, 64, e, True, wgs, 1)
-      for vd in (32, 64):
-        assert smem(128, vd, 64, e, False, wgs, 4) <= mosaic_backward.SMEM_LIMIT
-  assert smem(128, 128, 64, 8, True, 2, 2) == 214.25 * 1024
-  assert "chunks_per_program" in mosaic_backward.supported(128, 128, 64, 1, jnp.bfloat16,
-                                                           chunks_per_program=0)

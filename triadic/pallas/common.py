@@ -58,12 +58,10 @@ class Config:
   slice_warpgroups: the slice kernel's warpgroups: 1, or 2 (D = 128 only: each owns one 64-row
   piece of the state and half the live registers). None: 2 where D = 128, else 1
   (``mosaic_backward.slice_warpgroups``).
-  slice_chunks_per_program: the slice kernel's chunks per program G (1: one program per chunk;
-  G > 1: each program walks G chunks, the next chunk's copies and this chunk's output stores
-  overlapping compute: ``mosaic_backward.slices_pass``).
-  state_warpgroups: with ``mosaic_gpu``, the Mosaic state passes' warpgroups: 1, or 2 (D = 128
-  only: each holds 64 rows of the state, so that E * block_v = 256 fits the registers; where
-  ``mosaic.warpgroups_supported`` refuses, 1, as the plan says).
+  state_warpgroups: with ``mosaic_gpu``, the Mosaic state passes' warpgroups: 1, or 2 for both
+  passes (D = 128 only: each holds 64 rows of the state, so that E * block_v = 256 fits the
+  registers; where ``mosaic.warpgroups_supported`` refuses, 1, as the plan says); None: per pass,
+  two where one warpgroup's state would fill its registers (``mosaic.default_state_tiles``).
   state_block_v: with ``mosaic_gpu``, the Mosaic state passes' value block (None:
   ``mosaic.default_block_v`` for their warpgroups; one that ``mosaic.supported`` refuses sends
   them to Triton, as the plan says). Wider blocks read K, Q, A, P fewer times over, with fewer
@@ -87,8 +85,7 @@ class Config:
   mosaic_gpu_backward: bool = False
   fused_tail: bool | None = None
   slice_warpgroups: int | None = None
-  slice_chunks_per_program: int = 1
-  state_warpgroups: int = 1
+  state_warpgroups: int | None = None
   state_block_v: int | None = None
   sequence_pieces: int = 1
   warmup_chunks: int = 16
@@ -99,11 +96,8 @@ class Config:
       raise ValueError(f"platform must be one of {PLATFORMS}, got {self.platform!r}")
     if self.slice_warpgroups not in (None, 1, 2):
       raise ValueError(f"slice_warpgroups must be None, 1 or 2, got {self.slice_warpgroups!r}")
-    if not isinstance(self.slice_chunks_per_program, int) or self.slice_chunks_per_program < 1:
-      raise ValueError("slice_chunks_per_program must be an int >= 1, got "
-                       f"{self.slice_chunks_per_program!r}")
-    if self.state_warpgroups not in (1, 2):
-      raise ValueError(f"state_warpgroups must be 1 or 2, got {self.state_warpgroups!r}")
+    if self.state_warpgroups not in (None, 1, 2):
+      raise ValueError(f"state_warpgroups must be None, 1 or 2, got {self.state_warpgroups!r}")
     if not isinstance(self.sequence_pieces, int) or self.sequence_pieces < 0:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")

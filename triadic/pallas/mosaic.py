@@ -195,6 +195,27 @@ def default_block_v(d: int, vd: int, c: int, e: int, warpgroups: int = 1) -> int
   return None
 
 
+def default_state_tiles(d: int, vd: int, c: int, e: int, block_v: int | None = None
+                        ) -> tuple[int | None, int, int]:
+  """(block_v, forward warpgroups, reverse warpgroups) where ``Config`` leaves the warpgroups open.
+
+  block_v: the one given, else ``default_block_v`` for one warpgroup, else (sizes where no
+  one-warpgroup block fits, e.g. E = 5 at D = 128) the two-warpgroup one. A pass runs two
+  warpgroups where ``warpgroups_supported`` takes them and one warpgroup's state would fill its
+  128 registers a thread (D * E * BV >= STATE_BUDGET: E * BV = 128 at D = 128, where the
+  one-warpgroup kernels spill); the forward only where BV >= 32 as well, because its products
+  over D, split over the warpgroups, are E wgmmas of N = BV each, and at BV = 16 (E = 8) they
+  made the two-warpgroup forward slower than one warpgroup's (benchmarks/RESULTS.md)."""
+  bv = block_v or default_block_v(d, vd, c, e)
+  if bv is None:
+    bv = default_block_v(d, vd, c, e, warpgroups=2)
+    wgs = 2 if bv is not None and warpgroups_supported(d, vd, c, e, bv) is None else 1
+    return bv, wgs, wgs
+  if d * e * bv < STATE_BUDGET or warpgroups_supported(d, vd, c, e, bv) is not None:
+    return bv, 1, 1
+  return bv, (2 if bv >= 32 else 1), 2
+
+
 def smem_bytes_2wg(d: int, c: int, e: int, bv: int, backward: bool) -> int:
   """SMEM of a two-warpgroup kernel's chunk loop (erase, and the forward with save_x: the most)."""
   n = e * bv

@@ -14,8 +14,7 @@ the row sums from the same three C x D products). What runs where:
 
 * plain JAX before (E-independent, O(T V C)): drhs = A^T dU (bf16 operands, f32 accumulation, as
   the Triton kernel), dv = beta drhs, the per-row factor rows [c, fq, fw, beta] (O(T E)).
-* the slice kernel ``triadic_chunk_backward_slices`` (``slices_pass``, grid (B*H, NC), or
-  (B*H, ceil(NC / G)) with G chunks per program):
+* the slice kernel ``triadic_chunk_backward_slices`` (``slices_pass``, grid (B*H, NC)):
   everything above, one state slice at a time. X comes from the Mosaic forward, which forms it
   anyway (``mosaic.state_pass(save_x=True)``, ``Plan.saves_x``), or from ``x_from_states`` in
   plain JAX.
@@ -66,43 +65,16 @@ How the slice kernel is built (idioms from ``mosaic.py``, imported: ``_smem``, `
 * SMEM (``slice_kernel_smem``): K, Q 32 KiB, dX, dO, U 48, per warpgroup two slots of S, dS
   row pieces (64 KiB at V = 128) and the factor rows (growing with E): 214 KiB with two
   warpgroups at D = V = 128, E = 8. dq, dk (64 KiB) and the row sums leave from a second scope.
-* Several chunks per program (``chunks_per_program`` G > 1, ``_slice_loop_kernel``): grid
-  (B*H, ceil(NC / G)); program p walks chunks p*G .. (fewer in the last program: a chunk past NC
-  is skipped under ``pl.when``) in a loop, inside one SMEM scope. The grid keeps the hardware's
-  scheduling of programs over the SMs (no persistent-grid balancing by hand), and the chunks a
-  program walks are consecutive, so the skipped tail is at most G - 1 chunks per B*H row. Each
-  warpgroup's state stream runs on across the chunks (item jj of the program's stream, slot
-  jj % 2), so the next chunk's first items are copied while this chunk's last ones are used.
-  A piece's last item keeps its slot: once its wgmmas are done, that piece's dq, dk are written
-  there (V = 128: dq into the S half, dk into the dS half, each C x 64 float32 block written as
-  bf16 [hi | lo], hi = bf16(x), lo = bf16(x - hi), a C x 128 bf16 block: summed in plain JAX,
-  relative error below 2^-16), stored by TMA, and the slot is refilled with the item two ahead
-  as soon as ``wait_smem_to_gmem(0, wait_read_only=True)`` says the store has read it. Below
-  V = 128 a slot is too small, and dq, dk go through their own staging buffers (the wait for
-  the previous store is then right before they are rewritten). The row sums and dlam share one
-  matrix (columns [dcoef, dqcoef, dkcoef, dlam], 4E <= 32) held twice side by side (C x 64: both
-  halves get every row sum, so that [hi | lo] needs no column moves), staged in Q's buffer (the
-  warpgroup's 64-column piece). At a chunk's end the warpgroups meet (a two-arrival barrier;
-  ``commit_smem`` alone with one warpgroup) once all are done reading the shared inputs, and
-  warpgroup 0 starts the next chunk's K, dX, dO, U and factor copies; each warpgroup stages and
-  stores its outputs (the row sums' store first), waits for the stores to have read the staging
-  (below V = 128 only the row sums') and starts its item two ahead; they meet again and
-  warpgroup 0 starts the next chunk's Q copy. So the next chunk's
-  inputs are in flight while the outputs are written, and its compute does not wait for this
-  chunk's stores to land (``wait_smem_to_gmem(0)`` once, at the program's end). SMEM at
-  D = V = 128 (``slice_kernel_smem``): 145 KiB with one warpgroup and 209 KiB with two at E = 1,
-  150 and 214 KiB at E = 8: the one-chunk kernel's main scope, no room of the outputs' own.
 * float32 inputs are not supported (wgmma on float32 would be TF32; use the Triton path).
 
 What the interpreter cannot check: the transpose_ref operands (above), swizzle / tiling
-correctness of the register <-> SMEM copies (including the bf16 [hi | lo] halves written into
-the state slots and Q's pieces), register pressure (spills; with several chunks per program the
-row-sum matrix is C x 64 float32), the real SMEM limit (``slice_kernel_smem`` is an estimate;
-the CUDA lowering test checks the allocation), and races that the ordering rules above are meant
-to exclude (the interpreter's race detector, ``InterpretGPUParams(detect_races=True)``, orders
-the warpgroups' reads and writes, but its TMA copies complete at once, so a store's read of a
-buffer that a copy then refills is not checked): ``benchmarks/triadic_kernels.py --check``
-checks the kernels on a GPU against the chunked form.
+correctness of the register <-> SMEM copies, register pressure (spills), the real SMEM limit
+(``slice_kernel_smem`` is an estimate; the CUDA lowering test checks the allocation), and races
+that the ordering rules above are meant to exclude (the interpreter's race detector,
+``InterpretGPUParams(detect_races=True)``, orders the warpgroups' reads and writes, but its TMA
+copies complete at once, so a store's read of a buffer that a copy then refills is not
+checked): ``benchmarks/triadic_kernels.py --check`` checks the kernels on a GPU against the
+chunked form.
 """
 
 from __future__ import annotations
@@ -165,25 +137,18 @@ def _onehot_add(ops, acc, vec, column):
 
 
 def slice_kernel_smem(d: int, vd: int, c: int, e: int, erase: bool = True,
-                      warpgroups: int = 1, chunks_per_program: int = 1) -> int:
-  """SMEM of the slice kernel on hardware. One chunk per program: the larger of its main scope
-  and the output scope. Several (``_slice_loop_kernel``): its one scope, the inputs (dX always
-  allocated) and, below V = 128, the dq, dk staging (at V = 128 dq, dk are staged in the state
-  slots and the row sums in Q's buffer, so the outputs take no SMEM of their own)."""
-  slots = warpgroups * 2 * 2 * PIECE * vd * 2             # two slots of (S_e, dS_e) row pieces
-  factors = (3 * e + 1) * c * 4
-  if chunks_per_program > 1:
-    staging = 0 if vd == 2 * PIECE else warpgroups * 2 * c * 2 * PIECE * 2   # dq, dk hi | lo
-    return 2 * c * d * 2 + 3 * c * vd * 2 + slots + factors + staging
+                      warpgroups: int = 1) -> int:
+  """SMEM of the slice kernel on hardware: the larger of its main scope and the output scope."""
   main = (2 * c * d * 2                                   # K, Q
           + (3 if erase else 2) * c * vd * 2              # dX, dO, U
-          + slots + factors)
+          + warpgroups * 2 * 2 * PIECE * vd * 2           # two slots of (S_e, dS_e) row pieces
+          + (3 * e + 1) * c * 4)                          # factor rows
   out = 2 * c * d * 4 + warpgroups * (c * COEF_W + PIECE * LAM_W) * 4   # dq, dk, row sums
   return max(main, out)
 
 
 def supported(d: int, vd: int, c: int, e: int, dtype, erase: bool = True,
-              warpgroups: int = 1, chunks_per_program: int = 1) -> str | None:
+              warpgroups: int = 1) -> str | None:
   """Why ``chunk_gradients`` (its slice kernel) cannot take these sizes, or None if it can."""
   what = "the Mosaic GPU chunk backward"
   if jnp.dtype(dtype) != jnp.dtype(BF16):
@@ -196,27 +161,25 @@ def supported(d: int, vd: int, c: int, e: int, dtype, erase: bool = True,
     return f"{what} takes E <= {MAX_E}, got {e}"
   if vd not in (32, 64, 128):
     return f"{what} needs V in (32, 64, 128), got {vd}"
-  if not (isinstance(chunks_per_program, int) and chunks_per_program >= 1):
-    return f"{what} needs chunks_per_program a positive int, got {chunks_per_program!r}"
-  need = slice_kernel_smem(d, vd, c, e, erase, warpgroups, chunks_per_program)
+  need = slice_kernel_smem(d, vd, c, e, erase, warpgroups)
   if need > SMEM_LIMIT:
     return f"{what} needs {need} B of SMEM > {SMEM_LIMIT} B"
   return None
 
 
-def _stream_item(ops, ins, bars, bar_s, interp, *, slot, h, e, e_dim, scale, erase, carry,
-                 place):
-  """One item of a warpgroup's stream, the same in both slice kernels: rows h * PIECE.. of S_e
-  and dS_e in ``slot`` (their copies waited for here). Takes P1 = dX S_e[rows]^T (erase),
-  P2 = dO S_e[rows]^T, P3 = U dS_e[rows]^T and S_e[rows] dS_e[rows]^T, adds the dq, dk columns
-  to ``carry`` = (dq, dk, sums) and hands each row sum to ``place(sums, kind, e, vec)``: kind 0,
-  1, 2 the dcoef, dqcoef, dkcoef row sums, 3 dlam's (the diagonal). ``ins`` = the SMEM refs
-  (k, q, f, dX, dO, U, S slots, dS slots); ``interp``: the explicit S^T, dS^T of interpret mode
-  (the interpreter has no transpose_ref), else empty. ``e`` is a Python int (unrolled) or traced
-  (``lax.fori_loop``), ``h`` an int or the warpgroup's index."""
+def _stream_item(ops, ins, bars, bar_s, interp, *, slot, h, e, e_dim, scale, erase, carry):
+  """One item of a warpgroup's stream: rows h * PIECE.. of S_e and dS_e in ``slot`` (their
+  copies waited for here). Takes P1 = dX S_e[rows]^T (erase), P2 = dO S_e[rows]^T,
+  P3 = U dS_e[rows]^T and S_e[rows] dS_e[rows]^T and adds to ``carry`` = (dq, dk, coef, lam) the
+  dq, dk columns, the dcoef, dqcoef, dkcoef row sums (columns e, E + e, 2E + e of coef) and
+  dlam's (the diagonal, column e of lam). ``ins`` = the SMEM refs (k, q, f, dX, dO, U, S slots,
+  dS slots); ``interp``: the explicit S^T, dS^T of interpret mode (the interpreter has no
+  transpose_ref), else empty. ``e`` is a Python int (unrolled) or traced (``lax.fori_loop``),
+  ``h`` an int or the warpgroup's index."""
   k_s, q_s, f_s, dx_s, do_s, u_s, s_s, ds_s = ins
-  dq, dk, sums = carry
-  factor = lambda kind: ops.rowvec(f_s, kind * e_dim + e, PIECE)   # c, fq, fw rows
+  dq, dk, coef, lam = carry
+  column = lambda kind: kind * e_dim + e    # f's c, fq, fw rows; coef's dcoef, dqcoef, dkcoef
+  factor = lambda kind: ops.rowvec(f_s, column(kind), PIECE)
   iota = lambda dim: ops.acc(lax.broadcasted_iota(jnp.int32, (PIECE, PIECE), dim))
 
   def transposed(ref, which):
@@ -231,29 +194,29 @@ def _stream_item(ops, ins, bars, bar_s, interp, *, slot, h, e, e_dim, scale, era
   if erase:
     p1 = ops.mm(dx_s, transposed(s_s, 0))                   # dX S_e[rows]^T
     kh = ops.acc(k_s[h].astype(F32))
-    sums = place(sums, 0, e, -jnp.sum(kh * p1, axis=1))
+    coef = _onehot_add(ops, coef, -jnp.sum(kh * p1, axis=1), column(0))
     dk = dk - factor(0) * p1
   p2 = ops.mm(do_s, transposed(s_s, 0))                     # dO S_e[rows]^T
   qh = ops.acc(q_s[h].astype(F32))
-  sums = place(sums, 1, e, scale * jnp.sum(qh * p2, axis=1))
+  coef = _onehot_add(ops, coef, scale * jnp.sum(qh * p2, axis=1), column(1))
   dq = dq + (scale * factor(1)) * p2
   plgpu.barrier_wait(bars.at[bar_s + 2 * slot + 1])
   if ops.interpret:
     interp[1][...] = ds_s[slot].T
   p3 = ops.mm(u_s, transposed(ds_s, 1))                     # U dS_e[rows]^T
   kh = ops.acc(k_s[h].astype(F32))
-  sums = place(sums, 2, e, jnp.sum(kh * p3, axis=1))
+  coef = _onehot_add(ops, coef, jnp.sum(kh * p3, axis=1), column(2))
   dk = dk + factor(2) * p3
   # <dS_e, S_e> over these rows: the diagonal of S_e[rows] dS_e[rows]^T.
   g = ops.mm(s_s.at[slot], transposed(ds_s, 1))
-  sums = place(sums, 3, e, jnp.sum(jnp.where(iota(0) == iota(1), g, 0.0), axis=1))
-  return dq, dk, sums
+  lam = _onehot_add(ops, lam, jnp.sum(jnp.where(iota(0) == iota(1), g, 0.0), axis=1), e)
+  return dq, dk, coef, lam
 
 
 def _launch(kernel, operands, out_type, *, grid, n_pieces, warpgroups, interpret):
-  """``plgpu.kernel`` for both slice kernels: grid (B*H, programs), the barriers (the first
-  copies' and each warpgroup's four slot barriers, ``_slice_kernel``'s layout, and one of
-  ``warpgroups`` arrivals where they meet), one thread per warpgroup."""
+  """``plgpu.kernel`` for the slice kernel: grid (B*H, NC), the barriers (the first copies' and
+  each warpgroup's four slot barriers, ``_slice_kernel``'s layout, and one of ``warpgroups``
+  arrivals where they meet), one thread per warpgroup."""
   threads = dict(num_threads=2, thread_name="wg") if warpgroups == 2 else {}
   return plgpu.kernel(
       kernel, out_type=out_type,
@@ -288,8 +251,6 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
   def piece_of(j):
     return w if wgs == 2 else j // e_dim
 
-  onehot_add = functools.partial(_onehot_add, ops)
-
   def main(q_s, k_s, f_s, dx_s, do_s, u_s, s_s, ds_s, *interp):
     s_s, ds_s = s_s.at[w], ds_s.at[w]           # this warpgroup's two slots
     interp = [x.at[w] for x in interp]
@@ -319,19 +280,11 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
 
     ins = (k_s, q_s, f_s, dx_s, do_s, u_s, s_s, ds_s)
 
-    def place(sums, kind, e, vec):
-      coef, lam = sums
-      if kind == 3:
-        return coef, onehot_add(lam, vec, e)
-      return onehot_add(coef, vec, kind * e_dim + e), lam
-
     def item(h, e, carry):
       """Item (h, e) (``_stream_item``), then the copy two items ahead into its slot."""
       j = (h if wgs == 1 else 0) * e_dim + e
-      dq, dk, coef, lam = carry
-      dq, dk, (coef, lam) = _stream_item(
-          ops, ins, bars, bar_s, interp, slot=j % 2, h=h, e=e, e_dim=e_dim, scale=scale,
-          erase=erase, carry=(dq, dk, (coef, lam)), place=place)
+      carry = _stream_item(ops, ins, bars, bar_s, interp, slot=j % 2, h=h, e=e, e_dim=e_dim,
+                           scale=scale, erase=erase, carry=carry)
 
       def next_copy():
         plgpu.commit_smem()             # every wgmma and register read of this slot is done
@@ -342,7 +295,7 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
           next_copy()
       else:
         pl.when(j + 2 < n_items)(next_copy)
-      return dq, dk, coef, lam
+      return carry
 
     coef = ops.acc(jnp.zeros((c, COEF_W), F32))
     lam = ops.acc(jnp.zeros((PIECE, LAM_W), F32))
@@ -383,188 +336,6 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
   pl.run_scoped(store, *outs, collective_axes=("wg",) * (wgs == 2))
 
 
-def _onehot_add2(ops, acc, vec, column):
-  """acc + vec placed in columns ``column`` and ``column + COEF_W`` (acc (rows, 2 COEF_W)): both
-  halves of the packed row-sum matrix hold the same values, so that its bf16 hi | lo halves are
-  formed without moving columns between registers (``_hi_lo_cols``)."""
-  rows, width = acc.shape
-  idx = ops.acc(lax.broadcasted_iota(jnp.int32, (rows, width), 1))
-  hit = (idx == column) | (idx == column + COEF_W)
-  return acc + jnp.where(hit, lax.broadcast_in_dim(vec, (rows, width), [0]), 0.0)
-
-
-def _store_hi_lo(dst, x):
-  """dst (rows, 2N) bf16 = [hi | lo] of x (rows, N) float32: hi = bf16(x), lo = bf16(x - hi)."""
-  n = x.shape[1]
-  hi = x.astype(BF16)
-  dst.at[:, pl.ds(0, n)][...] = hi
-  dst.at[:, pl.ds(n, n)][...] = (x - hi.astype(F32)).astype(BF16)
-
-
-def _hi_lo_cols(ops, x):
-  """x (rows, 2W) float32 with equal halves -> bf16 (rows, 2W): [hi | lo] of the half."""
-  rows, width = x.shape
-  idx = ops.acc(lax.broadcasted_iota(jnp.int32, (rows, width), 1))
-  hi = x.astype(BF16).astype(F32)
-  return jnp.where(idx < width // 2, hi, x - hi).astype(BF16)
-
-
-def _slice_loop_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g, bars, meet,
-                       *, scratch, c, d, e_dim, scale, erase, wgs, per, nc, in_slots, interpret):
-  """The slice kernel over ``per`` consecutive chunks per program (``slices_pass`` with
-  ``chunks_per_program`` > 1; the module docstring describes the structure)."""
-  ops = _Ops(interpret)
-  i, p = lax.axis_index("bh"), lax.axis_index("n")
-  n_pieces = d // PIECE
-  w = lax.axis_index("wg") if wgs == 2 else 0
-  pieces = [w] if wgs == 2 else list(range(n_pieces))
-  n_items = len(pieces) * e_dim       # items per chunk (this warpgroup's stream)
-  loop = e_dim > UNROLL_MAX_E
-  firsts = 2 * n_pieces + 4
-  bar_s = firsts + 4 * w
-  first = p * per                     # this program's first chunk
-  count = jnp.minimum(per, nc - first)              # its chunks (fewer in the last program)
-  total = count * n_items                           # its stream's items
-  onehot_add = functools.partial(_onehot_add2, ops)
-
-  def main(q_s, k_s, f_s, dx_s, do_s, u_s, s_s, ds_s, *extra):
-    s_s, ds_s = s_s.at[w], ds_s.at[w]
-    interp = [x.at[w] for x in extra[:2]] if interpret else []
-    if not in_slots:
-      oq_s, ok_s = (x.at[w] for x in extra[-2:])
-
-    def load_item(jj):
-      """Copy stream item jj (chunk first + jj // n_items) into slot jj % 2."""
-      n, j = first + jj // n_items, jj % n_items
-      h = w if wgs == 2 else j // e_dim
-      e, slot = j % e_dim, jj % 2
-      rows = pl.ds(h * PIECE, PIECE)
-      plgpu.copy_gmem_to_smem(s_g.at[i, n, e, rows, :], s_s.at[slot], bars.at[bar_s + 2 * slot])
-      plgpu.copy_gmem_to_smem(ds_g.at[i, n, e, rows, :], ds_s.at[slot],
-                              bars.at[bar_s + 2 * slot + 1])
-
-    def load_item_if(jj):
-      pl.when(jj < total)(lambda: load_item(jj))
-
-    cols = lambda h: pl.ds(h * PIECE, PIECE)
-    shared = lambda n: {
-        "q": [(q_g.at[i, n, :, cols(h)], q_s.at[h]) for h in range(n_pieces)],
-        "k": [(k_g.at[i, n, :, cols(h)], k_s.at[h]) for h in range(n_pieces)],
-        "f": [(f_g.at[i, n], f_s)], "do": [(do_g.at[i, n], do_s)], "u": [(u_g.at[i, n], u_s)],
-        "dx": [(dx_g.at[i, n], dx_s)] if erase else []}
-    # Barrier slots as in ``_slice_kernel``: q pieces, k pieces, f, dO, U, dX.
-    slot_of = {"q": 0, "k": n_pieces, "f": 2 * n_pieces, "do": 2 * n_pieces + 1,
-               "u": 2 * n_pieces + 2, "dx": 2 * n_pieces + 3}
-
-    def load_shared(n, names):
-      """Warpgroup 0 copies chunk n's shared inputs ``names`` (all warpgroups wait for them)."""
-      def body():
-        for name in names:
-          for m, (src, dst) in enumerate(shared(n)[name]):
-            plgpu.copy_gmem_to_smem(src, dst, bars.at[slot_of[name] + m])
-      if wgs == 2:
-        pl.when(w == 0)(body)
-      else:
-        body()
-
-    def meeting():
-      """Every thread of every warpgroup is past its reads and SMEM stores before this."""
-      plgpu.commit_smem()
-      if wgs == 2:
-        plgpu.barrier_arrive(meet)
-        plgpu.barrier_wait(meet)
-
-    all_names = ("q", "k", "f", "do", "u", "dx")
-    # Q's pieces hold the row sums' staging, so Q is refilled after their store has read it.
-    early = tuple(x for x in all_names if x != "q")
-    load_shared(first, all_names)
-    load_item(0)
-    load_item_if(1)
-
-    ins = (k_s, q_s, f_s, dx_s, do_s, u_s, s_s, ds_s)
-    place = lambda coef, kind, e, vec: onehot_add(coef, vec, kind * e_dim + e)
-
-    def item(h, base, e, carry):
-      jj = base + (h if wgs == 1 else 0) * e_dim + e
-      carry = _stream_item(ops, ins, bars, bar_s, interp, slot=jj % 2, h=h, e=e, e_dim=e_dim,
-                           scale=scale, erase=erase, carry=carry, place=place)
-
-      # A piece's last item keeps its slot: ``piece_end`` stages that piece's outputs there
-      # (V = 128) and then starts the copy two items ahead.
-      def next_copy():
-        plgpu.commit_smem()
-        load_item(jj + 2)
-
-      if isinstance(e, int):
-        if e < e_dim - 1:
-          pl.when(jj + 2 < total)(next_copy)
-      else:
-        pl.when((e < e_dim - 1) & (jj + 2 < total))(next_copy)
-      return carry
-
-    def piece_end(h, g, n, last_jj, dq, dk, coef):
-      """Stage and store piece h's dq, dk (and at the chunk's end the row sums), start the copies
-      that the staging held back."""
-      slot = last_jj % 2
-      chunk_end = coef is not None
-      if chunk_end:
-        meeting()                       # every warpgroup is done with the shared inputs
-        pl.when(g + 1 < count)(lambda: load_shared(n + 1, early))
-      else:
-        plgpu.commit_smem()
-      c_dst = q_s.at[w]
-      if in_slots:
-        q_dst, k_dst = s_s.at[slot], ds_s.at[slot]
-      else:
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # the staging's previous stores
-        q_dst, k_dst = oq_s, ok_s
-      _store_hi_lo(q_dst, dq)
-      _store_hi_lo(k_dst, dk)
-      if chunk_end:
-        c_dst[...] = _hi_lo_cols(ops, coef)
-      plgpu.commit_smem()
-      if chunk_end:                     # first: its read is waited for below
-        plgpu.copy_smem_to_gmem(c_dst, coef_g.at[i, n, w])
-      out_cols = pl.ds(h * 2 * PIECE, 2 * PIECE)
-      plgpu.copy_smem_to_gmem(q_dst, dq_g.at[i, n, :, out_cols])
-      plgpu.copy_smem_to_gmem(k_dst, dk_g.at[i, n, :, out_cols])
-      if in_slots:                      # the slot (and Q) are free again
-        plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-      elif chunk_end:                   # Q is free again (dq, dk may still be in flight)
-        plgpu.wait_smem_to_gmem(2, wait_read_only=True)
-      load_item_if(last_jj + 2)
-      if chunk_end:
-        meeting()                       # every warpgroup's row sums have left Q
-        pl.when(g + 1 < count)(lambda: load_shared(n + 1, ("q",)))
-
-    def chunk(g, _):
-      n = first + g
-      base = g * n_items
-
-      @pl.when(g < count)
-      def _():
-        _wait(firsts - (0 if erase else 1), bars)
-        coef = ops.acc(jnp.zeros((c, 2 * COEF_W), F32))
-        for hl, h in enumerate(pieces):
-          carry = (ops.acc(jnp.zeros((c, PIECE), F32)), ops.acc(jnp.zeros((c, PIECE), F32)), coef)
-          if loop:
-            carry = lax.fori_loop(0, e_dim, functools.partial(item, h, base), carry)
-          else:
-            for e in range(e_dim):
-              carry = item(h, base, e, carry)
-          dq, dk, coef = carry
-          last = hl == len(pieces) - 1
-          piece_end(h, g, n, base + (hl + 1) * e_dim - 1, dq, dk, coef if last else None)
-
-    lax.fori_loop(0, per, chunk, None)
-    plgpu.wait_smem_to_gmem(0)
-    if wgs == 2:                        # both warpgroups are done with the scope's buffers
-      plgpu.barrier_arrive(meet)
-      plgpu.barrier_wait(meet)
-
-  pl.run_scoped(main, *scratch, collective_axes=("wg",) * (wgs == 2))
-
-
 def slice_warpgroups_supported(d: int) -> str | None:
   """None if the slice kernel takes two warpgroups (one per 64-row piece) at this D, else why
   not."""
@@ -577,28 +348,8 @@ def slice_warpgroups(requested: int | None, d: int) -> int:
   return 2 if requested in (None, 2) and slice_warpgroups_supported(d) is None else 1
 
 
-def _input_scratch(c, d, vd, e_dim, warpgroups, interpret):
-  """The slice kernels' SMEM for their inputs: Q and K by 64-column pieces, the factor rows, dX,
-  dO, U, and per warpgroup two slots of S_e and of dS_e row pieces (and, in interpret mode, the
-  explicit S^T, dS^T the interpreter needs)."""
-  n_pieces, sw, sk = d // PIECE, _swizzle(min(vd, 64)), _swizzle(min(d, 64))
-  scratch = [
-      _smem((n_pieces, c, PIECE), BF16, sk),        # q, by 64-column pieces
-      _smem((n_pieces, c, PIECE), BF16, sk),        # k
-      _smem((3 * e_dim + 1, c), F32),               # factor rows
-      _smem((c, vd), BF16, sw),                     # dX
-      _smem((c, vd), BF16, sw),                     # dO
-      _smem((c, vd), BF16, sw),                     # U
-      _smem((warpgroups, 2, PIECE, vd), BF16, sw),  # S_e row pieces, two slots per warpgroup
-      _smem((warpgroups, 2, PIECE, vd), BF16, sw),  # dS_e row pieces
-  ]
-  if interpret:
-    scratch += [_smem((warpgroups, vd, PIECE), BF16, sw)] * 2
-  return scratch
-
-
 def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups=1,
-                chunks_per_program=1, interpret=False):
+                interpret=False):
   """The Mosaic GPU slice kernel ``triadic_chunk_backward_slices`` (grid (B*H, NC)). Per chunk it
   streams the state slices in pieces of 64 rows (item (h, e): rows h*64.. of S_e and dS_e, two
   slots, the next item's copies in flight while one is used, piece-major so that only that
@@ -615,23 +366,26 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
   one piece with its own stream and slots (``slice_warpgroups_supported``).
   Operands: q, k (BH,NC,C,D), dX = beta A^T dU, dO, U (BH,NC,C,V), all bf16; the states
   (BH,NC,E,D,V) bf16; the factor rows f (BH,NC,3E+1,C) float32 (``factor_rows``). Returns dq, dk
-  partials (BH,NC,C,D), the row-sum matrix (BH,NC,C,32) and dlam partials (BH,NC,64,8), float32.
-
-  ``chunks_per_program`` G > 1: grid (B*H, ceil(NC / G)), each program walks G consecutive
-  chunks (fewer in the last) with the next chunk's copies and this chunk's output stores
-  overlapping compute (``_slice_loop_kernel``, module docstring); same results, except that dq,
-  dk and the row sums travel as bf16 hi + lo pairs (relative error below 2^-16)."""
+  partials (BH,NC,C,D), the row-sum matrix (BH,NC,C,32) and dlam partials (BH,NC,64,8), float32."""
   bh, nc, c, d = q.shape
   vd, e_dim = do.shape[-1], (f.shape[2] - 1) // 3
   if warpgroups not in (1, 2) or (warpgroups == 2 and slice_warpgroups_supported(d)):
     raise ValueError(f"warpgroups must be 1, or 2 at D = {2 * PIECE}; got {warpgroups} at D={d}")
-  if chunks_per_program < 1:
-    raise ValueError(f"chunks_per_program must be >= 1, got {chunks_per_program}")
-  if chunks_per_program > 1:
-    return _slices_loop_pass(q, k, dx, do, u, states, dstates, f, scale=scale, erase=erase,
-                             warpgroups=warpgroups, per=chunks_per_program, interpret=interpret)
   n_pieces = d // PIECE
-  scratch = _input_scratch(c, d, vd, e_dim, warpgroups, interpret)
+  sw = _swizzle(min(vd, 64))
+  sk = _swizzle(min(d, 64))
+  scratch = [
+      _smem((n_pieces, c, PIECE), BF16, sk),        # q, by 64-column pieces
+      _smem((n_pieces, c, PIECE), BF16, sk),        # k
+      _smem((3 * e_dim + 1, c), F32),               # factor rows
+      _smem((c, vd), BF16, sw),                     # dX
+      _smem((c, vd), BF16, sw),                     # dO
+      _smem((c, vd), BF16, sw),                     # U
+      _smem((warpgroups, 2, PIECE, vd), BF16, sw),  # S_e row pieces, two slots per warpgroup
+      _smem((warpgroups, 2, PIECE, vd), BF16, sw),  # dS_e row pieces
+  ]
+  if interpret:                                     # explicit S^T, dS^T (interpreter)
+    scratch += [_smem((warpgroups, vd, PIECE), BF16, sw)] * 2
   outs = [_smem((n_pieces, c, PIECE), F32, _swizzle(PIECE, F32)),     # dq
           _smem((n_pieces, c, PIECE), F32, _swizzle(PIECE, F32)),     # dk
           _smem((warpgroups, c, COEF_W), F32, _swizzle(COEF_W, F32)),
@@ -645,44 +399,6 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
                                 grid=(bh, nc), n_pieces=n_pieces, warpgroups=warpgroups,
                                 interpret=interpret)
   return dqp, dkp, jnp.sum(coef, axis=2), jnp.sum(lam, axis=2)
-
-
-def _slices_loop_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups, per,
-                      interpret):
-  """``slices_pass`` with ``chunks_per_program`` = per > 1: ``_slice_loop_kernel``, then the
-  bf16 hi + lo outputs summed and unpacked in plain JAX."""
-  bh, nc, c, d = q.shape
-  vd, e_dim = do.shape[-1], (f.shape[2] - 1) // 3
-  if c != PIECE or 4 * e_dim > COEF_W:
-    raise ValueError(f"chunks_per_program > 1 needs C = {PIECE} and 4E <= {COEF_W}")
-  n_pieces = d // PIECE
-  in_slots = vd == 2 * PIECE
-  s128 = _swizzle(64)
-  # The inputs' buffers; here Q's pieces also stage the row sums and, at V = 128, the S and dS
-  # slots stage dq and dk (``_slice_loop_kernel``).
-  scratch = _input_scratch(c, d, vd, e_dim, warpgroups, interpret)
-  if not in_slots:                                  # staging of dq, dk (hi | lo)
-    scratch += [_smem((warpgroups, c, 2 * PIECE), BF16, s128)] * 2
-  n_prog = -(-nc // per)
-  out_type = [jax.ShapeDtypeStruct((bh, nc, c, 2 * d), BF16),
-              jax.ShapeDtypeStruct((bh, nc, c, 2 * d), BF16),
-              jax.ShapeDtypeStruct((bh, nc, warpgroups, c, 2 * COEF_W), BF16)]
-  kernel = functools.partial(_slice_loop_kernel, scratch=scratch, c=c, d=d, e_dim=e_dim,
-                             scale=scale, erase=erase, wgs=warpgroups, per=per, nc=nc,
-                             in_slots=in_slots, interpret=bool(interpret))
-  dq2, dk2, coef2 = _launch(kernel, (q, k, dx, do, u, states, dstates, f), out_type,
-                            grid=(bh, n_prog), n_pieces=n_pieces, warpgroups=warpgroups,
-                            interpret=interpret)
-
-  def hi_lo(x, width):
-    x = x.astype(F32).reshape(*x.shape[:-1], -1, 2, width)
-    return (x[..., 0, :] + x[..., 1, :]).reshape(*x.shape[:-3], -1)
-
-  packed = jnp.sum(hi_lo(coef2, COEF_W), axis=2)                   # (BH, NC, C, 32)
-  cols = jnp.arange(COEF_W)
-  coef = jnp.where(cols < 3 * e_dim, packed, 0.0)
-  lam = jnp.pad(packed[..., 3 * e_dim:4 * e_dim], ((0, 0),) * 3 + ((0, LAM_W - e_dim),))
-  return hi_lo(dq2, PIECE), hi_lo(dk2, PIECE), coef, lam
 
 
 def x_from_states(k, v, states, k2_col, gc_col):
@@ -868,20 +584,19 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
-                    chunks_per_program=1, interpret=False):
+                    interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   (dq, dk (BH,NC,C,D) in q's dtype, the rest float32): dv (BH,NC,C,V), dk2 column and row parts
   ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
 
   ``x`` (erase only): X = V - sum_e diag(c_e) K S_e as the forward saved it (without it,
   ``x_from_states`` forms it in plain JAX). ``slice_warpgroups``: the slice kernel's
-  warpgroups (``slices_pass``). ``chunks_per_program``: chunks per slice-kernel program
-  (``slices_pass``; 1: one program per chunk). ``fused_tail``: the tail as one kernel (None:
+  warpgroups (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
   ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret mode for the slice kernel
   and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c, d = q.shape
   vd, e_dim = v.shape[-1], k2_col.shape[-1]
-  reason = supported(d, vd, c, e_dim, q.dtype, erase, slice_warpgroups, chunks_per_program)
+  reason = supported(d, vd, c, e_dim, q.dtype, erase, slice_warpgroups)
   if reason:
     raise ValueError(reason)
   beta = beta_col.astype(F32)
@@ -891,7 +606,7 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   f = factor_rows(gc_col, k2_col, q2_col, beta_col)
   dqp, dkp, coef, lam = slices_pass(q, k, low(dv), low(do), low(u), low(states), low(dstates), f,
                                     scale=scale, erase=erase, warpgroups=slice_warpgroups,
-                                    chunks_per_program=chunks_per_program, interpret=interpret)
+                                    interpret=interpret)
   if not erase:
     x = v
   elif x is None:

@@ -157,10 +157,12 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False):
   ``Plan.saves_x``)."""
   if _plan(cfg, q, v, k2).mosaic_state_kernels:
     sizes = dict(d=q.shape[-1], vd=v.shape[-1], c=q.shape[-2], e=k2.shape[-1])
-    kw = dict(interpret=cfg.platform == "cpu", block_v=plan_lib.state_block_v(cfg, **sizes),
-              warpgroups=plan_lib.state_warpgroups(cfg, **sizes))
-    return (functools.partial(mosaic.state_pass, save_x=save_x, **kw),
-            functools.partial(mosaic.reverse_state_pass, **kw))
+    tiles = plan_lib.state_tiles(cfg, **sizes)
+    kw = dict(interpret=cfg.platform == "cpu", block_v=tiles.block_v)
+    return (functools.partial(mosaic.state_pass, save_x=save_x,
+                              warpgroups=tiles.forward_warpgroups, **kw),
+            functools.partial(mosaic.reverse_state_pass, warpgroups=tiles.reverse_warpgroups,
+                              **kw))
   return (functools.partial(recurrent.state_pass, cfg=cfg),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))
 
@@ -174,14 +176,14 @@ def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
 
 def chunk_gradients_kernel(cfg, q, v, k2):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel with
-  ``cfg.slice_warpgroups``, ``cfg.slice_chunks_per_program``, ``cfg.fused_tail``) or
+  ``cfg.slice_warpgroups``, ``cfg.fused_tail``) or
   ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
     return functools.partial(
         mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
         slice_warpgroups=mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, q.shape[-1]),
-        chunks_per_program=cfg.slice_chunks_per_program, fused_tail=cfg.fused_tail)
+        fused_tail=cfg.fused_tail)
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 

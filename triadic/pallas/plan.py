@@ -79,19 +79,19 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   prep = Stage("prep", base, "one program per chunk",
                f"masks M, M' in plain JAX (E-independent kernel); {inverse}")
 
-  state_wgs = state_warpgroups(cfg, d=d, vd=vd, c=c, e=e)
-  state_reason = (mosaic.supported(d, vd, c, e, dtype, block_v=cfg.state_block_v,
-                                   warpgroups=state_wgs)
+  st = state_tiles(cfg, d=d, vd=vd, c=c, e=e)
+  state_reason = ((mosaic.supported(d, vd, c, e, dtype, st.block_v, st.forward_warpgroups)
+                   or mosaic.supported(d, vd, c, e, dtype, st.block_v, st.reverse_warpgroups))
                   if cfg.mosaic_gpu else "Config.mosaic_gpu off")
   if state_reason is None:
-    bv = state_block_v(cfg, d=d, vd=vd, c=c, e=e)
-    wg_reason = ("" if state_wgs == cfg.state_warpgroups else "; one warpgroup: "
-                 + str(mosaic.warpgroups_supported(d, vd, c, e, cfg.state_block_v)))
-    tiles = f"block_v {bv}, S_cat D x {e * bv}, {state_wgs} warpgroup(s), copies "
-    forward = Stage("forward", "mosaic_gpu" + interp, tiles + "a chunk ahead",
-                    "Config.mosaic_gpu" + wg_reason)
-    bwd_states = Stage("backward_states", "mosaic_gpu" + interp, tiles + "at chunk start",
-                       "Config.mosaic_gpu" + wg_reason)
+    def mosaic_stage(name, wgs, copies):
+      return Stage(name, "mosaic_gpu" + interp,
+                   f"block_v {st.block_v}, S_cat D x {e * st.block_v}, {wgs} warpgroup(s), "
+                   f"copies {copies}",
+                   "Config.mosaic_gpu; " + _warpgroups_reason(cfg, wgs, d=d, vd=vd, c=c, e=e,
+                                                              bv=st.block_v))
+    forward = mosaic_stage("forward", st.forward_warpgroups, "a chunk ahead")
+    bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, "at chunk start")
   else:
     tiles = f"block_v {cfg.block_v}, {loop}"
     forward = Stage("forward", base, tiles, state_reason)
@@ -102,16 +102,14 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
   slice_wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
-  per = cfg.slice_chunks_per_program
-  cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, warpgroups=slice_wgs,
-                                         chunks_per_program=per)
+  cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, warpgroups=slice_wgs)
                if cfg.mosaic_gpu_backward else "Config.mosaic_gpu_backward off")
   if cb_reason is None:
     wg_reason = ("" if slice_wgs == (cfg.slice_warpgroups or 2) else
                  "; one warpgroup: " + str(mosaic_backward.slice_warpgroups_supported(d)))
     chunk_bwd = Stage("chunk_gradients", "mosaic_gpu" + interp + " + triton tail",
                       f"slice kernel: {e} slice(s) in 64-row pieces, two slots, {slice_wgs} "
-                      f"warpgroup(s), {per} chunk(s) per program, {tail}",
+                      f"warpgroup(s), {tail}",
                       "Config.mosaic_gpu_backward" + tail_reason + wg_reason)
   else:
     chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
@@ -126,20 +124,39 @@ def _log_once(plan: Plan) -> None:
   log.info("%s", plan)
 
 
-def state_warpgroups(cfg: Config, *, d: int, vd: int, c: int, e: int) -> int:
-  """The Mosaic state passes' warpgroups: ``Config.state_warpgroups`` where
-  ``mosaic.warpgroups_supported`` takes it, else 1."""
-  if cfg.state_warpgroups == 2 and mosaic.warpgroups_supported(d, vd, c, e,
-                                                               cfg.state_block_v) is None:
-    return 2
-  return 1
+@dataclasses.dataclass(frozen=True)
+class StateTiles:
+  """The Mosaic state passes' value block and each pass's warpgroups."""
+  block_v: int | None
+  forward_warpgroups: int
+  reverse_warpgroups: int
 
 
-def state_block_v(cfg: Config, *, d: int, vd: int, c: int, e: int) -> int | None:
-  """The Mosaic state passes' value block: ``Config.state_block_v`` or ``mosaic.default_block_v``
-  for their warpgroups."""
-  return cfg.state_block_v or mosaic.default_block_v(
-      d, vd, c, e, warpgroups=state_warpgroups(cfg, d=d, vd=vd, c=c, e=e))
+def state_tiles(cfg: Config, *, d: int, vd: int, c: int, e: int) -> StateTiles:
+  """``Config.state_warpgroups`` 1 or 2 sets both passes (2 where ``mosaic.warpgroups_supported``
+  takes it, else 1; block_v ``Config.state_block_v`` or ``mosaic.default_block_v`` for those
+  warpgroups); None leaves block_v and each pass's warpgroups to ``mosaic.default_state_tiles``."""
+  if cfg.state_warpgroups is None:
+    return StateTiles(*mosaic.default_state_tiles(d, vd, c, e, cfg.state_block_v))
+  wgs = (2 if cfg.state_warpgroups == 2
+         and mosaic.warpgroups_supported(d, vd, c, e, cfg.state_block_v) is None else 1)
+  bv = cfg.state_block_v or mosaic.default_block_v(d, vd, c, e, warpgroups=wgs)
+  return StateTiles(bv, wgs, wgs)
+
+
+def _warpgroups_reason(cfg: Config, wgs: int, *, d: int, vd: int, c: int, e: int, bv: int) -> str:
+  """Why a state pass runs ``wgs`` warpgroups, for the plan."""
+  if cfg.state_warpgroups is not None:
+    if wgs == cfg.state_warpgroups:
+      return f"Config.state_warpgroups={wgs}"
+    return "one warpgroup: " + str(mosaic.warpgroups_supported(d, vd, c, e, cfg.state_block_v))
+  if wgs == 2:
+    return "two warpgroups: one warpgroup's state would fill its registers"
+  if d * e * bv < mosaic.STATE_BUDGET:
+    return "one warpgroup: its state fits its registers"
+  refused = mosaic.warpgroups_supported(d, vd, c, e, bv)
+  return ("one warpgroup: " + refused if refused else
+          f"one warpgroup: at block_v {bv} two run the forward's products as narrow wgmmas")
 
 
 def sequence_pieces(cfg: Config, *, bh: int, nc: int, d: int, vd: int, c: int, e: int, dtype
@@ -148,7 +165,8 @@ def sequence_pieces(cfg: Config, *, bh: int, nc: int, d: int, vd: int, c: int, e
   (``Config.sequence_pieces``, ``pieces.choose``); its programs are bh times the forward state
   pass's value blocks. Logged once per distinct answer."""
   plan = resolve(cfg, d=d, vd=vd, c=c, e=e, dtype=dtype)
-  bv = state_block_v(cfg, d=d, vd=vd, c=c, e=e) if plan.mosaic_state_kernels else cfg.block_v
+  bv = (state_tiles(cfg, d=d, vd=vd, c=c, e=e).block_v if plan.mosaic_state_kernels
+        else cfg.block_v)
   choice = pieces.choose(cfg.sequence_pieces, cfg.warmup_chunks, programs=bh * max(1, vd // bv),
                          nc=nc)
   _log_pieces_once(plan.sizes, bh, nc, choice)
