@@ -4,19 +4,20 @@ Computed once per chunk and shared by every value block of the state-passing ker
 (docs/spec.md, the triadic op's chunked form):
 
   gc_te = sum_{s <= t} g_se                      chunk-local, <= 0 (``masks.chunk_cumsum``)
-  M_ts  = sum_e k2_te k2_se exp(gc_te - gc_se)   s <= t (``masks.decay_masks``, plain JAX)
+  M_ts  = sum_e k2_te k2_se exp(gc_te - gc_se)   s <= t (``masks.decay_masks``)
   M'_ts = sum_e q2_te k2_se exp(gc_te - gc_se)   s <= t
   A     = (I + StrictLower(beta_t (k_t . k_s) M_ts))^-1  (erase; zeros without)
   P     = Lower((q_t . k_s) M'_ts)                             the intra-chunk read
 
-The E-dependent part is elementwise (the masks), done by XLA over all chunks at once; the kernel
-here is E-independent: one program per (batch*head, chunk) forms K K^T and Q K^T on the matrix
-units and applies the masks. It writes the strictly lower L = StrictLower(beta_t (k_t . k_s) M_ts);
-A = (I + L)^-1 is then taken by forward substitution (``Config.ut_kernel``, the GPU default:
-``unit_lower_inverse_kernel``, one program per chunk; else ``triadic.chunked.unit_lower_inverse``
-in plain JAX, the TPU's and the CPU's path), not by the all-matmul doubling product
-(I - L)(I + L^2)(I + L^4)...: that product loses every digit in float32 once keys in a chunk are
-aligned (|L_ts| -> 1, e.g. a repeated token).
+The E-dependent part is elementwise (the masks), done by XLA over all chunks at once, or with
+``mask_kernel`` by the Pallas kernel ``masks.decay_masks_kernel`` (one program per chunk, each
+exponential once); the kernel here is E-independent: one program per (batch*head, chunk) forms
+K K^T and Q K^T on the matrix units and applies the masks. It writes the strictly lower
+L = StrictLower(beta_t (k_t . k_s) M_ts); A = (I + L)^-1 is then taken by forward substitution
+(``Config.ut_kernel``, the GPU default: ``unit_lower_inverse_kernel``, one program per chunk; else
+``triadic.chunked.unit_lower_inverse`` in plain JAX, the TPU's and the CPU's path), not by the
+all-matmul doubling product (I - L)(I + L^2)(I + L^4)...: that product loses every digit in float32
+once keys in a chunk are aligned (|L_ts| -> 1, e.g. a repeated token).
 
 The kernel form: the chunk's ``SUB`` x ``SUB`` diagonal blocks A_ii = (I + L_ii)^-1 by
 substitution in registers (``_diagonal_block_inverses``), then the blocks below the diagonal by
@@ -117,8 +118,10 @@ def unit_lower_inverse_kernel(lower, *, cfg, num_warps=UT_NUM_WARPS):
               num_warps=num_warps)(lower)
 
 
-def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg):
+def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, mask_kernel=False):
   """gc, its transpose, A and P for every chunk. Inputs in the kernels' (BH, NC, C, X) layout.
+  ``mask_kernel``: the masks M, M' by the Pallas kernel ``masks.decay_masks_kernel`` (GPU
+  structure: Triton, or interpreted) instead of the plain-JAX ``masks.decay_masks``; same values.
 
   Returns gc (BH, NC, C, E), gc transposed (BH, NC, E, C), A and P (BH, NC, C, C), float32.
   """
@@ -126,7 +129,10 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg):
   gc_col = masks.chunk_cumsum(g_col)
   gc_row = jnp.swapaxes(gc_col, -1, -2)
   k2_row = jnp.swapaxes(k2_col, -1, -2).astype(F32)
-  m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
+  if mask_kernel:
+    m, mq = masks.decay_masks_kernel(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase, cfg=cfg)
+  else:
+    m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))
   kernel = functools.partial(_prep_kernel, c=c, erase=erase, dtype=q.dtype)
   shape = jax.ShapeDtypeStruct((bh, nc, c, c), F32)
