@@ -10,14 +10,16 @@ with float32 accumulation but round differently (the Triton kernel scales K by t
 before the bf16 cast, the Mosaic kernel scales the float32 product after), so they are not
 bit-equal.
 A second test lowers both kernels for "cuda" (Mosaic GPU lowering and layout checks, no GPU).
-The two-warpgroup kernels (``warpgroups=2``, D = 128) are checked the same way, against the same
-reference and bounds. They run eagerly (the kernel alone under jit): inside a larger jitted
+The two-warpgroup kernels (``warpgroups=2``, D = 128), with narrow and with wide products over D
+(``wide_products``), are checked the same way, against the same reference and bounds. They run
+eagerly (the kernel alone under jit): inside a larger jitted
 function the interpreter's two simulated warpgroups can wait on each other forever on a 2-core
 machine.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -29,6 +31,7 @@ from testkit import rel_rms
 from triadic.pallas import mosaic, mosaic_backward, recurrent
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import Config
+from triadic.pallas import ops as pops
 from triadic.pallas.ops import kernel_layout
 
 BOUND = 1e-2
@@ -90,24 +93,32 @@ def check_close(names, got, want):
 
 
 WG2_CASES = [
-    # b, t, h, v, e, erase, save_x   (D = 128, C = 64, block_v = 32; NC = 3 for t = 150)
-    pytest.param(1, 150, 2, 64, 1, False, False, id="E1-noerase-V64"),
-    pytest.param(1, 150, 2, 32, 3, True, True, id="E3-erase-saveX"),
-    pytest.param(1, 150, 2, 32, 8, True, False, id="E8-erase"),
+    # b, t, h, v, e, erase, save_x, wide   (D = 128, C = 64; NC = 3 for t = 150)
+    # narrow products, the default block_v (32: E * block_v = 256 at E = 8)
+    pytest.param(1, 150, 2, 64, 1, False, False, None, id="E1-noerase-V64"),
+    pytest.param(1, 150, 2, 32, 3, True, True, None, id="E3-erase-saveX"),
+    pytest.param(1, 150, 2, 32, 8, True, False, None, id="E8-erase"),
+    # wide products at this block_v (E * block_v <= 128; E = 3: the K, Q pieces' swizzle is 64 B)
+    pytest.param(1, 150, 2, 16, 8, True, True, 16, id="E8-BV16-wide-erase-saveX"),
+    pytest.param(1, 150, 2, 32, 3, True, False, 32, id="E3-BV32-wide-erase"),
 ]
 
 
-@pytest.mark.parametrize("b,t,h,vdim,e,erase,save_x", WG2_CASES)
-def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x):
-  """``warpgroups=2`` (each warpgroup 64 of the D = 128 state rows, E * block_v = 256 at E = 8):
-  the forward and reverse passes against ``recurrent``; with save_x, X against X formed from the
-  reference's chunk-start states."""
+@pytest.mark.parametrize("b,t,h,vdim,e,erase,save_x,wide", WG2_CASES)
+def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x, wide):
+  """``warpgroups=2`` (each warpgroup 64 of the D = 128 state rows): the forward and reverse
+  passes against ``recurrent``, with narrow products over D at the default block_v, or with
+  ``wide_products`` at block_v ``wide``; with save_x, X against X formed from the reference's
+  chunk-start states."""
   d, c = 128, 64
   fargs, do, dht = build(b, t, h, d, vdim, e, c, erase)
   kw = dict(scale=SCALE, erase=erase)
-  bv = mosaic.default_block_v(d, vdim, c, e, warpgroups=2)
-  assert bv == 32
-  got = mosaic.state_pass(*fargs, warpgroups=2, save_x=save_x, interpret=True, **kw)
+  wg2 = dict(kw, warpgroups=2, interpret=True)
+  if wide:
+    wg2.update(block_v=wide, wide_products=True)
+  else:
+    assert mosaic.default_block_v(d, vdim, c, e, warpgroups=2) == 32
+  got = mosaic.state_pass(*fargs, save_x=save_x, **wg2)
   want = recurrent.state_pass(*fargs, cfg=CPU, **kw)
   if save_x:
     x, got = got[2], got[:2] + got[3:]
@@ -117,20 +128,24 @@ def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x):
     assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
   check_close(FORWARD_OUTPUTS, got, want)
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  got = mosaic.reverse_state_pass(*bargs, warpgroups=2, interpret=True, **kw)
+  got = mosaic.reverse_state_pass(*bargs, **wg2)
   check_close(BACKWARD_OUTPUTS, got, recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw))
 
 
-@pytest.mark.parametrize("d,vdim,e,erase,wgs,save_x", [
-    (64, 64, 8, True, 1, False), (128, 128, 8, True, 1, False), (128, 64, 2, False, 1, False),
-    (64, 32, 3, True, 1, False),
+@pytest.mark.parametrize("d,vdim,e,erase,wgs,save_x,wide", [
+    (64, 64, 8, True, 1, False, None), (128, 128, 8, True, 1, False, None),
+    (128, 64, 2, False, 1, False, None), (64, 32, 3, True, 1, False, None),
     # two warpgroups at D = 128 with their default block_v (32: E * block_v = 256 at E = 8)
-    (128, 128, 8, True, 2, True), (128, 128, 8, False, 2, False), (128, 64, 3, True, 2, False),
-    (128, 32, 1, True, 2, True),
+    (128, 128, 8, True, 2, True, None), (128, 128, 8, False, 2, False, None),
+    (128, 64, 3, True, 2, False, None), (128, 32, 1, True, 2, True, None),
+    # two warpgroups with wide products at block_v ``wide`` (E * block_v <= 128)
+    (128, 128, 8, True, 2, True, 16), (128, 128, 8, False, 2, False, 16),
+    (128, 128, 4, True, 2, False, 32), (128, 64, 3, True, 2, True, 32),
+    (128, 32, 1, False, 2, False, 32),
 ])
-def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x):
+def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x, wide):
   """Both kernels pass the Mosaic GPU lowering (layout inference, wgmma/TMA checks, SMEM size)
-  for the default block_v; nothing runs."""
+  for the default block_v, or with ``wide_products`` at block_v ``wide``; nothing runs."""
   bh, nc, c = 2, 4, 64
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
   f32 = functools.partial(spec, dt=jnp.float32)
@@ -139,6 +154,8 @@ def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x):
   args = (spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
           f32(bh, e, d, vdim))
   kw = dict(scale=SCALE, erase=erase, warpgroups=wgs)
+  if wide:
+    kw.update(block_v=wide, wide_products=True)
   suffix = "_wg2" if wgs == 2 else ""
   fwd = jax.jit(functools.partial(mosaic.state_pass, save_x=save_x, **kw))
   text = fwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -160,6 +177,16 @@ def test_two_warpgroups_supported():
   assert mosaic.default_state_tiles(128, 128, 64, 2) == (32, 1, 1)
   assert mosaic.default_state_tiles(128, 128, 64, 8, block_v=32) == (32, 2, 2)
   assert mosaic.default_state_tiles(64, 64, 64, 8) == (16, 1, 1)    # two need D = 128
+  # With wide products the forward takes two warpgroups at block_v 16 as well.
+  assert mosaic.default_state_tiles(128, 128, 64, 8, wide_products=True) == (16, 2, 2)
+  assert mosaic.default_state_tiles(128, 128, 64, 2, wide_products=True) == (32, 1, 1)
+  for e, bv in ((8, 16), (4, 32), (3, 32)):
+    assert mosaic.wide_products_supported(128, 128, 64, e, bv) is None, (e, bv)
+    for backward in (False, True):
+      assert (mosaic.smem_bytes_2wg(128, 64, e, bv, backward, wide=True)
+              == mosaic.smem_bytes_2wg(128, 64, e, bv, backward) + 128 * e * bv * 2)
+  assert "> 128" in mosaic.wide_products_supported(128, 128, 64, 8, 32)
+  assert "D = 128" in mosaic.wide_products_supported(64, 64, 64, 4, 32)
   assert mosaic.supported(128, 128, 64, 8, bf16, block_v=32, warpgroups=2) is None
   assert mosaic.supported(128, 128, 64, 3, bf16, warpgroups=2) is None
   assert "D = 128" in mosaic.warpgroups_supported(64, 64, 64, 8)
@@ -174,6 +201,41 @@ def test_two_warpgroups_supported():
     mosaic.state_pass(x, x, x, *rest, scale=1.0, erase=True, warpgroups=2)
   with pytest.raises(ValueError, match="warpgroups must be 1 or 2"):
     mosaic.reverse_state_pass(x, x, x, *rest, scale=1.0, erase=True, warpgroups=4)
+  with pytest.raises(ValueError, match="wide_products needs warpgroups=2"):
+    mosaic.state_pass(x, x, x, *rest, scale=1.0, erase=True, wide_products=True)
+
+
+def test_plan_shows_wide_products():
+  """``Config.state_wide_products``: the plan's tiles and reasons say which two-warpgroup passes
+  form their products wide (E * block_v <= 128) and which stay narrow, and why; the kernels get
+  it as ``wide_products``; with the warpgroups left open the forward takes two at block_v 16."""
+  bf16 = jnp.bfloat16
+  cfg = Config("gpu", block_v=16, bwd_block_v=32, mosaic_gpu=True, state_wide_products=True)
+  plan = pops.explain(128, 128, 8, 64, bf16, config=cfg)
+  for stage in (plan.forward, plan.backward_states):
+    assert "block_v 16" in stage.tiles and "2 warpgroup(s), wide products (N = 128)" in stage.tiles
+    assert "wide products: Config.state_wide_products" in stage.reason
+  zeros = lambda n, dt: jnp.zeros((1, 1, 64, n), dt)
+  fwd, bwd = pops.state_pass_kernels(cfg, zeros(128, bf16), zeros(128, bf16),
+                                     zeros(8, jnp.float32))
+  assert fwd.keywords["wide_products"] and bwd.keywords["wide_products"]
+  assert fwd.keywords["warpgroups"] == bwd.keywords["warpgroups"] == 2
+  off = pops.explain(128, 128, 8, 64, bf16,
+                     config=dataclasses.replace(cfg, state_wide_products=False))
+  assert "1 warpgroup(s)" in off.forward.tiles
+  assert "Config.state_wide_products off" in off.forward.reason
+  assert "narrow products (8 x N = 16)" in off.backward_states.tiles
+  # E * block_v = 256: both passes narrow, with the reason; D = 64: one warpgroup, nothing to say.
+  wide_256 = pops.explain(128, 128, 8, 64, bf16,
+                          config=dataclasses.replace(cfg, state_warpgroups=2))
+  assert "narrow products (8 x N = 32)" in wide_256.forward.tiles
+  assert "narrow products: E * block_v = 256 > 128" in wide_256.backward_states.reason
+  at_64 = pops.explain(64, 64, 8, 64, bf16, config=cfg).forward
+  assert "1 warpgroup(s)" in at_64.tiles and "products" not in at_64.tiles + at_64.reason
+  with pytest.raises(ValueError, match="state_wide_products"):
+    Config("gpu", block_v=16, bwd_block_v=16, state_wide_products=True, state_warpgroups=1)
+  with pytest.raises(ValueError, match="state_wide_products must be a bool"):
+    Config("gpu", block_v=16, bwd_block_v=16, state_wide_products=1)
 
 
 def test_supported():

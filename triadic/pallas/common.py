@@ -62,6 +62,13 @@ class Config:
   passes (D = 128 only: each holds 64 rows of the state, so that E * block_v = 256 fits the
   registers; where ``mosaic.warpgroups_supported`` refuses, 1, as the plan says); None: per pass,
   two where one warpgroup's state would fill its registers (``mosaic.default_state_tiles``).
+  state_wide_products: with ``mosaic_gpu``, a two-warpgroup state pass forms its products over D
+  (forward K S_cat and Q S_cat, backward K dS_cat), split over the warpgroups, as one wgmma of
+  N = E * block_v per product and warpgroup, e-reduced in registers, instead of E wgmmas of
+  N = block_v (``mosaic.wide_products_supported``: E * block_v <= 128; a wider pass keeps the
+  narrow ones, as the plan says); with ``state_warpgroups=None`` the forward then also takes two
+  warpgroups at block_v 16 (``mosaic.default_state_tiles``). One warpgroup's products are wide
+  already, so ``state_warpgroups=1`` refuses it.
   state_block_v: with ``mosaic_gpu``, the Mosaic state passes' value block (None:
   ``mosaic.default_block_v`` for their warpgroups; one that ``mosaic.supported`` refuses sends
   them to Triton, as the plan says). Wider blocks read K, Q, A, P fewer times over, with fewer
@@ -86,6 +93,7 @@ class Config:
   fused_tail: bool | None = None
   slice_warpgroups: int | None = None
   state_warpgroups: int | None = None
+  state_wide_products: bool = False
   state_block_v: int | None = None
   sequence_pieces: int = 1
   warmup_chunks: int = 16
@@ -98,6 +106,11 @@ class Config:
       raise ValueError(f"slice_warpgroups must be None, 1 or 2, got {self.slice_warpgroups!r}")
     if self.state_warpgroups not in (None, 1, 2):
       raise ValueError(f"state_warpgroups must be None, 1 or 2, got {self.state_warpgroups!r}")
+    if not isinstance(self.state_wide_products, bool):
+      raise ValueError(f"state_wide_products must be a bool, got {self.state_wide_products!r}")
+    if self.state_wide_products and self.state_warpgroups == 1:
+      raise ValueError("state_wide_products applies to two-warpgroup state passes; "
+                       "state_warpgroups=1 has none (one warpgroup's products are wide already)")
     if not isinstance(self.sequence_pieces, int) or self.sequence_pieces < 0:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")

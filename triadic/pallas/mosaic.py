@@ -65,9 +65,19 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   buffer, which would not fit beside them at E*BV = 256), and its own 64-column pieces of K and Q
   and 64-row pieces of K^T (Q^T), which it copies and waits for alone. The products that
   contract over D are split over D: each warpgroup forms its part of the e-reduced C x BV
-  results, sum_e diag(f_e) (K_w S_w,e) (and with Q), one N = BV wgmma per slice, so only C x BV
-  accumulators are live; warpgroup 1 writes its parts to SMEM (float32) and warpgroup 0 adds
-  them. Warpgroup 0 alone does the C x BV work (rhs, U = A rhs, o; dU, X and Z in the backward;
+  results, sum_e diag(f_e) (K_w S_w,e) (and with Q), ``_partial``; warpgroup 1 writes its parts
+  to SMEM (float32) and warpgroup 0 adds them. Narrow (the default): one N = BV wgmma per slice
+  on the (64, BV) blocks, so only C x BV accumulators are live (2E small wgmmas per chunk in the
+  forward, each waited, scaled and summed in turn). Wide (``wide_products``, E * BV <=
+  WIDE_MAX_N = 128): as the one-warpgroup kernels do, one wgmma per product with N = E * BV on a
+  second bf16 copy of the warpgroup's rows, one (64, E*BV) buffer with the swizzle of an
+  E*BV-wide row (which K_w, Q_w then share), its C x E*BV float32 accumulator (64 registers a
+  thread at 128) e-reduced in registers (``_e_reduce``); the forward forms R's and then Y's, so
+  one such accumulator is live at a time, beside the 64 x E*BV state (64 registers). The (64, BV)
+  blocks stay as the chunk-start states' TMA sources: a BV-wide column block of the wide buffer
+  is no TMA source (its columns lie inside the swizzle's 64-column tiles); the copy costs
+  64 * E * BV * 2 bytes of SMEM per warpgroup (``smem_bytes_2wg``), which at E * BV <= 128
+  fits. Warpgroup 0 alone does the C x BV work (rhs, U = A rhs, o; dU, X and Z in the backward;
   V, A, P or dO, A^T, P^T are its copies) and writes the whole W (X, Z) that both state updates
   read; each warpgroup's update is its rows, K^T_w W (M = 64, N = E*BV). The factor rows and lam
   are copied once, by warpgroup 0, and waited for by both. Per chunk the warpgroups meet twice at
@@ -79,7 +89,8 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   through dU's output buffer, so warpgroup 0 waits for dU's store to have read it before the
   second meeting. Barrier phases are tracked per thread, so a barrier that both warpgroups wait
   for (a shared copy's, the meeting's) is waited once per phase by each. All bf16 operands use
-  swizzle V (K, Q in 64-column pieces share it with the (64, BV) blocks).
+  swizzle V (narrow: K, Q in 64-column pieces share it with the (64, BV) blocks), except, wide,
+  the (64, E*BV) buffer and the K, Q pieces, which use swizzle N.
 * SMEM scopes: the chunk loop's buffers live in one ``run_scoped``; the (D, E*BV) float32 buffer
   for the initial / final state in separate scopes before and after it (together they exceed the
   227 KiB at D = 64, E*BV = 256). With two warpgroups that buffer is (2, 64, E*BV), a row piece
@@ -90,7 +101,9 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   With two warpgroups each thread holds 64 * E * BV / 128 state floats (128 at E * BV = 256)
   and C x BV accumulators and temporaries (16 registers each at BV = 32), so D = 128 takes
   E * BV = 256: ``default_block_v(..., warpgroups=2)`` is the widest BV in (32, 16) with E * BV
-  <= 256, a multiple of 32, within SMEM_LIMIT (``smem_bytes_2wg``; BV = 32 at E = 8).
+  <= 256, a multiple of 32, within SMEM_LIMIT (``smem_bytes_2wg``; BV = 32 at E = 8). Wide
+  products add one C x E*BV accumulator (64 registers at E * BV = 128, the most they take) to
+  the 64 state registers.
 * The initial / final state is moved once per program in the "cat" layout (BH, V/BV, D, E*BV),
   rearranged in plain JAX (state-sized, once); the per-chunk states are written directly in
   recurrent.py's (BH, NC, E, D, V) layout from an (E, D, BV) SMEM buffer.
@@ -115,6 +128,7 @@ REG_BUDGET = 192 * 128      # (D + C) * E * BV: default block_v choice (state + 
 STATE_BUDGET = 128 * 128    # D * E * BV: hard limit, the state alone at 128 registers a thread
 CAT_BARRIER = 9             # barriers 0..8: the chunk inputs (the factors take two); 9: h0 / dht
 HALF = 64                   # two warpgroups: state rows (D) per warpgroup
+WIDE_MAX_N = 128            # two warpgroups, wide products: E * BV (one C x E*BV acc, 64 regs)
 SMEM_LIMIT = 220 * 1024     # of the 227 KiB a block may have (reduction scratch etc.)
 
 
@@ -195,17 +209,19 @@ def default_block_v(d: int, vd: int, c: int, e: int, warpgroups: int = 1) -> int
   return None
 
 
-def default_state_tiles(d: int, vd: int, c: int, e: int, block_v: int | None = None
-                        ) -> tuple[int | None, int, int]:
+def default_state_tiles(d: int, vd: int, c: int, e: int, block_v: int | None = None,
+                        wide_products: bool = False) -> tuple[int | None, int, int]:
   """(block_v, forward warpgroups, reverse warpgroups) where ``Config`` leaves the warpgroups open.
 
   block_v: the one given, else ``default_block_v`` for one warpgroup, else (sizes where no
   one-warpgroup block fits, e.g. E = 5 at D = 128) the two-warpgroup one. A pass runs two
   warpgroups where ``warpgroups_supported`` takes them and one warpgroup's state would fill its
   128 registers a thread (D * E * BV >= STATE_BUDGET: E * BV = 128 at D = 128, where the
-  one-warpgroup kernels spill); the forward only where BV >= 32 as well, because its products
-  over D, split over the warpgroups, are E wgmmas of N = BV each, and at BV = 16 (E = 8) they
-  made the two-warpgroup forward slower than one warpgroup's (benchmarks/RESULTS.md)."""
+  one-warpgroup kernels spill). The forward takes them only where its products over D, split
+  over the warpgroups, are not narrow: BV >= 32, or ``wide_products`` where
+  ``wide_products_supported`` takes it (E * BV <= WIDE_MAX_N: one wgmma of N = E * BV per
+  product). Narrow, they are E wgmmas of N = BV each, which at BV = 16 (E = 8) made the
+  two-warpgroup forward slower than one warpgroup's (benchmarks/RESULTS.md)."""
   bv = block_v or default_block_v(d, vd, c, e)
   if bv is None:
     bv = default_block_v(d, vd, c, e, warpgroups=2)
@@ -213,16 +229,18 @@ def default_state_tiles(d: int, vd: int, c: int, e: int, block_v: int | None = N
     return bv, wgs, wgs
   if d * e * bv < STATE_BUDGET or warpgroups_supported(d, vd, c, e, bv) is not None:
     return bv, 1, 1
-  return bv, (2 if bv >= 32 else 1), 2
+  wide = wide_products and wide_products_supported(d, vd, c, e, bv) is None
+  return bv, (2 if bv >= 32 or wide else 1), 2
 
 
-def smem_bytes_2wg(d: int, c: int, e: int, bv: int, backward: bool) -> int:
-  """SMEM of a two-warpgroup kernel's chunk loop (erase, and the forward with save_x: the most)."""
+def smem_bytes_2wg(d: int, c: int, e: int, bv: int, backward: bool, wide: bool = False) -> int:
+  """SMEM of a two-warpgroup kernel's chunk loop (erase, and the forward with save_x: the most);
+  ``wide``: with the wide products' (64, E*BV) bf16 state operand per warpgroup."""
   n = e * bv
   common = (3 * c * d * 2                     # q, k, k^T (forward); k, k^T, q^T (backward)
             + 2 * c * c * 2                   # A, P (A^T, P^T)
             + n * 4                           # lam_cat
-            + d * n * 2                       # S_cat pieces (E, 64, BV) per warpgroup
+            + d * n * 2 * (2 if wide else 1)  # S_cat pieces (E, 64, BV) [+ (64, E*BV)] per wg
             + c * bv * 2)                     # v / dO block
   if backward:
     return (common + (3 * e + 1) * c * 4      # factor rows
@@ -251,6 +269,26 @@ def warpgroups_supported(d: int, vd: int, c: int, e: int, block_v: int | None = 
   need = max(smem_bytes_2wg(d, c, e, bv, backward) for backward in (False, True))
   if need > SMEM_LIMIT:
     return f"two warpgroups at E={e}, block_v={bv} need {need} B of SMEM > {SMEM_LIMIT} B"
+  return None
+
+
+def wide_products_supported(d: int, vd: int, c: int, e: int, block_v: int | None = None
+                            ) -> str | None:
+  """None if the two-warpgroup state kernels can form their products over D wide
+  (``wide_products=True``: one wgmma of N = E * block_v per product and warpgroup), else why
+  not: two warpgroups must be taken (``warpgroups_supported``), E * block_v <= WIDE_MAX_N (the
+  C x E*BV float32 accumulator, 64 registers a thread at 128, beside the warpgroup's 64 x E*BV
+  state), and the extra (64, E*BV) bf16 operand per warpgroup within SMEM_LIMIT."""
+  bv = block_v or default_block_v(d, vd, c, e, warpgroups=2)
+  reason = warpgroups_supported(d, vd, c, e, bv)
+  if reason:
+    return reason
+  if e * bv > WIDE_MAX_N:
+    return (f"E * block_v = {e * bv} > {WIDE_MAX_N}: a C x E*BV accumulator beside the state "
+            "would not fit the registers")
+  need = max(smem_bytes_2wg(d, c, e, bv, backward, wide=True) for backward in (False, True))
+  if need > SMEM_LIMIT:
+    return f"wide products at E={e}, block_v={bv} need {need} B of SMEM > {SMEM_LIMIT} B"
   return None
 
 
@@ -295,7 +333,8 @@ def _t(x):
   return jnp.swapaxes(x, -1, -2)
 
 
-def _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v, warpgroups=1):
+def _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v, warpgroups=1,
+              wide_products=False):
   """Shapes, the checked value block and the row factors: (bh, nc, c, d, e, bv, f, lam_cat)."""
   bh, nc, c, d = q.shape
   e_dim = k2_col.shape[-1]
@@ -305,6 +344,11 @@ def _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v, warpgroups=1):
   reason = supported(d, vd, c, e_dim, q.dtype, bv, warpgroups=warpgroups)
   if reason:
     raise ValueError(reason)
+  if wide_products:
+    reason = ("wide_products needs warpgroups=2 (one warpgroup's products are wide already)"
+              if warpgroups != 2 else wide_products_supported(d, vd, c, e_dim, bv))
+    if reason:
+      raise ValueError(f"wide_products: {reason}")
   f, lam = _factors(gc_col, k2_col, q2_col, beta_col)
   return bh, nc, c, d, e_dim, bv, f, _lam_cat(lam, bv)
 
@@ -393,6 +437,16 @@ def _store_blocks(x, ref, e_dim, bv, dtype):
   """ref[e] = x[:, e-th column block] for each e (ref (E, rows, BV))."""
   for e in range(e_dim):
     ref[e] = x[:, e * bv:(e + 1) * bv].astype(dtype)
+
+
+def _e_reduce(ops, x, f_s, first_row, bv):
+  """sum_e diag(f[first_row + e]) x[:, e-th column block]: an (M, E*BV) product reduced over e
+  to (M, BV) in registers (static column slices, each scaled by its row factor)."""
+  out = None
+  for e in range(x.shape[1] // bv):
+    term = ops.rowvec(f_s, first_row + e, bv) * x[:, e * bv:(e + 1) * bv]
+    out = term if out is None else out + term
+  return out
 
 
 class _Inputs:
@@ -556,15 +610,11 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_b
       r = ops.mm(k_s, state_bf16_s)
       if save_x:
         # X = V - sum_e diag(c_e) R_e, which the chunk-parallel backward reads; rhs = beta X.
-        x = ops.acc(v_s[...].astype(F32))
-        for e in range(e_dim):
-          x = x - ops.rowvec(f_s, x_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
+        x = ops.acc(v_s[...].astype(F32)) - _e_reduce(ops, r, f_s, x_rows, bv)
         x_out[0][...] = x.astype(x_out[0].dtype)
         rhs = beta * x
       else:
-        rhs = beta * ops.acc(v_s[...].astype(F32))
-        for e in range(e_dim):
-          rhs = rhs - ops.rowvec(f_s, erase_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
+        rhs = beta * ops.acc(v_s[...].astype(F32)) - _e_reduce(ops, r, f_s, erase_rows, bv)
       rhs_bf16_s[...] = rhs.astype(BF16)
       plgpu.commit_smem()
       ins.start_next(("k", "v"), n)
@@ -585,9 +635,7 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_b
     ins.wait("q", n)
     y = ops.mm(q_s, state_bf16_s)
     ins.wait("p", n)
-    out = ops.mm(p_s, u_bf16_s)
-    for e in range(e_dim):
-      out = out + ops.rowvec(f_s, read_rows + e, bv) * y[:, e * bv:(e + 1) * bv]
+    out = ops.mm(p_s, u_bf16_s) + _e_reduce(ops, y, f_s, read_rows, bv)
     o_s[...] = (scale * out).astype(o_s.dtype)
     plgpu.commit_smem()
     ins.start_next(("q", "p", "f"), n)
@@ -601,21 +649,24 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_b
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               save_x=False, warpgroups=1, interpret=False):
+               save_x=False, warpgroups=1, wide_products=False, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
   (BH,NC,C,V) in q's dtype, after U: the chunk-parallel backward's ``x``. ``warpgroups``: 1, or 2
-  at D = 128 (``warpgroups_supported``; block_v default ``default_block_v(.., warpgroups=2)``)."""
+  at D = 128 (``warpgroups_supported``; block_v default ``default_block_v(.., warpgroups=2)``).
+  ``wide_products`` (two warpgroups, ``wide_products_supported``): each warpgroup forms its part
+  of R and Y by one wgmma of N = E * BV each instead of E of N = BV (module docstring)."""
   vd = v.shape[-1]
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v,
-                                                  warpgroups)
+                                                  warpgroups, wide_products)
   save_x = bool(save_x and erase)
   if save_x:
     f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
   if warpgroups == 2:
     return _forward_2wg(q, k, v, a, p, f, lam_cat, h0, e_dim=e_dim, bv=bv, scale=scale,
-                        erase=erase, save_x=save_x, interpret=interpret)
+                        erase=erase, save_x=save_x, wide=bool(wide_products),
+                        interpret=interpret)
   n_rows = f.shape[2]
   n_cat = e_dim * bv
   ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, lam_cat, _to_cat(h0.astype(F32), bv))
@@ -698,8 +749,7 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
     ins.wait("do", step)
     du = scale * ops.mm(pt_s, do_s)
     ins.wait("f", step)
-    for e in range(e_dim):
-      du = du + ops.rowvec(f_s, write_rows + e, bv) * r[:, e * bv:(e + 1) * bv]
+    du = du + _e_reduce(ops, r, f_s, write_rows, bv)
     u_s[...] = du
     do = ops.acc(do_s[...].astype(F32))
     for e in range(e_dim):
@@ -725,16 +775,16 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
 
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
-                       block_v=None, warpgroups=1, interpret=False):
+                       block_v=None, warpgroups=1, wide_products=False, interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   float32, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
-  (BH,E,D,V) float32. ``warpgroups``: as ``state_pass``."""
+  (BH,E,D,V) float32. ``warpgroups``, ``wide_products`` (here K dS_cat): as ``state_pass``."""
   vd = do.shape[-1]
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v,
-                                                  warpgroups)
+                                                  warpgroups, wide_products)
   if warpgroups == 2:
     return _backward_2wg(q, k, do, a, p, f, lam_cat, dht, e_dim=e_dim, bv=bv, scale=scale,
-                         erase=erase, interpret=interpret)
+                         erase=erase, wide=bool(wide_products), interpret=interpret)
   n_cat = e_dim * bv
   ins = (k, _t(k), _t(q), do.astype(q.dtype), _t(a).astype(BF16), _t(p).astype(BF16), f,
          lam_cat, _to_cat(dht.astype(F32), bv))
@@ -812,18 +862,23 @@ def _store_rows(x, dst, cat, w):
   pl.run_scoped(body, cat, collective_axes=("wg",))
 
 
-def _partial(ops, lhs, pieces, f_s, first_row, bv):
-  """sum_e diag(f[first_row + e]) (lhs @ pieces[e]): this warpgroup's part (its 64 of the D
-  contracted) of an e-reduced C x BV product, one C x BV accumulator at a time."""
+def _partial(ops, lhs, rhs, f_s, first_row, bv):
+  """sum_e diag(f[first_row + e]) (lhs @ S_e): this warpgroup's part (its 64 of the D contracted)
+  of an e-reduced C x BV product. ``rhs`` is the warpgroup's bf16 state operand: E (64, BV)
+  blocks (narrow: E wgmmas of N = BV, one C x BV accumulator at a time), or one (64, E*BV)
+  buffer (wide: one wgmma of N = E * BV, its C x E*BV accumulator e-reduced in registers as the
+  one-warpgroup kernels reduce theirs, ``_e_reduce``)."""
+  if len(rhs.shape) == 2:
+    return _e_reduce(ops, ops.mm(lhs, rhs), f_s, first_row, bv)
   out = None
-  for e in range(pieces.shape[0]):
-    term = ops.rowvec(f_s, first_row + e, bv) * ops.mm(lhs, pieces.at[e])
+  for e in range(rhs.shape[0]):
+    term = ops.rowvec(f_s, first_row + e, bv) * ops.mm(lhs, rhs.at[e])
     out = term if out is None else out + term
   return out
 
 
 def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch,
-                        cat, nc, e_dim, bv, scale, erase, save_x, interpret):
+                        cat, nc, e_dim, bv, scale, erase, save_x, wide, interpret):
   if save_x:
     o_g, u_g, x_g, st_g, ht_g, bars, xbar = outs_and_bars
   else:
@@ -856,12 +911,16 @@ def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_a
     pl.when(w == 0)(lambda: cp.start(first0, 0))
 
   def chunk(n, s, q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s, s_s, w_s, rhs_s, u16_s, o_s, u_s,
-            red_r, red_y, *x_out):
+            red_r, red_y, *extra):
     cp = copies(q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s)
+    x_out = extra[:save_x]
     mine = s_s.at[w]                      # (E, 64, BV): this warpgroup's rows, slice by slice
+    operand = extra[save_x].at[w] if wide else mine   # the products' rhs (``_partial``)
     plgpu.wgmma_wait(0)                   # its previous state update has read K^T, W
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # its stores have read their buffers
     _store_blocks(s, mine, e_dim, bv, BF16)
+    if wide:
+      operand[...] = s.astype(BF16)
     cp.wait("lam", n)
     decayed = ops.colvec(lam_s, HALF) * s
     plgpu.commit_smem()
@@ -872,9 +931,9 @@ def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_a
     part_r = None
     if erase:
       cp.wait("k", n)
-      part_r = _partial(ops, k_s.at[w], mine, f_s, r_rows, bv)
+      part_r = _partial(ops, k_s.at[w], operand, f_s, r_rows, bv)
     cp.wait("q", n)
-    part_y = _partial(ops, q_s.at[w], mine, f_s, read_rows, bv)
+    part_y = _partial(ops, q_s.at[w], operand, f_s, read_rows, bv)
 
     @pl.when(w == 1)
     def _():
@@ -940,14 +999,16 @@ def _kernel_2wg(kernel, ins, out_type, grid, name, interpret):
       kernel_name=name)(*ins)
 
 
-def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save_x, interpret):
+def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save_x, wide,
+                 interpret):
   bh, nc, c, d = q.shape
   vd = v.shape[-1]
   n_cat = e_dim * bv
   sw_v, sw_f = _swizzle(bv), _swizzle(bv, F32)
+  sw_k = _swizzle(n_cat) if wide else sw_v      # K, Q pieces share their product's rhs swizzle
   scratch = [
-      _smem((2, c, HALF), BF16, sw_v),            # q, a 64-column piece per warpgroup
-      _smem((2, c, HALF), BF16, sw_v),            # k
+      _smem((2, c, HALF), BF16, sw_k),            # q, a 64-column piece per warpgroup
+      _smem((2, c, HALF), BF16, sw_k),            # k
       _smem((2, HALF, c), BF16, sw_v),            # k^T, a 64-row piece per warpgroup
       _smem((c, bv), BF16, sw_v),                 # v block
       _smem((c, c), BF16, sw_v),                  # A
@@ -962,10 +1023,11 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
       _smem((c, bv), F32, sw_f),                  # U
       _smem((c, bv), F32, sw_f),                  # warpgroup 1's part of sum_e f_e R_e
       _smem((c, bv), F32, sw_f),                  # warpgroup 1's part of sum_e fq_e Y_e
-  ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else [])   # X
+  ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else []) + (   # X
+      [_smem((2, HALF, n_cat), BF16, sw_k)] if wide else [])    # S_cat (bf16), wide operand
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # initial / final state rows
   kernel = functools.partial(_forward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, save_x=save_x,
+                             bv=bv, scale=scale, erase=erase, save_x=save_x, wide=wide,
                              interpret=bool(interpret))
   per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
   ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, lam_cat, _to_cat(h0.astype(F32), bv))
@@ -979,7 +1041,8 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
 
 
 def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, du_g, dst_g, dh0_g,
-                         bars, xbar, *, scratch, cat, nc, e_dim, bv, scale, erase, interpret):
+                         bars, xbar, *, scratch, cat, nc, e_dim, bv, scale, erase, wide,
+                         interpret):
   ops = _Ops(interpret)
   i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
   cols, rows = pl.ds(j * bv, bv), pl.ds(w * HALF, HALF)
@@ -1000,16 +1063,20 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
   first0 = ("f", "lam", "do", "pt") + (("at",) if erase else ())
   at_end = ("qt", "kt") if erase else ("qt",)     # read only by the state update at the end
 
-  def chunk(step, ds, k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s, s_s, x_s, z_s, u16_s, u_s):
+  def chunk(step, ds, k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s, s_s, x_s, z_s, u16_s, u_s,
+            *wide_s):
     cp = copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s)
     n = nc - 1 - step
     mine = s_s.at[w]
+    operand = wide_s[0].at[w] if wide else mine      # the product's rhs (``_partial``)
     plgpu.wgmma_wait(0)                   # its previous state update has read K^T, Q^T, X, Z
     plgpu.commit_smem()
     cp.start(("k",), step)
     pl.when(w == 0)(lambda: cp.start(first0, step))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     _store_blocks(ds, mine, e_dim, bv, BF16)
+    if wide:
+      operand[...] = ds.astype(BF16)
     cp.wait("lam", step)
     decayed = ops.colvec(lam_s, HALF) * ds
     plgpu.commit_smem()
@@ -1018,7 +1085,7 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
     cp.start(at_end, step)
     cp.wait("k", step)
     cp.wait("f", step)
-    part = _partial(ops, k_s.at[w], mine, f_s, write_rows, bv)
+    part = _partial(ops, k_s.at[w], operand, f_s, write_rows, bv)
 
     @pl.when(w == 1)
     def _():
@@ -1059,13 +1126,14 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
   _store_rows(dstate, dh0_g.at[i, j, rows], cat, w)
 
 
-def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, interpret):
+def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, wide, interpret):
   bh, nc, c, d = q.shape
   vd = do.shape[-1]
   n_cat = e_dim * bv
   sw_v = _swizzle(bv)
+  sw_k = _swizzle(n_cat) if wide else sw_v      # K pieces share their product's rhs swizzle
   scratch = [
-      _smem((2, c, HALF), BF16, sw_v),            # k, a 64-column piece per warpgroup
+      _smem((2, c, HALF), BF16, sw_k),            # k, a 64-column piece per warpgroup
       _smem((2, HALF, c), BF16, sw_v),            # k^T, a 64-row piece per warpgroup
       _smem((2, HALF, c), BF16, sw_v),            # q^T
       _smem((c, bv), BF16, sw_v),                 # dO block
@@ -1078,10 +1146,11 @@ def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, i
       _smem((c, n_cat), BF16, sw_v),              # Z = [-diag(fe_e) A^T dU]_e
       _smem((c, bv), BF16, sw_v),                 # dU (bf16 operand)
       _smem((c, bv), F32, _swizzle(bv, F32)),     # dU; before it, warpgroup 1's partial
-  ]
+  ] + ([_smem((2, HALF, n_cat), BF16, sw_k)] if wide else [])   # dS_cat (bf16), wide operand
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # dht / dh0 rows
   kernel = functools.partial(_backward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
+                             bv=bv, scale=scale, erase=erase, wide=wide,
+                             interpret=bool(interpret))
   ins = (k, _t(k), _t(q), do.astype(q.dtype), _t(a).astype(BF16), _t(p).astype(BF16), f,
          lam_cat, _to_cat(dht.astype(F32), bv))
   du, dstates, dh0 = _kernel_2wg(

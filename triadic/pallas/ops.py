@@ -160,9 +160,10 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False):
     tiles = plan_lib.state_tiles(cfg, **sizes)
     kw = dict(interpret=cfg.platform == "cpu", block_v=tiles.block_v)
     return (functools.partial(mosaic.state_pass, save_x=save_x,
-                              warpgroups=tiles.forward_warpgroups, **kw),
+                              warpgroups=tiles.forward_warpgroups,
+                              wide_products=tiles.forward_wide, **kw),
             functools.partial(mosaic.reverse_state_pass, warpgroups=tiles.reverse_warpgroups,
-                              **kw))
+                              wide_products=tiles.reverse_wide, **kw))
   return (functools.partial(recurrent.state_pass, cfg=cfg),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))
 

@@ -84,14 +84,16 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                    or mosaic.supported(d, vd, c, e, dtype, st.block_v, st.reverse_warpgroups))
                   if cfg.mosaic_gpu else "Config.mosaic_gpu off")
   if state_reason is None:
-    def mosaic_stage(name, wgs, copies):
+    def mosaic_stage(name, wgs, wide, copies):
+      sizes = dict(d=d, vd=vd, c=c, e=e, bv=st.block_v)
       return Stage(name, "mosaic_gpu" + interp,
                    f"block_v {st.block_v}, S_cat D x {e * st.block_v}, {wgs} warpgroup(s), "
-                   f"copies {copies}",
-                   "Config.mosaic_gpu; " + _warpgroups_reason(cfg, wgs, d=d, vd=vd, c=c, e=e,
-                                                              bv=st.block_v))
-    forward = mosaic_stage("forward", st.forward_warpgroups, "a chunk ahead")
-    bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, "at chunk start")
+                   + _products(wgs, wide, e=e, bv=st.block_v) + f"copies {copies}",
+                   "Config.mosaic_gpu; " + _warpgroups_reason(cfg, wgs, **sizes)
+                   + _products_reason(cfg, wgs, wide, **sizes))
+    forward = mosaic_stage("forward", st.forward_warpgroups, st.forward_wide, "a chunk ahead")
+    bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, st.reverse_wide,
+                              "at chunk start")
   else:
     tiles = f"block_v {cfg.block_v}, {loop}"
     forward = Stage("forward", base, tiles, state_reason)
@@ -126,22 +128,50 @@ def _log_once(plan: Plan) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class StateTiles:
-  """The Mosaic state passes' value block and each pass's warpgroups."""
+  """The Mosaic state passes' value block, each pass's warpgroups and whether each (with two
+  warpgroups) forms its products over D wide (the kernels' ``wide_products``)."""
   block_v: int | None
   forward_warpgroups: int
   reverse_warpgroups: int
+  forward_wide: bool = False
+  reverse_wide: bool = False
 
 
 def state_tiles(cfg: Config, *, d: int, vd: int, c: int, e: int) -> StateTiles:
   """``Config.state_warpgroups`` 1 or 2 sets both passes (2 where ``mosaic.warpgroups_supported``
   takes it, else 1; block_v ``Config.state_block_v`` or ``mosaic.default_block_v`` for those
-  warpgroups); None leaves block_v and each pass's warpgroups to ``mosaic.default_state_tiles``."""
+  warpgroups); None leaves block_v and each pass's warpgroups to ``mosaic.default_state_tiles``
+  (which gives the forward two warpgroups at block_v 16 too with ``Config.state_wide_products``).
+  A two-warpgroup pass forms its products wide with ``Config.state_wide_products`` where
+  ``mosaic.wide_products_supported`` takes it (E * block_v <= 128), else narrow."""
   if cfg.state_warpgroups is None:
-    return StateTiles(*mosaic.default_state_tiles(d, vd, c, e, cfg.state_block_v))
-  wgs = (2 if cfg.state_warpgroups == 2
-         and mosaic.warpgroups_supported(d, vd, c, e, cfg.state_block_v) is None else 1)
-  bv = cfg.state_block_v or mosaic.default_block_v(d, vd, c, e, warpgroups=wgs)
-  return StateTiles(bv, wgs, wgs)
+    bv, fwd, rev = mosaic.default_state_tiles(d, vd, c, e, cfg.state_block_v,
+                                              cfg.state_wide_products)
+  else:
+    fwd = rev = (2 if cfg.state_warpgroups == 2
+                 and mosaic.warpgroups_supported(d, vd, c, e, cfg.state_block_v) is None else 1)
+    bv = cfg.state_block_v or mosaic.default_block_v(d, vd, c, e, warpgroups=fwd)
+  wide = lambda wgs: (cfg.state_wide_products and wgs == 2
+                      and mosaic.wide_products_supported(d, vd, c, e, bv) is None)
+  return StateTiles(bv, fwd, rev, wide(fwd), wide(rev))
+
+
+def _products(wgs: int, wide: bool, *, e: int, bv: int) -> str:
+  """A two-warpgroup pass's products over D, for the plan's tiles: one wgmma of N = E * BV per
+  product (wide) or E of N = BV (narrow)."""
+  if wgs != 2:
+    return ""
+  return f"wide products (N = {e * bv}), " if wide else f"narrow products ({e} x N = {bv}), "
+
+
+def _products_reason(cfg: Config, wgs: int, wide: bool, *, d: int, vd: int, c: int, e: int,
+                     bv: int) -> str:
+  """Why a two-warpgroup pass forms its products wide or narrow, where the Config asked."""
+  if wgs != 2 or not cfg.state_wide_products:
+    return ""
+  if wide:
+    return "; wide products: Config.state_wide_products"
+  return "; narrow products: " + str(mosaic.wide_products_supported(d, vd, c, e, bv))
 
 
 def _warpgroups_reason(cfg: Config, wgs: int, *, d: int, vd: int, c: int, e: int, bv: int) -> str:
@@ -155,8 +185,12 @@ def _warpgroups_reason(cfg: Config, wgs: int, *, d: int, vd: int, c: int, e: int
   if d * e * bv < mosaic.STATE_BUDGET:
     return "one warpgroup: its state fits its registers"
   refused = mosaic.warpgroups_supported(d, vd, c, e, bv)
-  return ("one warpgroup: " + refused if refused else
-          f"one warpgroup: at block_v {bv} two run the forward's products as narrow wgmmas")
+  if refused:
+    return "one warpgroup: " + refused
+  why = (mosaic.wide_products_supported(d, vd, c, e, bv) if cfg.state_wide_products
+         else "Config.state_wide_products off")
+  return (f"one warpgroup: at block_v {bv} two would run the forward's products as narrow "
+          f"wgmmas ({why})")
 
 
 def sequence_pieces(cfg: Config, *, bh: int, nc: int, d: int, vd: int, c: int, e: int, dtype
