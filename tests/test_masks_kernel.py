@@ -145,3 +145,24 @@ def test_kernels_lower_for_cuda(e, erase):
     text = lower(prep, f32(c, d, dt=jnp.bfloat16), f32(c, d, dt=jnp.bfloat16), f32(c, e),
                  f32(c, e), f32(c, e), f32(c, 1))
     assert "triadic_decay_masks" in text and "triadic_chunk_prep" in text
+
+
+def test_config_mask_kernel_plan_and_op():
+  """``Config.mask_kernel``: the plan names the mask kernels where ``masks.kernel_supported``
+  takes the sizes (and why not where it does not), and the whole op with them, the Hopper
+  structure in interpret mode with the split tail (E = 3, padded to 4), matches the scan."""
+  from testkit.triadic import check_against_scan
+  from triadic.pallas import ops as pops
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
+               mask_kernel=True)
+  plan = pops.explain(64, 32, 3, 64, jnp.bfloat16, config=cfg)
+  assert "by their kernel (Config.mask_kernel)" in plan.prep.reason
+  assert "tail between mask kernels" in plan.chunk_gradients.tiles
+  off = pops.explain(64, 32, 3, 64, jnp.bfloat16,
+                     config=Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True,
+                                   mosaic_gpu_backward=True))
+  assert "in plain JAX" in off.prep.reason and "JAX mask work" in off.chunk_gradients.tiles
+  tpu = pops.explain(64, 128, 4, 64, jnp.float32,
+                     config=Config("tpu", block_v=128, bwd_block_v=128, mask_kernel=True))
+  assert "in plain JAX (the mask kernels have the GPU structure only" in tpu.prep.reason
+  check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 1.0, jnp.bfloat16, config=cfg)

@@ -76,6 +76,10 @@ class Config:
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).
+  mask_kernel: form the decay masks M, M' (the prep, and the split tail of the Mosaic chunk
+  backward) and their gradients (that tail) by the Pallas kernels ``masks.decay_masks_kernel`` /
+  ``masks.mask_grads_kernel``, one decay tile per slice formed once per chunk, instead of plain
+  JAX (GPU structure, where ``masks.kernel_supported`` takes the sizes; same values).
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -98,6 +102,7 @@ class Config:
   sequence_pieces: int = 1
   warmup_chunks: int = 16
   ut_kernel: bool = False
+  mask_kernel: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:

@@ -150,6 +150,11 @@ def _plan(cfg, q, v, k2):
                           dtype=q.dtype)
 
 
+def _mask_kernel(cfg, q, k2) -> bool:
+  """``plan.mask_kernel`` for the (B*H, NC, C, X) operands."""
+  return plan_lib.mask_kernel(cfg, c=q.shape[-2], e=k2.shape[-1])
+
+
 def state_pass_kernels(cfg, q, v, k2, save_x=False):
   """The plan's state-passing kernels, as (forward, backward) functions of
   ``recurrent.state_pass``'s operands: ``mosaic`` (Hopper wgmma) or ``recurrent`` (Triton / TPU /
@@ -177,14 +182,14 @@ def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
 
 def chunk_gradients_kernel(cfg, q, v, k2):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel with
-  ``cfg.slice_warpgroups``, ``cfg.fused_tail``) or
+  ``cfg.slice_warpgroups``, ``cfg.fused_tail`` and the plan's mask kernels) or
   ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
     return functools.partial(
         mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
         slice_warpgroups=mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, q.shape[-1]),
-        fused_tail=cfg.fused_tail)
+        fused_tail=cfg.fused_tail, mask_kernel=_mask_kernel(cfg, q, k2))
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 
@@ -205,7 +210,8 @@ def _forward_saving_x(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
 def _forward_kernels(saves_x, scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
   b, h = q.shape[:2]
   q, k, v, k2, q2, g, beta, h0 = map(_merge, (q, k, v, k2, q2, g, beta, h0))
-  gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg)
+  gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg,
+                                    mask_kernel=_mask_kernel(cfg, q, k2))
   forward = state_pass_kernels(cfg, q, v, k2, save_x=saves_x)[0]
   o, u, *x, states, ht = pieces.state_pass(
       forward, sequence_pieces(cfg, q, v, k2), q, k, v, k2, q2, gc_col, beta, a, p, h0, g,

@@ -16,7 +16,7 @@ import logging
 
 import jax.numpy as jnp
 
-from triadic.pallas import mosaic, mosaic_backward, pieces
+from triadic.pallas import masks, mosaic, mosaic_backward, pieces
 from triadic.pallas.common import Config
 
 log = logging.getLogger("triadic.pallas")
@@ -76,8 +76,11 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   interp = "/interpret" if cfg.platform == "cpu" else ""
   loop = "chunks on the grid, state in VMEM" if cfg.chunk_grid else "chunk loop per value block"
   inverse = "UT inverse kernel (Config.ut_kernel)" if cfg.ut_kernel else "UT inverse in plain JAX"
+  kernel_masks = mask_kernel(cfg, c=c, e=e)
+  where = ("by their kernel (Config.mask_kernel)" if kernel_masks else "in plain JAX"
+           + (f" ({masks.kernel_supported(c, e, cfg)})" if cfg.mask_kernel else ""))
   prep = Stage("prep", base, "one program per chunk",
-               f"masks M, M' in plain JAX (E-independent kernel); {inverse}")
+               f"masks M, M' {where} (E-independent kernel); {inverse}")
 
   st = state_tiles(cfg, d=d, vd=vd, c=c, e=e)
   state_reason = ((mosaic.supported(d, vd, c, e, dtype, st.block_v, st.forward_warpgroups)
@@ -100,7 +103,8 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
     bwd_states = Stage("backward_states", base, tiles, state_reason)
 
   fused = (mosaic_backward.default_fused_tail(e) if cfg.fused_tail is None else cfg.fused_tail)
-  tail = "fused tail" if fused else "tail between JAX mask work"
+  tail = ("fused tail" if fused else
+          f"tail between {'mask kernels' if kernel_masks else 'JAX mask work'}")
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
   slice_wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
@@ -124,6 +128,12 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
 @functools.lru_cache(maxsize=None)
 def _log_once(plan: Plan) -> None:
   log.info("%s", plan)
+
+
+def mask_kernel(cfg: Config, *, c: int, e: int) -> bool:
+  """Whether the masks and their gradients run as kernels: ``Config.mask_kernel`` where
+  ``masks.kernel_supported`` takes the sizes."""
+  return cfg.mask_kernel and masks.kernel_supported(c, e, cfg) is None
 
 
 @dataclasses.dataclass(frozen=True)
