@@ -7,9 +7,9 @@ whole C x C square (the decay mask must zero the part above the diagonal); gc th
 cumsum of g, with g down to -30 per token (strong decay: gc far below 0, which only the masking
 before exp keeps finite) or down to -0.02 (weak decay: the chunk-end term dlam exp(gc_C) of d gc is
 not negligible). Both sides are float32 arithmetic in another order: relative RMS bound 1e-6.
-Also: the forward prep and the Mosaic GPU chunk backward (``mask_kernel=True`` against False, end
-to end in interpret mode), the refusals, and that both kernels (and the prep with them) lower for
-"cuda" (Triton; nothing runs).
+Also: the forward prep with the masks formed inside its kernel and the Mosaic GPU chunk backward
+with the mask kernels (``mask_kernel=True`` against False, end to end in interpret mode), the
+refusals, and that both kernels and that prep lower for "cuda" (Triton; nothing runs).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import pytest
 
 from testkit import rel_rms
 from triadic.pallas import masks, mosaic, mosaic_backward
-from triadic.pallas.chunk_prep import chunk_prep
+from triadic.pallas.chunk_prep import chunk_prep, prep_num_warps
 from triadic.pallas.common import Config
 
 CPU = Config("cpu", block_v=16, bwd_block_v=16)
@@ -97,19 +97,46 @@ def test_refusals():
   assert [masks.kernel_num_warps(c) for c in (16, 32, 64, 128)] == [1, 1, 4, 16]
 
 
-def test_chunk_prep_mask_kernel():
-  """The forward prep with the masks kernel gives what it gives with the plain-JAX masks."""
-  rng = np.random.default_rng(1)
-  bh, nc, c, d, e = 1, 2, 64, 16, 4
-  x = lambda *s, dt=jnp.float32: jnp.asarray(rng.normal(size=(bh, nc, *s)), dt)
-  q, k = x(c, d, dt=jnp.bfloat16), x(c, d, dt=jnp.bfloat16)
-  k2, q2, beta = x(c, e), x(c, e), jnp.asarray(rng.uniform(size=(bh, nc, c, 1)), jnp.float32)
-  g = jnp.asarray(rng.uniform(-1.0, 0.0, size=(bh, nc, c, e)), jnp.float32)
-  for erase in (True, False):
-    run = lambda mk: chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=CPU, mask_kernel=mk)
-    for got, want in zip(run(True), run(False), strict=True):
-      assert got.shape == want.shape and got.dtype == want.dtype
-      assert rel_rms(got, want) < 1e-5
+def prep_inputs(seed, e, g_min, bh=1, nc=2, c=64, d=16):
+  """``chunk_prep``'s operands: unit-norm bf16 q, k rows (so |L_ts| < 1 and the UT inverse is
+  well conditioned), k2, q2 normal / sqrt(E) (both signs), g in [g_min, 0], beta in (0, 1)."""
+  rng = np.random.default_rng(seed)
+  unit = lambda x: x / np.linalg.norm(x, axis=-1, keepdims=True)
+  q, k = (jnp.asarray(unit(rng.normal(size=(bh, nc, c, d))), jnp.bfloat16) for _ in range(2))
+  k2, q2 = (jnp.asarray(rng.normal(size=(bh, nc, c, e)) / np.sqrt(e), jnp.float32)
+            for _ in range(2))
+  g = jnp.asarray(rng.uniform(g_min, 0.0, size=(bh, nc, c, e)), jnp.float32)
+  beta = jnp.asarray(rng.uniform(size=(bh, nc, c, 1)), jnp.float32)
+  return q, k, k2, q2, g, beta
+
+
+@pytest.mark.parametrize("e,erase,g_min", [
+    (1, True, STRONG),
+    (1, False, WEAK),
+    (3, True, WEAK),
+    (3, False, STRONG),
+    (8, True, STRONG),
+    (8, False, WEAK),
+])
+def test_chunk_prep_mask_kernel(e, erase, g_min):
+  """The prep kernel that forms the masks itself (``mask_kernel=True``) gives gc, its transpose,
+  A and P as the prep kernel reading the plain-JAX masks does (float32, another order of sums)."""
+  args = prep_inputs(10 * e + erase, e, g_min)
+  run = lambda mk: chunk_prep(*args, erase=erase, cfg=CPU, mask_kernel=mk)
+  for i, (got, want) in enumerate(zip(run(True), run(False), strict=True)):
+    assert got.shape == want.shape and got.dtype == want.dtype == jnp.float32, i
+    assert np.all(np.isfinite(np.asarray(got))), i
+    assert rel_rms(got, want) < BOUND, (i, rel_rms(got, want))
+
+
+def test_chunk_prep_mask_kernel_refusal():
+  """With ``mask_kernel=True`` the prep refuses what ``masks.kernel_supported`` refuses, with its
+  reason (the caller, ``ops``, asks for it only where the sizes are taken). Its warps: the plain
+  prep kernel's (``Config.num_warps``) up to C = 64, the mask kernels' 16 at C = 128."""
+  args = prep_inputs(0, 2, WEAK, nc=1, c=24)
+  with pytest.raises(ValueError, match="power of two in"):
+    chunk_prep(*args, erase=True, cfg=CPU, mask_kernel=True)
+  assert [prep_num_warps(c, GPU) for c in (16, 32, 64, 128)] == [4, 4, 4, 16]
 
 
 @pytest.mark.skipif(not mosaic.interpret_available(),
@@ -130,7 +157,8 @@ def test_chunk_backward_mask_kernel_matches_plain_jax():
 
 @pytest.mark.parametrize("e,erase", [(8, True), (8, False), (16, True), (1, True)])
 def test_kernels_lower_for_cuda(e, erase):
-  """Both kernels lower for "cuda" (Triton, C = 64), and so does the prep with them."""
+  """Both kernels lower for "cuda" (Triton, C = 64), and so does the prep that forms the masks
+  itself: one kernel, ``triadic_chunk_prep``, with no ``triadic_decay_masks`` beside it."""
   bh, nc, c, d = 2, 4, 64, 128
   f32 = lambda *s, dt=jnp.float32: jax.ShapeDtypeStruct((bh, nc, *s), dt)
   base = (f32(c, e), f32(e, c), f32(c, e), f32(c, e), f32(e, c))
@@ -140,11 +168,11 @@ def test_kernels_lower_for_cuda(e, erase):
   assert "triadic_decay_masks" in text
   text = lower(functools.partial(masks.mask_grads_kernel, erase=erase, cfg=GPU), *grads, *base)
   assert "triadic_mask_grads" in text
-  if e == 8:
+  if e in (8, 1):
     prep = functools.partial(chunk_prep, erase=erase, cfg=GPU, mask_kernel=True)
     text = lower(prep, f32(c, d, dt=jnp.bfloat16), f32(c, d, dt=jnp.bfloat16), f32(c, e),
                  f32(c, e), f32(c, e), f32(c, 1))
-    assert "triadic_decay_masks" in text and "triadic_chunk_prep" in text
+    assert "triadic_chunk_prep" in text and "triadic_decay_masks" not in text
 
 
 def test_config_mask_kernel_plan_and_op():
