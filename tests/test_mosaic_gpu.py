@@ -15,12 +15,17 @@ The two-warpgroup kernels (``warpgroups=2``, D = 128), with narrow and with wide
 eagerly (the kernel alone under jit): inside a larger jitted
 function the interpreter's two simulated warpgroups can wait on each other forever on a 2-core
 machine.
+With ``transpose_ref`` (transposed operands as views of the SMEM copies; in interpret mode
+explicit transposes) one one-warpgroup and one two-warpgroup case run the same comparison; the
+CUDA lowering of every variant is checked with it on and off, and that with it on no transposed
+copy of an input is made.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -111,14 +116,34 @@ def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x, wide):
   ``wide_products`` at block_v ``wide``; with save_x, X against X formed from the reference's
   chunk-start states."""
   d, c = 128, 64
-  fargs, do, dht = build(b, t, h, d, vdim, e, c, erase)
-  kw = dict(scale=SCALE, erase=erase)
-  wg2 = dict(kw, warpgroups=2, interpret=True)
+  wg2 = dict(warpgroups=2)
   if wide:
     wg2.update(block_v=wide, wide_products=True)
   else:
     assert mosaic.default_block_v(d, vdim, c, e, warpgroups=2) == 32
-  got = mosaic.state_pass(*fargs, save_x=save_x, **wg2)
+  match_recurrent(build(b, t, h, d, vdim, e, c, erase), erase, save_x, wg2)
+
+
+@pytest.mark.parametrize("b,t,h,d,vdim,e,bv,wgs,wide", [
+    pytest.param(1, 150, 2, 64, 32, 2, 32, 1, False, id="D64-E2-one-warpgroup"),
+    pytest.param(1, 150, 2, 128, 16, 8, 16, 2, True, id="D128-E8-BV16-two-warpgroups-wide"),
+])
+def test_transpose_ref_matches_recurrent(b, t, h, d, vdim, e, bv, wgs, wide):
+  """``transpose_ref``: the forward (with save_x) and reverse passes against ``recurrent``, one
+  warpgroup and two with wide products (K, Q, S_cat then at the block_v swizzle)."""
+  kernel_kw = dict(block_v=bv, warpgroups=wgs, wide_products=wide, transpose_ref=True)
+  match_recurrent(build(b, t, h, d, vdim, e, 64, True), True, True, kernel_kw)
+
+
+def match_recurrent(built, erase, save_x, kernel_kw):
+  """The Mosaic forward (with ``save_x``) and reverse passes with ``kernel_kw`` against
+  ``recurrent`` on ``build``'s operands; with save_x, X against X formed from the reference's
+  chunk-start states. Two warpgroups run eagerly (module docstring), one under jit."""
+  fargs, do, dht = built
+  kw = dict(scale=SCALE, erase=erase)
+  run = (lambda f: f) if kernel_kw.get("warpgroups", 1) == 2 else jax.jit
+  mk = dict(kw, interpret=True, **kernel_kw)
+  got = run(functools.partial(mosaic.state_pass, save_x=save_x, **mk))(*fargs)
   want = recurrent.state_pass(*fargs, cfg=CPU, **kw)
   if save_x:
     x, got = got[2], got[:2] + got[3:]
@@ -128,7 +153,7 @@ def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x, wide):
     assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
   check_close(FORWARD_OUTPUTS, got, want)
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  got = mosaic.reverse_state_pass(*bargs, **wg2)
+  got = run(functools.partial(mosaic.reverse_state_pass, **mk))(*bargs)
   check_close(BACKWARD_OUTPUTS, got, recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw))
 
 
@@ -143,9 +168,13 @@ def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x, wide):
     (128, 128, 4, True, 2, False, 32), (128, 64, 3, True, 2, True, 32),
     (128, 32, 1, False, 2, False, 32),
 ])
-def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x, wide):
+@pytest.mark.parametrize("transpose", [False, True], ids=["copies", "transpose_ref"])
+def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x, wide, transpose):
   """Both kernels pass the Mosaic GPU lowering (layout inference, wgmma/TMA checks, SMEM size)
-  for the default block_v, or with ``wide_products`` at block_v ``wide``; nothing runs."""
+  for the default block_v, or with ``wide_products`` at block_v ``wide``; nothing runs. The
+  inputs transposed in the program before the kernel (a ``stablehlo.transpose`` of an argument):
+  without ``transpose_ref`` K (argument 1) in the forward, K, Q, A, P (1, 0, 7, 8) in the
+  reverse; with it none."""
   bh, nc, c = 2, 4, 64
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
   f32 = functools.partial(spec, dt=jnp.float32)
@@ -153,16 +182,19 @@ def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x, wide):
             f32(bh, nc, c, c), f32(bh, nc, c, c)]
   args = (spec(bh, nc, c, d), spec(bh, nc, c, d), spec(bh, nc, c, vdim), *common,
           f32(bh, e, d, vdim))
-  kw = dict(scale=SCALE, erase=erase, warpgroups=wgs)
+  kw = dict(scale=SCALE, erase=erase, warpgroups=wgs, transpose_ref=transpose)
   if wide:
     kw.update(block_v=wide, wide_products=True)
   suffix = "_wg2" if wgs == 2 else ""
+  transposed = lambda text: {int(x) for x in re.findall(r"stablehlo\.transpose %arg(\d+)", text)}
   fwd = jax.jit(functools.partial(mosaic.state_pass, save_x=save_x, **kw))
   text = fwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_forward_mgpu" + suffix in text
+  assert transposed(text) == (set() if transpose else {1})
   bwd = jax.jit(functools.partial(mosaic.reverse_state_pass, **kw))
   text = bwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_backward_states_mgpu" + suffix in text
+  assert transposed(text) == (set() if transpose else {0, 1, 7, 8})
 
 
 def test_two_warpgroups_supported():
@@ -236,6 +268,32 @@ def test_plan_shows_wide_products():
     Config("gpu", block_v=16, bwd_block_v=16, state_wide_products=True, state_warpgroups=1)
   with pytest.raises(ValueError, match="state_wide_products must be a bool"):
     Config("gpu", block_v=16, bwd_block_v=16, state_wide_products=1)
+
+
+def test_plan_shows_transpose_ref():
+  """``Config.state_transpose_ref``: the plan's tiles say how each pass gets its transposed
+  operands (views or pre-transposed copies) and the reason names the option; the kernels get it
+  as ``transpose_ref``; a non-bool is refused."""
+  bf16 = jnp.bfloat16
+  cfg = Config("gpu", block_v=16, bwd_block_v=32, mosaic_gpu=True, state_transpose_ref=True,
+               state_wide_products=True)
+  plan = pops.explain(128, 128, 8, 64, bf16, config=cfg)
+  assert "K^T as transpose_ref views (K, Q, S_cat at block_v swizzle)" in plan.forward.tiles
+  assert "K^T Q^T A^T P^T as transpose_ref views" in plan.backward_states.tiles
+  for stage in (plan.forward, plan.backward_states):
+    assert "transposed views: Config.state_transpose_ref" in stage.reason
+  zeros = lambda n, dt: jnp.zeros((1, 1, 64, n), dt)
+  for c in (cfg, dataclasses.replace(cfg, state_warpgroups=1, state_wide_products=False)):
+    fwd, bwd = pops.state_pass_kernels(c, zeros(128, bf16), zeros(128, bf16),
+                                       zeros(8, jnp.float32))
+    assert fwd.keywords["transpose_ref"] and bwd.keywords["transpose_ref"]
+  off = pops.explain(64, 64, 2, 64, bf16,
+                     config=dataclasses.replace(cfg, state_transpose_ref=False))
+  assert "K^T as pre-transposed copies" in off.forward.tiles
+  assert "K^T Q^T A^T P^T as pre-transposed copies" in off.backward_states.tiles
+  assert "state_transpose_ref" not in off.forward.reason
+  with pytest.raises(ValueError, match="state_transpose_ref must be a bool"):
+    Config("gpu", block_v=16, bwd_block_v=16, state_transpose_ref="yes")
 
 
 def test_supported():

@@ -69,6 +69,13 @@ class Config:
   narrow ones, as the plan says); with ``state_warpgroups=None`` the forward then also takes two
   warpgroups at block_v 16 (``mosaic.default_state_tiles``). One warpgroup's products are wide
   already, so ``state_warpgroups=1`` refuses it.
+  state_transpose_ref: with ``mosaic_gpu``, the Mosaic state passes take their transposed wgmma
+  operands (the forward's K^T; the reverse's K^T, Q^T, A^T, P^T) as transposed views
+  (``plgpu.transpose_ref``) of the SMEM copies of K, Q, A, P they make anyway, instead of
+  pre-transposed copies made in plain JAX and copied beside them (each an XLA transpose over
+  the whole input and a second read of it per value block). K, Q and the bf16 state operand
+  then take the swizzle of a block_v-wide row (the module docstring of ``mosaic.py``); same
+  values.
   state_block_v: with ``mosaic_gpu``, the Mosaic state passes' value block (None:
   ``mosaic.default_block_v`` for their warpgroups; one that ``mosaic.supported`` refuses sends
   them to Triton, as the plan says). Wider blocks read K, Q, A, P fewer times over, with fewer
@@ -98,6 +105,7 @@ class Config:
   slice_warpgroups: int | None = None
   state_warpgroups: int | None = None
   state_wide_products: bool = False
+  state_transpose_ref: bool = False
   state_block_v: int | None = None
   sequence_pieces: int = 1
   warmup_chunks: int = 16
@@ -113,6 +121,8 @@ class Config:
       raise ValueError(f"state_warpgroups must be None, 1 or 2, got {self.state_warpgroups!r}")
     if not isinstance(self.state_wide_products, bool):
       raise ValueError(f"state_wide_products must be a bool, got {self.state_wide_products!r}")
+    if not isinstance(self.state_transpose_ref, bool):
+      raise ValueError(f"state_transpose_ref must be a bool, got {self.state_transpose_ref!r}")
     if self.state_wide_products and self.state_warpgroups == 1:
       raise ValueError("state_wide_products applies to two-warpgroup state passes; "
                        "state_warpgroups=1 has none (one warpgroup's products are wide already)")

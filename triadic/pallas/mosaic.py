@@ -23,14 +23,27 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
 
 * Every wgmma operand is in SMEM (the interpreter takes no register operand), bf16, f32
   accumulation, the accumulator a scoped ``plgpu.ACC``. Both operands of one wgmma must share a
-  swizzle (a lowering rule): K, Q and S_cat use the swizzle of an E*BV-wide bf16 row ("swizzle N");
-  A, P, rhs, U, K^T, Q^T and the [.]_e operands use the swizzle of a BV-wide row ("swizzle V"),
-  so that the [.]_e operands are written one BV-wide column block at a time, each block a whole
-  column of SMEM tiles.
-* No transposed SMEM operand: the interpreter cannot apply ``plgpu.transpose_ref``. K^T, Q^T, A^T
-  and P^T therefore come pre-transposed from plain JAX (and A, P are cast to bf16 there, as
-  ``recurrent.mm`` casts them anyway). On hardware ``transpose_ref`` would save reading K (and Q in
-  the backward) twice.
+  swizzle (a lowering rule): K, Q and S_cat use the swizzle of an E*BV-wide bf16 row ("swizzle N";
+  swizzle V with ``transpose_ref``, below); A, P, rhs, U, K^T, Q^T and the [.]_e operands use the
+  swizzle of a BV-wide row ("swizzle V"), so that the [.]_e operands are written one BV-wide
+  column block at a time, each block a whole column of SMEM tiles (the lowering refuses a store
+  into a column block narrower than the swizzle's tile).
+* The transposed operands (the forward's K^T; the reverse's K^T, Q^T, A^T, P^T), two ways. By
+  default they come pre-transposed from plain JAX (an XLA transpose of each over the whole input;
+  A, P are cast to bf16 there either way, as ``recurrent.mm`` casts them) and are copied by TMA
+  beside K (Q, A, P). With ``transpose_ref`` (``Config.state_transpose_ref``) they are
+  ``plgpu.transpose_ref`` views of the SMEM copies of K, Q, A, P, which the lowering takes as the
+  wgmma lhs (MN-major) at any swizzle that equals the rhs's. Their rhs, W, X, Z, keep swizzle V
+  (written by column block), so K, Q take swizzle V, and with them S_cat (K S_cat, Q S_cat: one
+  swizzle per wgmma); the two-warpgroup narrow kernels have it already, the wide ones' (64,
+  E*BV) operand takes it too. No transposed copy remains. The forward's K is then also read by
+  the state update at the chunk's end, after the next chunk's copy of K has started, so K has
+  two buffers (the loop step's parity) in place of K^T's one (same SMEM); the reverse starts
+  its copies at each chunk's top after the previous state update is complete, so K^T's buffer
+  is gone (C x D bf16 less SMEM, 16 KiB at D = 128). The interpreter cannot apply a
+  transposed ref: in interpret mode the kernels write explicit transposes into SMEM that exists
+  in interpret mode only (``_Ops.transposed``), so the views themselves are checked by the CUDA
+  lowering, not numerically on CPU.
 * The e-reduction (sum over column blocks) is done in registers: static column slices of the
   WGMMA-layout accumulator (BV a multiple of 8), each scaled by a row vector (layout WGMMA row,
   i.e. ``Layout.WGMMA.reduce(1)``) broadcast along the columns. lam is a per-column vector
@@ -46,14 +59,16 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   is done with chunk n's (after the ``commit_smem`` that follows its last reader: K after R, A
   after U, Q and P after the output, V after rhs, lam after the decay), so each wait finds its
   data landed; K^T is read only by the state update at the chunk's end, so its copy starts at
-  the chunk's top; the row factors are read until the chunk's end and needed again at its start,
-  so they have two buffers (the loop step's parity); without erase K and A are not loaded. The
-  reverse pass starts its copies at each chunk's top (Q^T, K^T, read only by its final state
-  update, after the others), which measured as fast or faster than starting them a chunk ahead
-  (benchmarks/RESULTS.md). No warp specialisation. Outputs leave by TMA smem -> gmem. Ordering
-  rules kept by hand (the interpreter does not check them): ``commit_smem`` (fence + warpgroup
-  barrier) after every register -> SMEM store that a wgmma or TMA reads, and between a buffer's
-  last reader and the copy that refills it; ``wgmma_wait(0)`` before the copies that refill
+  the chunk's top (with ``transpose_ref`` K^T is that chunk's K buffer, and without erase K's
+  copy starts there); the row factors are read until the chunk's end and needed again at its
+  start, so they have two buffers (the loop step's parity); without erase K (unless it is K^T's
+  buffer) and A are not loaded. The reverse pass starts its copies at each chunk's top (Q^T,
+  K^T, or Q with ``transpose_ref``, read only by its final state update, after the others),
+  which measured as fast or faster than starting them a chunk ahead (benchmarks/RESULTS.md).
+  No warp specialisation. Outputs leave by TMA smem -> gmem. Ordering rules kept by hand (the
+  interpreter does not check them): ``commit_smem`` (fence + warpgroup barrier) after every
+  register -> SMEM store that a wgmma or TMA reads, and between a buffer's last reader and the
+  copy that refills it; ``wgmma_wait(0)`` before the copies that refill
   what the previous state update read; ``wait_smem_to_gmem(0, wait_read_only=True)`` (also a
   warpgroup barrier) before the per-chunk output buffers are rewritten; no copy is in flight
   when the loop's SMEM scope ends (the next-chunk copies are under ``pl.when``).
@@ -63,34 +78,35 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   float32 piece of S_cat in registers, its bf16 operand copy as E separate (64, BV) SMEM blocks
   (which are also the TMA sources of its rows of the chunk-start states: no separate state output
   buffer, which would not fit beside them at E*BV = 256), and its own 64-column pieces of K and Q
-  and 64-row pieces of K^T (Q^T), which it copies and waits for alone. The products that
-  contract over D are split over D: each warpgroup forms its part of the e-reduced C x BV
-  results, sum_e diag(f_e) (K_w S_w,e) (and with Q), ``_partial``; warpgroup 1 writes its parts
-  to SMEM (float32) and warpgroup 0 adds them. Narrow (the default): one N = BV wgmma per slice
-  on the (64, BV) blocks, so only C x BV accumulators are live (2E small wgmmas per chunk in the
-  forward, each waited, scaled and summed in turn). Wide (``wide_products``, E * BV <=
-  WIDE_MAX_N = 128): as the one-warpgroup kernels do, one wgmma per product with N = E * BV on a
-  second bf16 copy of the warpgroup's rows, one (64, E*BV) buffer with the swizzle of an
-  E*BV-wide row (which K_w, Q_w then share), its C x E*BV float32 accumulator (64 registers a
-  thread at 128) e-reduced in registers (``_e_reduce``); the forward forms R's and then Y's, so
-  one such accumulator is live at a time, beside the 64 x E*BV state (64 registers). The (64, BV)
-  blocks stay as the chunk-start states' TMA sources: a BV-wide column block of the wide buffer
-  is no TMA source (its columns lie inside the swizzle's 64-column tiles); the copy costs
-  64 * E * BV * 2 bytes of SMEM per warpgroup (``smem_bytes_2wg``), which at E * BV <= 128
-  fits. Warpgroup 0 alone does the C x BV work (rhs, U = A rhs, o; dU, X and Z in the backward;
-  V, A, P or dO, A^T, P^T are its copies) and writes the whole W (X, Z) that both state updates
-  read; each warpgroup's update is its rows, K^T_w W (M = 64, N = E*BV). The factor rows and lam
-  are copied once, by warpgroup 0, and waited for by both. Per chunk the warpgroups meet twice at
-  a two-arrival barrier (``_sync``: ``commit_smem``, arrive, wait): once the parts are in SMEM
-  (both have read lam), and once warpgroup 0 has written W (X, Z) and read the parts (it has read
-  the factors). A shared buffer is rewritten only after a meeting that follows its last reader in
-  the other warpgroup: the parts and W (X, Z) one meeting on, lam and the factors refilled by
-  warpgroup 0 after the first and the second meeting. In the backward, warpgroup 1's part goes
-  through dU's output buffer, so warpgroup 0 waits for dU's store to have read it before the
-  second meeting. Barrier phases are tracked per thread, so a barrier that both warpgroups wait
-  for (a shared copy's, the meeting's) is waited once per phase by each. All bf16 operands use
-  swizzle V (narrow: K, Q in 64-column pieces share it with the (64, BV) blocks), except, wide,
-  the (64, E*BV) buffer and the K, Q pieces, which use swizzle N.
+  and 64-row pieces of K^T (Q^T), which it copies and waits for alone (with ``transpose_ref`` K^T,
+  Q^T are views of its K, Q pieces; the forward's K pieces have two buffers, as above). The products
+  that contract over D are split over D: each warpgroup forms its part of the e-reduced C x BV
+  results, sum_e diag(f_e) (K_w S_w,e) (and with Q), ``_partial``; warpgroup 1 writes its parts to
+  SMEM (float32) and warpgroup 0 adds them. Narrow (the default): one N = BV wgmma per slice on the
+  (64, BV) blocks, so only C x BV accumulators are live (2E small wgmmas per chunk in the forward,
+  each waited, scaled and summed in turn). Wide (``wide_products``, E * BV <= WIDE_MAX_N = 128): as
+  the one-warpgroup kernels do, one wgmma per product with N = E * BV on a second bf16 copy of the
+  warpgroup's rows, one (64, E*BV) buffer with the swizzle of an E*BV-wide row (which K_w, Q_w then
+  share), its C x E*BV float32 accumulator (64 registers a thread at 128) e-reduced in registers
+  (``_e_reduce``); the forward forms R's and then Y's, so one such accumulator is live at a time,
+  beside the 64 x E*BV state (64 registers). The (64, BV) blocks stay as the chunk-start states' TMA
+  sources: a BV-wide column block of the wide buffer is no TMA source (its columns lie inside the
+  swizzle's 64-column tiles); the copy costs 64 * E * BV * 2 bytes of SMEM per warpgroup
+  (``smem_bytes_2wg``), which at E * BV <= 128 fits. Warpgroup 0 alone does the C x BV work (rhs, U
+  = A rhs, o; dU, X and Z in the backward; V, A, P or dO, A^T, P^T are its copies) and writes the
+  whole W (X, Z) that both state updates read; each warpgroup's update is its rows, K^T_w W (M = 64,
+  N = E*BV). The factor rows and lam are copied once, by warpgroup 0, and waited for by both. Per
+  chunk the warpgroups meet twice at a two-arrival barrier (``_sync``: ``commit_smem``, arrive,
+  wait): once the parts are in SMEM (both have read lam), and once warpgroup 0 has written W (X, Z)
+  and read the parts (it has read the factors). A shared buffer is rewritten only after a meeting
+  that follows its last reader in the other warpgroup: the parts and W (X, Z) one meeting on, lam
+  and the factors refilled by warpgroup 0 after the first and the second meeting. In the backward,
+  warpgroup 1's part goes through dU's output buffer, so warpgroup 0 waits for dU's store to have
+  read it before the second meeting. Barrier phases are tracked per thread, so a barrier that both
+  warpgroups wait for (a shared copy's, the meeting's) is waited once per phase by each. All bf16
+  operands use swizzle V (narrow: K, Q in 64-column pieces share it with the (64, BV) blocks),
+  except, wide, the (64, E*BV) buffer and the K, Q pieces, which use swizzle N (swizzle V with
+  ``transpose_ref``).
 * SMEM scopes: the chunk loop's buffers live in one ``run_scoped``; the (D, E*BV) float32 buffer
   for the initial / final state in separate scopes before and after it (together they exceed the
   227 KiB at D = 64, E*BV = 256). With two warpgroups that buffer is (2, 64, E*BV), a row piece
@@ -235,7 +251,9 @@ def default_state_tiles(d: int, vd: int, c: int, e: int, block_v: int | None = N
 
 def smem_bytes_2wg(d: int, c: int, e: int, bv: int, backward: bool, wide: bool = False) -> int:
   """SMEM of a two-warpgroup kernel's chunk loop (erase, and the forward with save_x: the most);
-  ``wide``: with the wide products' (64, E*BV) bf16 state operand per warpgroup."""
+  ``wide``: with the wide products' (64, E*BV) bf16 state operand per warpgroup. With
+  ``transpose_ref`` the forward's is the same (K's second buffer in place of K^T's) and the
+  backward's C * D * 2 bytes less (no K^T); the sizes are checked at the larger."""
   n = e * bv
   common = (3 * c * d * 2                     # q, k, k^T (forward); k, k^T, q^T (backward)
             + 2 * c * c * 2                   # A, P (A^T, P^T)
@@ -293,7 +311,8 @@ def wide_products_supported(d: int, vd: int, c: int, e: int, block_v: int | None
 
 
 # ------------------------------------------------------------------------------------------------
-# Plain-JAX preparation (O(T E) work, plus transposed / bf16 copies of K, Q, A, P).
+# Plain-JAX preparation (O(T E) work, plus bf16 copies of A, P and, without transpose_ref,
+# transposed copies of K, Q, A, P).
 
 
 def _factors(gc_col, k2_col, q2_col, beta_col):
@@ -390,6 +409,16 @@ class _Ops:
     """Column factor ref[...] (length N) broadcast to (rows, N) in the WGMMA layout."""
     vec = self.cast(ref[...], plgpu.Layout.WGMMA.reduce(0))
     return lax.broadcast_in_dim(vec, (rows, vec.shape[0]), [1])
+
+  def transposed(self, ref, interp_s):
+    """ref^T as a wgmma operand: on hardware a transposed view of ref's SMEM
+    (``plgpu.transpose_ref``, no copy); the interpreter cannot apply a transposed ref, so in
+    interpret mode an explicit transpose written into ``interp_s`` (SMEM of interpret mode
+    only, None on hardware)."""
+    if self.interpret:
+      interp_s[...] = ref[...].T
+      return interp_s
+    return plgpu.transpose_ref(ref, (1, 0))
 
   def mm(self, a_ref, b_ref):
     """a @ b, float32 accumulation, both operands SMEM refs."""
@@ -563,8 +592,11 @@ def _compiler_params():
 # Forward.
 
 
-def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch,
-                    cat, nc, e_dim, bv, scale, erase, save_x, interpret):
+def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, transpose,
+                    interpret):
+  n_in = 7 if transpose else 8        # gmem (SMEM) inputs: q, k, [k^T], v, a, p, f, lam
+  q_g, k_g, *kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g = refs[:n_in + 1]
+  outs_and_bars = refs[n_in + 1:]
   if save_x:
     o_g, u_g, x_g, st_g, ht_g, bars = outs_and_bars
   else:
@@ -576,22 +608,29 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_b
   x_rows = 3 * e_dim + 1              # save_x: c = k2 a (E rows) after beta
   state0 = _load_cat(ops, h0_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
-  def copies(q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s):
-    return _Inputs.of(bars, [("q", q_g, q_s), ("k", k_g, k_s), ("kt", kt_g, kt_s), ("v", v_g, v_s),
-                             ("a", a_g, a_s), ("p", p_g, p_s), ("lam", lam_g, lam_s),
-                             ("f", f_g, f_s)],
-                      row=i, cols=cols, value="v", double=("f",), order=lambda n: n, nc=nc)
+  def copies(bufs):
+    q_s, k_s, *kt_s, v_s, a_s, p_s, f_s, lam_s = bufs
+    return _Inputs.of(bars, [("q", q_g, q_s), ("k", k_g, k_s)]
+                      + [("kt", g, b) for g, b in zip(kt_g, kt_s)]
+                      + [("v", v_g, v_s), ("a", a_g, a_s), ("p", p_g, p_s), ("lam", lam_g, lam_s),
+                         ("f", f_g, f_s)],
+                      row=i, cols=cols, value="v", double=("f", "k") if transpose else ("f",),
+                      order=lambda n: n, nc=nc)
 
-  # K and A only enter through the erase term.
+  # K and A only enter through the erase term (and, with transpose, K as the state update's K^T).
   first = ("q", "k", "v", "a", "p", "lam", "f") if erase else ("q", "v", "p", "lam", "f")
+  # Read only by the state update at the chunk's end: its copy starts at the chunk's top.
+  at_end = ("k",) if transpose and not erase else () if transpose else ("kt",)
 
   def prologue(*refs):
-    copies(*refs[:8]).start(first, 0)
+    copies(refs[:n_in]).start(first, 0)
 
-  def chunk(n, s, q_s, k_s, kt_s, v_s, a_s, p_s, f2_s, lam_s, state_bf16_s, w_s, rhs_bf16_s,
-            u_bf16_s, o_s, u_s, st_s, *x_out):
-    ins = copies(q_s, k_s, kt_s, v_s, a_s, p_s, f2_s, lam_s)
-    f_s = ins.ref("f", n)
+  def chunk(n, s, *refs):
+    ins = copies(refs[:n_in])
+    q_s, _, *kt_s, v_s, a_s, p_s, _, lam_s = refs[:n_in]
+    (state_bf16_s, w_s, rhs_bf16_s, u_bf16_s, o_s, u_s, st_s, *extra) = refs[n_in:]
+    x_out, interp = extra[:save_x], extra[save_x:]      # interp: K^T, interpret mode only
+    f_s, k_s = ins.ref("f", n), ins.ref("k", n)
     d = q_s.shape[1]
     plgpu.wgmma_wait(0)                   # the previous state update has read S_cat, K^T
     _begin_chunk(s, state_bf16_s, st_s)
@@ -600,7 +639,7 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_b
     plgpu.commit_smem()
     _publish_chunk(st_s, lambda e: st_g.at[i, n, e, :, cols])
     ins.start_next(("lam",), n)
-    ins.start(("kt",), n)                 # read only by the state update at the chunk's end
+    ins.start(at_end, n)
 
     ins.wait("f", n)
     ins.wait("v", n)
@@ -641,22 +680,27 @@ def _forward_kernel(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_b
     ins.start_next(("q", "p", "f"), n)
     plgpu.copy_smem_to_gmem(o_s, o_g.at[i, n, :, cols])
 
-    ins.wait("kt", n)
-    return ops.mm_add(decayed, [(kt_s, w_s)])
+    for name in at_end:
+      ins.wait(name, n)
+    kt = ops.transposed(k_s, *interp or [None]) if transpose else kt_s[0]
+    return ops.mm_add(decayed, [(kt, w_s)])
 
   state = _chunk_loop(chunk, nc, state0, scratch, prologue)
   _store_cat(state, ht_g.at[i, j], cat)
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               save_x=False, warpgroups=1, wide_products=False, interpret=False):
+               save_x=False, warpgroups=1, wide_products=False, transpose_ref=False,
+               interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
   (BH,NC,C,V) in q's dtype, after U: the chunk-parallel backward's ``x``. ``warpgroups``: 1, or 2
   at D = 128 (``warpgroups_supported``; block_v default ``default_block_v(.., warpgroups=2)``).
   ``wide_products`` (two warpgroups, ``wide_products_supported``): each warpgroup forms its part
-  of R and Y by one wgmma of N = E * BV each instead of E of N = BV (module docstring)."""
+  of R and Y by one wgmma of N = E * BV each instead of E of N = BV (module docstring).
+  ``transpose_ref``: the state update's K^T is a transposed view of the SMEM copy of K (on
+  hardware ``plgpu.transpose_ref``) instead of a pre-transposed copy (module docstring)."""
   vd = v.shape[-1]
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v,
                                                   warpgroups, wide_products)
@@ -666,15 +710,20 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   if warpgroups == 2:
     return _forward_2wg(q, k, v, a, p, f, lam_cat, h0, e_dim=e_dim, bv=bv, scale=scale,
                         erase=erase, save_x=save_x, wide=bool(wide_products),
-                        interpret=interpret)
+                        transpose=bool(transpose_ref), interpret=interpret)
+  transpose = bool(transpose_ref)
   n_rows = f.shape[2]
   n_cat = e_dim * bv
-  ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, lam_cat, _to_cat(h0.astype(F32), bv))
-  sw_n, sw_v = _swizzle(n_cat), _swizzle(bv)
+  ins = (q, k, *(() if transpose else (_t(k),)), v, a.astype(BF16), p.astype(BF16), f, lam_cat,
+         _to_cat(h0.astype(F32), bv))
+  sw_v = _swizzle(bv)
+  # K, Q, S_cat: swizzle N, or with transpose_ref swizzle V (K^T W needs W's swizzle on K).
+  sw_n = sw_v if transpose else _swizzle(n_cat)
   scratch = [
       _smem((c, d), BF16, sw_n),          # q
-      _smem((c, d), BF16, sw_n),          # k
-      _smem((d, c), BF16, sw_v),          # k^T
+      # k; with transpose_ref two chunks' buffers (chunk n's K^T is read after n + 1's copy)
+      _smem((2, c, d) if transpose else (c, d), BF16, sw_n),
+  ] + ([] if transpose else [_smem((d, c), BF16, sw_v)]) + [      # k^T
       _smem((c, bv), BF16, sw_v),         # v block
       _smem((c, c), BF16, sw_v),          # A
       _smem((c, c), BF16, sw_v),          # P
@@ -687,10 +736,11 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
       _smem((c, bv), q.dtype, sw_v),      # o
       _smem((c, bv), F32, _swizzle(bv, F32)),             # U
       _smem((e_dim, d, bv), q.dtype, sw_v),               # chunk-start state
-  ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else [])   # X
+  ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else []) + (     # X
+      [_smem((d, c), BF16, sw_n)] if transpose and interpret else [])   # K^T (interpret mode)
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # initial / final state (cat layout)
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, save_x=save_x,
+                             bv=bv, scale=scale, erase=erase, save_x=save_x, transpose=transpose,
                              interpret=bool(interpret))
   per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
   *outs, ht = plgpu.kernel(
@@ -710,27 +760,36 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
 # Backward state pass.
 
 
-def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
-                     du_g, dst_g, dh0_g, bars, *, scratch, cat, nc, e_dim, bv, scale, erase,
-                     interpret):
+def _backward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, transpose, interpret):
+  # gmem (SMEM) inputs: k, [k^T], then the sources of Q^T, A^T, P^T (with transpose: Q, A, P),
+  # dO, f, lam.
+  n_in = 7 if transpose else 8
+  k_g, *kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g = refs[:n_in + 1]
+  du_g, dst_g, dh0_g, bars = refs[n_in + 1:]
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
   erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
   dstate0 = _load_cat(ops, dht_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
-  def copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s):
-    return _Inputs.of(bars, [("k", k_g, k_s), ("kt", kt_g, kt_s), ("qt", qt_g, qt_s),
-                             ("do", do_g, do_s), ("at", at_g, at_s), ("pt", pt_g, pt_s),
-                             ("lam", lam_g, lam_s), ("f", f_g, f_s)],
+  def copies(bufs):
+    k_s, *kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s = bufs
+    return _Inputs.of(bars, [("k", k_g, k_s)] + [("kt", g, b) for g, b in zip(kt_g, kt_s)]
+                      + [("qt", qt_g, qt_s), ("do", do_g, do_s), ("at", at_g, at_s),
+                         ("pt", pt_g, pt_s), ("lam", lam_g, lam_s), ("f", f_g, f_s)],
                       row=i, cols=cols, value="do", order=lambda step: nc - 1 - step, nc=nc)
 
   first = ("k", "do", "pt", "lam", "f") + (("at",) if erase else ())
-  at_end = ("qt", "kt") if erase else ("qt",)      # read only by the state update at the end
+  # read only by the state update at the end (with transpose, K^T is K's buffer, waited for R)
+  at_end = ("qt", "kt") if erase and not transpose else ("qt",)
 
-  def chunk(step, ds, k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s, state_bf16_s, x_s, z_s,
-            u_bf16_s, u_s, st_s):
-    ins = copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s)
+  def chunk(step, ds, *refs):
+    ins = copies(refs[:n_in])
+    k_s, *kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s = refs[:n_in]
+    state_bf16_s, x_s, z_s, u_bf16_s, u_s, st_s, *interp = refs[n_in:]
+    # The operands K^T, Q^T, A^T, P^T: the pre-transposed copies, or with transpose views of the
+    # copies of K, Q, A, P (interp: their explicit transposes in interpret mode).
+    tr = lambda ref, at: ops.transposed(ref, interp[at] if interp else None) if transpose else ref
     n = nc - 1 - step
     d = k_s.shape[1]
     plgpu.wgmma_wait(0)                   # the previous state update has read dS_cat, K^T, Q^T
@@ -747,27 +806,27 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
     r = ops.mm(k_s, state_bf16_s)
     ins.wait("pt", step)
     ins.wait("do", step)
-    du = scale * ops.mm(pt_s, do_s)
+    du = scale * ops.mm(tr(pt_s, 3), do_s)
     ins.wait("f", step)
     du = du + _e_reduce(ops, r, f_s, write_rows, bv)
     u_s[...] = du
     do = ops.acc(do_s[...].astype(F32))
     for e in range(e_dim):
       x_s[:, e * bv:(e + 1) * bv] = (scale * ops.rowvec(f_s, read_rows + e, bv) * do).astype(BF16)
-    pairs = [(qt_s, x_s)]
     if erase:
       u_bf16_s[...] = du.astype(BF16)
       plgpu.commit_smem()
       ins.wait("at", step)
-      drhs = ops.mm(at_s, u_bf16_s)
+      drhs = ops.mm(tr(at_s, 2), u_bf16_s)
       for e in range(e_dim):
         z_s[:, e * bv:(e + 1) * bv] = (-ops.rowvec(f_s, erase_rows + e, bv) * drhs).astype(BF16)
-      pairs.append((kt_s, z_s))
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(u_s, du_g.at[i, n, :, cols])
-    ins.wait("qt", step)
+    for name in at_end:
+      ins.wait(name, step)
+    pairs = [(tr(qt_s, 1), x_s)]
     if erase:
-      ins.wait("kt", step)
+      pairs.append((tr(k_s, 0) if transpose else kt_s[0], z_s))
     return ops.mm_add(decayed, pairs)
 
   dstate = _chunk_loop(chunk, nc, dstate0, scratch, lambda *refs: None)
@@ -775,27 +834,35 @@ def _backward_kernel(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g,
 
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
-                       block_v=None, warpgroups=1, wide_products=False, interpret=False):
+                       block_v=None, warpgroups=1, wide_products=False, transpose_ref=False,
+                       interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   float32, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
-  (BH,E,D,V) float32. ``warpgroups``, ``wide_products`` (here K dS_cat): as ``state_pass``."""
+  (BH,E,D,V) float32. ``warpgroups``, ``wide_products`` (here K dS_cat): as ``state_pass``.
+  ``transpose_ref``: K^T, Q^T, A^T, P^T are transposed views of the SMEM copies of K, Q, A, P
+  instead of pre-transposed copies."""
   vd = do.shape[-1]
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v,
                                                   warpgroups, wide_products)
   if warpgroups == 2:
     return _backward_2wg(q, k, do, a, p, f, lam_cat, dht, e_dim=e_dim, bv=bv, scale=scale,
-                         erase=erase, wide=bool(wide_products), interpret=interpret)
+                         erase=erase, wide=bool(wide_products), transpose=bool(transpose_ref),
+                         interpret=interpret)
+  transpose = bool(transpose_ref)
   n_cat = e_dim * bv
-  ins = (k, _t(k), _t(q), do.astype(q.dtype), _t(a).astype(BF16), _t(p).astype(BF16), f,
-         lam_cat, _to_cat(dht.astype(F32), bv))
-  sw_n, sw_v = _swizzle(n_cat), _swizzle(bv)
+  tq = (lambda x: x) if transpose else _t         # the sources of Q^T, A^T, P^T
+  ins = (k, *(() if transpose else (_t(k),)), tq(q), do.astype(q.dtype), tq(a).astype(BF16),
+         tq(p).astype(BF16), f, lam_cat, _to_cat(dht.astype(F32), bv))
+  sw_v = _swizzle(bv)
+  # K, dS_cat: swizzle N, or with transpose_ref swizzle V (K^T Z needs Z's swizzle on K).
+  sw_n = sw_v if transpose else _swizzle(n_cat)
   scratch = [
       _smem((c, d), BF16, sw_n),          # k
-      _smem((d, c), BF16, sw_v),          # k^T
-      _smem((d, c), BF16, sw_v),          # q^T
+  ] + ([] if transpose else [_smem((d, c), BF16, sw_v)]) + [      # k^T
+      _smem((c, d) if transpose else (d, c), BF16, sw_v),         # q^T (transpose_ref: q)
       _smem((c, bv), BF16, sw_v),         # dO block
-      _smem((c, c), BF16, sw_v),          # A^T
-      _smem((c, c), BF16, sw_v),          # P^T
+      _smem((c, c), BF16, sw_v),          # A^T (transpose_ref: A)
+      _smem((c, c), BF16, sw_v),          # P^T (transpose_ref: P)
       _smem((3 * e_dim + 1, c), F32),     # row factors
       _smem((n_cat,), F32),               # lam_cat
       _smem((d, n_cat), BF16, sw_n),      # dS_cat (bf16 operand)
@@ -804,10 +871,13 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
       _smem((c, bv), BF16, sw_v),         # dU (bf16 operand)
       _smem((c, bv), F32, _swizzle(bv, F32)),             # dU
       _smem((e_dim, d, bv), q.dtype, sw_v),               # chunk-end state gradient
-  ]
+  ] + ([_smem((d, c), BF16, sw_v), _smem((d, c), BF16, sw_v),   # K^T, Q^T, A^T, P^T
+        _smem((c, c), BF16, sw_v), _smem((c, c), BF16, sw_v)]   # (interpret mode)
+       if transpose and interpret else [])
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # dht / dh0 (cat layout)
   kernel = functools.partial(_backward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
+                             bv=bv, scale=scale, erase=erase, transpose=transpose,
+                             interpret=bool(interpret))
   du, dstates, dh0 = plgpu.kernel(
       kernel,
       out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
@@ -825,7 +895,8 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
 # Two warpgroups (D = 128): warpgroup w owns state rows [64 w, 64 w + 64) of S_cat.
 #
 # Barrier slots: 3 w .. 3 w + 2 warpgroup w's own copies (its 64 columns of K and Q, its 64 rows
-# of K^T / Q^T: issued and waited by it alone); 6, 7 the factor rows and lam (issued by warpgroup
+# of K^T / Q^T; with transpose_ref the forward's second K buffer, the reverse's Q in Q^T's slot:
+# issued and waited by it alone); 6, 7 the factor rows and lam (issued by warpgroup
 # 0, waited by both); 8 .. 10 warpgroup 0's own inputs; 11 + w the carried state's rows. ``xbar``
 # (two arrivals) is the barrier both warpgroups meet at (``_sync``).
 
@@ -877,8 +948,11 @@ def _partial(ops, lhs, rhs, f_s, first_row, bv):
   return out
 
 
-def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch,
-                        cat, nc, e_dim, bv, scale, erase, save_x, wide, interpret):
+def _forward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, wide, transpose,
+                        interpret):
+  n_in = 7 if transpose else 8        # gmem (SMEM) inputs: q, k, [k^T], v, a, p, f, lam
+  q_g, k_g, *kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g = refs[:n_in + 1]
+  outs_and_bars = refs[n_in + 1:]
   if save_x:
     o_g, u_g, x_g, st_g, ht_g, bars, xbar = outs_and_bars
   else:
@@ -891,29 +965,39 @@ def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_a
   r_rows = 3 * e_dim + 1 if save_x else 0
   state0 = _load_rows(ops, h0_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
 
-  def copies(q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s):
+  def copies(bufs):
+    q_s, k_s, *kt_s, v_s, a_s, p_s, f_s, lam_s = bufs
+    # With transpose, K is K^T's buffer too: two buffers (slots 3 w + 1, 3 w + 2), chunk n's
+    # read by its state update after chunk n + 1's copy has started.
     return _Inputs(bars, {
         "q": (lambda n: q_g.at[i, n, :, rows], q_s.at[w], 3 * w),
         "k": (lambda n: k_g.at[i, n, :, rows], k_s.at[w], 3 * w + 1),
-        "kt": (lambda n: kt_g.at[i, n, rows, :], kt_s.at[w], 3 * w + 2),
+        **{"kt": (lambda n: g.at[i, n, rows, :], b.at[w], 3 * w + 2)
+           for g, b in zip(kt_g, kt_s)},
         "f": (lambda n: f_g.at[i, n], f_s, _FACTORS),
         "lam": (lambda n: lam_g.at[i, n], lam_s, _LAM),
         "v": (lambda n: v_g.at[i, n, :, cols], v_s, 8),
         "a": (lambda n: a_g.at[i, n], a_s, 9),
-        "p": (lambda n: p_g.at[i, n], p_s, 10)}, order=lambda n: n, nc=nc)
+        "p": (lambda n: p_g.at[i, n], p_s, 10)}, order=lambda n: n, nc=nc,
+        double=("k",) if transpose else ())
 
   own = ("q", "k") if erase else ("q",)
   first0 = ("f", "lam", "v", "p") + (("a",) if erase else ())
+  # Read only by the state update at the chunk's end: its copy starts at the chunk's top.
+  at_end = ("k",) if transpose and not erase else () if transpose else ("kt",)
 
   def prologue(*refs):
-    cp = copies(*refs[:8])
+    cp = copies(refs[:n_in])
     cp.start(own, 0)
     pl.when(w == 0)(lambda: cp.start(first0, 0))
 
-  def chunk(n, s, q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s, s_s, w_s, rhs_s, u16_s, o_s, u_s,
-            red_r, red_y, *extra):
-    cp = copies(q_s, k_s, kt_s, v_s, a_s, p_s, f_s, lam_s)
+  def chunk(n, s, *refs):
+    cp = copies(refs[:n_in])
+    q_s, _, *kt_s, v_s, a_s, p_s, f_s, lam_s = refs[:n_in]
+    s_s, w_s, rhs_s, u16_s, o_s, u_s, red_r, red_y, *extra = refs[n_in:]
     x_out = extra[:save_x]
+    interp = extra[save_x + wide:]        # K^T rows, interpret mode only
+    k_w = cp.ref("k", n)                  # (C, 64): this warpgroup's columns of K
     mine = s_s.at[w]                      # (E, 64, BV): this warpgroup's rows, slice by slice
     operand = extra[save_x].at[w] if wide else mine   # the products' rhs (``_partial``)
     plgpu.wgmma_wait(0)                   # its previous state update has read K^T, W
@@ -926,12 +1010,12 @@ def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_a
     plgpu.commit_smem()
     for e in range(e_dim):                # the chunk-start state, straight from the operand
       plgpu.copy_smem_to_gmem(mine.at[e], st_g.at[i, n, e, rows, cols])
-    cp.start(("kt",), n)                  # read only by the state update at the chunk's end
+    cp.start(at_end, n)
     cp.wait("f", n)
     part_r = None
     if erase:
       cp.wait("k", n)
-      part_r = _partial(ops, k_s.at[w], operand, f_s, r_rows, bv)
+      part_r = _partial(ops, k_w, operand, f_s, r_rows, bv)
     cp.wait("q", n)
     part_y = _partial(ops, q_s.at[w], operand, f_s, read_rows, bv)
 
@@ -983,8 +1067,11 @@ def _forward_kernel_2wg(q_g, k_g, kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_a
 
     _sync(xbar)       # W is in SMEM; warpgroup 0 has read the partials; both are done with f
     pl.when(w == 0)(lambda: cp.start_next(("f",), n))
-    cp.wait("kt", n)
-    return ops.mm_add(decayed, [(kt_s.at[w], w_s)])
+    for name in at_end:
+      cp.wait(name, n)
+    kt = (ops.transposed(k_w, interp[0].at[w] if interp else None) if transpose
+          else kt_s[0].at[w])
+    return ops.mm_add(decayed, [(kt, w_s)])
 
   state = _chunk_loop(chunk, nc, state0, scratch, prologue, xbar)
   _store_rows(state, ht_g.at[i, j, rows], cat, w)
@@ -1000,16 +1087,19 @@ def _kernel_2wg(kernel, ins, out_type, grid, name, interpret):
 
 
 def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save_x, wide,
-                 interpret):
+                 transpose, interpret):
   bh, nc, c, d = q.shape
   vd = v.shape[-1]
   n_cat = e_dim * bv
   sw_v, sw_f = _swizzle(bv), _swizzle(bv, F32)
-  sw_k = _swizzle(n_cat) if wide else sw_v      # K, Q pieces share their product's rhs swizzle
+  # K, Q pieces share their product's rhs swizzle; with transpose K^T W needs W's on K.
+  sw_k = _swizzle(n_cat) if wide and not transpose else sw_v
   scratch = [
       _smem((2, c, HALF), BF16, sw_k),            # q, a 64-column piece per warpgroup
-      _smem((2, c, HALF), BF16, sw_k),            # k
-      _smem((2, HALF, c), BF16, sw_v),            # k^T, a 64-row piece per warpgroup
+      # k; with transpose two chunks' buffers per warpgroup (chunk n's K^T is read after n + 1's
+      # copy has started)
+      _smem((2, 2, c, HALF) if transpose else (2, c, HALF), BF16, sw_k),
+  ] + ([] if transpose else [_smem((2, HALF, c), BF16, sw_v)]) + [   # k^T, a 64-row piece per wg
       _smem((c, bv), BF16, sw_v),                 # v block
       _smem((c, c), BF16, sw_v),                  # A
       _smem((c, c), BF16, sw_v),                  # P
@@ -1024,13 +1114,15 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
       _smem((c, bv), F32, sw_f),                  # warpgroup 1's part of sum_e f_e R_e
       _smem((c, bv), F32, sw_f),                  # warpgroup 1's part of sum_e fq_e Y_e
   ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else []) + (   # X
-      [_smem((2, HALF, n_cat), BF16, sw_k)] if wide else [])    # S_cat (bf16), wide operand
+      [_smem((2, HALF, n_cat), BF16, sw_k)] if wide else []) + (   # S_cat (bf16), wide operand
+      [_smem((2, HALF, c), BF16, sw_k)] if transpose and interpret else [])  # K^T (interpret)
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # initial / final state rows
   kernel = functools.partial(_forward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_x=save_x, wide=wide,
-                             interpret=bool(interpret))
+                             transpose=transpose, interpret=bool(interpret))
   per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
-  ins = (q, k, _t(k), v, a.astype(BF16), p.astype(BF16), f, lam_cat, _to_cat(h0.astype(F32), bv))
+  ins = (q, k, *(() if transpose else (_t(k),)), v, a.astype(BF16), p.astype(BF16), f, lam_cat,
+         _to_cat(h0.astype(F32), bv))
   *outs, ht = _kernel_2wg(
       kernel, ins,
       [per_chunk(q.dtype), per_chunk(F32)] + ([per_chunk(q.dtype)] if save_x else []) + [
@@ -1040,20 +1132,28 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
   return (*outs, _from_cat(ht, e_dim))
 
 
-def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, du_g, dst_g, dh0_g,
-                         bars, xbar, *, scratch, cat, nc, e_dim, bv, scale, erase, wide,
+def _backward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, wide, transpose,
                          interpret):
+  # gmem (SMEM) inputs: k, [k^T], then the sources of Q^T, A^T, P^T (with transpose: Q, A, P),
+  # dO, f, lam.
+  n_in = 7 if transpose else 8
+  k_g, *kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g = refs[:n_in + 1]
+  du_g, dst_g, dh0_g, bars, xbar = refs[n_in + 1:]
   ops = _Ops(interpret)
   i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
   cols, rows = pl.ds(j * bv, bv), pl.ds(w * HALF, HALF)
   erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
   dstate0 = _load_rows(ops, dht_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
 
-  def copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s):
+  def copies(bufs):
+    k_s, *kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s = bufs
     return _Inputs(bars, {
         "k": (lambda n: k_g.at[i, n, :, rows], k_s.at[w], 3 * w),
-        "kt": (lambda n: kt_g.at[i, n, rows, :], kt_s.at[w], 3 * w + 1),
-        "qt": (lambda n: qt_g.at[i, n, rows, :], qt_s.at[w], 3 * w + 2),
+        **{"kt": (lambda n: g.at[i, n, rows, :], b.at[w], 3 * w + 1)
+           for g, b in zip(kt_g, kt_s)},
+        # Q^T's 64 rows, or with transpose Q's 64 columns
+        "qt": (lambda n: qt_g.at[i, n, :, rows] if transpose else qt_g.at[i, n, rows, :],
+               qt_s.at[w], 3 * w + 2),
         "f": (lambda n: f_g.at[i, n], f_s, _FACTORS),
         "lam": (lambda n: lam_g.at[i, n], lam_s, _LAM),
         "do": (lambda n: do_g.at[i, n, :, cols], do_s, 8),
@@ -1061,11 +1161,19 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
         "pt": (lambda n: pt_g.at[i, n], pt_s, 10)}, order=lambda step: nc - 1 - step, nc=nc)
 
   first0 = ("f", "lam", "do", "pt") + (("at",) if erase else ())
-  at_end = ("qt", "kt") if erase else ("qt",)     # read only by the state update at the end
+  # read only by the state update at the end (with transpose, K^T is K's buffer, waited for R)
+  at_end = ("qt", "kt") if erase and not transpose else ("qt",)
 
-  def chunk(step, ds, k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s, s_s, x_s, z_s, u16_s, u_s,
-            *wide_s):
-    cp = copies(k_s, kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s)
+  def chunk(step, ds, *refs):
+    cp = copies(refs[:n_in])
+    k_s, *kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s = refs[:n_in]
+    s_s, x_s, z_s, u16_s, u_s, *extra = refs[n_in:]
+    wide_s, interp = extra[:wide], extra[wide:]
+    if interp:                            # this warpgroup's rows of K^T, Q^T
+      interp = [interp[0].at[w], interp[1].at[w], *interp[2:]]
+    # The operands K^T, Q^T, A^T, P^T: the pre-transposed copies, or with transpose views of the
+    # copies of K, Q, A, P (interp: their explicit transposes in interpret mode).
+    tr = lambda ref, at: ops.transposed(ref, interp[at] if interp else None) if transpose else ref
     n = nc - 1 - step
     mine = s_s.at[w]
     operand = wide_s[0].at[w] if wide else mine      # the product's rhs (``_partial``)
@@ -1097,7 +1205,7 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
     def _():
       cp.wait("pt", step)
       cp.wait("do", step)
-      du = scale * ops.mm(pt_s, do_s) + part + ops.acc(u_s[...])
+      du = scale * ops.mm(tr(pt_s, 3), do_s) + part + ops.acc(u_s[...])
       u_s[...] = du
       if erase:
         u16_s[...] = du.astype(BF16)
@@ -1109,7 +1217,7 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
                                        ).astype(BF16)
       if erase:
         cp.wait("at", step)
-        drhs = ops.mm(at_s, u16_s)
+        drhs = ops.mm(tr(at_s, 2), u16_s)
         for e in range(e_dim):
           z_s[:, e * bv:(e + 1) * bv] = (-ops.rowvec(f_s, erase_rows + e, bv) * drhs
                                          ).astype(BF16)
@@ -1119,26 +1227,30 @@ def _backward_kernel_2wg(k_g, kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g, d
     _sync(xbar)       # X, Z are in SMEM; warpgroup 0 has read the partial
     for name in at_end:
       cp.wait(name, step)
-    pairs = [(qt_s.at[w], x_s)] + ([(kt_s.at[w], z_s)] if erase else [])
+    pairs = [(tr(qt_s.at[w], 1), x_s)]
+    if erase:
+      pairs.append((tr(k_s.at[w], 0) if transpose else kt_s[0].at[w], z_s))
     return ops.mm_add(decayed, pairs)
 
   dstate = _chunk_loop(chunk, nc, dstate0, scratch, lambda *refs: None, xbar)
   _store_rows(dstate, dh0_g.at[i, j, rows], cat, w)
 
 
-def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, wide, interpret):
+def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, wide, transpose,
+                  interpret):
   bh, nc, c, d = q.shape
   vd = do.shape[-1]
   n_cat = e_dim * bv
   sw_v = _swizzle(bv)
-  sw_k = _swizzle(n_cat) if wide else sw_v      # K pieces share their product's rhs swizzle
+  # K pieces share their product's rhs swizzle; with transpose K^T Z needs Z's on K.
+  sw_k = _swizzle(n_cat) if wide and not transpose else sw_v
   scratch = [
       _smem((2, c, HALF), BF16, sw_k),            # k, a 64-column piece per warpgroup
-      _smem((2, HALF, c), BF16, sw_v),            # k^T, a 64-row piece per warpgroup
-      _smem((2, HALF, c), BF16, sw_v),            # q^T
+  ] + ([] if transpose else [_smem((2, HALF, c), BF16, sw_v)]) + [   # k^T, a 64-row piece per wg
+      _smem((2, c, HALF) if transpose else (2, HALF, c), BF16, sw_v),   # q^T (transpose: q)
       _smem((c, bv), BF16, sw_v),                 # dO block
-      _smem((c, c), BF16, sw_v),                  # A^T
-      _smem((c, c), BF16, sw_v),                  # P^T
+      _smem((c, c), BF16, sw_v),                  # A^T (transpose: A)
+      _smem((c, c), BF16, sw_v),                  # P^T (transpose: P)
       _smem((f.shape[2], c), F32),                # row factors
       _smem((n_cat,), F32),                       # lam_cat
       _smem((2, e_dim, HALF, bv), BF16, sw_v),    # dS_cat (bf16), per warpgroup and slice
@@ -1146,13 +1258,17 @@ def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, w
       _smem((c, n_cat), BF16, sw_v),              # Z = [-diag(fe_e) A^T dU]_e
       _smem((c, bv), BF16, sw_v),                 # dU (bf16 operand)
       _smem((c, bv), F32, _swizzle(bv, F32)),     # dU; before it, warpgroup 1's partial
-  ] + ([_smem((2, HALF, n_cat), BF16, sw_k)] if wide else [])   # dS_cat (bf16), wide operand
+  ] + ([_smem((2, HALF, n_cat), BF16, sw_k)] if wide else []) + (  # dS_cat (bf16), wide operand
+      [_smem((2, HALF, c), BF16, sw_v), _smem((2, HALF, c), BF16, sw_v),  # K^T, Q^T, A^T, P^T
+       _smem((c, c), BF16, sw_v), _smem((c, c), BF16, sw_v)]             # (interpret mode)
+      if transpose and interpret else [])
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # dht / dh0 rows
   kernel = functools.partial(_backward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, wide=wide,
+                             bv=bv, scale=scale, erase=erase, wide=wide, transpose=transpose,
                              interpret=bool(interpret))
-  ins = (k, _t(k), _t(q), do.astype(q.dtype), _t(a).astype(BF16), _t(p).astype(BF16), f,
-         lam_cat, _to_cat(dht.astype(F32), bv))
+  tq = (lambda x: x) if transpose else _t         # the sources of Q^T, A^T, P^T
+  ins = (k, *(() if transpose else (_t(k),)), tq(q), do.astype(q.dtype), tq(a).astype(BF16),
+         tq(p).astype(BF16), f, lam_cat, _to_cat(dht.astype(F32), bv))
   du, dstates, dh0 = _kernel_2wg(
       kernel, ins,
       [jax.ShapeDtypeStruct((bh, nc, c, vd), F32),

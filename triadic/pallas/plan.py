@@ -87,16 +87,20 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                    or mosaic.supported(d, vd, c, e, dtype, st.block_v, st.reverse_warpgroups))
                   if cfg.mosaic_gpu else "Config.mosaic_gpu off")
   if state_reason is None:
-    def mosaic_stage(name, wgs, wide, copies):
+    def mosaic_stage(name, wgs, wide, copies, transposed):
       sizes = dict(d=d, vd=vd, c=c, e=e, bv=st.block_v)
       return Stage(name, "mosaic_gpu" + interp,
                    f"block_v {st.block_v}, S_cat D x {e * st.block_v}, {wgs} warpgroup(s), "
-                   + _products(wgs, wide, e=e, bv=st.block_v) + f"copies {copies}",
+                   + _products(wgs, wide, e=e, bv=st.block_v) + f"copies {copies}, "
+                   + _transposes(st.transpose_ref, transposed),
                    "Config.mosaic_gpu; " + _warpgroups_reason(cfg, wgs, **sizes)
-                   + _products_reason(cfg, wgs, wide, **sizes))
-    forward = mosaic_stage("forward", st.forward_warpgroups, st.forward_wide, "a chunk ahead")
+                   + _products_reason(cfg, wgs, wide, **sizes)
+                   + ("; transposed views: Config.state_transpose_ref" if st.transpose_ref
+                      else ""))
+    forward = mosaic_stage("forward", st.forward_warpgroups, st.forward_wide, "a chunk ahead",
+                           "K^T")
     bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, st.reverse_wide,
-                              "at chunk start")
+                              "at chunk start", "K^T Q^T A^T P^T")
   else:
     tiles = f"block_v {cfg.block_v}, {loop}"
     forward = Stage("forward", base, tiles, state_reason)
@@ -139,12 +143,14 @@ def mask_kernel(cfg: Config, *, c: int, e: int) -> bool:
 @dataclasses.dataclass(frozen=True)
 class StateTiles:
   """The Mosaic state passes' value block, each pass's warpgroups and whether each (with two
-  warpgroups) forms its products over D wide (the kernels' ``wide_products``)."""
+  warpgroups) forms its products over D wide (the kernels' ``wide_products``), and whether both
+  take their transposed operands as views of their SMEM copies (``transpose_ref``)."""
   block_v: int | None
   forward_warpgroups: int
   reverse_warpgroups: int
   forward_wide: bool = False
   reverse_wide: bool = False
+  transpose_ref: bool = False
 
 
 def state_tiles(cfg: Config, *, d: int, vd: int, c: int, e: int) -> StateTiles:
@@ -153,7 +159,9 @@ def state_tiles(cfg: Config, *, d: int, vd: int, c: int, e: int) -> StateTiles:
   warpgroups); None leaves block_v and each pass's warpgroups to ``mosaic.default_state_tiles``
   (which gives the forward two warpgroups at block_v 16 too with ``Config.state_wide_products``).
   A two-warpgroup pass forms its products wide with ``Config.state_wide_products`` where
-  ``mosaic.wide_products_supported`` takes it (E * block_v <= 128), else narrow."""
+  ``mosaic.wide_products_supported`` takes it (E * block_v <= 128), else narrow. Both passes take
+  their transposed operands as views with ``Config.state_transpose_ref`` (every size they
+  take)."""
   if cfg.state_warpgroups is None:
     bv, fwd, rev = mosaic.default_state_tiles(d, vd, c, e, cfg.state_block_v,
                                               cfg.state_wide_products)
@@ -163,7 +171,17 @@ def state_tiles(cfg: Config, *, d: int, vd: int, c: int, e: int) -> StateTiles:
     bv = cfg.state_block_v or mosaic.default_block_v(d, vd, c, e, warpgroups=fwd)
   wide = lambda wgs: (cfg.state_wide_products and wgs == 2
                       and mosaic.wide_products_supported(d, vd, c, e, bv) is None)
-  return StateTiles(bv, fwd, rev, wide(fwd), wide(rev))
+  return StateTiles(bv, fwd, rev, wide(fwd), wide(rev), cfg.state_transpose_ref)
+
+
+def _transposes(views: bool, operands: str) -> str:
+  """A state pass's transposed wgmma operands, for the plan's tiles: transposed views of the SMEM
+  copies of K, Q, A, P (``transpose_ref``; K, Q and the bf16 state then at the swizzle of a
+  block_v-wide row, which the transposed operand must share with its W, X or Z), or copies
+  transposed in plain JAX."""
+  if views:
+    return f"{operands} as transpose_ref views (K, Q, S_cat at block_v swizzle)"
+  return f"{operands} as pre-transposed copies"
 
 
 def _products(wgs: int, wide: bool, *, e: int, bv: int) -> str:
