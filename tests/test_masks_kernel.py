@@ -184,7 +184,7 @@ def test_config_mask_kernel_plan_and_op():
   cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
                mask_kernel=True)
   plan = pops.explain(64, 32, 3, 64, jnp.bfloat16, config=cfg)
-  assert "by their kernel (Config.mask_kernel)" in plan.prep.reason
+  assert "formed in the prep kernel (Config.mask_kernel)" in plan.prep.reason
   assert "tail between mask kernels" in plan.chunk_gradients.tiles
   off = pops.explain(64, 32, 3, 64, jnp.bfloat16,
                      config=Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True,

@@ -83,10 +83,11 @@ class Config:
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).
-  mask_kernel: form the decay masks M, M' (the prep, and the split tail of the Mosaic chunk
-  backward) and their gradients (that tail) by the Pallas kernels ``masks.decay_masks_kernel`` /
-  ``masks.mask_grads_kernel``, one decay tile per slice formed once per chunk, instead of plain
-  JAX (GPU structure, where ``masks.kernel_supported`` takes the sizes; same values).
+  mask_kernel: form the decay masks M, M' and their gradients in kernels, one decay tile per
+  slice formed once per chunk, instead of plain JAX (GPU structure, where
+  ``masks.kernel_supported`` takes the sizes; same values): in the forward inside the prep
+  kernel (the masks never reach HBM), in the split tail of the Mosaic chunk backward by
+  ``masks.decay_masks_kernel`` and ``masks.mask_grads_kernel``.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as

@@ -1,7 +1,7 @@
 """``triadic_pallas``: the Pallas kernels behind ``triadic_gdn(..., impl="pallas")``.
 
 Pipeline (forward): ``chunk_prep`` (parallel over chunks: gc, A, P; the masks M, M' in plain JAX,
-``masks.py``) -> the forward state pass (chunk loop per value block; saves chunk-start states and
+``masks.py``, or inside the prep kernel with ``Config.mask_kernel``) -> the forward state pass (chunk loop per value block; saves chunk-start states and
 U). Backward (``jax.custom_vjp``): the reverse state pass (chunk-end state gradients and dU) ->
 the chunk-parallel backward (every input gradient). Only the inputs, gc, A, P, U and the
 chunk-start states are kept from the forward (and X = V - sum_e diag(c_e) K S_e where the Hopper

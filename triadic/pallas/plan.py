@@ -77,10 +77,11 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   loop = "chunks on the grid, state in VMEM" if cfg.chunk_grid else "chunk loop per value block"
   inverse = "UT inverse kernel (Config.ut_kernel)" if cfg.ut_kernel else "UT inverse in plain JAX"
   kernel_masks = mask_kernel(cfg, c=c, e=e)
-  where = ("by their kernel (Config.mask_kernel)" if kernel_masks else "in plain JAX"
-           + (f" ({masks.kernel_supported(c, e, cfg)})" if cfg.mask_kernel else ""))
-  prep = Stage("prep", base, "one program per chunk",
-               f"masks M, M' {where} (E-independent kernel); {inverse}")
+  masks_at = ("masks M, M' formed in the prep kernel (Config.mask_kernel)" if kernel_masks else
+              "masks M, M' in plain JAX"
+              + (f" ({masks.kernel_supported(c, e, cfg)})" if cfg.mask_kernel else "")
+              + " (E-independent kernel)")
+  prep = Stage("prep", base, "one program per chunk", f"{masks_at}; {inverse}")
 
   st = state_tiles(cfg, d=d, vd=vd, c=c, e=e)
   state_reason = ((mosaic.supported(d, vd, c, e, dtype, st.block_v, st.forward_warpgroups)
