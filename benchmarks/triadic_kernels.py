@@ -153,13 +153,13 @@ def attention_fns():
   return jax.jit(run), jax.jit(fwd_bwd)
 
 
-def check(only=None, fields=None):
-  """Relative RMS error of pallas (the device's default kernels: Mosaic GPU on Hopper for bf16;
-  ``fields`` override those ``Config`` fields) against scan (float32) and chunked (bf16) on this
-  machine."""
+def check(only=None, variants=()):
+  """Relative RMS error of pallas (the device's default kernels: Mosaic GPU on Hopper for bf16)
+  and of each of ``variants`` (``--op-variants``' sets: ``Config`` fields over the default)
+  against scan (float32) and chunked (bf16) on this machine; the reference once per case."""
   names = "o state dq dk dv dk2 dq2 dg dbeta dh0".split()
-  print("| case | " + " | ".join(names) + " |")
-  print("|" + "---|" * (len(names) + 1))
+  print("| case | config | " + " | ".join(names) + " |")
+  print("|" + "---|" * (len(names) + 2))
   cases = [("f32 scan B1 T300 H2 D64 V64 E3", (1, 300, 2, 64, 64, 3), jnp.float32, "scan", True),
            ("f32 scan sGLA E2", (1, 200, 2, 32, 48, 2), jnp.float32, "scan", False),
            ("bf16 vs chunked B1 T2048 H4 D128 E8", (1, 2048, 4, 128, 128, 8), jnp.bfloat16,
@@ -181,19 +181,22 @@ def check(only=None, fields=None):
     do = jax.random.normal(kd, (b, t, h, vd), dtype)
     dh = jax.random.normal(ks, (b, h, e, d, vd))
 
-    def grads(impl):
+    def grads(impl, fields=None):
       f = lambda *a: triadic_gdn(*a[:7], initial_state=a[7], erase=erase, impl=impl,
                                  chunk_size=64)
-      if impl == "pallas" and fields:
+      if fields:
         cfg = pallas_config(e, vd, b * h, **fields)
         f = lambda *a: pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7],
                                            erase=erase, chunk_size=64, config=cfg)
       (o, s), pull = jax.vjp(f, *args, h0)
       return [o, s] + list(pull((do, dh)))
 
-    got = jax.jit(lambda: grads("pallas"))()
     want = jax.jit(lambda: grads(ref))()
-    print(f"| {label} | " + " | ".join(f"{rel(x, y):.1e}" for x, y in zip(got, want)) + " |")
+    for name, fields in [("default", None)] + [(v, variant_fields(v)) for v in variants]:
+      got = jax.jit(lambda: grads("pallas", fields))()
+      print(f"| {label} | {name} | "
+            + " | ".join(f"{rel(x, y):.1e}" for x, y in zip(got, want)) + " |")
+      sys.stdout.flush()
   sys.stdout.flush()
 
 
@@ -423,8 +426,8 @@ def main():
                       help="op table: also the op with these Config fields set over the "
                            "default (which depends on B*H), one comma-joined set per pair of "
                            "columns: a name alone is True, name=N an int, e.g. ut_kernel "
-                           "sequence_pieces=1,state_block_v=32 (--check: the first set "
-                           "replaces the default's fields; --stages: a row per set)")
+                           "sequence_pieces=1,state_block_v=32 (--check, --stages: a row per set "
+                           "beside the default's)")
   parser.add_argument("--tail-variants", action="store_true",
                       help="with --stages on Hopper: the chunk backward's tail, fused and split, "
                            "under a few tile choices")
@@ -435,7 +438,7 @@ def main():
   print(f"# {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}, "
         f"{datetime.datetime.now():%Y-%m-%d %H:%M}")
   if args.check:
-    check(args.cases, variant_fields(args.op_variants[0]) if args.op_variants else None)
+    check(args.cases, args.op_variants)
     return
   if args.stages:
     stages(args.t[0], args.e, args.reps, args.variants, args.tail_variants,
