@@ -193,7 +193,11 @@ def check(only=None, variants=()):
 
     want = jax.jit(lambda: grads(ref))()
     for name, fields in [("default", None)] + [(v, variant_fields(v)) for v in variants]:
-      got = jax.jit(lambda: grads("pallas", fields))()
+      try:
+        got = jax.jit(lambda: grads("pallas", fields))()
+      except Exception as err:  # one failing option must not end the table
+        print(f"| {label} | {name} | failed: {type(err).__name__}: {err}"[:300] + " |")
+        continue
       print(f"| {label} | {name} | "
             + " | ".join(f"{rel(x, y):.1e}" for x, y in zip(got, want)) + " |")
       sys.stdout.flush()
@@ -506,8 +510,12 @@ def op_table(args):
         if "sequence_pieces" in fields:
           print(f"# {variant} at B={b} T={t} E={e}: "
                 f"{pieces_of(pallas_config(e, vd, b * h, **fields))}")
-        vf, vfb = triadic_fns("pallas", **fields)
-        variants += [timeit(vf, xs, args.reps), timeit(vfb, xs, args.reps)]
+        try:
+          vf, vfb = triadic_fns("pallas", **fields)
+          variants += [timeit(vf, xs, args.reps), timeit(vfb, xs, args.reps)]
+        except Exception as err:  # an untimed option that fails here must not end the table
+          print(f"# {variant} failed at E={e}: {type(err).__name__}: {err}"[:300])
+          variants += [nan, nan]
       tri = (nan, nan)
       if hopper and not args.no_triton:
         tf_, tfb = triadic_fns("pallas", mosaic_gpu=False, mosaic_gpu_backward=False)
