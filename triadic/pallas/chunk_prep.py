@@ -62,7 +62,8 @@ def _products(q_ref, k_ref, beta_ref, mq, m, lower_ref, p_ref, *, c, erase, dtyp
   ``p_ref`` and ``lower_ref``; ``mq()`` and ``m()`` give M' and M (C, C) where they are used."""
   causal, strict, _, _ = causal_masks(c)
   k = k_ref[...]
-  p_ref[...] = jnp.where(causal, mm(q_ref[...], k, dtype, tb=True) * mq(), 0.0)
+  p_ref[...] = jnp.where(causal, mm(q_ref[...], k, dtype, tb=True) * mq(), 0.0).astype(
+      p_ref.dtype)
   if erase:
     kk = mm(k, k, dtype, tb=True)
     lower_ref[...] = jnp.where(strict, beta_ref[...].astype(F32) * kk * m(), 0.0)
@@ -163,7 +164,9 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, mask_kernel
   ``masks.kernel_supported`` refuses the sizes) instead of reading those of the plain-JAX
   ``masks.decay_masks``; same values up to the order of float32 sums.
 
-  Returns gc (BH, NC, C, E), gc transposed (BH, NC, E, C), A and P (BH, NC, C, C), float32.
+  Returns gc (BH, NC, C, E), gc transposed (BH, NC, E, C), float32, A (BH, NC, C, C) float32 and
+  P (BH, NC, C, C) in q's dtype: P's every use (the state passes' P U and P^T dO) casts it to that
+  dtype, so a float32 P would only be written and read at twice the bytes.
   """
   bh, nc, c, d = q.shape
   e_dim = k2_col.shape[-1]
@@ -190,7 +193,8 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, mask_kernel
   lower, p = call(
       kernel, cfg=cfg, grid=(bh, nc),
       in_specs=[spec(c, d), spec(c, d), spec(c, 1)] + op_specs,
-      out_specs=[spec(c, c), spec(c, c)], out_shape=[shape, shape],
+      out_specs=[spec(c, c), spec(c, c)],
+      out_shape=[shape, jax.ShapeDtypeStruct((bh, nc, c, c), q.dtype)],
       semantics=("parallel", "parallel"), name="triadic_chunk_prep", num_warps=num_warps,
   )(q, k, beta_col, *operands)
   if not erase:
