@@ -478,6 +478,15 @@ def _e_reduce(ops, x, f_s, first_row, bv):
   return out
 
 
+def _e_expand(ops, dst_s, y, f_s, first_row, bv, coef=1.0):
+  """[coef diag(f[first_row + e]) y]_e: the (M, BV) ``y`` scaled by each slice's row factor into
+  column block e of the bf16 (M, E*BV) ``dst_s`` (the wgmma operand the [.]_e products read): the
+  reverse of ``_e_reduce``."""
+  for e in range(dst_s.shape[1] // bv):
+    f = ops.rowvec(f_s, first_row + e, bv)
+    dst_s[:, e * bv:(e + 1) * bv] = ((f if coef == 1.0 else coef * f) * y).astype(BF16)
+
+
 class _Inputs:
   """A state pass's per-chunk inputs: each a TMA copy gmem -> its own SMEM buffer, with its own
   barrier, so that each is waited for where it is first read. ``start`` begins a loop step's
@@ -665,8 +674,7 @@ def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, tr
       u = beta * ops.acc(v_s[...].astype(F32))
     u_s[...] = u
     u_bf16_s[...] = u.astype(BF16)
-    for e in range(e_dim):
-      w_s[:, e * bv:(e + 1) * bv] = (ops.rowvec(f_s, write_rows + e, bv) * u).astype(BF16)
+    _e_expand(ops, w_s, u, f_s, write_rows, bv)
     plgpu.commit_smem()
     ins.start_next(("a",) if erase else ("v",), n)
     plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
@@ -811,15 +819,13 @@ def _backward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, transpose
     du = du + _e_reduce(ops, r, f_s, write_rows, bv)
     u_s[...] = du
     do = ops.acc(do_s[...].astype(F32))
-    for e in range(e_dim):
-      x_s[:, e * bv:(e + 1) * bv] = (scale * ops.rowvec(f_s, read_rows + e, bv) * do).astype(BF16)
+    _e_expand(ops, x_s, do, f_s, read_rows, bv, scale)
     if erase:
       u_bf16_s[...] = du.astype(BF16)
       plgpu.commit_smem()
       ins.wait("at", step)
       drhs = ops.mm(tr(at_s, 2), u_bf16_s)
-      for e in range(e_dim):
-        z_s[:, e * bv:(e + 1) * bv] = (-ops.rowvec(f_s, erase_rows + e, bv) * drhs).astype(BF16)
+      _e_expand(ops, z_s, drhs, f_s, erase_rows, bv, -1.0)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(u_s, du_g.at[i, n, :, cols])
     for name in at_end:
@@ -1053,8 +1059,7 @@ def _forward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x
         u = beta * v
       u_s[...] = u
       u16_s[...] = u.astype(BF16)
-      for e in range(e_dim):
-        w_s[:, e * bv:(e + 1) * bv] = (ops.rowvec(f_s, write_rows + e, bv) * u).astype(BF16)
+      _e_expand(ops, w_s, u, f_s, write_rows, bv)
       plgpu.commit_smem()
       cp.start_next(("a",) if erase else ("v",), n)
       plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
@@ -1212,15 +1217,11 @@ def _backward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, wide,
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(u_s, du_g.at[i, n, :, cols])
       do = ops.acc(do_s[...].astype(F32))
-      for e in range(e_dim):
-        x_s[:, e * bv:(e + 1) * bv] = (scale * ops.rowvec(f_s, read_rows + e, bv) * do
-                                       ).astype(BF16)
+      _e_expand(ops, x_s, do, f_s, read_rows, bv, scale)
       if erase:
         cp.wait("at", step)
         drhs = ops.mm(tr(at_s, 2), u16_s)
-        for e in range(e_dim):
-          z_s[:, e * bv:(e + 1) * bv] = (-ops.rowvec(f_s, erase_rows + e, bv) * drhs
-                                         ).astype(BF16)
+        _e_expand(ops, z_s, drhs, f_s, erase_rows, bv, -1.0)
       # u_s is warpgroup 1's next partial buffer: dU's store must have read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 

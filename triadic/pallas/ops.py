@@ -1,13 +1,13 @@
 """``triadic_pallas``: the Pallas kernels behind ``triadic_gdn(..., impl="pallas")``.
 
 Pipeline (forward): ``chunk_prep`` (parallel over chunks: gc, A, P; the masks M, M' in plain JAX,
-``masks.py``, or inside the prep kernel with ``Config.mask_kernel``) -> the forward state pass (chunk loop per value block; saves chunk-start states and
-U). Backward (``jax.custom_vjp``): the reverse state pass (chunk-end state gradients and dU) ->
-the chunk-parallel backward (every input gradient). Only the inputs, gc, A, P, U and the
-chunk-start states are kept from the forward (and X = V - sum_e diag(c_e) K S_e where the Hopper
-backward reads it: ``Plan.saves_x``); M, M', K K^T and Q K^T are recomputed. Which
-kernel runs each stage is decided in one place, ``plan.resolve`` (``explain`` shows it for given
-sizes).
+``masks.py``, or inside the prep kernel with ``Config.mask_kernel``) -> the forward state pass
+(chunk loop per value block; saves chunk-start states and U). Backward (``jax.custom_vjp``): the
+reverse state pass (chunk-end state gradients and dU) -> the chunk-parallel backward (every input
+gradient). Only the inputs, gc, A, P, U and the chunk-start states are kept from the forward (and
+X = V - sum_e diag(c_e) K S_e where the Hopper backward reads it: ``Plan.saves_x``); M, M', K K^T
+and Q K^T are recomputed. Which kernel runs each stage is decided in one place, ``plan.resolve``
+(``explain`` shows it for given sizes).
 When the state passes' programs cannot fill the GPU (B = 1 at long T), ``Config.sequence_pieces``
 runs them over pieces of the sequence, each started from a short warm-up pass (``pieces.py``,
 ``plan.sequence_pieces``; exact to far below rounding, and only where every window decays enough).
@@ -81,9 +81,10 @@ def default_config(platform: str, e: int, vd: int, bh: int | None = None) -> Con
   GPU (Triton, chunk loop inside the kernel over whole-sequence blocks): block_v 32 (16 for
   E >= 8, the state tile is E*D*block_v float32 in registers), and the prep's UT inverse by its
   one-warp kernel (``ut_kernel``; faster than the plain-JAX substitution: benchmarks/RESULTS.md).
-  On Hopper: the Mosaic GPU kernels, and the state passes cut into pieces of the sequence where their programs (``bh`` =
-  B*H times the value blocks) cannot fill the device (``sequence_pieces=0``); at E = 1, where
-  those programs would fill at most half the device, 64-column state blocks (``state_block_v``):
+  On Hopper: the Mosaic GPU kernels, and the state passes cut into pieces of the sequence where
+  their programs (``bh`` = B*H times the value blocks) cannot fill the device
+  (``sequence_pieces=0``); at E = 1, where those programs would fill at most half the device,
+  64-column state blocks (``state_block_v``):
   each chunk's K, Q, A, P are then read half as often and the pieces give the programs back
   (faster at B = 1, T = 65536, slower in the forward at B = 2, T = 16384, where 32-column blocks
   fill the device: benchmarks/RESULTS.md). TPU (Mosaic, chunks on the grid,
