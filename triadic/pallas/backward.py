@@ -141,11 +141,14 @@ def decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, *, c, e_dim, erase):
 
 def slice_mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row,
                      outs, *, c, e_dim, erase):
-  """The per-slice gradients of the masks, one loop over e (``masks.mask_grads``' formulas):
-  from dM' = dmq and dM = dm (C, C; dm None without erase) and the row coefficients (per slice
-  (C, 1) columns dcoef, dqcoef, dkcoef and (1, 1) dlam), write ``outs`` = (dk2 column, dk2 row,
-  dq2, d gc column, d gc row) refs. Slice e's decay mask exp(gc_t - gc_s) is built, used and
-  dropped in its iteration, so one C x C mask is live at a time (register pressure)."""
+  """The per-slice gradients of the masks, one loop over e (``masks.mask_grads``' formulas, its
+  four reductions): from dM' = dmq and dM = dm (C, C; dm None without erase) and the row
+  coefficients (per slice (C, 1) columns dcoef, dqcoef, dkcoef and (1, 1) dlam), write ``outs``
+  = (dk2 column, dk2 row, dq2, d gc column, d gc row) refs. Slice e's decay mask
+  exp(gc_t - gc_s) is built, used and dropped in its iteration, so one C x C mask is live at a
+  time (register pressure); from it W' = dM' D_e (and W = dM D_e) give rq = sum_s W' k2_s,
+  cq = sum_t W' q2_t (rk, ck with k2_t), and the gradient through exp(gc_t - gc_s) needs no
+  reduction of its own: sum_s dG_ts = q2_t rq_t + k2_t rk_t, sum_t dG_ts = k2_s dk2 row_s."""
   dk2_col_ref, dk2_row_ref, dq2_col_ref, dgc_col_ref, dgc_row_ref = outs
   a, gl, b = decays(gc_col, e_dim, c)
   causal, _, _, _ = masks(c)
@@ -154,16 +157,18 @@ def slice_mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_co
     k2t, k2s, q2t = col(k2_col, e), row(k2_row, e), col(q2_col, e)
     dec = decay_mask(col(gc_col, e), row(gc_row, e), causal)
     wq = dmq * dec                         # d M'_ts / d(q2_t k2_s), times dM'
-    dq2 = rowsum(wq * k2s) + dqcoef[e] * a[e]
+    rq = rowsum(wq * k2s)
+    dq2 = rq + dqcoef[e] * a[e]
     dk2_row = colsum(wq * q2t)
-    dgm = wq * q2t * k2s                   # gradient through exp(gc_t - gc_s)
+    dgm = q2t * rq                         # sum_s of the gradient through exp(gc_t - gc_s)
     dk2_col = dkcoef[e] * b[e]
     if erase:
       wk = dm * dec
-      dk2_col = dk2_col + rowsum(wk * k2s) + dcoef[e] * a[e]
+      rk = rowsum(wk * k2s)
+      dk2_col = dk2_col + rk + dcoef[e] * a[e]
       dk2_row = dk2_row + colsum(wk * k2t)
-      dgm = dgm + wk * k2t * k2s
-    dg_col = rowsum(dgm) + dqcoef[e] * q2t * a[e] - dkcoef[e] * k2t * b[e]
+      dgm = dgm + k2t * rk
+    dg_col = dgm + dqcoef[e] * q2t * a[e] - dkcoef[e] * k2t * b[e]
     if erase:
       dg_col = dg_col + dcoef[e] * k2t * a[e]
     dgl = total(dkcoef[e] * k2t * b[e]) + dlam[e] * jnp.exp(gl[e])
@@ -172,7 +177,7 @@ def slice_mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_co
     dk2_col_ref[:, pl.ds(e, 1)] = dk2_col
     dk2_row_ref[pl.ds(e, 1), :] = dk2_row
     dgc_col_ref[:, pl.ds(e, 1)] = dg_col
-    dgc_row_ref[pl.ds(e, 1), :] = -colsum(dgm)
+    dgc_row_ref[pl.ds(e, 1), :] = -(k2s * dk2_row)
 
 
 def chunk_local(q, k, partials, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row,

@@ -33,12 +33,13 @@ that each reduction fuses its exponentials instead of reading one materialised E
 
 The kernels (``decay_masks_kernel`` ``triadic_decay_masks``, ``mask_grads_kernel``
 ``triadic_mask_grads``; Triton on the GPU, interpret mode on the CPU, selected by the callers'
-``mask_kernel`` keyword): grid (BH, NC), one chunk per program. Each loads its chunk's (C, E)
-columns and (E, C) rows and, for the gradients, dM' (and dM) once, then walks the slices in a
-static loop, forming slice e's C x C decay tile D_e once (masked before exp, every exponent
-<= 0) and taking from it M and M' (sums of elementwise terms), or all four reductions rq, cq, rk,
-ck, so that each exponential is computed once per chunk and slice and each C x C float32 operand
-crosses HBM once; XLA's loop fusions instead recompute the decay for each reduction. Outputs,
+``mask_kernel`` keyword): grid (BH, NC), one chunk per program, running the fused tail's
+per-slice loops (``backward.decay_sums``, ``backward.slice_mask_grads``). Each loads its chunk's
+(C, E) columns and (E, C) rows and, for the gradients, dM' (and dM) once, then walks the slices
+in a static loop, forming slice e's C x C decay tile D_e once (masked before exp, every exponent
+<= 0) and taking from it M and M' (sums of elementwise terms), or all four reductions rq, cq,
+rk, ck, so that each exponential is computed once per chunk and slice and each C x C float32
+operand crosses HBM once; XLA's loop fusions instead recompute the decay for each reduction. Outputs,
 shapes, dtypes and formulas are those of the plain-JAX functions; only the order of the float32
 sums differs. Per program at C = 64 (4 warps, ``kernel_num_warps``): dM', dM live (32 registers
 per thread each) plus D_e and the two products W', W of the current slice; the (C, E) outputs are
@@ -54,9 +55,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from triadic.pallas.backward import decay_sums
-from triadic.pallas.common import F32, call, col, colsum, decay_mask, last, row, rowsum, total
-from triadic.pallas.common import masks as causal_masks
+from triadic.pallas.backward import decay_sums, slice_mask_grads
+from triadic.pallas.common import F32, call, col
 
 
 def _cols(x):
@@ -210,51 +210,19 @@ def decay_masks_kernel(k2_col, k2_row, q2_col, gc_col, gc_row, *, erase, cfg, nu
 
 
 def _mask_grads_kernel(*refs, c, e_dim, erase):
-  """One chunk of ``mask_grads``: per slice e (static loop) the decay tile D_e, W' = dM' D_e and
-  (erase) W = dM D_e, the reductions rq, cq (rk, ck), then column e / row e of the outputs."""
+  """One chunk of ``mask_grads``: ``backward.slice_mask_grads`` (the fused tail's per-slice loop)
+  on the chunk's dM' (and dM), loaded once, and its per-slice coefficient columns."""
   if erase:
     (dmq_ref, dm_ref, dcoef_ref, dqcoef_ref, dkcoef_ref, dlam_ref, k2_col, k2_row, q2_col,
      gc_col, gc_row, *outs) = refs
   else:
     (dmq_ref, dqcoef_ref, dkcoef_ref, dlam_ref, k2_col, k2_row, q2_col, gc_col, gc_row,
      *outs) = refs
-  dk2_col_ref, dk2_row_ref, dq2_ref, dgc_col_ref, dgc_row_ref = outs
-  causal, _, _, _ = causal_masks(c)
-  is_last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
-  dmq = dmq_ref[...]
-  dm = dm_ref[...] if erase else None
-  for e in range(e_dim):
-    k2t, k2s, q2t = col(k2_col, e), row(k2_row, e), col(q2_col, e)
-    gt = col(gc_col, e)
-    gl = last(gc_col, e, c)                                  # (1, 1): gc at the chunk's end
-    a, b = jnp.exp(gt), jnp.exp(gl - gt)
-    dqc, dkc = col(dqcoef_ref, e), col(dkcoef_ref, e)
-    dec = decay_mask(gt, row(gc_row, e), causal)             # D_e (C_t, C_s)
-    wq = dmq * dec
-    rq = rowsum(wq * k2s)                                    # (C, 1): sum_s W'_ts k2_s
-    cq = colsum(wq * q2t)                                    # (1, C): sum_t W'_ts q2_t
-    dq2 = rq + dqc * a
-    dk2c = dkc * b
-    dk2r = cq
-    dgm = q2t * rq                                           # sum_s dG_ts
-    if erase:
-      wk = dm * dec
-      rk = rowsum(wk * k2s)
-      ck = colsum(wk * k2t)
-      dc = col(dcoef_ref, e)
-      dk2c = dk2c + rk + dc * a
-      dk2r = dk2r + ck
-      dgm = dgm + k2t * rk
-    dgc = dgm + dqc * q2t * a - dkc * k2t * b
-    if erase:
-      dgc = dgc + dc * k2t * a
-    dgl = total(dkc * k2t * b) + dlam_ref[:, pl.ds(e, 1)].astype(F32) * jnp.exp(gl)
-    dgc = dgc + jnp.where(is_last, dgl, 0.0)
-    dk2_col_ref[:, pl.ds(e, 1)] = dk2c
-    dk2_row_ref[pl.ds(e, 1), :] = dk2r
-    dq2_ref[:, pl.ds(e, 1)] = dq2
-    dgc_col_ref[:, pl.ds(e, 1)] = dgc
-    dgc_row_ref[pl.ds(e, 1), :] = -(k2s * dk2r)
+  cols = lambda ref: [col(ref, e) for e in range(e_dim)]
+  slice_mask_grads(dmq_ref[...], dm_ref[...] if erase else None,
+                   cols(dcoef_ref) if erase else None, cols(dqcoef_ref), cols(dkcoef_ref),
+                   [dlam_ref[:, pl.ds(e, 1)].astype(F32) for e in range(e_dim)],
+                   k2_col, k2_row, q2_col, gc_col, gc_row, outs, c=c, e_dim=e_dim, erase=erase)
 
 
 def mask_grads_kernel(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col,
