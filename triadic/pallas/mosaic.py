@@ -352,6 +352,22 @@ def _t(x):
   return jnp.swapaxes(x, -1, -2)
 
 
+def _forward_inputs(q, k, v, a, p, f, lam_cat, h0, *, bv, transpose):
+  """The forward kernels' gmem inputs: q, k, K^T (without ``transpose``), v, A and P in bf16, the
+  factor rows, lam_cat and h0 in the cat layout."""
+  return (q, k, *(() if transpose else (_t(k),)), v, a.astype(BF16), p.astype(BF16), f, lam_cat,
+          _to_cat(h0.astype(F32), bv))
+
+
+def _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, *, bv, transpose):
+  """The reverse kernels' gmem inputs: k, K^T, Q^T, dO, A^T and P^T in bf16 (with ``transpose``
+  no K^T and Q, A, P untransposed: their views are taken in SMEM), the factor rows, lam_cat and
+  dht in the cat layout."""
+  tq = (lambda x: x) if transpose else _t
+  return (k, *(() if transpose else (_t(k),)), tq(q), do.astype(q.dtype), tq(a).astype(BF16),
+          tq(p).astype(BF16), f, lam_cat, _to_cat(dht.astype(F32), bv))
+
+
 def _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v, warpgroups=1,
               wide_products=False):
   """Shapes, the checked value block and the row factors: (bh, nc, c, d, e, bv, f, lam_cat)."""
@@ -722,8 +738,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   transpose = bool(transpose_ref)
   n_rows = f.shape[2]
   n_cat = e_dim * bv
-  ins = (q, k, *(() if transpose else (_t(k),)), v, a.astype(BF16), p.astype(BF16), f, lam_cat,
-         _to_cat(h0.astype(F32), bv))
+  ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv, transpose=transpose)
   sw_v = _swizzle(bv)
   # K, Q, S_cat: swizzle N, or with transpose_ref swizzle V (K^T W needs W's swizzle on K).
   sw_n = sw_v if transpose else _swizzle(n_cat)
@@ -856,9 +871,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
                          interpret=interpret)
   transpose = bool(transpose_ref)
   n_cat = e_dim * bv
-  tq = (lambda x: x) if transpose else _t         # the sources of Q^T, A^T, P^T
-  ins = (k, *(() if transpose else (_t(k),)), tq(q), do.astype(q.dtype), tq(a).astype(BF16),
-         tq(p).astype(BF16), f, lam_cat, _to_cat(dht.astype(F32), bv))
+  ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv, transpose=transpose)
   sw_v = _swizzle(bv)
   # K, dS_cat: swizzle N, or with transpose_ref swizzle V (K^T Z needs Z's swizzle on K).
   sw_n = sw_v if transpose else _swizzle(n_cat)
@@ -1126,8 +1139,7 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
                              bv=bv, scale=scale, erase=erase, save_x=save_x, wide=wide,
                              transpose=transpose, interpret=bool(interpret))
   per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
-  ins = (q, k, *(() if transpose else (_t(k),)), v, a.astype(BF16), p.astype(BF16), f, lam_cat,
-         _to_cat(h0.astype(F32), bv))
+  ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv, transpose=transpose)
   *outs, ht = _kernel_2wg(
       kernel, ins,
       [per_chunk(q.dtype), per_chunk(F32)] + ([per_chunk(q.dtype)] if save_x else []) + [
@@ -1267,9 +1279,7 @@ def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, w
   kernel = functools.partial(_backward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, wide=wide, transpose=transpose,
                              interpret=bool(interpret))
-  tq = (lambda x: x) if transpose else _t         # the sources of Q^T, A^T, P^T
-  ins = (k, *(() if transpose else (_t(k),)), tq(q), do.astype(q.dtype), tq(a).astype(BF16),
-         tq(p).astype(BF16), f, lam_cat, _to_cat(dht.astype(F32), bv))
+  ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv, transpose=transpose)
   du, dstates, dh0 = _kernel_2wg(
       kernel, ins,
       [jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
