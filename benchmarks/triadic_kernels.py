@@ -323,10 +323,9 @@ def prep_parts(prep_args, reps):
 def mosaic_backward_parts(cbw_args, reps, cfg):
   """Table cells: the times of the parts of ``mosaic_backward.chunk_gradients`` (erase=True,
   scale 0.1) under ``cfg`` (X from ``cbw_args``' 16th entry, the forward's, where it saved it;
-  the masks and their gradients by their kernels where the plan takes ``Config.mask_kernel``)."""
+  the masks and their gradients in plain JAX)."""
   from triadic.pallas import masks
   from triadic.pallas import mosaic_backward as mb
-  from triadic.pallas import plan as plan_lib
   q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args[:15]
   d, e_dim = q.shape[-1], k2_col.shape[-1]
   wgs = mb.slice_warpgroups(cfg.slice_warpgroups, d)
@@ -334,10 +333,7 @@ def mosaic_backward_parts(cbw_args, reps, cfg):
       mb.rhs_gradient(a, du, True), mb.factor_rows(gc_col, k2_col, q2_col, beta_col)))
   drhs, _ = pro(a, du, gc_col, k2_col, q2_col, beta_col)
   x = cbw_args[15] if len(cbw_args) > 15 else mb.x_from_states(k, v, st, k2_col, gc_col)
-  kernels = plan_lib.mask_kernel(cfg, c=q.shape[-2], e=e_dim)
-  label = f"{e_dim} slices, {wgs} warpgroup(s)" + (", mask kernels" if kernels else "")
-  tail_cfg = mb.tail_config(False, fused=False)
-  mask_kw = dict(erase=True, **(dict(cfg=tail_cfg) if kernels else {}))
+  label = f"{e_dim} slices, {wgs} warpgroup(s)"
   low = lambda y: y.astype(q.dtype)
 
   def slices(q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
@@ -348,16 +344,15 @@ def mosaic_backward_parts(cbw_args, reps, cfg):
   sk = jax.jit(slices)
   sk_args = (q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)
   dqp, dkp, coef, _ = sk(*sk_args)
-  msk = jax.jit(functools.partial(masks.decay_masks_kernel if kernels else masks.decay_masks,
-                                  **mask_kw))
+  msk = jax.jit(functools.partial(masks.decay_masks, erase=True))
   msk_args = (k2_col, k2_row, q2_col, gc_col, gc_row)
   m, mq = msk(*msk_args)
-  tk = jax.jit(functools.partial(mb.tail_kernel, scale=0.1, erase=True, cfg=tail_cfg))
+  tk = jax.jit(functools.partial(mb.tail_kernel, scale=0.1, erase=True,
+                                 cfg=mb.tail_config(False, fused=False)))
   tk_args = (q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a)
   _, _, _, dmq, dm = tk(*tk_args)
   cols = coef[..., :e_dim]
-  mg = jax.jit(functools.partial(masks.mask_grads_kernel if kernels else masks.mask_grads,
-                                 **mask_kw))
+  mg = jax.jit(functools.partial(masks.mask_grads, erase=True))
   mg_args = (dmq, dm, cols, cols, cols, jnp.zeros_like(k2_col[..., 0, :]), k2_col, k2_row, q2_col,
              gc_col, gc_row)
   times = [timeit(fn, xs, reps) for fn, xs in ((pro, (a, du, gc_col, k2_col, q2_col, beta_col)),

@@ -9,28 +9,14 @@ Computed once per chunk and shared by every value block of the state-passing ker
   A     = (I + StrictLower(beta_t (k_t . k_s) M_ts))^-1  (erase; zeros without)
   P     = Lower((q_t . k_s) M'_ts)                             the intra-chunk read
 
-The E-dependent part is elementwise (the masks). Without ``mask_kernel`` XLA forms them over all
-chunks at once (``masks.decay_masks``) and the prep kernel, E-independent, reads them from HBM:
-one program per (batch*head, chunk) forms K K^T and Q K^T on the matrix units and applies the
-masks. With ``mask_kernel`` (where ``masks.kernel_supported`` takes the sizes) the prep kernel
-forms them itself from the chunk's (C, E) columns and (E, C) rows of k2, q2 and gc
-(``backward.decay_sums``, the mask kernels' code: one slice's C x C decay tile live at a time,
-masked before exp, each exponential once per chunk and slice), so M and M' (2 x C x C float32 per
-chunk) never leave the chip and need no launch of their own. Either way the kernel writes the
-strictly lower L = StrictLower(beta_t (k_t . k_s) M_ts) and P; A = (I + L)^-1 is then taken by
-forward substitution (``Config.ut_kernel``, the GPU default: ``unit_lower_inverse_kernel``, one
-program per chunk; else ``triadic.chunked.unit_lower_inverse`` in plain JAX, the TPU's and the
-CPU's path), not by the all-matmul doubling product (I - L)(I + L^2)(I + L^4)...: that product
-loses every digit in float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g. a repeated
-token).
-
-Registers of the prep kernel with the masks inside, at C = 64 and 4 warps (128 threads; a C x C
-float32 tile is 32 registers per thread): M' and M live (64) while the slice loop adds the decay
-tile and its product (about 64 more, dropped before the products), then one C x C accumulator
-(32) at a time for Q K^T and K K^T with the bf16 (C, D) operand staged through registers on its
-way to shared memory (32 at D = 128): about 150-190 at the peak, within the 255 a thread may
-hold. At C = 128 M' and M alone would be 256 at 4 warps, so the kernel takes at least
-``masks.kernel_num_warps(c)`` warps (16 there, 32 registers per tile again).
+The E-dependent part is elementwise (the masks), done by XLA over all chunks at once
+(``masks.decay_masks``); the kernel here is E-independent: one program per (batch*head, chunk)
+forms K K^T and Q K^T on the matrix units and applies the masks. It writes the strictly lower
+L = StrictLower(beta_t (k_t . k_s) M_ts) and P; A = (I + L)^-1 is then taken by forward
+substitution (``Config.ut_kernel``, the GPU default: ``unit_lower_inverse_kernel``, one program
+per chunk; else ``triadic.chunked.unit_lower_inverse`` in plain JAX, the TPU's and the CPU's
+path), not by the all-matmul doubling product (I - L)(I + L^2)(I + L^4)...: that product loses
+every digit in float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g. a repeated token).
 
 The kernel form: the chunk's ``SUB`` x ``SUB`` diagonal blocks A_ii = (I + L_ii)^-1 by
 substitution in registers (``_diagonal_block_inverses``), then the blocks below the diagonal by
@@ -49,7 +35,6 @@ from jax.experimental import pallas as pl
 
 from triadic.chunked import unit_lower_inverse
 from triadic.pallas import masks
-from triadic.pallas.backward import decay_sums
 from triadic.pallas.common import F32, call, mm
 from triadic.pallas.common import masks as causal_masks
 
@@ -57,41 +42,19 @@ SUB = 16  # rows per diagonal block of ``unit_lower_inverse_kernel``
 UT_NUM_WARPS = 1  # one warp: each substitution step's reductions stay in the warp (no barrier)
 
 
-def _products(q_ref, k_ref, beta_ref, mq, m, lower_ref, p_ref, *, c, erase, dtype):
+def _prep_kernel(q_ref, k_ref, beta_ref, mq_ref, *rest, c, erase, dtype):
   """P = Lower((Q K^T) * M') and L = StrictLower(beta (K K^T) * M) (zeros without erase) into
-  ``p_ref`` and ``lower_ref``; ``mq()`` and ``m()`` give M' and M (C, C) where they are used."""
+  ``p_ref`` and ``lower_ref``; M' is ``mq_ref`` and, with erase, M is ``rest[0]``."""
+  lower_ref, p_ref = rest[-2:]
   causal, strict, _, _ = causal_masks(c)
   k = k_ref[...]
-  p_ref[...] = jnp.where(causal, mm(q_ref[...], k, dtype, tb=True) * mq(), 0.0).astype(
+  p_ref[...] = jnp.where(causal, mm(q_ref[...], k, dtype, tb=True) * mq_ref[...], 0.0).astype(
       p_ref.dtype)
   if erase:
     kk = mm(k, k, dtype, tb=True)
-    lower_ref[...] = jnp.where(strict, beta_ref[...].astype(F32) * kk * m(), 0.0)
+    lower_ref[...] = jnp.where(strict, beta_ref[...].astype(F32) * kk * rest[0][...], 0.0)
   else:
     lower_ref[...] = jnp.zeros((c, c), F32)
-
-
-def _prep_kernel(q_ref, k_ref, beta_ref, mq_ref, *rest, c, erase, dtype):
-  """The masks read from HBM: M' (``mq_ref``) and, with erase, M (``rest[0]``)."""
-  lower_ref, p_ref = rest[-2:]
-  _products(q_ref, k_ref, beta_ref, lambda: mq_ref[...], lambda: rest[0][...], lower_ref, p_ref,
-            c=c, erase=erase, dtype=dtype)
-
-
-def _prep_masks_kernel(q_ref, k_ref, beta_ref, k2_col, k2_row, q2_col, gc_col, gc_row, lower_ref,
-                       p_ref, *, c, e_dim, erase, dtype):
-  """The masks formed here: M' and M (erase) by ``backward.decay_sums`` (one slice's decay tile
-  at a time), live only until the products take them."""
-  mq, m = decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, c=c, e_dim=e_dim, erase=erase)
-  _products(q_ref, k_ref, beta_ref, lambda: mq, lambda: m, lower_ref, p_ref, c=c, erase=erase,
-            dtype=dtype)
-
-
-def prep_num_warps(c: int, cfg) -> int:
-  """Triton warps of the prep kernel that forms the masks itself: ``cfg.num_warps`` (the plain
-  prep kernel's), or ``masks.kernel_num_warps(c)`` where that is more (C = 128: M' and M alone
-  would fill a thread's registers at 4 warps)."""
-  return max(cfg.num_warps, masks.kernel_num_warps(c))
 
 
 def _diagonal_block_inverses(lower_ref, nb):
@@ -157,46 +120,29 @@ def unit_lower_inverse_kernel(lower, *, cfg, num_warps=UT_NUM_WARPS):
               num_warps=num_warps)(lower)
 
 
-def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, mask_kernel=False):
+def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg):
   """gc, its transpose, A and P for every chunk. Inputs in the kernels' (BH, NC, C, X) layout.
-  ``mask_kernel``: the prep kernel forms the masks M, M' itself from k2, q2 and gc
-  (``_prep_masks_kernel``; GPU structure: Triton, or interpreted; a ValueError where
-  ``masks.kernel_supported`` refuses the sizes) instead of reading those of the plain-JAX
-  ``masks.decay_masks``; same values up to the order of float32 sums.
 
   Returns gc (BH, NC, C, E), gc transposed (BH, NC, E, C), float32, A (BH, NC, C, C) float32 and
   P (BH, NC, C, C) in q's dtype: P's every use (the state passes' P U and P^T dO) casts it to that
   dtype, so a float32 P would only be written and read at twice the bytes.
   """
   bh, nc, c, d = q.shape
-  e_dim = k2_col.shape[-1]
-  if mask_kernel:
-    reason = masks.kernel_supported(c, e_dim, cfg)
-    if reason:
-      raise ValueError(reason)
   gc_col = masks.chunk_cumsum(g_col)
   gc_row = jnp.swapaxes(gc_col, -1, -2)
   k2_row = jnp.swapaxes(k2_col, -1, -2).astype(F32)
+  m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))
+  kernel = functools.partial(_prep_kernel, c=c, erase=erase, dtype=q.dtype)
   shape = jax.ShapeDtypeStruct((bh, nc, c, c), F32)
-  if mask_kernel:
-    kernel = functools.partial(_prep_masks_kernel, c=c, e_dim=e_dim, erase=erase, dtype=q.dtype)
-    operands = (k2_col, k2_row, q2_col, gc_col, gc_row)
-    op_specs = [spec(c, e_dim), spec(e_dim, c), spec(c, e_dim), spec(c, e_dim), spec(e_dim, c)]
-    num_warps = prep_num_warps(c, cfg)
-  else:
-    m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
-    kernel = functools.partial(_prep_kernel, c=c, erase=erase, dtype=q.dtype)
-    operands = (mq, m) if erase else (mq,)
-    op_specs = [spec(c, c)] * len(operands)
-    num_warps = None
+  mats = (mq, m) if erase else (mq,)
   lower, p = call(
       kernel, cfg=cfg, grid=(bh, nc),
-      in_specs=[spec(c, d), spec(c, d), spec(c, 1)] + op_specs,
+      in_specs=[spec(c, d), spec(c, d), spec(c, 1)] + [spec(c, c)] * len(mats),
       out_specs=[spec(c, c), spec(c, c)],
       out_shape=[shape, jax.ShapeDtypeStruct((bh, nc, c, c), q.dtype)],
-      semantics=("parallel", "parallel"), name="triadic_chunk_prep", num_warps=num_warps,
-  )(q, k, beta_col, *operands)
+      semantics=("parallel", "parallel"), name="triadic_chunk_prep",
+  )(q, k, beta_col, *mats)
   if not erase:
     return gc_col, gc_row, lower, p
   inverse = (functools.partial(unit_lower_inverse_kernel, cfg=cfg) if cfg.ut_kernel

@@ -62,20 +62,6 @@ class Config:
   passes (D = 128 only: each holds 64 rows of the state, so that E * block_v = 256 fits the
   registers; where ``mosaic.warpgroups_supported`` refuses, 1, as the plan says); None: per pass,
   two where one warpgroup's state would fill its registers (``mosaic.default_state_tiles``).
-  state_wide_products: with ``mosaic_gpu``, a two-warpgroup state pass forms its products over D
-  (forward K S_cat and Q S_cat, backward K dS_cat), split over the warpgroups, as one wgmma of
-  N = E * block_v per product and warpgroup, e-reduced in registers, instead of E wgmmas of
-  N = block_v (``mosaic.wide_products_supported``: E * block_v <= 128; a wider pass keeps the
-  narrow ones, as the plan says); with ``state_warpgroups=None`` the forward then also takes two
-  warpgroups at block_v 16 (``mosaic.default_state_tiles``). One warpgroup's products are wide
-  already, so ``state_warpgroups=1`` refuses it.
-  state_transpose_ref: with ``mosaic_gpu``, the Mosaic state passes take their transposed wgmma
-  operands (the forward's K^T; the reverse's K^T, Q^T, A^T, P^T) as transposed views
-  (``plgpu.transpose_ref``) of the SMEM copies of K, Q, A, P they make anyway, instead of
-  pre-transposed copies made in plain JAX and copied beside them (each an XLA transpose over
-  the whole input and a second read of it per value block). K, Q and the bf16 state operand
-  then take the swizzle of a block_v-wide row (the module docstring of ``mosaic.py``); same
-  values.
   state_block_v: with ``mosaic_gpu``, the Mosaic state passes' value block (None:
   ``mosaic.default_block_v`` for their warpgroups; one that ``mosaic.supported`` refuses sends
   them to Triton, as the plan says). Wider blocks read K, Q, A, P fewer times over, with fewer
@@ -83,11 +69,6 @@ class Config:
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).
-  mask_kernel: form the decay masks M, M' and their gradients in kernels, one decay tile per
-  slice formed once per chunk, instead of plain JAX (GPU structure, where
-  ``masks.kernel_supported`` takes the sizes; same values): in the forward inside the prep
-  kernel (the masks never reach HBM), in the split tail of the Mosaic chunk backward by
-  ``masks.decay_masks_kernel`` and ``masks.mask_grads_kernel``.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -105,13 +86,10 @@ class Config:
   fused_tail: bool | None = None
   slice_warpgroups: int | None = None
   state_warpgroups: int | None = None
-  state_wide_products: bool = False
-  state_transpose_ref: bool = False
   state_block_v: int | None = None
   sequence_pieces: int = 1
   warmup_chunks: int = 16
   ut_kernel: bool = False
-  mask_kernel: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -120,13 +98,6 @@ class Config:
       raise ValueError(f"slice_warpgroups must be None, 1 or 2, got {self.slice_warpgroups!r}")
     if self.state_warpgroups not in (None, 1, 2):
       raise ValueError(f"state_warpgroups must be None, 1 or 2, got {self.state_warpgroups!r}")
-    if not isinstance(self.state_wide_products, bool):
-      raise ValueError(f"state_wide_products must be a bool, got {self.state_wide_products!r}")
-    if not isinstance(self.state_transpose_ref, bool):
-      raise ValueError(f"state_transpose_ref must be a bool, got {self.state_transpose_ref!r}")
-    if self.state_wide_products and self.state_warpgroups == 1:
-      raise ValueError("state_wide_products applies to two-warpgroup state passes; "
-                       "state_warpgroups=1 has none (one warpgroup's products are wide already)")
     if not isinstance(self.sequence_pieces, int) or self.sequence_pieces < 0:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")

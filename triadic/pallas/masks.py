@@ -1,5 +1,4 @@
-"""The decay masks M, M' and their gradients: in plain JAX over all chunks at once, and the same
-two functions as Pallas kernels, one program per chunk.
+"""The decay masks M, M' and their gradients, in plain JAX over all chunks at once.
 
 Every per-slice (E-dependent) piece of the chunk-local work is elementwise C x C work per slice e
 around the decay mask D_ets = exp(gc_te - gc_se) (s <= t), which XLA fuses into its reductions
@@ -30,33 +29,11 @@ Layout: as the kernels, (BH, NC, C, E) columns and (BH, NC, E, C) rows. M and M'
 sum over e of elementwise (BH, NC, C, C) terms (one loop fusion, no reduction); each per-slice sum
 is over the minor axis of a (BH, NC, E, C, C) broadcast expression with its own decay mask, so
 that each reduction fuses its exponentials instead of reading one materialised E x C x C mask.
-
-The kernels (``decay_masks_kernel`` ``triadic_decay_masks``, ``mask_grads_kernel``
-``triadic_mask_grads``; Triton on the GPU, interpret mode on the CPU, selected by the callers'
-``mask_kernel`` keyword): grid (BH, NC), one chunk per program, running the fused tail's
-per-slice loops (``backward.decay_sums``, ``backward.slice_mask_grads``). Each loads its chunk's
-(C, E) columns and (E, C) rows and, for the gradients, dM' (and dM) once, then walks the slices
-in a static loop, forming slice e's C x C decay tile D_e once (masked before exp, every exponent
-<= 0) and taking from it M and M' (sums of elementwise terms), or all four reductions rq, cq,
-rk, ck, so that each exponential is computed once per chunk and slice and each C x C float32
-operand crosses HBM once; XLA's loop fusions instead recompute the decay for each reduction. Outputs,
-shapes, dtypes and formulas are those of the plain-JAX functions; only the order of the float32
-sums differs. Per program at C = 64 (4 warps, ``kernel_num_warps``): dM', dM live (32 registers
-per thread each) plus D_e and the two products W', W of the current slice; the (C, E) outputs are
-written a column (or row) per slice. The (C, 1) column loads are the GPU structure's, not Mosaic
-TPU's (``kernel_supported``).
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
-
-from triadic.pallas.backward import decay_sums, slice_mask_grads
-from triadic.pallas.common import F32, call, col
 
 
 def _cols(x):
@@ -143,112 +120,3 @@ def mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_
   dgc_col = dgc_col.at[..., c - 1, :].add(dgl)
   dgc_row = -(k2_row * dk2_row)                                 # -sum_t dG_ts = -k2_s dk2 row_s
   return dk2_col, dk2_row, dq2, dgc_col, dgc_row
-
-
-# ------------------------------------------------------------------------------------------------
-# The same two functions as Pallas kernels (Triton on the GPU, interpret mode on the CPU), one
-# program per (batch*head, chunk).
-
-def kernel_num_warps(c: int) -> int:
-  """The mask kernels' default Triton warps at chunk size ``c``: C^2 / 1024, so that each C x C
-  float32 tile is 32 registers per thread (1 warp up to C = 32, 4 at C = 64, 16 at C = 128)."""
-  return max(1, min(16, c * c // 1024))
-
-
-def kernel_supported(c: int, e: int, cfg) -> str | None:
-  """Why the mask kernels cannot take chunk size ``c`` and ``e`` slices under ``cfg`` (None:
-  they can). They have the GPU structure ((C, 1) column loads, one chunk per program), not
-  Mosaic TPU's (8, 128) tiles; their C x C tiles are Triton tensors (a power of two, at most 128
-  so that they stay in registers); on the GPU the (C, E) blocks are Triton tensors too (E a
-  power of two, as the op pads it; interpret mode takes any E)."""
-  if cfg.chunk_grid:
-    return "the mask kernels have the GPU structure only (mask_kernel on TPU)"
-  if c < 16 or c > 128 or c & (c - 1):
-    return f"the mask kernels need the chunk size to be a power of two in [16, 128], got {c}"
-  if not cfg.interpret and e & (e - 1):
-    return f"the mask kernels need E to be a power of two on the GPU (pad it), got {e}"
-  return None
-
-
-def _check(c, e, cfg):
-  reason = kernel_supported(c, e, cfg)
-  if reason:
-    raise ValueError(reason)
-
-
-def _chunk_specs(c, e):
-  """Per-chunk BlockSpecs of grid (BH, NC): a C x C matrix, a (C, E) column and (E, C) row
-  layout, and a (1, E) row (dlam)."""
-  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))
-  return spec(c, c), spec(c, e), spec(e, c), spec(1, e)
-
-
-def _decay_masks_kernel(k2_col, k2_row, q2_col, gc_col, gc_row, *outs, c, e_dim, erase):
-  mq, m = decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, c=c, e_dim=e_dim, erase=erase)
-  outs[0][...] = mq
-  if erase:
-    outs[1][...] = m
-
-
-def decay_masks_kernel(k2_col, k2_row, q2_col, gc_col, gc_row, *, erase, cfg, num_warps=None):
-  """``decay_masks`` as the Pallas kernel ``triadic_decay_masks``: grid (BH, NC), one chunk per
-  program, the slices a static loop with one C x C decay tile live at a time (masked before exp,
-  ``backward.decay_sums``, the fused tail's code). Same operands and outputs: M (None without
-  erase) and M', (BH, NC, C, C) float32. ``cfg``: the platform (``Config``; its
-  interpret / Triton parameters); ``num_warps``: Triton warps (None: ``kernel_num_warps``)."""
-  bh, nc, c, e_dim = gc_col.shape
-  _check(c, e_dim, cfg)
-  mat, cols, rows, _ = _chunk_specs(c, e_dim)
-  n_out = 2 if erase else 1
-  kernel = functools.partial(_decay_masks_kernel, c=c, e_dim=e_dim, erase=erase)
-  res = call(kernel, cfg=cfg, grid=(bh, nc), in_specs=[cols, rows, cols, cols, rows],
-             out_specs=[mat] * n_out,
-             out_shape=[jax.ShapeDtypeStruct((bh, nc, c, c), F32)] * n_out,
-             semantics=("parallel", "parallel"), name="triadic_decay_masks",
-             num_warps=num_warps or kernel_num_warps(c))(k2_col, k2_row, q2_col, gc_col, gc_row)
-  return (res[1] if erase else None), res[0]
-
-
-def _mask_grads_kernel(*refs, c, e_dim, erase):
-  """One chunk of ``mask_grads``: ``backward.slice_mask_grads`` (the fused tail's per-slice loop)
-  on the chunk's dM' (and dM), loaded once, and its per-slice coefficient columns."""
-  if erase:
-    (dmq_ref, dm_ref, dcoef_ref, dqcoef_ref, dkcoef_ref, dlam_ref, k2_col, k2_row, q2_col,
-     gc_col, gc_row, *outs) = refs
-  else:
-    (dmq_ref, dqcoef_ref, dkcoef_ref, dlam_ref, k2_col, k2_row, q2_col, gc_col, gc_row,
-     *outs) = refs
-  cols = lambda ref: [col(ref, e) for e in range(e_dim)]
-  slice_mask_grads(dmq_ref[...], dm_ref[...] if erase else None,
-                   cols(dcoef_ref) if erase else None, cols(dqcoef_ref), cols(dkcoef_ref),
-                   [dlam_ref[:, pl.ds(e, 1)].astype(F32) for e in range(e_dim)],
-                   k2_col, k2_row, q2_col, gc_col, gc_row, outs, c=c, e_dim=e_dim, erase=erase)
-
-
-def mask_grads_kernel(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col,
-                      gc_row, *, erase, cfg, num_warps=None):
-  """``mask_grads`` as the Pallas kernel ``triadic_mask_grads``: grid (BH, NC), one chunk per
-  program. It reads the chunk's dM' (and dM) once and keeps them live; per slice e (a static
-  loop) it forms the decay tile D_e once, masked before exp, and takes all four reductions rq,
-  cq (rk, ck) from it, so each exponential is computed once per chunk and slice. The same math,
-  operands (dcoef and dm unused without erase), outputs, shapes and dtypes as ``mask_grads``.
-  ``cfg``: the platform (``Config``); ``num_warps``: Triton warps (None: ``kernel_num_warps``)."""
-  bh, nc, c, e_dim = gc_col.shape
-  _check(c, e_dim, cfg)
-  mat, cols, rows, one = _chunk_specs(c, e_dim)
-  kernel = functools.partial(_mask_grads_kernel, c=c, e_dim=e_dim, erase=erase)
-  if erase:
-    ins = (dmq, dm, dcoef, dqcoef, dkcoef)
-    specs = [mat, mat, cols, cols, cols]
-  else:
-    ins, specs = (dmq, dqcoef, dkcoef), [mat, cols, cols]
-  shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
-  return tuple(call(
-      kernel, cfg=cfg, grid=(bh, nc),
-      in_specs=specs + [one, cols, rows, cols, cols, rows],
-      out_specs=[cols, rows, cols, cols, rows],
-      out_shape=[shape(c, e_dim), shape(e_dim, c), shape(c, e_dim), shape(c, e_dim),
-                 shape(e_dim, c)],
-      semantics=("parallel", "parallel"), name="triadic_mask_grads",
-      num_warps=num_warps or kernel_num_warps(c),
-  )(*ins, dlam[:, :, None, :], k2_col, k2_row, q2_col, gc_col, gc_row))

@@ -23,27 +23,22 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
 
 * Every wgmma operand is in SMEM (the interpreter takes no register operand), bf16, f32
   accumulation, the accumulator a scoped ``plgpu.ACC``. Both operands of one wgmma must share a
-  swizzle (a lowering rule): K, Q and S_cat use the swizzle of an E*BV-wide bf16 row ("swizzle N";
-  swizzle V with ``transpose_ref``, below); A, P, rhs, U, K^T, Q^T and the [.]_e operands use the
-  swizzle of a BV-wide row ("swizzle V"), so that the [.]_e operands are written one BV-wide
-  column block at a time, each block a whole column of SMEM tiles (the lowering refuses a store
-  into a column block narrower than the swizzle's tile).
-* The transposed operands (the forward's K^T; the reverse's K^T, Q^T, A^T, P^T), two ways. By
-  default they come pre-transposed from plain JAX (an XLA transpose of each over the whole input;
-  A, P are cast to bf16 there either way, as ``recurrent.mm`` casts them) and are copied by TMA
-  beside K (Q, A, P). With ``transpose_ref`` (``Config.state_transpose_ref``) they are
-  ``plgpu.transpose_ref`` views of the SMEM copies of K, Q, A, P, which the lowering takes as the
-  wgmma lhs (MN-major) at any swizzle that equals the rhs's. Their rhs, W, X, Z, keep swizzle V
-  (written by column block), so K, Q take swizzle V, and with them S_cat (K S_cat, Q S_cat: one
-  swizzle per wgmma); the two-warpgroup narrow kernels have it already, the wide ones' (64,
-  E*BV) operand takes it too. No transposed copy remains. The forward's K is then also read by
-  the state update at the chunk's end, after the next chunk's copy of K has started, so K has
-  two buffers (the loop step's parity) in place of K^T's one (same SMEM); the reverse starts
-  its copies at each chunk's top after the previous state update is complete, so K^T's buffer
-  is gone (C x D bf16 less SMEM, 16 KiB at D = 128). The interpreter cannot apply a
-  transposed ref: in interpret mode the kernels write explicit transposes into SMEM that exists
-  in interpret mode only (``_Ops.transposed``), so the views themselves are checked by the CUDA
-  lowering, not numerically on CPU.
+  swizzle (a lowering rule). Every bf16 operand uses the swizzle of a BV-wide row ("swizzle V"):
+  the [.]_e operands W, X, Z are written one BV-wide column block at a time, each block a whole
+  column of SMEM tiles (the lowering refuses a store into a column block narrower than the
+  swizzle's tile), and K, Q and S_cat share their swizzle (below).
+* The transposed operands (the forward's K^T; the reverse's K^T, Q^T, A^T, P^T) are
+  ``plgpu.transpose_ref`` views of the SMEM copies of K, Q, A, P (A, P cast to bf16 in plain JAX,
+  as ``recurrent.mm`` casts them), which the lowering takes as the wgmma lhs (MN-major) at any
+  swizzle that equals the rhs's: their rhs W, X, Z have swizzle V, so K, Q take it, and with
+  them S_cat (K S_cat, Q S_cat: one swizzle per wgmma). No transposed copy of an input is made
+  (an XLA transpose over the whole input and a second read of it per value block). The
+  forward's K is also read by the state update at the chunk's end, after the next chunk's copy
+  of K has started, so K has two buffers (the loop step's parity); the reverse starts its
+  copies at each chunk's top, after the previous state update is complete, so one buffer each
+  serves. The interpreter cannot apply a transposed ref: in interpret mode the kernels write
+  explicit transposes into SMEM that exists in interpret mode only (``_Ops.transposed``), so the
+  views themselves are checked by the CUDA lowering, not numerically on CPU.
 * The e-reduction (sum over column blocks) is done in registers: static column slices of the
   WGMMA-layout accumulator (BV a multiple of 8), each scaled by a row vector (layout WGMMA row,
   i.e. ``Layout.WGMMA.reduce(1)``) broadcast along the columns. lam is a per-column vector
@@ -58,13 +53,12 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   starts its copies one chunk ahead: chunk n + 1's copy of an input starts as soon as every warp
   is done with chunk n's (after the ``commit_smem`` that follows its last reader: K after R, A
   after U, Q and P after the output, V after rhs, lam after the decay), so each wait finds its
-  data landed; K^T is read only by the state update at the chunk's end, so its copy starts at
-  the chunk's top (with ``transpose_ref`` K^T is that chunk's K buffer, and without erase K's
-  copy starts there); the row factors are read until the chunk's end and needed again at its
-  start, so they have two buffers (the loop step's parity); without erase K (unless it is K^T's
-  buffer) and A are not loaded. The reverse pass starts its copies at each chunk's top (Q^T,
-  K^T, or Q with ``transpose_ref``, read only by its final state update, after the others),
-  which measured as fast or faster than starting them a chunk ahead (benchmarks/RESULTS.md).
+  data landed; without erase K is read only by the state update at the chunk's end (as K^T),
+  so its copy starts at the chunk's top; the row factors are read until the chunk's end and
+  needed again at its start, so they have two buffers (the loop step's parity); without erase
+  A is not loaded. The reverse pass starts its copies at each chunk's top (Q, read only by its
+  final state update, after the others), which measured as fast or faster than starting them a
+  chunk ahead (benchmarks/RESULTS.md).
   No warp specialisation. Outputs leave by TMA smem -> gmem. Ordering rules kept by hand (the
   interpreter does not check them): ``commit_smem`` (fence + warpgroup barrier) after every
   register -> SMEM store that a wgmma or TMA reads, and between a buffer's last reader and the
@@ -77,22 +71,14 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   (``collective_axes=("wg",)``). Warpgroup w owns state rows [64 w, 64 w + 64): its 64 x E*BV
   float32 piece of S_cat in registers, its bf16 operand copy as E separate (64, BV) SMEM blocks
   (which are also the TMA sources of its rows of the chunk-start states: no separate state output
-  buffer, which would not fit beside them at E*BV = 256), and its own 64-column pieces of K and Q
-  and 64-row pieces of K^T (Q^T), which it copies and waits for alone (with ``transpose_ref`` K^T,
-  Q^T are views of its K, Q pieces; the forward's K pieces have two buffers, as above). The products
-  that contract over D are split over D: each warpgroup forms its part of the e-reduced C x BV
-  results, sum_e diag(f_e) (K_w S_w,e) (and with Q), ``_partial``; warpgroup 1 writes its parts to
-  SMEM (float32) and warpgroup 0 adds them. Narrow (the default): one N = BV wgmma per slice on the
-  (64, BV) blocks, so only C x BV accumulators are live (2E small wgmmas per chunk in the forward,
-  each waited, scaled and summed in turn). Wide (``wide_products``, E * BV <= WIDE_MAX_N = 128): as
-  the one-warpgroup kernels do, one wgmma per product with N = E * BV on a second bf16 copy of the
-  warpgroup's rows, one (64, E*BV) buffer with the swizzle of an E*BV-wide row (which K_w, Q_w then
-  share), its C x E*BV float32 accumulator (64 registers a thread at 128) e-reduced in registers
-  (``_e_reduce``); the forward forms R's and then Y's, so one such accumulator is live at a time,
-  beside the 64 x E*BV state (64 registers). The (64, BV) blocks stay as the chunk-start states' TMA
-  sources: a BV-wide column block of the wide buffer is no TMA source (its columns lie inside the
-  swizzle's 64-column tiles); the copy costs 64 * E * BV * 2 bytes of SMEM per warpgroup
-  (``smem_bytes_2wg``), which at E * BV <= 128 fits. Warpgroup 0 alone does the C x BV work (rhs, U
+  buffer, which would not fit beside them at E*BV = 256), and its own 64-column pieces of K and Q,
+  which it copies and waits for alone (its K^T, Q^T are views of them; the forward's K pieces
+  have two buffers, as above). The products that contract over D are split over D: each
+  warpgroup forms its part of the e-reduced C x BV results, sum_e diag(f_e) (K_w S_w,e) (and
+  with Q), ``_partial``, one N = BV wgmma per slice on the (64, BV) blocks, so only C x BV
+  accumulators are live (2E small wgmmas per chunk in the forward, each waited, scaled and
+  summed in turn); warpgroup 1 writes its parts to SMEM (float32) and warpgroup 0 adds them.
+  Warpgroup 0 alone does the C x BV work (rhs, U
   = A rhs, o; dU, X and Z in the backward; V, A, P or dO, A^T, P^T are its copies) and writes the
   whole W (X, Z) that both state updates read; each warpgroup's update is its rows, K^T_w W (M = 64,
   N = E*BV). The factor rows and lam are copied once, by warpgroup 0, and waited for by both. Per
@@ -103,10 +89,7 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   and the factors refilled by warpgroup 0 after the first and the second meeting. In the backward,
   warpgroup 1's part goes through dU's output buffer, so warpgroup 0 waits for dU's store to have
   read it before the second meeting. Barrier phases are tracked per thread, so a barrier that both
-  warpgroups wait for (a shared copy's, the meeting's) is waited once per phase by each. All bf16
-  operands use swizzle V (narrow: K, Q in 64-column pieces share it with the (64, BV) blocks),
-  except, wide, the (64, E*BV) buffer and the K, Q pieces, which use swizzle N (swizzle V with
-  ``transpose_ref``).
+  warpgroups wait for (a shared copy's, the meeting's) is waited once per phase by each.
 * SMEM scopes: the chunk loop's buffers live in one ``run_scoped``; the (D, E*BV) float32 buffer
   for the initial / final state in separate scopes before and after it (together they exceed the
   227 KiB at D = 64, E*BV = 256). With two warpgroups that buffer is (2, 64, E*BV), a row piece
@@ -117,9 +100,7 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   With two warpgroups each thread holds 64 * E * BV / 128 state floats (128 at E * BV = 256)
   and C x BV accumulators and temporaries (16 registers each at BV = 32), so D = 128 takes
   E * BV = 256: ``default_block_v(..., warpgroups=2)`` is the widest BV in (32, 16) with E * BV
-  <= 256, a multiple of 32, within SMEM_LIMIT (``smem_bytes_2wg``; BV = 32 at E = 8). Wide
-  products add one C x E*BV accumulator (64 registers at E * BV = 128, the most they take) to
-  the 64 state registers.
+  <= 256, a multiple of 32, within SMEM_LIMIT (``smem_bytes_2wg``; BV = 32 at E = 8).
 * The initial / final state is moved once per program in the "cat" layout (BH, V/BV, D, E*BV),
   rearranged in plain JAX (state-sized, once); the per-chunk states are written directly in
   recurrent.py's (BH, NC, E, D, V) layout from an (E, D, BV) SMEM buffer.
@@ -144,7 +125,6 @@ REG_BUDGET = 192 * 128      # (D + C) * E * BV: default block_v choice (state + 
 STATE_BUDGET = 128 * 128    # D * E * BV: hard limit, the state alone at 128 registers a thread
 CAT_BARRIER = 9             # barriers 0..8: the chunk inputs (the factors take two); 9: h0 / dht
 HALF = 64                   # two warpgroups: state rows (D) per warpgroup
-WIDE_MAX_N = 128            # two warpgroups, wide products: E * BV (one C x E*BV acc, 64 regs)
 SMEM_LIMIT = 220 * 1024     # of the 227 KiB a block may have (reduction scratch etc.)
 
 
@@ -225,18 +205,16 @@ def default_block_v(d: int, vd: int, c: int, e: int, warpgroups: int = 1) -> int
   return None
 
 
-def default_state_tiles(d: int, vd: int, c: int, e: int, block_v: int | None = None,
-                        wide_products: bool = False) -> tuple[int | None, int, int]:
+def default_state_tiles(d: int, vd: int, c: int, e: int, block_v: int | None = None
+                        ) -> tuple[int | None, int, int]:
   """(block_v, forward warpgroups, reverse warpgroups) where ``Config`` leaves the warpgroups open.
 
   block_v: the one given, else ``default_block_v`` for one warpgroup, else (sizes where no
   one-warpgroup block fits, e.g. E = 5 at D = 128) the two-warpgroup one. A pass runs two
   warpgroups where ``warpgroups_supported`` takes them and one warpgroup's state would fill its
   128 registers a thread (D * E * BV >= STATE_BUDGET: E * BV = 128 at D = 128, where the
-  one-warpgroup kernels spill). The forward takes them only where its products over D, split
-  over the warpgroups, are not narrow: BV >= 32, or ``wide_products`` where
-  ``wide_products_supported`` takes it (E * BV <= WIDE_MAX_N: one wgmma of N = E * BV per
-  product). Narrow, they are E wgmmas of N = BV each, which at BV = 16 (E = 8) made the
+  one-warpgroup kernels spill). The forward takes them only at BV >= 32: its products over D,
+  split over the warpgroups, are E wgmmas of N = BV each, which at BV = 16 (E = 8) made the
   two-warpgroup forward slower than one warpgroup's (benchmarks/RESULTS.md)."""
   bv = block_v or default_block_v(d, vd, c, e)
   if bv is None:
@@ -245,26 +223,24 @@ def default_state_tiles(d: int, vd: int, c: int, e: int, block_v: int | None = N
     return bv, wgs, wgs
   if d * e * bv < STATE_BUDGET or warpgroups_supported(d, vd, c, e, bv) is not None:
     return bv, 1, 1
-  wide = wide_products and wide_products_supported(d, vd, c, e, bv) is None
-  return bv, (2 if bv >= 32 or wide else 1), 2
+  return bv, (2 if bv >= 32 else 1), 2
 
 
-def smem_bytes_2wg(d: int, c: int, e: int, bv: int, backward: bool, wide: bool = False) -> int:
-  """SMEM of a two-warpgroup kernel's chunk loop (erase, and the forward with save_x: the most);
-  ``wide``: with the wide products' (64, E*BV) bf16 state operand per warpgroup. With
-  ``transpose_ref`` the forward's is the same (K's second buffer in place of K^T's) and the
-  backward's C * D * 2 bytes less (no K^T); the sizes are checked at the larger."""
+def smem_bytes_2wg(d: int, c: int, e: int, bv: int, backward: bool) -> int:
+  """SMEM of a two-warpgroup kernel's chunk loop on hardware (erase, and the forward with save_x:
+  the most)."""
   n = e * bv
-  common = (3 * c * d * 2                     # q, k, k^T (forward); k, k^T, q^T (backward)
-            + 2 * c * c * 2                   # A, P (A^T, P^T)
+  common = (2 * c * c * 2                     # A, P
             + n * 4                           # lam_cat
-            + d * n * 2 * (2 if wide else 1)  # S_cat pieces (E, 64, BV) [+ (64, E*BV)] per wg
+            + d * n * 2                       # S_cat pieces (E, 64, BV) per warpgroup
             + c * bv * 2)                     # v / dO block
   if backward:
-    return (common + (3 * e + 1) * c * 4      # factor rows
+    return (common + 2 * c * d * 2            # k, q
+            + (3 * e + 1) * c * 4             # factor rows
             + 2 * c * n * 2                   # X, Z
             + c * bv * (2 + 4))               # dU bf16, dU f32 (also the partial's buffer)
-  return (common + (4 * e + 1) * c * 4        # factor rows (with save_x's c rows)
+  return (common + 3 * c * d * 2              # q, k (two chunks' buffers)
+          + (4 * e + 1) * c * 4               # factor rows (with save_x's c rows)
           + c * n * 2                         # W
           + c * bv * (2 + 2 + 2 + 4 + 2)      # rhs, U bf16, o, U f32, X
           + 2 * c * bv * 4)                   # the second warpgroup's R and Y partials
@@ -290,29 +266,8 @@ def warpgroups_supported(d: int, vd: int, c: int, e: int, block_v: int | None = 
   return None
 
 
-def wide_products_supported(d: int, vd: int, c: int, e: int, block_v: int | None = None
-                            ) -> str | None:
-  """None if the two-warpgroup state kernels can form their products over D wide
-  (``wide_products=True``: one wgmma of N = E * block_v per product and warpgroup), else why
-  not: two warpgroups must be taken (``warpgroups_supported``), E * block_v <= WIDE_MAX_N (the
-  C x E*BV float32 accumulator, 64 registers a thread at 128, beside the warpgroup's 64 x E*BV
-  state), and the extra (64, E*BV) bf16 operand per warpgroup within SMEM_LIMIT."""
-  bv = block_v or default_block_v(d, vd, c, e, warpgroups=2)
-  reason = warpgroups_supported(d, vd, c, e, bv)
-  if reason:
-    return reason
-  if e * bv > WIDE_MAX_N:
-    return (f"E * block_v = {e * bv} > {WIDE_MAX_N}: a C x E*BV accumulator beside the state "
-            "would not fit the registers")
-  need = max(smem_bytes_2wg(d, c, e, bv, backward, wide=True) for backward in (False, True))
-  if need > SMEM_LIMIT:
-    return f"wide products at E={e}, block_v={bv} need {need} B of SMEM > {SMEM_LIMIT} B"
-  return None
-
-
 # ------------------------------------------------------------------------------------------------
-# Plain-JAX preparation (O(T E) work, plus bf16 copies of A, P and, without transpose_ref,
-# transposed copies of K, Q, A, P).
+# Plain-JAX preparation (O(T E) work, plus bf16 copies of A, P).
 
 
 def _factors(gc_col, k2_col, q2_col, beta_col):
@@ -352,24 +307,20 @@ def _t(x):
   return jnp.swapaxes(x, -1, -2)
 
 
-def _forward_inputs(q, k, v, a, p, f, lam_cat, h0, *, bv, transpose):
-  """The forward kernels' gmem inputs: q, k, K^T (without ``transpose``), v, A and P in bf16, the
-  factor rows, lam_cat and h0 in the cat layout."""
-  return (q, k, *(() if transpose else (_t(k),)), v, a.astype(BF16), p.astype(BF16), f, lam_cat,
-          _to_cat(h0.astype(F32), bv))
+def _forward_inputs(q, k, v, a, p, f, lam_cat, h0, *, bv):
+  """The forward kernels' gmem inputs: q, k, v, A and P in bf16, the factor rows, lam_cat and h0
+  in the cat layout."""
+  return (q, k, v, a.astype(BF16), p.astype(BF16), f, lam_cat, _to_cat(h0.astype(F32), bv))
 
 
-def _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, *, bv, transpose):
-  """The reverse kernels' gmem inputs: k, K^T, Q^T, dO, A^T and P^T in bf16 (with ``transpose``
-  no K^T and Q, A, P untransposed: their views are taken in SMEM), the factor rows, lam_cat and
-  dht in the cat layout."""
-  tq = (lambda x: x) if transpose else _t
-  return (k, *(() if transpose else (_t(k),)), tq(q), do.astype(q.dtype), tq(a).astype(BF16),
-          tq(p).astype(BF16), f, lam_cat, _to_cat(dht.astype(F32), bv))
+def _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, *, bv):
+  """The reverse kernels' gmem inputs: k, q, dO, A and P in bf16 (the transposes Q^T, A^T, P^T
+  are views in SMEM), the factor rows, lam_cat and dht in the cat layout."""
+  return (k, q, do.astype(q.dtype), a.astype(BF16), p.astype(BF16), f, lam_cat,
+          _to_cat(dht.astype(F32), bv))
 
 
-def _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v, warpgroups=1,
-              wide_products=False):
+def _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v, warpgroups=1):
   """Shapes, the checked value block and the row factors: (bh, nc, c, d, e, bv, f, lam_cat)."""
   bh, nc, c, d = q.shape
   e_dim = k2_col.shape[-1]
@@ -379,11 +330,6 @@ def _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v, warpgroups=1,
   reason = supported(d, vd, c, e_dim, q.dtype, bv, warpgroups=warpgroups)
   if reason:
     raise ValueError(reason)
-  if wide_products:
-    reason = ("wide_products needs warpgroups=2 (one warpgroup's products are wide already)"
-              if warpgroups != 2 else wide_products_supported(d, vd, c, e_dim, bv))
-    if reason:
-      raise ValueError(f"wide_products: {reason}")
   f, lam = _factors(gc_col, k2_col, q2_col, beta_col)
   return bh, nc, c, d, e_dim, bv, f, _lam_cat(lam, bv)
 
@@ -617,10 +563,9 @@ def _compiler_params():
 # Forward.
 
 
-def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, transpose,
-                    interpret):
-  n_in = 7 if transpose else 8        # gmem (SMEM) inputs: q, k, [k^T], v, a, p, f, lam
-  q_g, k_g, *kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g = refs[:n_in + 1]
+def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, interpret):
+  n_in = 7                            # gmem (SMEM) inputs: q, k, v, a, p, f, lam
+  q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g = refs[:n_in + 1]
   outs_and_bars = refs[n_in + 1:]
   if save_x:
     o_g, u_g, x_g, st_g, ht_g, bars = outs_and_bars
@@ -634,25 +579,23 @@ def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, tr
   state0 = _load_cat(ops, h0_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
   def copies(bufs):
-    q_s, k_s, *kt_s, v_s, a_s, p_s, f_s, lam_s = bufs
-    return _Inputs.of(bars, [("q", q_g, q_s), ("k", k_g, k_s)]
-                      + [("kt", g, b) for g, b in zip(kt_g, kt_s)]
-                      + [("v", v_g, v_s), ("a", a_g, a_s), ("p", p_g, p_s), ("lam", lam_g, lam_s),
-                         ("f", f_g, f_s)],
-                      row=i, cols=cols, value="v", double=("f", "k") if transpose else ("f",),
-                      order=lambda n: n, nc=nc)
+    q_s, k_s, v_s, a_s, p_s, f_s, lam_s = bufs
+    return _Inputs.of(bars, [("q", q_g, q_s), ("k", k_g, k_s), ("v", v_g, v_s), ("a", a_g, a_s),
+                             ("p", p_g, p_s), ("lam", lam_g, lam_s), ("f", f_g, f_s)],
+                      row=i, cols=cols, value="v", double=("f", "k"), order=lambda n: n, nc=nc)
 
-  # K and A only enter through the erase term (and, with transpose, K as the state update's K^T).
+  # A only enters through the erase term, K through it and as the state update's K^T.
   first = ("q", "k", "v", "a", "p", "lam", "f") if erase else ("q", "v", "p", "lam", "f")
-  # Read only by the state update at the chunk's end: its copy starts at the chunk's top.
-  at_end = ("k",) if transpose and not erase else () if transpose else ("kt",)
+  # Without erase K is read only by the state update at the chunk's end: its copy starts at the
+  # chunk's top.
+  at_end = () if erase else ("k",)
 
   def prologue(*refs):
     copies(refs[:n_in]).start(first, 0)
 
   def chunk(n, s, *refs):
     ins = copies(refs[:n_in])
-    q_s, _, *kt_s, v_s, a_s, p_s, _, lam_s = refs[:n_in]
+    q_s, _, v_s, a_s, p_s, _, lam_s = refs[:n_in]
     (state_bf16_s, w_s, rhs_bf16_s, u_bf16_s, o_s, u_s, st_s, *extra) = refs[n_in:]
     x_out, interp = extra[:save_x], extra[save_x:]      # interp: K^T, interpret mode only
     f_s, k_s = ins.ref("f", n), ins.ref("k", n)
@@ -706,53 +649,41 @@ def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, tr
 
     for name in at_end:
       ins.wait(name, n)
-    kt = ops.transposed(k_s, *interp or [None]) if transpose else kt_s[0]
-    return ops.mm_add(decayed, [(kt, w_s)])
+    return ops.mm_add(decayed, [(ops.transposed(k_s, *interp or [None]), w_s)])
 
   state = _chunk_loop(chunk, nc, state0, scratch, prologue)
   _store_cat(state, ht_g.at[i, j], cat)
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               save_x=False, warpgroups=1, wide_products=False, transpose_ref=False,
-               interpret=False):
+               save_x=False, warpgroups=1, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
   (BH,NC,C,V) in q's dtype, after U: the chunk-parallel backward's ``x``. ``warpgroups``: 1, or 2
-  at D = 128 (``warpgroups_supported``; block_v default ``default_block_v(.., warpgroups=2)``).
-  ``wide_products`` (two warpgroups, ``wide_products_supported``): each warpgroup forms its part
-  of R and Y by one wgmma of N = E * BV each instead of E of N = BV (module docstring).
-  ``transpose_ref``: the state update's K^T is a transposed view of the SMEM copy of K (on
-  hardware ``plgpu.transpose_ref``) instead of a pre-transposed copy (module docstring)."""
+  at D = 128 (``warpgroups_supported``; block_v default ``default_block_v(.., warpgroups=2)``)."""
   vd = v.shape[-1]
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v,
-                                                  warpgroups, wide_products)
+                                                  warpgroups)
   save_x = bool(save_x and erase)
   if save_x:
     f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
   if warpgroups == 2:
     return _forward_2wg(q, k, v, a, p, f, lam_cat, h0, e_dim=e_dim, bv=bv, scale=scale,
-                        erase=erase, save_x=save_x, wide=bool(wide_products),
-                        transpose=bool(transpose_ref), interpret=interpret)
-  transpose = bool(transpose_ref)
+                        erase=erase, save_x=save_x, interpret=interpret)
   n_rows = f.shape[2]
   n_cat = e_dim * bv
-  ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv, transpose=transpose)
+  ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv)
   sw_v = _swizzle(bv)
-  # K, Q, S_cat: swizzle N, or with transpose_ref swizzle V (K^T W needs W's swizzle on K).
-  sw_n = sw_v if transpose else _swizzle(n_cat)
   scratch = [
-      _smem((c, d), BF16, sw_n),          # q
-      # k; with transpose_ref two chunks' buffers (chunk n's K^T is read after n + 1's copy)
-      _smem((2, c, d) if transpose else (c, d), BF16, sw_n),
-  ] + ([] if transpose else [_smem((d, c), BF16, sw_v)]) + [      # k^T
+      _smem((c, d), BF16, sw_v),          # q
+      _smem((2, c, d), BF16, sw_v),       # k, two chunks' (chunk n's K^T read after n + 1's copy)
       _smem((c, bv), BF16, sw_v),         # v block
       _smem((c, c), BF16, sw_v),          # A
       _smem((c, c), BF16, sw_v),          # P
       _smem((2, n_rows, c), F32),         # row factors (two chunks' buffers)
       _smem((n_cat,), F32),               # lam_cat
-      _smem((d, n_cat), BF16, sw_n),      # S_cat (bf16 operand)
+      _smem((d, n_cat), BF16, sw_v),      # S_cat (bf16 operand)
       _smem((c, n_cat), BF16, sw_v),      # W = [diag(fw_e) U]_e
       _smem((c, bv), BF16, sw_v),         # rhs (bf16 operand)
       _smem((c, bv), BF16, sw_v),         # U (bf16 operand)
@@ -760,10 +691,10 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
       _smem((c, bv), F32, _swizzle(bv, F32)),             # U
       _smem((e_dim, d, bv), q.dtype, sw_v),               # chunk-start state
   ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else []) + (     # X
-      [_smem((d, c), BF16, sw_n)] if transpose and interpret else [])   # K^T (interpret mode)
+      [_smem((d, c), BF16, sw_v)] if interpret else [])             # K^T (interpret mode)
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # initial / final state (cat layout)
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, save_x=save_x, transpose=transpose,
+                             bv=bv, scale=scale, erase=erase, save_x=save_x,
                              interpret=bool(interpret))
   per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
   *outs, ht = plgpu.kernel(
@@ -783,11 +714,9 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
 # Backward state pass.
 
 
-def _backward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, transpose, interpret):
-  # gmem (SMEM) inputs: k, [k^T], then the sources of Q^T, A^T, P^T (with transpose: Q, A, P),
-  # dO, f, lam.
-  n_in = 7 if transpose else 8
-  k_g, *kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g = refs[:n_in + 1]
+def _backward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, interpret):
+  n_in = 7                            # gmem (SMEM) inputs: k, q, dO, a, p, f, lam
+  k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g = refs[:n_in + 1]
   du_g, dst_g, dh0_g, bars = refs[n_in + 1:]
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
@@ -796,26 +725,25 @@ def _backward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, transpose
   dstate0 = _load_cat(ops, dht_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
   def copies(bufs):
-    k_s, *kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s = bufs
-    return _Inputs.of(bars, [("k", k_g, k_s)] + [("kt", g, b) for g, b in zip(kt_g, kt_s)]
-                      + [("qt", qt_g, qt_s), ("do", do_g, do_s), ("at", at_g, at_s),
-                         ("pt", pt_g, pt_s), ("lam", lam_g, lam_s), ("f", f_g, f_s)],
+    k_s, q_s, do_s, a_s, p_s, f_s, lam_s = bufs
+    return _Inputs.of(bars, [("k", k_g, k_s), ("q", q_g, q_s), ("do", do_g, do_s),
+                             ("a", a_g, a_s), ("p", p_g, p_s), ("lam", lam_g, lam_s),
+                             ("f", f_g, f_s)],
                       row=i, cols=cols, value="do", order=lambda step: nc - 1 - step, nc=nc)
 
-  first = ("k", "do", "pt", "lam", "f") + (("at",) if erase else ())
-  # read only by the state update at the end (with transpose, K^T is K's buffer, waited for R)
-  at_end = ("qt", "kt") if erase and not transpose else ("qt",)
+  first = ("k", "do", "p", "lam", "f") + (("a",) if erase else ())
+  at_end = ("q",)                       # read only by the state update at the end, as Q^T
 
   def chunk(step, ds, *refs):
     ins = copies(refs[:n_in])
-    k_s, *kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s = refs[:n_in]
+    k_s, q_s, do_s, a_s, p_s, f_s, lam_s = refs[:n_in]
     state_bf16_s, x_s, z_s, u_bf16_s, u_s, st_s, *interp = refs[n_in:]
-    # The operands K^T, Q^T, A^T, P^T: the pre-transposed copies, or with transpose views of the
-    # copies of K, Q, A, P (interp: their explicit transposes in interpret mode).
-    tr = lambda ref, at: ops.transposed(ref, interp[at] if interp else None) if transpose else ref
+    # The operands K^T, Q^T, A^T, P^T: views of the copies of K, Q, A, P (interp: their explicit
+    # transposes in interpret mode).
+    tr = lambda ref, at: ops.transposed(ref, interp[at] if interp else None)
     n = nc - 1 - step
     d = k_s.shape[1]
-    plgpu.wgmma_wait(0)                   # the previous state update has read dS_cat, K^T, Q^T
+    plgpu.wgmma_wait(0)                   # the previous state update has read dS_cat, K, Q
     plgpu.commit_smem()
     ins.start(first, step)
     _begin_chunk(ds, state_bf16_s, st_s)
@@ -827,9 +755,9 @@ def _backward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, transpose
 
     ins.wait("k", step)
     r = ops.mm(k_s, state_bf16_s)
-    ins.wait("pt", step)
+    ins.wait("p", step)
     ins.wait("do", step)
-    du = scale * ops.mm(tr(pt_s, 3), do_s)
+    du = scale * ops.mm(tr(p_s, 3), do_s)
     ins.wait("f", step)
     du = du + _e_reduce(ops, r, f_s, write_rows, bv)
     u_s[...] = du
@@ -838,16 +766,16 @@ def _backward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, transpose
     if erase:
       u_bf16_s[...] = du.astype(BF16)
       plgpu.commit_smem()
-      ins.wait("at", step)
-      drhs = ops.mm(tr(at_s, 2), u_bf16_s)
+      ins.wait("a", step)
+      drhs = ops.mm(tr(a_s, 2), u_bf16_s)
       _e_expand(ops, z_s, drhs, f_s, erase_rows, bv, -1.0)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(u_s, du_g.at[i, n, :, cols])
     for name in at_end:
       ins.wait(name, step)
-    pairs = [(tr(qt_s, 1), x_s)]
+    pairs = [(tr(q_s, 1), x_s)]
     if erase:
-      pairs.append((tr(k_s, 0) if transpose else kt_s[0], z_s))
+      pairs.append((tr(k_s, 0), z_s))
     return ops.mm_add(decayed, pairs)
 
   dstate = _chunk_loop(chunk, nc, dstate0, scratch, lambda *refs: None)
@@ -855,36 +783,28 @@ def _backward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, transpose
 
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
-                       block_v=None, warpgroups=1, wide_products=False, transpose_ref=False,
-                       interpret=False):
+                       block_v=None, warpgroups=1, interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   float32, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
-  (BH,E,D,V) float32. ``warpgroups``, ``wide_products`` (here K dS_cat): as ``state_pass``.
-  ``transpose_ref``: K^T, Q^T, A^T, P^T are transposed views of the SMEM copies of K, Q, A, P
-  instead of pre-transposed copies."""
+  (BH,E,D,V) float32. ``warpgroups``: as ``state_pass``."""
   vd = do.shape[-1]
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v,
-                                                  warpgroups, wide_products)
+                                                  warpgroups)
   if warpgroups == 2:
     return _backward_2wg(q, k, do, a, p, f, lam_cat, dht, e_dim=e_dim, bv=bv, scale=scale,
-                         erase=erase, wide=bool(wide_products), transpose=bool(transpose_ref),
-                         interpret=interpret)
-  transpose = bool(transpose_ref)
+                         erase=erase, interpret=interpret)
   n_cat = e_dim * bv
-  ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv, transpose=transpose)
+  ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   sw_v = _swizzle(bv)
-  # K, dS_cat: swizzle N, or with transpose_ref swizzle V (K^T Z needs Z's swizzle on K).
-  sw_n = sw_v if transpose else _swizzle(n_cat)
   scratch = [
-      _smem((c, d), BF16, sw_n),          # k
-  ] + ([] if transpose else [_smem((d, c), BF16, sw_v)]) + [      # k^T
-      _smem((c, d) if transpose else (d, c), BF16, sw_v),         # q^T (transpose_ref: q)
+      _smem((c, d), BF16, sw_v),          # k
+      _smem((c, d), BF16, sw_v),          # q
       _smem((c, bv), BF16, sw_v),         # dO block
-      _smem((c, c), BF16, sw_v),          # A^T (transpose_ref: A)
-      _smem((c, c), BF16, sw_v),          # P^T (transpose_ref: P)
+      _smem((c, c), BF16, sw_v),          # A
+      _smem((c, c), BF16, sw_v),          # P
       _smem((3 * e_dim + 1, c), F32),     # row factors
       _smem((n_cat,), F32),               # lam_cat
-      _smem((d, n_cat), BF16, sw_n),      # dS_cat (bf16 operand)
+      _smem((d, n_cat), BF16, sw_v),      # dS_cat (bf16 operand)
       _smem((c, n_cat), BF16, sw_v),      # X = [scale diag(fq_e) dO]_e
       _smem((c, n_cat), BF16, sw_v),      # Z = [-diag(fe_e) A^T dU]_e
       _smem((c, bv), BF16, sw_v),         # dU (bf16 operand)
@@ -892,11 +812,10 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
       _smem((e_dim, d, bv), q.dtype, sw_v),               # chunk-end state gradient
   ] + ([_smem((d, c), BF16, sw_v), _smem((d, c), BF16, sw_v),   # K^T, Q^T, A^T, P^T
         _smem((c, c), BF16, sw_v), _smem((c, c), BF16, sw_v)]   # (interpret mode)
-       if transpose and interpret else [])
+       if interpret else [])
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # dht / dh0 (cat layout)
   kernel = functools.partial(_backward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, transpose=transpose,
-                             interpret=bool(interpret))
+                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
   du, dstates, dh0 = plgpu.kernel(
       kernel,
       out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
@@ -913,11 +832,10 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
 # ------------------------------------------------------------------------------------------------
 # Two warpgroups (D = 128): warpgroup w owns state rows [64 w, 64 w + 64) of S_cat.
 #
-# Barrier slots: 3 w .. 3 w + 2 warpgroup w's own copies (its 64 columns of K and Q, its 64 rows
-# of K^T / Q^T; with transpose_ref the forward's second K buffer, the reverse's Q in Q^T's slot:
-# issued and waited by it alone); 6, 7 the factor rows and lam (issued by warpgroup
-# 0, waited by both); 8 .. 10 warpgroup 0's own inputs; 11 + w the carried state's rows. ``xbar``
-# (two arrivals) is the barrier both warpgroups meet at (``_sync``).
+# Barrier slots: 3 w .. 3 w + 2 warpgroup w's own copies (its 64 columns of Q and K, the forward's
+# K in two buffers; issued and waited by it alone); 6, 7 the factor rows and lam (issued by
+# warpgroup 0, waited by both); 8 .. 10 warpgroup 0's own inputs; 11 + w the carried state's
+# rows. ``xbar`` (two arrivals) is the barrier both warpgroups meet at (``_sync``).
 
 _FACTORS, _LAM, _ROWS = 6, 7, 11
 _N_BARRIERS_2WG = 13
@@ -954,12 +872,8 @@ def _store_rows(x, dst, cat, w):
 
 def _partial(ops, lhs, rhs, f_s, first_row, bv):
   """sum_e diag(f[first_row + e]) (lhs @ S_e): this warpgroup's part (its 64 of the D contracted)
-  of an e-reduced C x BV product. ``rhs`` is the warpgroup's bf16 state operand: E (64, BV)
-  blocks (narrow: E wgmmas of N = BV, one C x BV accumulator at a time), or one (64, E*BV)
-  buffer (wide: one wgmma of N = E * BV, its C x E*BV accumulator e-reduced in registers as the
-  one-warpgroup kernels reduce theirs, ``_e_reduce``)."""
-  if len(rhs.shape) == 2:
-    return _e_reduce(ops, ops.mm(lhs, rhs), f_s, first_row, bv)
+  of an e-reduced C x BV product. ``rhs`` is the warpgroup's bf16 state operand, E (64, BV)
+  blocks: E wgmmas of N = BV, one C x BV accumulator at a time."""
   out = None
   for e in range(rhs.shape[0]):
     term = ops.rowvec(f_s, first_row + e, bv) * ops.mm(lhs, rhs.at[e])
@@ -967,10 +881,9 @@ def _partial(ops, lhs, rhs, f_s, first_row, bv):
   return out
 
 
-def _forward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, wide, transpose,
-                        interpret):
-  n_in = 7 if transpose else 8        # gmem (SMEM) inputs: q, k, [k^T], v, a, p, f, lam
-  q_g, k_g, *kt_g, v_g, a_g, p_g, f_g, lam_g, h0_g = refs[:n_in + 1]
+def _forward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, interpret):
+  n_in = 7                            # gmem (SMEM) inputs: q, k, v, a, p, f, lam
+  q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g = refs[:n_in + 1]
   outs_and_bars = refs[n_in + 1:]
   if save_x:
     o_g, u_g, x_g, st_g, ht_g, bars, xbar = outs_and_bars
@@ -985,25 +898,23 @@ def _forward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x
   state0 = _load_rows(ops, h0_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
 
   def copies(bufs):
-    q_s, k_s, *kt_s, v_s, a_s, p_s, f_s, lam_s = bufs
-    # With transpose, K is K^T's buffer too: two buffers (slots 3 w + 1, 3 w + 2), chunk n's
-    # read by its state update after chunk n + 1's copy has started.
+    q_s, k_s, v_s, a_s, p_s, f_s, lam_s = bufs
+    # K is the state update's K^T too: two buffers (slots 3 w + 1, 3 w + 2), chunk n's read by
+    # its state update after chunk n + 1's copy has started.
     return _Inputs(bars, {
         "q": (lambda n: q_g.at[i, n, :, rows], q_s.at[w], 3 * w),
         "k": (lambda n: k_g.at[i, n, :, rows], k_s.at[w], 3 * w + 1),
-        **{"kt": (lambda n: g.at[i, n, rows, :], b.at[w], 3 * w + 2)
-           for g, b in zip(kt_g, kt_s)},
         "f": (lambda n: f_g.at[i, n], f_s, _FACTORS),
         "lam": (lambda n: lam_g.at[i, n], lam_s, _LAM),
         "v": (lambda n: v_g.at[i, n, :, cols], v_s, 8),
         "a": (lambda n: a_g.at[i, n], a_s, 9),
-        "p": (lambda n: p_g.at[i, n], p_s, 10)}, order=lambda n: n, nc=nc,
-        double=("k",) if transpose else ())
+        "p": (lambda n: p_g.at[i, n], p_s, 10)}, order=lambda n: n, nc=nc, double=("k",))
 
   own = ("q", "k") if erase else ("q",)
   first0 = ("f", "lam", "v", "p") + (("a",) if erase else ())
-  # Read only by the state update at the chunk's end: its copy starts at the chunk's top.
-  at_end = ("k",) if transpose and not erase else () if transpose else ("kt",)
+  # Without erase K is read only by the state update at the chunk's end: its copy starts at the
+  # chunk's top.
+  at_end = () if erase else ("k",)
 
   def prologue(*refs):
     cp = copies(refs[:n_in])
@@ -1012,18 +923,15 @@ def _forward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x
 
   def chunk(n, s, *refs):
     cp = copies(refs[:n_in])
-    q_s, _, *kt_s, v_s, a_s, p_s, f_s, lam_s = refs[:n_in]
+    q_s, _, v_s, a_s, p_s, f_s, lam_s = refs[:n_in]
     s_s, w_s, rhs_s, u16_s, o_s, u_s, red_r, red_y, *extra = refs[n_in:]
     x_out = extra[:save_x]
-    interp = extra[save_x + wide:]        # K^T rows, interpret mode only
+    interp = extra[save_x:]               # K^T rows, interpret mode only
     k_w = cp.ref("k", n)                  # (C, 64): this warpgroup's columns of K
     mine = s_s.at[w]                      # (E, 64, BV): this warpgroup's rows, slice by slice
-    operand = extra[save_x].at[w] if wide else mine   # the products' rhs (``_partial``)
-    plgpu.wgmma_wait(0)                   # its previous state update has read K^T, W
+    plgpu.wgmma_wait(0)                   # its previous state update has read K, W
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # its stores have read their buffers
     _store_blocks(s, mine, e_dim, bv, BF16)
-    if wide:
-      operand[...] = s.astype(BF16)
     cp.wait("lam", n)
     decayed = ops.colvec(lam_s, HALF) * s
     plgpu.commit_smem()
@@ -1034,9 +942,9 @@ def _forward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x
     part_r = None
     if erase:
       cp.wait("k", n)
-      part_r = _partial(ops, k_w, operand, f_s, r_rows, bv)
+      part_r = _partial(ops, k_w, mine, f_s, r_rows, bv)
     cp.wait("q", n)
-    part_y = _partial(ops, q_s.at[w], operand, f_s, read_rows, bv)
+    part_y = _partial(ops, q_s.at[w], mine, f_s, read_rows, bv)
 
     @pl.when(w == 1)
     def _():
@@ -1087,8 +995,7 @@ def _forward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x
     pl.when(w == 0)(lambda: cp.start_next(("f",), n))
     for name in at_end:
       cp.wait(name, n)
-    kt = (ops.transposed(k_w, interp[0].at[w] if interp else None) if transpose
-          else kt_s[0].at[w])
+    kt = ops.transposed(k_w, interp[0].at[w] if interp else None)
     return ops.mm_add(decayed, [(kt, w_s)])
 
   state = _chunk_loop(chunk, nc, state0, scratch, prologue, xbar)
@@ -1104,20 +1011,15 @@ def _kernel_2wg(kernel, ins, out_type, grid, name, interpret):
       kernel_name=name)(*ins)
 
 
-def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save_x, wide,
-                 transpose, interpret):
+def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save_x, interpret):
   bh, nc, c, d = q.shape
   vd = v.shape[-1]
   n_cat = e_dim * bv
   sw_v, sw_f = _swizzle(bv), _swizzle(bv, F32)
-  # K, Q pieces share their product's rhs swizzle; with transpose K^T W needs W's on K.
-  sw_k = _swizzle(n_cat) if wide and not transpose else sw_v
   scratch = [
-      _smem((2, c, HALF), BF16, sw_k),            # q, a 64-column piece per warpgroup
-      # k; with transpose two chunks' buffers per warpgroup (chunk n's K^T is read after n + 1's
-      # copy has started)
-      _smem((2, 2, c, HALF) if transpose else (2, c, HALF), BF16, sw_k),
-  ] + ([] if transpose else [_smem((2, HALF, c), BF16, sw_v)]) + [   # k^T, a 64-row piece per wg
+      _smem((2, c, HALF), BF16, sw_v),            # q, a 64-column piece per warpgroup
+      # k, two chunks' buffers per warpgroup (chunk n's K^T is read after n + 1's copy started)
+      _smem((2, 2, c, HALF), BF16, sw_v),
       _smem((c, bv), BF16, sw_v),                 # v block
       _smem((c, c), BF16, sw_v),                  # A
       _smem((c, c), BF16, sw_v),                  # P
@@ -1132,14 +1034,13 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
       _smem((c, bv), F32, sw_f),                  # warpgroup 1's part of sum_e f_e R_e
       _smem((c, bv), F32, sw_f),                  # warpgroup 1's part of sum_e fq_e Y_e
   ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else []) + (   # X
-      [_smem((2, HALF, n_cat), BF16, sw_k)] if wide else []) + (   # S_cat (bf16), wide operand
-      [_smem((2, HALF, c), BF16, sw_k)] if transpose and interpret else [])  # K^T (interpret)
+      [_smem((2, HALF, c), BF16, sw_v)] if interpret else [])     # K^T (interpret mode)
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # initial / final state rows
   kernel = functools.partial(_forward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, save_x=save_x, wide=wide,
-                             transpose=transpose, interpret=bool(interpret))
+                             bv=bv, scale=scale, erase=erase, save_x=save_x,
+                             interpret=bool(interpret))
   per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
-  ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv, transpose=transpose)
+  ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv)
   *outs, ht = _kernel_2wg(
       kernel, ins,
       [per_chunk(q.dtype), per_chunk(F32)] + ([per_chunk(q.dtype)] if save_x else []) + [
@@ -1149,12 +1050,9 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
   return (*outs, _from_cat(ht, e_dim))
 
 
-def _backward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, wide, transpose,
-                         interpret):
-  # gmem (SMEM) inputs: k, [k^T], then the sources of Q^T, A^T, P^T (with transpose: Q, A, P),
-  # dO, f, lam.
-  n_in = 7 if transpose else 8
-  k_g, *kt_g, qt_g, do_g, at_g, pt_g, f_g, lam_g, dht_g = refs[:n_in + 1]
+def _backward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, interpret):
+  n_in = 7                            # gmem (SMEM) inputs: k, q, dO, a, p, f, lam
+  k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g = refs[:n_in + 1]
   du_g, dst_g, dh0_g, bars, xbar = refs[n_in + 1:]
   ops = _Ops(interpret)
   i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
@@ -1163,45 +1061,36 @@ def _backward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, wide,
   dstate0 = _load_rows(ops, dht_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
 
   def copies(bufs):
-    k_s, *kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s = bufs
+    k_s, q_s, do_s, a_s, p_s, f_s, lam_s = bufs
     return _Inputs(bars, {
         "k": (lambda n: k_g.at[i, n, :, rows], k_s.at[w], 3 * w),
-        **{"kt": (lambda n: g.at[i, n, rows, :], b.at[w], 3 * w + 1)
-           for g, b in zip(kt_g, kt_s)},
-        # Q^T's 64 rows, or with transpose Q's 64 columns
-        "qt": (lambda n: qt_g.at[i, n, :, rows] if transpose else qt_g.at[i, n, rows, :],
-               qt_s.at[w], 3 * w + 2),
+        "q": (lambda n: q_g.at[i, n, :, rows], q_s.at[w], 3 * w + 2),
         "f": (lambda n: f_g.at[i, n], f_s, _FACTORS),
         "lam": (lambda n: lam_g.at[i, n], lam_s, _LAM),
         "do": (lambda n: do_g.at[i, n, :, cols], do_s, 8),
-        "at": (lambda n: at_g.at[i, n], at_s, 9),
-        "pt": (lambda n: pt_g.at[i, n], pt_s, 10)}, order=lambda step: nc - 1 - step, nc=nc)
+        "a": (lambda n: a_g.at[i, n], a_s, 9),
+        "p": (lambda n: p_g.at[i, n], p_s, 10)}, order=lambda step: nc - 1 - step, nc=nc)
 
-  first0 = ("f", "lam", "do", "pt") + (("at",) if erase else ())
-  # read only by the state update at the end (with transpose, K^T is K's buffer, waited for R)
-  at_end = ("qt", "kt") if erase and not transpose else ("qt",)
+  first0 = ("f", "lam", "do", "p") + (("a",) if erase else ())
+  at_end = ("q",)                       # read only by the state update at the end, as Q^T
 
   def chunk(step, ds, *refs):
     cp = copies(refs[:n_in])
-    k_s, *kt_s, qt_s, do_s, at_s, pt_s, f_s, lam_s = refs[:n_in]
-    s_s, x_s, z_s, u16_s, u_s, *extra = refs[n_in:]
-    wide_s, interp = extra[:wide], extra[wide:]
+    k_s, q_s, do_s, a_s, p_s, f_s, lam_s = refs[:n_in]
+    s_s, x_s, z_s, u16_s, u_s, *interp = refs[n_in:]
     if interp:                            # this warpgroup's rows of K^T, Q^T
       interp = [interp[0].at[w], interp[1].at[w], *interp[2:]]
-    # The operands K^T, Q^T, A^T, P^T: the pre-transposed copies, or with transpose views of the
-    # copies of K, Q, A, P (interp: their explicit transposes in interpret mode).
-    tr = lambda ref, at: ops.transposed(ref, interp[at] if interp else None) if transpose else ref
+    # The operands K^T, Q^T, A^T, P^T: views of the copies of K, Q, A, P (interp: their explicit
+    # transposes in interpret mode).
+    tr = lambda ref, at: ops.transposed(ref, interp[at] if interp else None)
     n = nc - 1 - step
     mine = s_s.at[w]
-    operand = wide_s[0].at[w] if wide else mine      # the product's rhs (``_partial``)
-    plgpu.wgmma_wait(0)                   # its previous state update has read K^T, Q^T, X, Z
+    plgpu.wgmma_wait(0)                   # its previous state update has read K, Q, X, Z
     plgpu.commit_smem()
     cp.start(("k",), step)
     pl.when(w == 0)(lambda: cp.start(first0, step))
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     _store_blocks(ds, mine, e_dim, bv, BF16)
-    if wide:
-      operand[...] = ds.astype(BF16)
     cp.wait("lam", step)
     decayed = ops.colvec(lam_s, HALF) * ds
     plgpu.commit_smem()
@@ -1210,7 +1099,7 @@ def _backward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, wide,
     cp.start(at_end, step)
     cp.wait("k", step)
     cp.wait("f", step)
-    part = _partial(ops, k_s.at[w], operand, f_s, write_rows, bv)
+    part = _partial(ops, k_s.at[w], mine, f_s, write_rows, bv)
 
     @pl.when(w == 1)
     def _():
@@ -1220,9 +1109,9 @@ def _backward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, wide,
 
     @pl.when(w == 0)
     def _():
-      cp.wait("pt", step)
+      cp.wait("p", step)
       cp.wait("do", step)
-      du = scale * ops.mm(tr(pt_s, 3), do_s) + part + ops.acc(u_s[...])
+      du = scale * ops.mm(tr(p_s, 3), do_s) + part + ops.acc(u_s[...])
       u_s[...] = du
       if erase:
         u16_s[...] = du.astype(BF16)
@@ -1231,8 +1120,8 @@ def _backward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, wide,
       do = ops.acc(do_s[...].astype(F32))
       _e_expand(ops, x_s, do, f_s, read_rows, bv, scale)
       if erase:
-        cp.wait("at", step)
-        drhs = ops.mm(tr(at_s, 2), u16_s)
+        cp.wait("a", step)
+        drhs = ops.mm(tr(a_s, 2), u16_s)
         _e_expand(ops, z_s, drhs, f_s, erase_rows, bv, -1.0)
       # u_s is warpgroup 1's next partial buffer: dU's store must have read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
@@ -1240,30 +1129,26 @@ def _backward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, wide,
     _sync(xbar)       # X, Z are in SMEM; warpgroup 0 has read the partial
     for name in at_end:
       cp.wait(name, step)
-    pairs = [(tr(qt_s.at[w], 1), x_s)]
+    pairs = [(tr(q_s.at[w], 1), x_s)]
     if erase:
-      pairs.append((tr(k_s.at[w], 0) if transpose else kt_s[0].at[w], z_s))
+      pairs.append((tr(k_s.at[w], 0), z_s))
     return ops.mm_add(decayed, pairs)
 
   dstate = _chunk_loop(chunk, nc, dstate0, scratch, lambda *refs: None, xbar)
   _store_rows(dstate, dh0_g.at[i, j, rows], cat, w)
 
 
-def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, wide, transpose,
-                  interpret):
+def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, interpret):
   bh, nc, c, d = q.shape
   vd = do.shape[-1]
   n_cat = e_dim * bv
   sw_v = _swizzle(bv)
-  # K pieces share their product's rhs swizzle; with transpose K^T Z needs Z's on K.
-  sw_k = _swizzle(n_cat) if wide and not transpose else sw_v
   scratch = [
-      _smem((2, c, HALF), BF16, sw_k),            # k, a 64-column piece per warpgroup
-  ] + ([] if transpose else [_smem((2, HALF, c), BF16, sw_v)]) + [   # k^T, a 64-row piece per wg
-      _smem((2, c, HALF) if transpose else (2, HALF, c), BF16, sw_v),   # q^T (transpose: q)
+      _smem((2, c, HALF), BF16, sw_v),            # k, a 64-column piece per warpgroup
+      _smem((2, c, HALF), BF16, sw_v),            # q, a 64-column piece per warpgroup
       _smem((c, bv), BF16, sw_v),                 # dO block
-      _smem((c, c), BF16, sw_v),                  # A^T (transpose: A)
-      _smem((c, c), BF16, sw_v),                  # P^T (transpose: P)
+      _smem((c, c), BF16, sw_v),                  # A
+      _smem((c, c), BF16, sw_v),                  # P
       _smem((f.shape[2], c), F32),                # row factors
       _smem((n_cat,), F32),                       # lam_cat
       _smem((2, e_dim, HALF, bv), BF16, sw_v),    # dS_cat (bf16), per warpgroup and slice
@@ -1271,15 +1156,13 @@ def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, w
       _smem((c, n_cat), BF16, sw_v),              # Z = [-diag(fe_e) A^T dU]_e
       _smem((c, bv), BF16, sw_v),                 # dU (bf16 operand)
       _smem((c, bv), F32, _swizzle(bv, F32)),     # dU; before it, warpgroup 1's partial
-  ] + ([_smem((2, HALF, n_cat), BF16, sw_k)] if wide else []) + (  # dS_cat (bf16), wide operand
-      [_smem((2, HALF, c), BF16, sw_v), _smem((2, HALF, c), BF16, sw_v),  # K^T, Q^T, A^T, P^T
-       _smem((c, c), BF16, sw_v), _smem((c, c), BF16, sw_v)]             # (interpret mode)
-      if transpose and interpret else [])
+  ] + ([_smem((2, HALF, c), BF16, sw_v), _smem((2, HALF, c), BF16, sw_v),  # K^T, Q^T, A^T, P^T
+        _smem((c, c), BF16, sw_v), _smem((c, c), BF16, sw_v)]             # (interpret mode)
+       if interpret else [])
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # dht / dh0 rows
   kernel = functools.partial(_backward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, wide=wide, transpose=transpose,
-                             interpret=bool(interpret))
-  ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv, transpose=transpose)
+                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
+  ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   du, dstates, dh0 = _kernel_2wg(
       kernel, ins,
       [jax.ShapeDtypeStruct((bh, nc, c, vd), F32),

@@ -27,8 +27,7 @@ the row sums from the same three C x D products). What runs where:
   ``triadic_chunk_backward_tail_fused`` that also does the mask work below.
 * plain JAX around the tail (``masks.py``): M and M' before, and the per-slice elementwise
   gradients (dk2, dq2, d gc through exp(gc_t - gc_s)) after, over all chunks at once, which XLA
-  fuses into its reductions; with ``mask_kernel`` the same by two Pallas kernels
-  (``masks.decay_masks_kernel``, ``masks.mask_grads_kernel``, one program per chunk).
+  fuses into its reductions.
 
 How the slice kernel is built (idioms from ``mosaic.py``, imported: ``_smem``, ``_swizzle``,
 ``_Ops``, ``_interpret_params``):
@@ -565,11 +564,9 @@ def default_fused_tail(e: int) -> bool:
 
 
 def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
-         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, mask_kernel=False):
-  """Everything after the slice kernel. ``fused``: ``fused_tail_kernel``; else the masks M, M',
-  the E-independent tail kernel, and the per-slice mask gradients, the masks and their gradients
-  in plain JAX (``masks.decay_masks``, ``masks.mask_grads``) or with ``mask_kernel`` by their
-  Pallas kernels (``masks.decay_masks_kernel``, ``masks.mask_grads_kernel``; same values).
+         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused):
+  """Everything after the slice kernel. ``fused``: ``fused_tail_kernel``; else the masks M, M'
+  (plain JAX), the E-independent tail kernel, and the per-slice mask gradients (plain JAX).
   ``dcoef``, ``dqcoef``, ``dkcoef`` (BH,NC,C,E) and ``dlam`` (BH,NC,E) are the slice kernel's row
   sums. Returns dq, dk (BH,NC,C,D) in q's dtype and, float32, dk2 column (C,E) and row (E,C)
   parts, dq2 (C,E), d gc column and row parts and dbeta (C,1)."""
@@ -577,21 +574,17 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
     return tuple(fused_tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef,
                                    dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
                                    scale=scale, erase=erase, cfg=cfg))
-  kernel_kw = dict(cfg=cfg) if mask_kernel else {}
-  decay_masks = masks.decay_masks_kernel if mask_kernel else masks.decay_masks
-  mask_grads = masks.mask_grads_kernel if mask_kernel else masks.mask_grads
-  m, mq = decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase, **kernel_kw)
+  m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   dq, dk, dbeta, dmq, dm = tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a,
                                        scale=scale, erase=erase, cfg=cfg)
-  dk2_col, dk2_row, dq2_col, dgc_col, dgc_row = mask_grads(
-      dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase,
-      **kernel_kw)
+  dk2_col, dk2_row, dq2_col, dgc_col, dgc_row = masks.mask_grads(
+      dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   return dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta
 
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
-                    mask_kernel=False, interpret=False):
+                    interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   (dq, dk (BH,NC,C,D) in q's dtype, the rest float32): dv (BH,NC,C,V), dk2 column and row parts
   ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
@@ -599,11 +592,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   ``x`` (erase only): X = V - sum_e diag(c_e) K S_e as the forward saved it (without it,
   ``x_from_states`` forms it in plain JAX). ``slice_warpgroups``: the slice kernel's
   warpgroups (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
-  ``default_fused_tail``). ``mask_kernel``: with the split tail, the masks and their gradients
-  by their Pallas kernels (``masks.decay_masks_kernel``, ``masks.mask_grads_kernel``) instead of
-  plain JAX (no effect on the fused tail, which does that work inside). ``interpret=True``:
-  Mosaic GPU interpret mode for the slice kernel and Pallas interpret mode for the tail and the
-  mask kernels (CPU tests)."""
+  ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret mode for the slice kernel
+  and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c, d = q.shape
   vd, e_dim = v.shape[-1], k2_col.shape[-1]
   reason = supported(d, vd, c, e_dim, q.dtype, erase, slice_warpgroups)
@@ -630,5 +620,5 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta = tail(
       q, k, low(x), do, low(u), low(du), low(drhs), dqp, dkp, dcoef, dqcoef, dkcoef, dlam,
       k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a, scale=scale, erase=erase,
-      cfg=tail_config(interpret, fused), fused=fused, mask_kernel=mask_kernel)
+      cfg=tail_config(interpret, fused), fused=fused)
   return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta

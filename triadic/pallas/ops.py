@@ -1,13 +1,12 @@
 """``triadic_pallas``: the Pallas kernels behind ``triadic_gdn(..., impl="pallas")``.
 
 Pipeline (forward): ``chunk_prep`` (parallel over chunks: gc, A, P; the masks M, M' in plain JAX,
-``masks.py``, or inside the prep kernel with ``Config.mask_kernel``) -> the forward state pass
-(chunk loop per value block; saves chunk-start states and U). Backward (``jax.custom_vjp``): the
-reverse state pass (chunk-end state gradients and dU) -> the chunk-parallel backward (every input
-gradient). Only the inputs, gc, A, P, U and the chunk-start states are kept from the forward (and
-X = V - sum_e diag(c_e) K S_e where the Hopper backward reads it: ``Plan.saves_x``); M, M', K K^T
-and Q K^T are recomputed. Which kernel runs each stage is decided in one place, ``plan.resolve``
-(``explain`` shows it for given sizes).
+``masks.py``) -> the forward state pass (chunk loop per value block; saves chunk-start states and
+U). Backward (``jax.custom_vjp``): the reverse state pass (chunk-end state gradients and dU) ->
+the chunk-parallel backward (every input gradient). Only the inputs, gc, A, P, U and the
+chunk-start states are kept from the forward (and X = V - sum_e diag(c_e) K S_e where the Hopper
+backward reads it: ``Plan.saves_x``); M, M', K K^T and Q K^T are recomputed. Which kernel runs
+each stage is decided in one place, ``plan.resolve`` (``explain`` shows it for given sizes).
 When the state passes' programs cannot fill the GPU (B = 1 at long T), ``Config.sequence_pieces``
 runs them over pieces of the sequence, each started from a short warm-up pass (``pieces.py``,
 ``plan.sequence_pieces``; exact to far below rounding, and only where every window decays enough).
@@ -151,11 +150,6 @@ def _plan(cfg, q, v, k2):
                           dtype=q.dtype)
 
 
-def _mask_kernel(cfg, q, k2) -> bool:
-  """``plan.mask_kernel`` for the (B*H, NC, C, X) operands."""
-  return plan_lib.mask_kernel(cfg, c=q.shape[-2], e=k2.shape[-1])
-
-
 def state_pass_kernels(cfg, q, v, k2, save_x=False):
   """The plan's state-passing kernels, as (forward, backward) functions of
   ``recurrent.state_pass``'s operands: ``mosaic`` (Hopper wgmma) or ``recurrent`` (Triton / TPU /
@@ -164,13 +158,11 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False):
   if _plan(cfg, q, v, k2).mosaic_state_kernels:
     sizes = dict(d=q.shape[-1], vd=v.shape[-1], c=q.shape[-2], e=k2.shape[-1])
     tiles = plan_lib.state_tiles(cfg, **sizes)
-    kw = dict(interpret=cfg.platform == "cpu", block_v=tiles.block_v,
-              transpose_ref=tiles.transpose_ref)
+    kw = dict(interpret=cfg.platform == "cpu", block_v=tiles.block_v)
     return (functools.partial(mosaic.state_pass, save_x=save_x,
-                              warpgroups=tiles.forward_warpgroups,
-                              wide_products=tiles.forward_wide, **kw),
+                              warpgroups=tiles.forward_warpgroups, **kw),
             functools.partial(mosaic.reverse_state_pass, warpgroups=tiles.reverse_warpgroups,
-                              wide_products=tiles.reverse_wide, **kw))
+                              **kw))
   return (functools.partial(recurrent.state_pass, cfg=cfg),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))
 
@@ -184,14 +176,13 @@ def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
 
 def chunk_gradients_kernel(cfg, q, v, k2):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel with
-  ``cfg.slice_warpgroups``, ``cfg.fused_tail`` and the plan's mask kernels) or
-  ``backward.chunk_gradients``."""
+  ``cfg.slice_warpgroups``, ``cfg.fused_tail``) or ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
     return functools.partial(
         mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
         slice_warpgroups=mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, q.shape[-1]),
-        fused_tail=cfg.fused_tail, mask_kernel=_mask_kernel(cfg, q, k2))
+        fused_tail=cfg.fused_tail)
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 
@@ -212,8 +203,7 @@ def _forward_saving_x(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
 def _forward_kernels(saves_x, scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
   b, h = q.shape[:2]
   q, k, v, k2, q2, g, beta, h0 = map(_merge, (q, k, v, k2, q2, g, beta, h0))
-  gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg,
-                                    mask_kernel=_mask_kernel(cfg, q, k2))
+  gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg)
   forward = state_pass_kernels(cfg, q, v, k2, save_x=saves_x)[0]
   o, u, *x, states, ht = pieces.state_pass(
       forward, sequence_pieces(cfg, q, v, k2), q, k, v, k2, q2, gc_col, beta, a, p, h0, g,

@@ -16,7 +16,7 @@ import logging
 
 import jax.numpy as jnp
 
-from triadic.pallas import masks, mosaic, mosaic_backward, pieces
+from triadic.pallas import mosaic, mosaic_backward, pieces
 from triadic.pallas.common import Config
 
 log = logging.getLogger("triadic.pallas")
@@ -76,40 +76,31 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   interp = "/interpret" if cfg.platform == "cpu" else ""
   loop = "chunks on the grid, state in VMEM" if cfg.chunk_grid else "chunk loop per value block"
   inverse = "UT inverse kernel (Config.ut_kernel)" if cfg.ut_kernel else "UT inverse in plain JAX"
-  kernel_masks = mask_kernel(cfg, c=c, e=e)
-  masks_at = ("masks M, M' formed in the prep kernel (Config.mask_kernel)" if kernel_masks else
-              "masks M, M' in plain JAX"
-              + (f" ({masks.kernel_supported(c, e, cfg)})" if cfg.mask_kernel else "")
-              + " (E-independent kernel)")
-  prep = Stage("prep", base, "one program per chunk", f"{masks_at}; {inverse}")
+  prep = Stage("prep", base, "one program per chunk",
+               f"masks M, M' in plain JAX (E-independent kernel); {inverse}")
 
   st = state_tiles(cfg, d=d, vd=vd, c=c, e=e)
   state_reason = ((mosaic.supported(d, vd, c, e, dtype, st.block_v, st.forward_warpgroups)
                    or mosaic.supported(d, vd, c, e, dtype, st.block_v, st.reverse_warpgroups))
                   if cfg.mosaic_gpu else "Config.mosaic_gpu off")
   if state_reason is None:
-    def mosaic_stage(name, wgs, wide, copies, transposed):
-      sizes = dict(d=d, vd=vd, c=c, e=e, bv=st.block_v)
+    def mosaic_stage(name, wgs, copies, transposed):
+      products = f"{e} x N = {st.block_v} products, " if wgs == 2 else ""
       return Stage(name, "mosaic_gpu" + interp,
                    f"block_v {st.block_v}, S_cat D x {e * st.block_v}, {wgs} warpgroup(s), "
-                   + _products(wgs, wide, e=e, bv=st.block_v) + f"copies {copies}, "
-                   + _transposes(st.transpose_ref, transposed),
-                   "Config.mosaic_gpu; " + _warpgroups_reason(cfg, wgs, **sizes)
-                   + _products_reason(cfg, wgs, wide, **sizes)
-                   + ("; transposed views: Config.state_transpose_ref" if st.transpose_ref
-                      else ""))
-    forward = mosaic_stage("forward", st.forward_warpgroups, st.forward_wide, "a chunk ahead",
-                           "K^T")
-    bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, st.reverse_wide,
-                              "at chunk start", "K^T Q^T A^T P^T")
+                   f"{products}copies {copies}, {transposed} as transposed SMEM views",
+                   "Config.mosaic_gpu; "
+                   + _warpgroups_reason(cfg, wgs, d=d, vd=vd, c=c, e=e, bv=st.block_v))
+    forward = mosaic_stage("forward", st.forward_warpgroups, "a chunk ahead", "K^T")
+    bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, "at chunk start",
+                              "K^T Q^T A^T P^T")
   else:
     tiles = f"block_v {cfg.block_v}, {loop}"
     forward = Stage("forward", base, tiles, state_reason)
     bwd_states = Stage("backward_states", base, tiles, state_reason)
 
   fused = (mosaic_backward.default_fused_tail(e) if cfg.fused_tail is None else cfg.fused_tail)
-  tail = ("fused tail" if fused else
-          f"tail between {'mask kernels' if kernel_masks else 'JAX mask work'}")
+  tail = "fused tail" if fused else "tail between JAX mask work"
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
   slice_wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
@@ -135,72 +126,26 @@ def _log_once(plan: Plan) -> None:
   log.info("%s", plan)
 
 
-def mask_kernel(cfg: Config, *, c: int, e: int) -> bool:
-  """Whether the masks and their gradients run as kernels: ``Config.mask_kernel`` where
-  ``masks.kernel_supported`` takes the sizes."""
-  return cfg.mask_kernel and masks.kernel_supported(c, e, cfg) is None
-
-
 @dataclasses.dataclass(frozen=True)
 class StateTiles:
-  """The Mosaic state passes' value block, each pass's warpgroups and whether each (with two
-  warpgroups) forms its products over D wide (the kernels' ``wide_products``), and whether both
-  take their transposed operands as views of their SMEM copies (``transpose_ref``)."""
+  """The Mosaic state passes' value block and each pass's warpgroups."""
   block_v: int | None
   forward_warpgroups: int
   reverse_warpgroups: int
-  forward_wide: bool = False
-  reverse_wide: bool = False
-  transpose_ref: bool = False
 
 
 def state_tiles(cfg: Config, *, d: int, vd: int, c: int, e: int) -> StateTiles:
   """``Config.state_warpgroups`` 1 or 2 sets both passes (2 where ``mosaic.warpgroups_supported``
   takes it, else 1; block_v ``Config.state_block_v`` or ``mosaic.default_block_v`` for those
-  warpgroups); None leaves block_v and each pass's warpgroups to ``mosaic.default_state_tiles``
-  (which gives the forward two warpgroups at block_v 16 too with ``Config.state_wide_products``).
-  A two-warpgroup pass forms its products wide with ``Config.state_wide_products`` where
-  ``mosaic.wide_products_supported`` takes it (E * block_v <= 128), else narrow. Both passes take
-  their transposed operands as views with ``Config.state_transpose_ref`` (every size they
-  take)."""
+  warpgroups); None leaves block_v and each pass's warpgroups to
+  ``mosaic.default_state_tiles``."""
   if cfg.state_warpgroups is None:
-    bv, fwd, rev = mosaic.default_state_tiles(d, vd, c, e, cfg.state_block_v,
-                                              cfg.state_wide_products)
+    bv, fwd, rev = mosaic.default_state_tiles(d, vd, c, e, cfg.state_block_v)
   else:
     fwd = rev = (2 if cfg.state_warpgroups == 2
                  and mosaic.warpgroups_supported(d, vd, c, e, cfg.state_block_v) is None else 1)
     bv = cfg.state_block_v or mosaic.default_block_v(d, vd, c, e, warpgroups=fwd)
-  wide = lambda wgs: (cfg.state_wide_products and wgs == 2
-                      and mosaic.wide_products_supported(d, vd, c, e, bv) is None)
-  return StateTiles(bv, fwd, rev, wide(fwd), wide(rev), cfg.state_transpose_ref)
-
-
-def _transposes(views: bool, operands: str) -> str:
-  """A state pass's transposed wgmma operands, for the plan's tiles: transposed views of the SMEM
-  copies of K, Q, A, P (``transpose_ref``; K, Q and the bf16 state then at the swizzle of a
-  block_v-wide row, which the transposed operand must share with its W, X or Z), or copies
-  transposed in plain JAX."""
-  if views:
-    return f"{operands} as transpose_ref views (K, Q, S_cat at block_v swizzle)"
-  return f"{operands} as pre-transposed copies"
-
-
-def _products(wgs: int, wide: bool, *, e: int, bv: int) -> str:
-  """A two-warpgroup pass's products over D, for the plan's tiles: one wgmma of N = E * BV per
-  product (wide) or E of N = BV (narrow)."""
-  if wgs != 2:
-    return ""
-  return f"wide products (N = {e * bv}), " if wide else f"narrow products ({e} x N = {bv}), "
-
-
-def _products_reason(cfg: Config, wgs: int, wide: bool, *, d: int, vd: int, c: int, e: int,
-                     bv: int) -> str:
-  """Why a two-warpgroup pass forms its products wide or narrow, where the Config asked."""
-  if wgs != 2 or not cfg.state_wide_products:
-    return ""
-  if wide:
-    return "; wide products: Config.state_wide_products"
-  return "; narrow products: " + str(mosaic.wide_products_supported(d, vd, c, e, bv))
+  return StateTiles(bv, fwd, rev)
 
 
 def _warpgroups_reason(cfg: Config, wgs: int, *, d: int, vd: int, c: int, e: int, bv: int) -> str:
@@ -216,10 +161,8 @@ def _warpgroups_reason(cfg: Config, wgs: int, *, d: int, vd: int, c: int, e: int
   refused = mosaic.warpgroups_supported(d, vd, c, e, bv)
   if refused:
     return "one warpgroup: " + refused
-  why = (mosaic.wide_products_supported(d, vd, c, e, bv) if cfg.state_wide_products
-         else "Config.state_wide_products off")
-  return (f"one warpgroup: at block_v {bv} two would run the forward's products as narrow "
-          f"wgmmas ({why})")
+  return (f"one warpgroup: at block_v {bv} two would run the forward's products over D as "
+          f"{e} wgmmas of N = {bv}")
 
 
 def sequence_pieces(cfg: Config, *, bh: int, nc: int, d: int, vd: int, c: int, e: int, dtype
