@@ -10,6 +10,7 @@ on the E = 1 slice of the same inputs when torch and those packages import (else
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --check         # GPU correctness first
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --t 16384 --e 1 8 --no-chunked --no-triton
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --stages --t 16384 --e 1 8   # per kernel
+  PYTHONPATH=. python3 benchmarks/triadic_kernels.py --layouts --t 16384 --e 1 8  # q, k, v layout
 
 On Hopper, "pallas" runs the Mosaic GPU kernels (the state-passing kernels, ``Config.mosaic_gpu``,
 and the chunk-parallel backward's E-dependent part, ``Config.mosaic_gpu_backward``) and a
@@ -290,6 +291,71 @@ def stages(t, e_list, reps, variants=False, tails=False, fields=()):
     print("\n".join(tail_rows))
 
 
+def kernel_relayout(q, k, v, o, *, c):
+  """The op's layout copies around a state pass (``ops.triadic_pallas``): q, k, v (B, T, H, X) to
+  the kernels' (B*H, NC, C, X) and the pass's o (B*H, NC, C, V) back to (B, T, H, V)."""
+  b, t, h = q.shape[:3]
+  nc = -(-t // c)
+  ch = lambda x: pops.kernel_layout(x, nc, c).reshape(b * h, nc, c, -1)
+  back = jnp.moveaxis(o.reshape(b, h, nc * c, o.shape[-1])[:, :, :t], 1, 2)
+  return ch(q), ch(k), ch(v), back
+
+
+def layouts(t_list, e_list, reps):
+  """The one-warpgroup Mosaic forward state pass (``mosaic.state_pass``) in the kernels' (BH, NC,
+  C, X) layout against the same pass reading q, k, v and writing o in the user's (B, T, H, X)
+  layout (``heads=H``), per T and E (bf16, H = 16, D = V = 128, erase, the default one-warpgroup
+  block_v): the pass alone on relayouted operands, the relayout itself (q, k, v to the kernel
+  layout and o back, as ``ops.triadic_pallas`` does them, one jitted function), the pass with
+  ``heads``, and (pass + relayout) / (pass with heads): what reading the user's layout in place
+  would save. Hopper only (the Mosaic GPU kernels)."""
+  from triadic.pallas import mosaic
+  from triadic.pallas.chunk_prep import chunk_prep
+  if not pops.is_hopper():
+    sys.exit("--layouts times the Mosaic GPU kernels: it needs a Hopper GPU, got "
+             f"{jax.devices()[0].device_kind}")
+  h, d, vd, c = 16, 128, 128, 64
+  print(f"# one-warpgroup forward state pass, H={h} D=V={d}, erase; ms (median of {reps}); "
+        "relayout: q, k, v -> (BH, NC, C, X) and o back, as the op does them")
+  print("| B | T | E | block_v | pass | relayout | pass + relayout | pass with heads "
+        "| (pass + relayout) / heads | o rel RMS |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for t in t_list:
+    b = SHAPES.get(t, max(1, 32768 // t))
+    if t % c:
+      print(f"# T={t}: not a multiple of C={c}, which the heads layout needs; skipped")
+      continue
+    nc = t // c
+    for e in e_list:
+      bv = mosaic.default_block_v(d, vd, c, e)
+      if bv is None:
+        print(f"# E={e}: no one-warpgroup block_v at D={d}; skipped")
+        continue
+      xs = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
+      ch = lambda x, dt: pops.kernel_layout(x.astype(dt), nc, c).reshape(b * h, nc, c, -1)
+      q, k, v = (ch(x, jnp.bfloat16) for x in xs[:3])
+      k2, q2, g, beta = (ch(x, jnp.float32) for x in xs[3:])
+      h0 = jnp.zeros((b * h, e, d, vd), jnp.float32)
+      cfg = pops.default_config("gpu", e, vd)
+      gc_col, _, a, p = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))(
+          q, k, k2, q2, g, beta)
+      save_x = pops.explain(d, vd, e, c, jnp.bfloat16, config=cfg).saves_x(True)
+      kw = dict(scale=0.1, erase=True, block_v=bv, save_x=save_x, warpgroups=1)
+      rest = (k2, q2, gc_col, beta, a, p, h0)
+      fwd = jax.jit(functools.partial(mosaic.state_pass, **kw))
+      fwd_heads = jax.jit(functools.partial(mosaic.state_pass, heads=h, **kw))
+      o = fwd(q, k, v, *rest)[0]
+      relayout = jax.jit(functools.partial(kernel_relayout, c=c))
+      rel_args = (*xs[:3], o)
+      heads_args = (*xs[:3], *rest)
+      ms = [timeit(fwd, (q, k, v, *rest), reps), timeit(relayout, rel_args, reps),
+            timeit(fwd_heads, heads_args, reps)]
+      err = rel(fwd_heads(*heads_args)[0], relayout(*rel_args)[3])
+      cells = [b, t, e, bv] + [f"{x:.3f}" for x in (ms[0], ms[1], ms[0] + ms[1], ms[2])] + [
+          f"{(ms[0] + ms[1]) / ms[2]:.2f}x", f"{err:.1e}"]
+      print("| " + " | ".join(str(x) for x in cells) + " |", flush=True)
+
+
 def prep_parts(prep_args, reps):
   """The prep's plain-JAX parts, each timed alone (ms): the cumulative decay and the masks M, M'
   (``masks``), and the UT inverse (``unit_lower_inverse``); the kernel with its glue is the
@@ -423,6 +489,9 @@ def main():
                       help="on Hopper, skip the pallas-triton column (Triton kernels only)")
   parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0..6)")
   parser.add_argument("--stages", action="store_true", help="per-kernel times, then exit")
+  parser.add_argument("--layouts", action="store_true",
+                      help="Hopper: the one-warpgroup forward state pass on relayouted q, k, v "
+                           "(plus the relayout) vs on (B, T, H, X) ones (heads), then exit")
   parser.add_argument("--peers", nargs="*", default=list(peers.PEERS),
                       help="PyTorch GDN kernels timed on the same inputs (E = 1 slices of ours); "
                            "missing packages are reported and skipped; none: --peers")
@@ -447,6 +516,9 @@ def main():
   if args.stages:
     stages(args.t[0], args.e, args.reps, args.variants, args.tail_variants,
            [variant_fields(v) for v in args.op_variants])
+    return
+  if args.layouts:
+    layouts(args.t, args.e, args.reps)
     return
   op_table(args)
 

@@ -17,6 +17,8 @@ The two-warpgroup kernels (``warpgroups=2``, D = 128) are checked the same way, 
 reference and bounds. They run eagerly (the kernel alone under jit): inside a larger jitted
 function the interpreter's two simulated warpgroups can wait on each other forever on a 2-core
 machine.
+The forward with ``heads`` (q, k, v, o in (B, T, H, X)) is checked against the default layout's
+outputs on the same data (bit-equal in interpret mode) and by the CUDA lowering.
 """
 
 from __future__ import annotations
@@ -181,6 +183,74 @@ def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x, bv):
   text = bwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_backward_states_mgpu" + suffix in text
   assert transposed(text) == set()
+
+
+def token_major(x, b, h):
+  """(B*H, NC, C, X) -> (B, T, H, X), T = NC * C: the user's layout (``heads``)."""
+  return jnp.swapaxes(x.reshape(b, h, -1, x.shape[-1]), 1, 2)
+
+
+@pytest.mark.parametrize("erase,save_x,bv", [(True, True, 16), (False, False, 32)])
+def test_heads_layout_matches_default(erase, save_x, bv):
+  """``state_pass(heads=H)`` on q, k, v in (B, T, H, X) gives the default layout's outputs on the
+  same data (o in (B, T, H, V)), bit for bit: the same arithmetic, only the TMA boxes differ. B = H
+  = 2 and two value blocks (bv 16) exercise b = i // H, h = i % H and the column offsets."""
+  b, t, h, d, vdim, e = 2, 192, 2, 64, 32, 2
+  fargs, _, _ = build(b, t, h, d, vdim, e, 64, erase)
+  kw = dict(scale=SCALE, erase=erase, block_v=bv, save_x=save_x, interpret=True)
+  want = jax.jit(functools.partial(mosaic.state_pass, **kw))(*fargs)
+  tok = [token_major(x, b, h) for x in fargs[:3]]
+  got = jax.jit(functools.partial(mosaic.state_pass, heads=h, **kw))(*tok, *fargs[3:])
+  want = (token_major(want[0], b, h), *want[1:])
+  assert len(got) == (5 if save_x else 4)
+  for x, y in zip(got, want, strict=True):
+    assert x.shape == y.shape and x.dtype == y.dtype
+    assert rel_rms(x, y) <= 1e-6, f"rel RMS {rel_rms(x, y):.2e}"
+
+
+@pytest.mark.parametrize("d,vdim,e,erase,save_x,bv", [
+    (128, 128, 1, True, True, 32), (128, 128, 1, False, False, 64),
+    (128, 128, 8, True, False, 16), (128, 128, 8, False, False, 16),
+    (64, 64, 8, True, True, None), (64, 32, 3, False, False, None),
+])
+def test_heads_layout_lowers_for_cuda(d, vdim, e, erase, save_x, bv):
+  """The one-warpgroup forward with ``heads`` passes the Mosaic GPU lowering: its TMA copies of q,
+  k, v (and the stores of o) are strided boxes of the (B, T, H, X) arrays (row stride H * X); o
+  comes back (B, T, H, V), and no input is transposed before the kernel."""
+  b, h, nc, c = 2, 2, 4, 64
+  bh, t = b * h, nc * c
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  f32 = functools.partial(spec, dt=jnp.float32)
+  common = [f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, e), f32(bh, nc, c, 1),
+            f32(bh, nc, c, c), f32(bh, nc, c, c)]
+  args = (spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vdim), *common, f32(bh, e, d, vdim))
+  fwd = jax.jit(functools.partial(mosaic.state_pass, scale=SCALE, erase=erase, save_x=save_x,
+                                  block_v=bv, heads=h))
+  traced = fwd.trace(*args)
+  assert traced.out_info[0].shape == (b, t, h, vdim)
+  assert traced.out_info[1].shape == (bh, nc, c, vdim)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_forward_mgpu" in text
+  assert not re.search(r"stablehlo\.transpose %arg\d+", text)
+
+
+def test_heads_layout_rejects():
+  """``heads`` needs T a multiple of C (whole chunks: the argument is named), matching B * H and
+  T, and one warpgroup."""
+  z = lambda *s, dt=jnp.bfloat16: jnp.zeros(s, dt)
+  rest = lambda bh, nc: (*(z(bh, nc, 64, 1, dt=jnp.float32),) * 4,
+                         *(z(bh, nc, 64, 64, dt=jnp.float32),) * 2, z(bh, 1, 64, 64,
+                                                                     dt=jnp.float32))
+  x = z(1, 128, 2, 64)
+  kw = dict(scale=1.0, erase=True, heads=2)
+  with pytest.raises(ValueError, match="q: T = 150 must be a multiple of the chunk size C = 64"):
+    mosaic.state_pass(z(1, 150, 2, 64), x, x, *rest(2, 3), **kw)
+  with pytest.raises(ValueError, match="v: T = 100"):
+    mosaic.state_pass(x, x, z(1, 100, 2, 64), *rest(2, 2), **kw)
+  with pytest.raises(ValueError, match="k: .B . H, T. = .2, 192. does not match"):
+    mosaic.state_pass(x, z(1, 192, 2, 64), x, *rest(2, 2), **kw)
+  with pytest.raises(ValueError, match="warpgroups=1"):
+    mosaic.state_pass(x, x, x, *rest(2, 2), warpgroups=2, **kw)
 
 
 def test_two_warpgroups_supported():

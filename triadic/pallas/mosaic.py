@@ -104,6 +104,11 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
 * The initial / final state is moved once per program in the "cat" layout (BH, V/BV, D, E*BV),
   rearranged in plain JAX (state-sized, once); the per-chunk states are written directly in
   recurrent.py's (BH, NC, E, D, V) layout from an (E, D, BV) SMEM buffer.
+* q, k, v and o are in the (BH, NC, C, X) layout of ``ops.kernel_layout`` (T padded to NC * C,
+  H moved before T). The one-warpgroup forward also takes them in the user's (B, T, H, X)
+  layout (``state_pass(..., heads=H)``, T = NC * C): program i reads chunk n of head h = i % H of
+  batch b = i // H as the strided TMA box ``x.at[b, pl.ds(n * C, C), h, :]`` (row stride H * X)
+  and writes o the same way, so the relayout copies of q, k, v and o are not made.
 * float32 inputs are not supported (use the Triton path): wgmma on float32 would be TF32.
 """
 
@@ -464,13 +469,16 @@ class _Inputs:
     self.bars, self.copies, self.double, self.order, self.nc = bars, copies, double, order, nc
 
   @classmethod
-  def of(cls, bars, inputs, *, row, cols, value, **kw):
+  def of(cls, bars, inputs, *, row, cols, value, srcs=None, **kw):
     """From (name, gmem ref, smem ref) triples, barrier slots in their order (two for a ``double``
     one): every input is copied whole per chunk of its (BH, NC, ...) ref at ``row``, except
-    ``value``, whose value block ``cols`` is copied."""
+    ``value``, whose value block ``cols`` is copied, and those named in ``srcs`` (name -> chunk ->
+    gmem ref: inputs in another layout)."""
     copies, slot = {}, 0
     for name, gmem, smem in inputs:
-      if name == value:
+      if srcs and name in srcs:
+        src = srcs[name]
+      elif name == value:
         src = lambda n, g=gmem: g.at[row, n, :, cols]
       else:
         src = lambda n, g=gmem: g.at[row, n]
@@ -563,7 +571,8 @@ def _compiler_params():
 # Forward.
 
 
-def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, interpret):
+def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, interpret,
+                    heads=None):
   n_in = 7                            # gmem (SMEM) inputs: q, k, v, a, p, f, lam
   q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g = refs[:n_in + 1]
   outs_and_bars = refs[n_in + 1:]
@@ -574,6 +583,15 @@ def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, in
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
+  if heads is None:
+    srcs, o_at = None, lambda n: o_g.at[i, n, :, cols]
+  else:
+    # q, k, v and o in (B, T, H, X): chunk n of head h is a strided (C, X) box of TMA.
+    b, h, c = i // heads, i % heads, f_g.shape[-1]
+    tok = lambda n: pl.ds(n * c, c)
+    srcs = {"q": lambda n: q_g.at[b, tok(n), h, :], "k": lambda n: k_g.at[b, tok(n), h, :],
+            "v": lambda n: v_g.at[b, tok(n), h, cols]}
+    o_at = lambda n: o_g.at[b, tok(n), h, cols]
   erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
   x_rows = 3 * e_dim + 1              # save_x: c = k2 a (E rows) after beta
   state0 = _load_cat(ops, h0_g.at[i, j], cat, bars.at[CAT_BARRIER])
@@ -582,7 +600,8 @@ def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, in
     q_s, k_s, v_s, a_s, p_s, f_s, lam_s = bufs
     return _Inputs.of(bars, [("q", q_g, q_s), ("k", k_g, k_s), ("v", v_g, v_s), ("a", a_g, a_s),
                              ("p", p_g, p_s), ("lam", lam_g, lam_s), ("f", f_g, f_s)],
-                      row=i, cols=cols, value="v", double=("f", "k"), order=lambda n: n, nc=nc)
+                      row=i, cols=cols, value="v", srcs=srcs, double=("f", "k"),
+                      order=lambda n: n, nc=nc)
 
   # A only enters through the erase term, K through it and as the state update's K^T.
   first = ("q", "k", "v", "a", "p", "lam", "f") if erase else ("q", "v", "p", "lam", "f")
@@ -645,7 +664,7 @@ def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, in
     o_s[...] = (scale * out).astype(o_s.dtype)
     plgpu.commit_smem()
     ins.start_next(("q", "p", "f"), n)
-    plgpu.copy_smem_to_gmem(o_s, o_g.at[i, n, :, cols])
+    plgpu.copy_smem_to_gmem(o_s, o_at(n))
 
     for name in at_end:
       ins.wait(name, n)
@@ -655,16 +674,44 @@ def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, in
   _store_cat(state, ht_g.at[i, j], cat)
 
 
+def _check_heads(heads, warpgroups, k2_col, **qkv):
+  """The (B, T, H, X) layout's checks (``state_pass`` with ``heads``): every one of q, k, v is
+  (B, T, H, X) with B * H and T = NC * C matching the (BH, NC, C, E) operands, since the kernel
+  copies whole chunks (no padding, no partial box)."""
+  if warpgroups != 1:
+    raise ValueError(f"heads (the (B, T, H, X) layout) needs warpgroups=1, got {warpgroups}")
+  bh, nc, c = k2_col.shape[:3]
+  for name, x in qkv.items():
+    if x.ndim != 4 or x.shape[2] != heads:
+      raise ValueError(f"{name}: with heads={heads} expected (B, T, {heads}, X), got {x.shape}")
+    b, t = x.shape[:2]
+    if t % c:
+      raise ValueError(f"{name}: T = {t} must be a multiple of the chunk size C = {c} with heads "
+                       "(pad T, or use the (BH, NC, C, X) layout)")
+    if (b * heads, t) != (bh, nc * c):
+      raise ValueError(f"{name}: (B * H, T) = ({b * heads}, {t}) does not match k2_col's "
+                       f"(BH, NC * C) = ({bh}, {nc * c})")
+
+
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               save_x=False, warpgroups=1, interpret=False):
+               save_x=False, warpgroups=1, heads=None, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
   (BH,NC,C,V) in q's dtype, after U: the chunk-parallel backward's ``x``. ``warpgroups``: 1, or 2
-  at D = 128 (``warpgroups_supported``; block_v default ``default_block_v(.., warpgroups=2)``)."""
+  at D = 128 (``warpgroups_supported``; block_v default ``default_block_v(.., warpgroups=2)``).
+
+  ``heads=H`` (one warpgroup only): q, k, v are in the user's (B, T, H, X) layout with T = NC * C
+  and o is returned (B, T, H, V); the kernel reads and writes them in place by TMA, which saves
+  the relayout copies of q, k, v and o (``ops.kernel_layout``). Every other operand and output
+  keeps its (BH, ...) layout, BH = B * H with b = i // H, h = i % H."""
   vd = v.shape[-1]
-  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v,
-                                                  warpgroups)
+  shape = q
+  if heads is not None:
+    _check_heads(heads, warpgroups, k2_col, q=q, k=k, v=v)
+    shape = jax.ShapeDtypeStruct((*k2_col.shape[:3], q.shape[-1]), q.dtype)
+  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(shape, vd, k2_col, q2_col, gc_col, beta_col,
+                                                  block_v, warpgroups)
   save_x = bool(save_x and erase)
   if save_x:
     f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
@@ -695,11 +742,13 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # initial / final state (cat layout)
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_x=save_x,
-                             interpret=bool(interpret))
+                             interpret=bool(interpret), heads=heads)
   per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
+  o_type = per_chunk(q.dtype) if heads is None else jax.ShapeDtypeStruct(
+      (*q.shape[:3], vd), q.dtype)
   *outs, ht = plgpu.kernel(
       kernel,
-      out_type=[per_chunk(q.dtype), per_chunk(F32)] + ([per_chunk(q.dtype)] if save_x else []) + [
+      out_type=[o_type, per_chunk(F32)] + ([per_chunk(q.dtype)] if save_x else []) + [
           jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
           jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
       scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv),
