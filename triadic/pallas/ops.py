@@ -32,12 +32,16 @@ Sharding: the forward (outputs and residuals) and the backward are each one cust
 function (``partition.batch_head_partitioned``) whose operands and results all keep (B, H) as
 leading dims, merged to B*H only inside. Under jit with B and/or H sharded on any mesh axes, each
 device then runs the kernels on its own (B/b, H/h) slice instead of gathering the global batch.
+Their operands and results are passed by name; one table (``_DIMS``) gives every name its dims,
+and the partitioning rules are built from it (``_signatures``, ``_Stage``). What the backward
+keeps from the forward is ``Residuals``.
 The ``jax.custom_vjp`` stays outside them (custom_partitioning defines no derivative).
 """
 
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -132,17 +136,63 @@ def _split(x, b, h):
   return x.reshape(b, h, *x.shape[1:])
 
 
-# Shardy rules of the partitioned forward and backward: b, h may be sharded on any mesh axes; the
-# chunk axis n, the chunk c (and s, the second chunk index of A and P), D, V, E and the size-1 axis
-# of beta must be whole on every device (the recurrence runs along n and c).
-_REPLICATED = ("n", "c", "s", "d", "v", "e", "one")
-_FWD_RULE = ("b h n c d, b h n c d, b h n c v, b h n c e, b h n c e, b h n c e, b h n c one, "
-             "b h e d v -> b h n c v, b h e d v, b h n c e, b h n e c, b h n c s, b h n c s, "
-             "b h n c v, b h n e d v")
-_BWD_RULE = ("b h n c d, b h n c d, b h n c v, b h n c e, b h n c e, b h n c one, b h n c e, "
-             "b h n e c, b h n c s, b h n c s, b h n c v, b h n e d v, b h n c v, b h e d v "
-             "-> b h n c d, b h n c d, b h n c v, b h n c e, b h n c e, b h n c e, b h n c one, "
-             "b h e d v")
+class Residuals(NamedTuple):
+  """What the backward keeps from the forward besides the inputs it reads back (``_READ_BACK``),
+  each with leading (B, H) (shapes below after those). M, M', K K^T and Q K^T are recomputed
+  instead. Field names are also the operand names of the partitioned functions (``_DIMS``)."""
+  gc_col: jax.Array            # (NC, C, E) float32: the log decay summed within each chunk
+  gc_row: jax.Array            # (NC, E, C) float32: gc transposed
+  a: jax.Array                 # (NC, C, C) float32: the UT transform A (``chunk_prep``)
+  p: jax.Array                 # (NC, C, C) in q's dtype: the intra-chunk read P
+  u: jax.Array                 # (NC, C, V) float32: U from the forward state pass
+  states: jax.Array            # (NC, E, D, V) in q's dtype: every chunk's start state
+  x: jax.Array | None = None   # (NC, C, V) in q's dtype where ``Plan.saves_x``, else None
+
+
+# Every array operand and result of the partitioned forward and backward by name, with its dims
+# in Shardy's notation; the rules (``_rule``) are built from this table and the name lists of
+# ``_signatures``, and the arrays are passed by the same names. All lead with b h (B and H, which
+# may be sharded on any mesh axes: ``partition.batch_head_partitioned``). Every other factor must
+# be whole on every device (the recurrence runs along n and c): n the chunk axis, c the token in
+# a chunk (s the second one, of A and P), d, v, e the padded D, V, E, one the size-1 axis of beta.
+# ``d<name>``, a gradient or cotangent, has the dims of ``<name>``.
+_DIMS = {
+    # the op's inputs, in the kernel layout, and the initial state
+    "q": "b h n c d", "k": "b h n c d", "v": "b h n c v", "k2": "b h n c e",
+    "q2": "b h n c e", "g": "b h n c e", "beta": "b h n c one", "h0": "b h e d v",
+    # its outputs: o and the final state
+    "o": "b h n c v", "ht": "b h e d v",
+    # the residuals (``Residuals``)
+    "gc_col": "b h n c e", "gc_row": "b h n e c", "a": "b h n c s", "p": "b h n c s",
+    "u": "b h n c v", "states": "b h n e d v", "x": "b h n c v",
+}
+assert all(dims.startswith("b h ") for dims in _DIMS.values())
+assert set(Residuals._fields) <= set(_DIMS)
+_REPLICATED = tuple(dict.fromkeys(f for dims in _DIMS.values() for f in dims.split()[2:]))
+
+_INPUTS = ("q", "k", "v", "k2", "q2", "g", "beta", "h0")   # of ``_core`` and the forward
+_READ_BACK = ("q", "k", "v", "k2", "q2", "beta")           # the inputs the backward reads
+
+
+def _dims(name: str) -> str:
+  return _DIMS[name] if name in _DIMS else _DIMS[name.removeprefix("d")]
+
+
+def _rule(operands, results) -> str:
+  """Shardy's einsum-like rule of a function of the named operands to the named results."""
+  dims = lambda names: ", ".join(map(_dims, names))
+  return f"{dims(operands)} -> {dims(results)}"
+
+
+def _signatures(saves_x: bool):
+  """((operands, results), (operands, results)): the names, in order, of the partitioned forward
+  and backward, with X saved or not (``Plan.saves_x``). X comes last in the forward's results and
+  in the backward's operands, so that the two variants differ only by that tail."""
+  residuals = tuple(name for name in Residuals._fields if name != "x")
+  x = ("x",) if saves_x else ()
+  forward = (_INPUTS, ("o", "ht", *residuals, *x))
+  backward = ((*_READ_BACK, *residuals, "do", "dht", *x), tuple("d" + n for n in _INPUTS))
+  return forward, backward
 
 
 def _plan(cfg, q, v, k2):
@@ -186,78 +236,102 @@ def chunk_gradients_kernel(cfg, q, v, k2):
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 
-def _forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
-  """Forward kernels on (B, H, NC, C, X) operands and h0 (B, H, E, D, V).
-
-  Returns (o, final state) and the residuals gc (column and row layouts), A, P, U and the
-  chunk-start states, all with leading (B, H).
-  """
-  return _forward_kernels(False, scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)
-
-
-def _forward_saving_x(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
-  """``_forward`` whose residuals end with X (``Plan.saves_x``)."""
-  return _forward_kernels(True, scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)
-
-
-def _forward_kernels(saves_x, scale, erase, cfg, q, k, v, k2, q2, g, beta, h0):
+def _forward(scale, erase, cfg, *, saves_x, q, k, v, k2, q2, g, beta, h0):
+  """Forward kernels on (B, H, NC, C, X) operands and h0 (B, H, E, D, V): chunk prep, then the
+  forward state pass (over pieces of the sequence where the plan says). Returns o, the final state
+  ht and the ``Residuals`` fields by name, all with leading (B, H); x only where ``saves_x``."""
   b, h = q.shape[:2]
   q, k, v, k2, q2, g, beta, h0 = map(_merge, (q, k, v, k2, q2, g, beta, h0))
-  gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg)
+  gc_col, gc_row, a, p = chunk_prep(q, k, k2_col=k2, q2_col=q2, g_col=g, beta_col=beta,
+                                    erase=erase, cfg=cfg)
   forward = state_pass_kernels(cfg, q, v, k2, save_x=saves_x)[0]
   o, u, *x, states, ht = pieces.state_pass(
-      forward, sequence_pieces(cfg, q, v, k2), q, k, v, k2, q2, gc_col, beta, a, p, h0, g,
-      scale=scale, erase=erase)
-  return tuple(_split(y, b, h) for y in (o, ht, gc_col, gc_row, a, p, u, states, *x))
+      forward, sequence_pieces(cfg, q, v, k2), q=q, k=k, v=v, k2=k2, q2=q2, gc=gc_col, beta=beta,
+      a=a, p=p, h0=h0, g=g, scale=scale, erase=erase)
+  residuals = Residuals(gc_col=gc_col, gc_row=gc_row, a=a, p=p, u=u, states=states,
+                        x=x[0] if x else None)
+  return {name: None if y is None else _split(y, b, h)
+          for name, y in dict(o=o, ht=ht, **residuals._asdict()).items()}
 
 
-def _backward(scale, erase, cfg, q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht,
-              *x):
-  """Backward kernels: the residuals of ``_forward`` (X, where saved, last) and the cotangents
-  (do, dht), all with leading (B, H). Returns the gradients of the eight ``_forward`` operands,
-  in their dtypes."""
+def _backward(scale, erase, cfg, *, q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do,
+              dht, x=None):
+  """Backward kernels on the inputs read back, the ``Residuals`` fields and the cotangents (do,
+  dht), all with leading (B, H): the reverse state pass (chunk-end state gradients and dU), then
+  the chunk-parallel backward. Returns the gradients ``d<input>`` of the eight ``_forward``
+  inputs by name, in their dtypes."""
   b, h = q.shape[:2]
   dtypes = (q.dtype, k.dtype, v.dtype, k2.dtype, q2.dtype, beta.dtype)
-  q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht, *x = map(
-      _merge, (q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht, *x))
+  q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht = map(
+      _merge, (q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht))
+  # Only the Mosaic chunk-parallel backward takes X (``Plan.saves_x``).
+  saved_x = {} if x is None else {"x": _merge(x)}
   backward = state_pass_kernels(cfg, q, do, k2)[1]
   g = gc_col - jnp.pad(gc_col[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0)))  # per-token decay
   du, dstates, dh0 = pieces.reverse_state_pass(
-      backward, sequence_pieces(cfg, q, do, k2), q, k, do.astype(q.dtype), k2, q2, gc_col, beta,
-      a, p, dht.astype(F32), g, scale=scale, erase=erase)
+      backward, sequence_pieces(cfg, q, do, k2), q=q, k=k, do=do.astype(q.dtype), k2=k2, q2=q2,
+      gc=gc_col, beta=beta, a=a, p=p, dht=dht.astype(F32), g=g, scale=scale, erase=erase)
   chunk_gradients = chunk_gradients_kernel(cfg, q, v, k2)
   dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = chunk_gradients(
-      q, k, v, do, u, du, states, dstates, k2, _rows(k2), q2, gc_col, gc_row, beta, a, *x,
+      q=q, k=k, v=v, do=do, u=u, du=du, states=states, dstates=dstates, k2_col=k2,
+      k2_row=_rows(k2), q2_col=q2, gc_col=gc_col, gc_row=gc_row, beta_col=beta, a=a, **saved_x,
       scale=scale, erase=erase)
   dgc = dgc_col + _rows(dgc_row)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dgc, 2), axis=2), 2)  # gc is a cumsum over the chunk axis
   dk2 = dk2_col + _rows(dk2_row)
-  dq, dk, dv, dk2, dq2, dbeta = (x.astype(dt) for x, dt in zip((dq, dk, dv, dk2, dq2, dbeta),
+  dq, dk, dv, dk2, dq2, dbeta = (y.astype(dt) for y, dt in zip((dq, dk, dv, dk2, dq2, dbeta),
                                                                  dtypes))
-  return tuple(_split(x, b, h) for x in (dq, dk, dv, dk2, dq2, dg, dbeta, dh0))
+  grads = {"dq": dq, "dk": dk, "dv": dv, "dk2": dk2, "dq2": dq2, "dg": dg, "dbeta": dbeta,
+           "dh0": dh0}
+  return {name: _split(y, b, h) for name, y in grads.items()}
 
 
-# The same with X (b h n c v) after the states: residual of the forward, operand of the backward.
-_FWD_RULE_X = _FWD_RULE + ", b h n c v"
-_BWD_RULE_X = _BWD_RULE.replace(" -> ", ", b h n c v -> ")
+class _Stage:
+  """``fn(scale, erase, cfg, **arrays)`` -> arrays by name, as custom_partitioning sees it: flat
+  operands and results in the order of the ``operands`` and ``results`` names, and the Shardy
+  rule built from the same names (``_rule``). Called with the operands by name, it returns the
+  results by name; ``partitioned=False`` runs the flat function as it is."""
+
+  def __init__(self, fn, operands, results, *, partitioned: bool):
+    self.operands, self.results = operands, results
+    self.rule = _rule(operands, results)
+
+    def flat(scale, erase, cfg, *arrays):
+      out = fn(scale, erase, cfg, **dict(zip(operands, arrays, strict=True)))
+      out = {name: y for name, y in out.items() if y is not None}
+      if set(out) != set(results):
+        raise AssertionError(f"{fn} returned {sorted(out)}, its rule names {sorted(results)}")
+      return tuple(out[name] for name in results)
+
+    self._flat = (partition.batch_head_partitioned(flat, n_static=3, rule=self.rule,
+                                                   replicated=_REPLICATED)
+                  if partitioned else flat)
+
+  def __call__(self, scale, erase, cfg, **arrays) -> dict:
+    if set(arrays) != set(self.operands):
+      raise TypeError(f"operands {sorted(arrays)}, expected {sorted(self.operands)}")
+    out = self._flat(scale, erase, cfg, *(arrays[name] for name in self.operands))
+    return dict(zip(self.results, out, strict=True))
 
 
-_PARTITIONED = {
-    saves_x: tuple(partition.batch_head_partitioned(fn, n_static=3, rule=rule,
-                                                    replicated=_REPLICATED)
-                   for fn, rule in ((fwd, fwd_rule), (_backward, bwd_rule)))
-    for saves_x, fwd, fwd_rule, bwd_rule in ((False, _forward, _FWD_RULE, _BWD_RULE),
-                                             (True, _forward_saving_x, _FWD_RULE_X, _BWD_RULE_X))}
+def _make_stages(saves_x: bool, partitioned: bool) -> tuple[_Stage, _Stage]:
+  (fwd_operands, fwd_results), (bwd_operands, bwd_results) = _signatures(saves_x)
+  return (_Stage(functools.partial(_forward, saves_x=saves_x), fwd_operands, fwd_results,
+                 partitioned=partitioned),
+          _Stage(_backward, bwd_operands, bwd_results, partitioned=partitioned))
 
 
-def _sharded(cfg, saves_x):
+_STAGES = {(saves_x, partitioned): _make_stages(saves_x, partitioned)
+           for saves_x in (False, True) for partitioned in (False, True)}
+
+
+def _stages(cfg, saves_x: bool) -> tuple[_Stage, _Stage]:
   """The forward and backward, the forward saving X or not (``Plan.saves_x``): custom-partitioned
   (their rules with or without X), or the plain functions when the kernels run as host callbacks
   (Mosaic GPU interpret mode on a CPU), which custom_partitioning cannot lower. On one device the
   two compile to the same program."""
-  if (cfg.mosaic_gpu or cfg.mosaic_gpu_backward) and cfg.platform == "cpu":
-    return (_forward_saving_x if saves_x else _forward), _backward
-  return _PARTITIONED[saves_x]
+  host_callbacks = (cfg.mosaic_gpu or cfg.mosaic_gpu_backward) and cfg.platform == "cpu"
+  return _STAGES[saves_x, not host_callbacks]
 
 
 def _saves_x(cfg, q, v, k2, erase) -> bool:
@@ -268,20 +342,29 @@ def _saves_x(cfg, q, v, k2, erase) -> bool:
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
 def _core(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
   # Not differentiated: nothing needs X.
-  return _sharded(cfg, False)[0](scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)[:2]
+  out = _stages(cfg, False)[0](scale, erase, cfg, q=q, k=k, v=v, k2=k2, q2=q2, g=g, beta=beta,
+                               h0=h0)
+  return out["o"], out["ht"]
 
 
 def _core_fwd(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
-  forward = _sharded(cfg, _saves_x(cfg, q, v, k2, erase))[0]
-  o, ht, *res = forward(scale, erase, cfg, q, k, v, k2, q2, g, beta, h0)
-  return (o, ht), (q, k, v, k2, q2, beta, *res)
+  """(o, ht) and, for ``_core_bwd``, the inputs it reads back by name and the ``Residuals``."""
+  forward = _stages(cfg, _saves_x(cfg, q, v, k2, erase))[0]
+  out = forward(scale, erase, cfg, q=q, k=k, v=v, k2=k2, q2=q2, g=g, beta=beta, h0=h0)
+  read_back = {"q": q, "k": k, "v": v, "k2": k2, "q2": q2, "beta": beta}
+  residuals = Residuals(**{name: out.get(name) for name in Residuals._fields})
+  return (out["o"], out["ht"]), (read_back, residuals)
 
 
 def _core_bwd(scale, erase, cfg, saved, cotangents):
-  q, v, k2 = saved[0], saved[2], saved[3]
-  saves_x = _saves_x(cfg, q, v, k2, erase)
-  saved, x = (saved[:-1], saved[-1:]) if saves_x else (saved, ())
-  return _sharded(cfg, saves_x)[1](scale, erase, cfg, *saved, *cotangents, *x)
+  """The gradients of ``_core``'s eight array inputs, in its order, by the backward that takes
+  the X the forward saved, if it saved one."""
+  read_back, residuals = saved
+  do, dht = cotangents
+  backward = _stages(cfg, residuals.x is not None)[1]
+  arrays = {name: y for name, y in residuals._asdict().items() if y is not None}
+  grads = backward(scale, erase, cfg, **read_back, **arrays, do=do, dht=dht)
+  return tuple(grads["d" + name] for name in _INPUTS)
 
 
 _core.defvjp(_core_fwd, _core_bwd)
