@@ -131,7 +131,8 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg):
   gc_col = masks.chunk_cumsum(g_col)
   gc_row = jnp.swapaxes(gc_col, -1, -2)
   k2_row = jnp.swapaxes(k2_col, -1, -2).astype(F32)
-  m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
+  m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase,
+                            sub=cfg.sub_chunk_masks)
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))
   kernel = functools.partial(_prep_kernel, c=c, erase=erase, dtype=q.dtype)
   shape = jax.ShapeDtypeStruct((bh, nc, c, c), F32)

@@ -69,6 +69,11 @@ class Config:
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).
+  sub_chunk_masks: form the decay masks M, M' (the prep, the split tail of the Mosaic chunk
+  backward) and their gradients (that tail) by sub-chunks of this many tokens
+  (``masks.decay_masks``' ``sub``: matmuls over E across sub-chunks, elementwise inside), where
+  the chunk is a multiple of it and larger; None: by their elementwise definition. Same values
+  to float32 rounding.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -90,6 +95,7 @@ class Config:
   sequence_pieces: int = 1
   warmup_chunks: int = 16
   ut_kernel: bool = False
+  sub_chunk_masks: int | None = None
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -101,6 +107,9 @@ class Config:
     if not isinstance(self.sequence_pieces, int) or self.sequence_pieces < 0:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
+    if self.sub_chunk_masks is not None and (not isinstance(self.sub_chunk_masks, int)
+                                             or self.sub_chunk_masks < 1):
+      raise ValueError(f"sub_chunk_masks must be None or an int >= 1, got {self.sub_chunk_masks!r}")
     if not isinstance(self.warmup_chunks, int) or self.warmup_chunks < 1:
       raise ValueError(f"warmup_chunks must be an int >= 1, got {self.warmup_chunks!r}")
     if self.platform == "cpu" and not self.interpret:

@@ -226,13 +226,14 @@ def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
 
 def chunk_gradients_kernel(cfg, q, v, k2):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel with
-  ``cfg.slice_warpgroups``, ``cfg.fused_tail``) or ``backward.chunk_gradients``."""
+  ``cfg.slice_warpgroups``, ``cfg.fused_tail``, ``cfg.sub_chunk_masks``) or
+  ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
     return functools.partial(
         mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
         slice_warpgroups=mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, q.shape[-1]),
-        fused_tail=cfg.fused_tail)
+        fused_tail=cfg.fused_tail, sub_chunk_masks=cfg.sub_chunk_masks)
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 

@@ -76,8 +76,13 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   interp = "/interpret" if cfg.platform == "cpu" else ""
   loop = "chunks on the grid, state in VMEM" if cfg.chunk_grid else "chunk loop per value block"
   inverse = "UT inverse kernel (Config.ut_kernel)" if cfg.ut_kernel else "UT inverse in plain JAX"
+  sub = cfg.sub_chunk_masks
+  by_sub = f" by sub-chunks of {sub}" if sub and c % sub == 0 and c > sub else ""
+  masks_by = "masks M, M' in plain JAX" + (
+      f"{by_sub} (Config.sub_chunk_masks)" if by_sub else
+      f" by definition (sub_chunk_masks={sub} needs a larger chunk it divides)" if sub else "")
   prep = Stage("prep", base, "one program per chunk",
-               f"masks M, M' in plain JAX (E-independent kernel); {inverse}")
+               f"{masks_by} (E-independent kernel); {inverse}")
 
   st = state_tiles(cfg, d=d, vd=vd, c=c, e=e)
   state_reason = ((mosaic.supported(d, vd, c, e, dtype, st.block_v, st.forward_warpgroups)
@@ -100,7 +105,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
     bwd_states = Stage("backward_states", base, tiles, state_reason)
 
   fused = (mosaic_backward.default_fused_tail(e) if cfg.fused_tail is None else cfg.fused_tail)
-  tail = "fused tail" if fused else "tail between JAX mask work"
+  tail = "fused tail" if fused else "tail between JAX mask work" + by_sub
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
   slice_wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)

@@ -1,0 +1,98 @@
+"""The decay masks M, M' and their gradients (``triadic.pallas.masks``), both forms: the
+elementwise definition and sub-chunks (``sub``), against a float64 autodiff oracle.
+
+The oracle is ``triadic.chunked.chunk_masks`` (the definition, elementwise over (C, C, E)) in a
+scalar L = <dM, M> + <dM', M'> + the row-coefficient terms that ``mask_grads`` adds (dcoef k2 a,
+dqcoef q2 a, dkcoef k2 b, dlam exp(gc_C); a = exp(gc), b = exp(gc_C - gc)), differentiated by
+JAX in float64 with respect to k2, q2 and gc. Inputs: C = 64, E = 3 (not a power of two), strong
+decay (g down to -30 per token, where only masking before exp keeps the upper triangle finite)
+and weak, with and without erase. Bound: relative RMS 1e-5 (float32 against float64).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from testkit import rel_rms
+from triadic.chunked import chunk_masks
+from triadic.pallas import masks
+
+BOUND = 1e-5
+C, E = 64, 3
+
+
+def operands(decay, seed=0):
+  """(k2, q2, gc) columns (BH, NC, C, E) float32 and cotangents dM, dM' (BH, NC, C, C) and row
+  coefficients dcoef, dqcoef, dkcoef (BH, NC, C, E), dlam (BH, NC, E)."""
+  rng = np.random.default_rng(seed)
+  shape = (2, 3, C, E)
+  k2, q2 = (np.abs(rng.standard_normal(shape)) / np.sqrt(E) for _ in range(2))
+  g = -decay * rng.uniform(0.0, 1.0, shape)
+  gc = np.cumsum(g, axis=-2)
+  tri = np.tril(np.ones((C, C)))
+  dm, dmq = (rng.standard_normal((2, 3, C, C)) * tri for _ in range(2))
+  dcoef, dqcoef, dkcoef = (rng.standard_normal(shape) for _ in range(3))
+  dlam = rng.standard_normal((2, 3, E))
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+  return tuple(map(f32, (k2, q2, gc))), tuple(map(f32, (dm, dmq, dcoef, dqcoef, dkcoef, dlam)))
+
+
+def oracle(cols, cots, erase):
+  """(dk2, dq2, dgc) in float64 by autodiff of the definition."""
+  dm, dmq, dcoef, dqcoef, dkcoef, dlam = (jnp.asarray(x, jnp.float64) for x in cots)
+
+  def loss(k2, q2, gc):
+    m, mq = chunk_masks(gc, k2, q2)
+    a, gl = jnp.exp(gc), gc[..., -1:, :]
+    b = jnp.exp(gl - gc)
+    out = jnp.sum(dmq * mq) + jnp.sum(dqcoef * q2 * a) + jnp.sum(dkcoef * k2 * b)
+    out = out + jnp.sum(dlam * jnp.exp(gl[..., 0, :]))
+    if erase:
+      out = out + jnp.sum(dm * m) + jnp.sum(dcoef * k2 * a)
+    return out
+
+  return jax.grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float64) for x in cols))
+
+
+@pytest.mark.parametrize("sub", [None, 16], ids=["definition", "sub16"])
+@pytest.mark.parametrize("decay,erase", [(30.0, True), (0.05, True), (30.0, False)])
+def test_masks_and_gradients_match_float64_oracle(sub, decay, erase):
+  (k2, q2, gc), cots = operands(decay)
+  rows = lambda x: jnp.swapaxes(x, -1, -2)
+  m, mq = masks.decay_masks(k2, rows(k2), q2, gc, rows(gc), erase=erase, sub=sub)
+  with jax.enable_x64(True):
+    want_m, want_mq = chunk_masks(*(jnp.asarray(x, jnp.float64) for x in (gc, k2, q2)))
+    assert rel_rms(mq, want_mq) < BOUND
+    if erase:
+      assert rel_rms(m, want_m) < BOUND
+    else:
+      assert m is None
+    want = oracle((k2, q2, gc), cots, erase)
+  dm, dmq, dcoef, dqcoef, dkcoef, dlam = cots
+  dk2_col, dk2_row, dq2, dgc_col, dgc_row = masks.mask_grads(
+      dmq, dm if erase else None, dcoef, dqcoef, dkcoef, dlam, k2, rows(k2), q2, gc, rows(gc),
+      erase=erase, sub=sub)
+  got = (dk2_col + rows(dk2_row), dq2, dgc_col + rows(dgc_row))
+  for name, x, y in zip(("dk2", "dq2", "dgc"), got, want):
+    assert x.dtype == jnp.float32 and x.shape == y.shape, name
+    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+
+
+def test_plan_and_config():
+  """The plan says where the masks are formed by sub-chunks (prep, and the split tail at E = 8),
+  and where the chunk does not take them; the Config refuses a sub-chunk that is no int >= 1."""
+  from triadic.pallas import ops as pops
+  from triadic.pallas.common import Config
+  cfg = Config("gpu", block_v=16, bwd_block_v=32, mosaic_gpu=True, mosaic_gpu_backward=True,
+               sub_chunk_masks=16)
+  plan = pops.explain(128, 128, 8, 64, jnp.bfloat16, config=cfg)
+  assert "by sub-chunks of 16 (Config.sub_chunk_masks)" in plan.prep.reason
+  assert "tail between JAX mask work by sub-chunks of 16" in plan.chunk_gradients.tiles
+  small = pops.explain(16, 16, 2, 16, jnp.float32, config=Config("cpu", 16, 16, sub_chunk_masks=16))
+  assert "by definition (sub_chunk_masks=16 needs a larger chunk it divides)" in small.prep.reason
+  for bad in (0, 2.5, "16"):
+    with pytest.raises(ValueError, match="sub_chunk_masks"):
+      Config("cpu", 16, 16, sub_chunk_masks=bad)
