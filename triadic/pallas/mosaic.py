@@ -571,11 +571,8 @@ def _compiler_params():
 # Forward.
 
 
-def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, interpret,
-                    heads=None):
-  n_in = 7                            # gmem (SMEM) inputs: q, k, v, a, p, f, lam
-  q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g = refs[:n_in + 1]
-  outs_and_bars = refs[n_in + 1:]
+def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, cat, nc,
+                    e_dim, bv, scale, erase, save_x, interpret, heads=None):
   if save_x:
     o_g, u_g, x_g, st_g, ht_g, bars = outs_and_bars
   else:
@@ -596,8 +593,7 @@ def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, in
   x_rows = 3 * e_dim + 1              # save_x: c = k2 a (E rows) after beta
   state0 = _load_cat(ops, h0_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
-  def copies(bufs):
-    q_s, k_s, v_s, a_s, p_s, f_s, lam_s = bufs
+  def copies(q_s, k_s, v_s, a_s, p_s, f_s, lam_s):
     return _Inputs.of(bars, [("q", q_g, q_s), ("k", k_g, k_s), ("v", v_g, v_s), ("a", a_g, a_s),
                              ("p", p_g, p_s), ("lam", lam_g, lam_s), ("f", f_g, f_s)],
                       row=i, cols=cols, value="v", srcs=srcs, double=("f", "k"),
@@ -610,12 +606,11 @@ def _forward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, in
   at_end = () if erase else ("k",)
 
   def prologue(*refs):
-    copies(refs[:n_in]).start(first, 0)
+    copies(*refs[:7]).start(first, 0)
 
-  def chunk(n, s, *refs):
-    ins = copies(refs[:n_in])
-    q_s, _, v_s, a_s, p_s, _, lam_s = refs[:n_in]
-    (state_bf16_s, w_s, rhs_bf16_s, u_bf16_s, o_s, u_s, st_s, *extra) = refs[n_in:]
+  def chunk(n, s, q_s, k_bufs, v_s, a_s, p_s, f_bufs, lam_s, state_bf16_s, w_s, rhs_bf16_s,
+            u_bf16_s, o_s, u_s, st_s, *extra):
+    ins = copies(q_s, k_bufs, v_s, a_s, p_s, f_bufs, lam_s)
     x_out, interp = extra[:save_x], extra[save_x:]      # interp: K^T, interpret mode only
     f_s, k_s = ins.ref("f", n), ins.ref("k", n)
     d = q_s.shape[1]
@@ -763,18 +758,15 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
 # Backward state pass.
 
 
-def _backward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, interpret):
-  n_in = 7                            # gmem (SMEM) inputs: k, q, dO, a, p, f, lam
-  k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g = refs[:n_in + 1]
-  du_g, dst_g, dh0_g, bars = refs[n_in + 1:]
+def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, dh0_g, bars, *,
+                     scratch, cat, nc, e_dim, bv, scale, erase, interpret):
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
   erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
   dstate0 = _load_cat(ops, dht_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
-  def copies(bufs):
-    k_s, q_s, do_s, a_s, p_s, f_s, lam_s = bufs
+  def copies(k_s, q_s, do_s, a_s, p_s, f_s, lam_s):
     return _Inputs.of(bars, [("k", k_g, k_s), ("q", q_g, q_s), ("do", do_g, do_s),
                              ("a", a_g, a_s), ("p", p_g, p_s), ("lam", lam_g, lam_s),
                              ("f", f_g, f_s)],
@@ -783,10 +775,9 @@ def _backward_kernel(*refs, scratch, cat, nc, e_dim, bv, scale, erase, interpret
   first = ("k", "do", "p", "lam", "f") + (("a",) if erase else ())
   at_end = ("q",)                       # read only by the state update at the end, as Q^T
 
-  def chunk(step, ds, *refs):
-    ins = copies(refs[:n_in])
-    k_s, q_s, do_s, a_s, p_s, f_s, lam_s = refs[:n_in]
-    state_bf16_s, x_s, z_s, u_bf16_s, u_s, st_s, *interp = refs[n_in:]
+  def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, lam_s, state_bf16_s, x_s, z_s, u_bf16_s, u_s,
+            st_s, *interp):
+    ins = copies(k_s, q_s, do_s, a_s, p_s, f_s, lam_s)
     # The operands K^T, Q^T, A^T, P^T: views of the copies of K, Q, A, P (interp: their explicit
     # transposes in interpret mode).
     tr = lambda ref, at: ops.transposed(ref, interp[at] if interp else None)
@@ -930,10 +921,8 @@ def _partial(ops, lhs, rhs, f_s, first_row, bv):
   return out
 
 
-def _forward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x, interpret):
-  n_in = 7                            # gmem (SMEM) inputs: q, k, v, a, p, f, lam
-  q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g = refs[:n_in + 1]
-  outs_and_bars = refs[n_in + 1:]
+def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, cat,
+                        nc, e_dim, bv, scale, erase, save_x, interpret):
   if save_x:
     o_g, u_g, x_g, st_g, ht_g, bars, xbar = outs_and_bars
   else:
@@ -946,8 +935,7 @@ def _forward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x
   r_rows = 3 * e_dim + 1 if save_x else 0
   state0 = _load_rows(ops, h0_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
 
-  def copies(bufs):
-    q_s, k_s, v_s, a_s, p_s, f_s, lam_s = bufs
+  def copies(q_s, k_s, v_s, a_s, p_s, f_s, lam_s):
     # K is the state update's K^T too: two buffers (slots 3 w + 1, 3 w + 2), chunk n's read by
     # its state update after chunk n + 1's copy has started.
     return _Inputs(bars, {
@@ -966,14 +954,13 @@ def _forward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, save_x
   at_end = () if erase else ("k",)
 
   def prologue(*refs):
-    cp = copies(refs[:n_in])
+    cp = copies(*refs[:7])
     cp.start(own, 0)
     pl.when(w == 0)(lambda: cp.start(first0, 0))
 
-  def chunk(n, s, *refs):
-    cp = copies(refs[:n_in])
-    q_s, _, v_s, a_s, p_s, f_s, lam_s = refs[:n_in]
-    s_s, w_s, rhs_s, u16_s, o_s, u_s, red_r, red_y, *extra = refs[n_in:]
+  def chunk(n, s, q_s, k_bufs, v_s, a_s, p_s, f_s, lam_s, s_s, w_s, rhs_s, u16_s, o_s, u_s, red_r,
+            red_y, *extra):
+    cp = copies(q_s, k_bufs, v_s, a_s, p_s, f_s, lam_s)
     x_out = extra[:save_x]
     interp = extra[save_x:]               # K^T rows, interpret mode only
     k_w = cp.ref("k", n)                  # (C, 64): this warpgroup's columns of K
@@ -1099,18 +1086,15 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
   return (*outs, _from_cat(ht, e_dim))
 
 
-def _backward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, interpret):
-  n_in = 7                            # gmem (SMEM) inputs: k, q, dO, a, p, f, lam
-  k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g = refs[:n_in + 1]
-  du_g, dst_g, dh0_g, bars, xbar = refs[n_in + 1:]
+def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, dh0_g, bars,
+                         xbar, *, scratch, cat, nc, e_dim, bv, scale, erase, interpret):
   ops = _Ops(interpret)
   i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
   cols, rows = pl.ds(j * bv, bv), pl.ds(w * HALF, HALF)
   erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
   dstate0 = _load_rows(ops, dht_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
 
-  def copies(bufs):
-    k_s, q_s, do_s, a_s, p_s, f_s, lam_s = bufs
+  def copies(k_s, q_s, do_s, a_s, p_s, f_s, lam_s):
     return _Inputs(bars, {
         "k": (lambda n: k_g.at[i, n, :, rows], k_s.at[w], 3 * w),
         "q": (lambda n: q_g.at[i, n, :, rows], q_s.at[w], 3 * w + 2),
@@ -1123,10 +1107,8 @@ def _backward_kernel_2wg(*refs, scratch, cat, nc, e_dim, bv, scale, erase, inter
   first0 = ("f", "lam", "do", "p") + (("a",) if erase else ())
   at_end = ("q",)                       # read only by the state update at the end, as Q^T
 
-  def chunk(step, ds, *refs):
-    cp = copies(refs[:n_in])
-    k_s, q_s, do_s, a_s, p_s, f_s, lam_s = refs[:n_in]
-    s_s, x_s, z_s, u16_s, u_s, *interp = refs[n_in:]
+  def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, lam_s, s_s, x_s, z_s, u16_s, u_s, *interp):
+    cp = copies(k_s, q_s, do_s, a_s, p_s, f_s, lam_s)
     if interp:                            # this warpgroup's rows of K^T, Q^T
       interp = [interp[0].at[w], interp[1].at[w], *interp[2:]]
     # The operands K^T, Q^T, A^T, P^T: views of the copies of K, Q, A, P (interp: their explicit
