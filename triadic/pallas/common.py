@@ -154,6 +154,31 @@ def call(kernel, *, cfg: Config, grid, in_specs, out_specs, out_shape, semantics
                         out_shape=out_shape, interpret=cfg.interpret, name=name, **kwargs)
 
 
+def check_heads(heads: int, bh: int, nc: int, c: int, **arrays) -> None:
+  """The checks of the caller's (B, T, H, X) layout (a kernel's ``heads=H``): every named array
+  is (B, T, H, X) with T = NC * C (kernels copy whole chunks: no padding, no partial box) and
+  B * H = BH, the leading dim of the kernel's other (BH, NC, ...) operands. Program / row i of
+  those reads batch b = i // H, head h = i % H."""
+  if not isinstance(heads, int) or isinstance(heads, bool) or heads < 1:
+    raise ValueError(f"heads must be a positive int (H of the (B, T, H, X) layout), got {heads!r}")
+  for name, x in arrays.items():
+    if x.ndim != 4 or x.shape[2] != heads:
+      raise ValueError(f"{name}: with heads={heads} expected (B, T, {heads}, X), got {x.shape}")
+    b, t = x.shape[:2]
+    if t % c:
+      raise ValueError(f"{name}: T = {t} must be a multiple of the chunk size C = {c} with heads "
+                       "(pad T, or use the (BH, NC, C, X) layout)")
+    if (b * heads, t) != (bh, nc * c):
+      raise ValueError(f"{name}: (B * H, T) = ({b * heads}, {t}) does not match the other "
+                       f"operands' (BH, NC * C) = ({bh}, {nc * c})")
+
+
+def token_major(x, b: int, h: int):
+  """(B*H, NC, C, X) -> (B, T, H, X), T = NC * C: the kernel layout back to the caller's (a
+  copy; tests and the op's fallbacks)."""
+  return jnp.swapaxes(x.reshape(b, h, -1, x.shape[-1]), 1, 2)
+
+
 def mm(a, b, dtype, *, ta=False, tb=False, precision=None):
   """a @ b (a^T if ta, b^T if tb) with operands cast to ``dtype``, float32 accumulation.
 

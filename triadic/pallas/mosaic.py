@@ -122,6 +122,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from triadic.pallas.common import check_heads
+
 F32 = jnp.float32
 BF16 = jnp.bfloat16
 BLOCK_VS = (16, 32, 64)
@@ -670,22 +672,12 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
 
 
 def _check_heads(heads, warpgroups, k2_col, **qkv):
-  """The (B, T, H, X) layout's checks (``state_pass`` with ``heads``): every one of q, k, v is
-  (B, T, H, X) with B * H and T = NC * C matching the (BH, NC, C, E) operands, since the kernel
-  copies whole chunks (no padding, no partial box)."""
+  """The (B, T, H, X) layout's checks (``state_pass`` with ``heads``, ``common.check_heads``):
+  every one of q, k, v is (B, T, H, X) with B * H and T = NC * C matching the (BH, NC, C, E)
+  operands; one warpgroup."""
   if warpgroups != 1:
     raise ValueError(f"heads (the (B, T, H, X) layout) needs warpgroups=1, got {warpgroups}")
-  bh, nc, c = k2_col.shape[:3]
-  for name, x in qkv.items():
-    if x.ndim != 4 or x.shape[2] != heads:
-      raise ValueError(f"{name}: with heads={heads} expected (B, T, {heads}, X), got {x.shape}")
-    b, t = x.shape[:2]
-    if t % c:
-      raise ValueError(f"{name}: T = {t} must be a multiple of the chunk size C = {c} with heads "
-                       "(pad T, or use the (BH, NC, C, X) layout)")
-    if (b * heads, t) != (bh, nc * c):
-      raise ValueError(f"{name}: (B * H, T) = ({b * heads}, {t}) does not match k2_col's "
-                       f"(BH, NC * C) = ({bh}, {nc * c})")
+  check_heads(heads, *k2_col.shape[:3], **qkv)
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
