@@ -584,6 +584,10 @@ def op_table(args):
         if "sequence_pieces" in fields:
           print(f"# {variant} at B={b} T={t} E={e}: "
                 f"{pieces_of(pallas_config(e, vd, b * h, **fields))}")
+        if "token_major" in fields:
+          layout = pops.explain_layout(b, t, h, d, vd, e, 64, jnp.bfloat16,
+                                       config=pallas_config(e, vd, b * h, **fields))
+          print(f"# {variant} at B={b} T={t} E={e}: {layout}")
         try:
           vf, vfb = triadic_fns("pallas", **fields)
           variants += [timeit(vf, xs, args.reps), timeit(vfb, xs, args.reps)]

@@ -17,8 +17,9 @@ The two-warpgroup kernels (``warpgroups=2``, D = 128) are checked the same way, 
 reference and bounds. They run eagerly (the kernel alone under jit): inside a larger jitted
 function the interpreter's two simulated warpgroups can wait on each other forever on a 2-core
 machine.
-The forward with ``heads`` (q, k, v, o in (B, T, H, X)) is checked against the default layout's
-outputs on the same data (bit-equal in interpret mode) and by the CUDA lowering.
+With ``heads`` (q, k, v, o and dO in (B, T, H, X)) the forward and reverse passes, one and two
+warpgroups, are checked against the default layout's outputs on the same data (bit-equal in
+interpret mode) and by the CUDA lowering.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from testkit.triadic import make_grad_inputs
 from testkit import rel_rms
 from triadic.pallas import mosaic, mosaic_backward, recurrent
 from triadic.pallas.chunk_prep import chunk_prep
-from triadic.pallas.common import Config
+from triadic.pallas.common import Config, token_major
 from triadic.pallas import ops as pops
 from triadic.pallas.ops import kernel_layout
 
@@ -196,55 +197,94 @@ def transposes_an_argument(text) -> bool:
   return re.search(r"stablehlo\.transpose %arg\d+", text) is not None
 
 
-def token_major(x, b, h):
-  """(B*H, NC, C, X) -> (B, T, H, X), T = NC * C: the user's layout (``heads``)."""
-  return jnp.swapaxes(x.reshape(b, h, -1, x.shape[-1]), 1, 2)
-
-
 @pytest.mark.parametrize("erase,save_x,bv", [(True, True, 16), (False, False, 32)])
 def test_heads_layout_matches_default(erase, save_x, bv):
-  """``state_pass(heads=H)`` on q, k, v in (B, T, H, X) gives the default layout's outputs on the
-  same data (o in (B, T, H, V)), bit for bit: the same arithmetic, only the TMA boxes differ. B = H
-  = 2 and two value blocks (bv 16) exercise b = i // H, h = i % H and the column offsets."""
+  """One warpgroup: ``state_pass(heads=H)`` on q, k, v in (B, T, H, X) and
+  ``reverse_state_pass(heads=H)`` on q, k, dO in (B, T, H, X) give the default layout's outputs on
+  the same data (o in (B, T, H, V)), bit for bit: the same arithmetic, only the TMA boxes differ.
+  B = H = 2 and two value blocks (bv 16) exercise b = i // H, h = i % H and the column offsets."""
   b, t, h, d, vdim, e = 2, 192, 2, 64, 32, 2
-  fargs, _, _ = build(b, t, h, d, vdim, e, 64, erase)
-  kw = dict(scale=SCALE, erase=erase, block_v=bv, save_x=save_x, interpret=True)
-  want = jax.jit(functools.partial(mosaic.state_pass, **kw))(*fargs)
-  tok = [token_major(x, b, h) for x in fargs[:3]]
-  got = jax.jit(functools.partial(mosaic.state_pass, heads=h, **kw))(*tok, *fargs[3:])
-  want = (token_major(want[0], b, h), *want[1:])
-  assert len(got) == (5 if save_x else 4)
-  for x, y in zip(got, want, strict=True):
-    assert x.shape == y.shape and x.dtype == y.dtype
-    assert rel_rms(x, y) <= 1e-6, f"rel RMS {rel_rms(x, y):.2e}"
+  match_default_with_heads(build(b, t, h, d, vdim, e, 64, erase), b, h, jax.jit,
+                           dict(scale=SCALE, erase=erase, block_v=bv), save_x)
 
 
-@pytest.mark.parametrize("d,vdim,e,erase,save_x,bv", [
-    (128, 128, 1, True, True, 32), (128, 128, 1, False, False, 64),
-    (128, 128, 8, True, False, 16), (128, 128, 8, False, False, 16),
-    (64, 64, 8, True, True, None), (64, 32, 3, False, False, None),
+@pytest.mark.parametrize("b,h,vdim,e,bv,erase,save_x", [
+    # D = 128, C = 64, NC = 2; four programs each (the interpreter's time grows with them)
+    pytest.param(2, 2, 32, 1, 32, True, True, id="B2-H2-erase-saveX"),
+    pytest.param(1, 2, 32, 2, 16, False, False, id="H2-two-value-blocks-noerase"),
 ])
-def test_heads_layout_lowers_for_cuda(d, vdim, e, erase, save_x, bv):
-  """The one-warpgroup forward with ``heads`` passes the Mosaic GPU lowering: its TMA copies of q,
-  k, v (and the stores of o) are strided boxes of the (B, T, H, X) arrays (row stride H * X); o
-  comes back (B, T, H, V), and no input is transposed before the kernel."""
+def test_heads_layout_two_warpgroups_match_default(b, h, vdim, e, bv, erase, save_x):
+  """Two warpgroups: the forward and reverse passes with ``heads=H`` give the default layout's
+  outputs, bit for bit; each warpgroup copies its 64 columns of q and k as a strided box. B = H = 2
+  exercises b = i // H, h = i % H, two value blocks (bv 16) the column offsets of v, o and dO. Run
+  eagerly, as ``match_recurrent`` runs two warpgroups."""
+  match_default_with_heads(build(b, 128, h, 128, vdim, e, 64, erase), b, h, lambda f: f,
+                           dict(scale=SCALE, erase=erase, block_v=bv, warpgroups=2), save_x)
+
+
+def match_default_with_heads(built, b, h, run, kernel_kw, save_x):
+  """Both state passes (``run``: jax.jit or eager) with ``heads=h`` on token-major copies of their
+  per-token inputs (q, k, v; q, k, dO) against the default layout on ``build``'s operands: every
+  output bit-equal (rel RMS <= 1e-6), o compared in (B, T, H, V)."""
+  fargs, do, dht = built
+  mk = dict(kernel_kw, interpret=True)
+
+  def check(got, want):
+    for x, y in zip(got, want, strict=True):
+      assert x.shape == y.shape and x.dtype == y.dtype
+      assert rel_rms(x, y) <= 1e-6, f"rel RMS {rel_rms(x, y):.2e}"
+
+  fwd = functools.partial(mosaic.state_pass, save_x=save_x, **mk)
+  want = run(fwd)(*fargs)
+  got = run(functools.partial(fwd, heads=h))(*(token_major(x, b, h) for x in fargs[:3]),
+                                              *fargs[3:])
+  assert len(got) == (5 if save_x else 4)
+  check(got, (token_major(want[0], b, h), *want[1:]))
+  bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
+  bwd = functools.partial(mosaic.reverse_state_pass, **mk)
+  want = run(bwd)(*bargs)
+  check(run(functools.partial(bwd, heads=h))(*(token_major(x, b, h) for x in bargs[:3]),
+                                             *bargs[3:]), want)
+
+
+@pytest.mark.parametrize("d,vdim,e,erase,wgs,save_x,bv", [
+    (128, 128, 1, True, 1, True, 32), (128, 128, 1, False, 1, False, 64),
+    (128, 128, 4, True, 1, False, None),
+    (128, 128, 8, True, 1, False, 16), (128, 128, 8, False, 1, False, 16),
+    (64, 64, 8, True, 1, True, None), (64, 32, 3, False, 1, False, None),
+    # two warpgroups (D = 128) at their default block_v (32) and at block_v 16
+    (128, 128, 1, True, 2, True, None), (128, 128, 4, False, 2, False, None),
+    (128, 128, 8, True, 2, True, None), (128, 128, 8, False, 2, False, 16),
+])
+def test_heads_layout_lowers_for_cuda(d, vdim, e, erase, wgs, save_x, bv):
+  """Both state passes with ``heads`` pass the Mosaic GPU lowering: their TMA copies of q, k, v
+  (dO) and the stores of o are strided boxes of the (B, T, H, X) arrays (row stride H * X; with
+  two warpgroups, 64 columns of q and k each); o comes back (B, T, H, V), every other output in
+  its (BH, ...) layout, and no input is transposed before the kernel."""
   b, h, nc, c = 2, 2, 4, 64
   bh, t = b * h, nc * c
   args = kernel_arg_specs([(b, t, h, d), (b, t, h, d), (b, t, h, vdim)], bh=bh, nc=nc, c=c, d=d,
                           vdim=vdim, e=e)
-  fwd = jax.jit(functools.partial(mosaic.state_pass, scale=SCALE, erase=erase, save_x=save_x,
-                                  block_v=bv, heads=h))
-  traced = fwd.trace(*args)
-  assert traced.out_info[0].shape == (b, t, h, vdim)
-  assert traced.out_info[1].shape == (bh, nc, c, vdim)
+  kw = dict(scale=SCALE, erase=erase, block_v=bv, warpgroups=wgs, heads=h)
+  suffix = "_wg2" if wgs == 2 else ""
+  traced = jax.jit(functools.partial(mosaic.state_pass, save_x=save_x, **kw)).trace(*args)
+  shapes = [x.shape for x in jax.tree.leaves(traced.out_info)]
+  assert shapes == [(b, t, h, vdim)] + [(bh, nc, c, vdim)] * (2 if save_x else 1) + [
+      (bh, nc, e, d, vdim), (bh, e, d, vdim)]
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
-  assert "triadic_forward_mgpu" in text
+  assert "triadic_forward_mgpu" + suffix in text
+  assert not transposes_an_argument(text)
+  traced = jax.jit(functools.partial(mosaic.reverse_state_pass, **kw)).trace(*args)
+  shapes = [x.shape for x in jax.tree.leaves(traced.out_info)]
+  assert shapes == [(bh, nc, c, vdim), (bh, nc, e, d, vdim), (bh, e, d, vdim)]
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_backward_states_mgpu" + suffix in text
   assert not transposes_an_argument(text)
 
 
 def test_heads_layout_rejects():
-  """``heads`` needs T a multiple of C (whole chunks: the argument is named), matching B * H and
-  T, and one warpgroup."""
+  """``heads`` needs T a multiple of C (whole chunks: the argument is named) and matching B * H
+  and T, in both passes; two warpgroups take it where they take the sizes (D = 128)."""
   z = lambda *s, dt=jnp.bfloat16: jnp.zeros(s, dt)
   rest = lambda bh, nc: (*(z(bh, nc, 64, 1, dt=jnp.float32),) * 4,
                          *(z(bh, nc, 64, 64, dt=jnp.float32),) * 2, z(bh, 1, 64, 64,
@@ -257,8 +297,12 @@ def test_heads_layout_rejects():
     mosaic.state_pass(x, x, z(1, 100, 2, 64), *rest(2, 2), **kw)
   with pytest.raises(ValueError, match="k: .B . H, T. = .2, 192. does not match"):
     mosaic.state_pass(x, z(1, 192, 2, 64), x, *rest(2, 2), **kw)
-  with pytest.raises(ValueError, match="warpgroups=1"):
+  with pytest.raises(ValueError, match="two warpgroups need D = 128"):
     mosaic.state_pass(x, x, x, *rest(2, 2), warpgroups=2, **kw)
+  with pytest.raises(ValueError, match="do: T = 100 must be a multiple of the chunk size C = 64"):
+    mosaic.reverse_state_pass(x, x, z(1, 100, 2, 64), *rest(2, 2), **kw)
+  with pytest.raises(ValueError, match="q: .B . H, T. = .2, 128. does not match"):
+    mosaic.reverse_state_pass(x, x, x, *rest(2, 3), warpgroups=2, **kw)
 
 
 def test_two_warpgroups_supported():

@@ -14,12 +14,18 @@ token, which only the masking before exp keeps finite) and weak decay (where the
 dlam exp(gc_C) of d gc is not negligible), one and two warpgroups. Lowering tests compile the
 whole function for "cuda" (Mosaic GPU layout inference, wgmma / TMA operand checks, the SMEM
 limit) and the Triton tail; nothing runs.
+
+``heads=H`` (q, k, v, dO in the caller's (B, T, H, X) layout, dq, dk, dv returned in it) is
+checked against the default layout on the same data (the same arithmetic, only the copies'
+boxes and block index maps differ: rel RMS <= 1e-6), for CUDA lowering with no argument
+transposed before the kernels, and for the shape checks' errors.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
@@ -31,7 +37,7 @@ from testkit import rel_rms
 from triadic.pallas import backward, mosaic, mosaic_backward, recurrent
 from triadic.pallas import ops as pops
 from triadic.pallas.chunk_prep import chunk_prep
-from triadic.pallas.common import Config
+from triadic.pallas.common import Config, token_major
 from triadic.pallas.ops import kernel_layout
 
 SCALE = 0.125
@@ -273,3 +279,96 @@ def test_hopper_op_lowers_for_cuda(d, e, state_wgs, fwd_wgs, rev_wgs):
                  "triadic_backward_states_mgpu" + wg2(rev_wgs), "triadic_chunk_backward_slices",
                  f"triadic_chunk_backward_tail_{tail}"):
     assert kernel in text, kernel
+
+
+# ------------------------------------------------------------------------------------------------
+# heads=H: the per-token operands in the caller's (B, T, H, X) layout.
+
+
+def transposes_an_argument(text, shape=None) -> bool:
+  """Whether a lowered program transposes one of its arguments (``stablehlo.transpose %argN``)
+  before the kernels; with ``shape``, one of that shape (the split tail's plain-JAX masks
+  transpose the small (C, E) float32 operands in either layout)."""
+  dims = r"[\dx]+" if shape is None else "x".join(map(str, shape))
+  return re.search(rf"stablehlo\.transpose %arg\d+, [^\n]*: \(tensor<{dims}x", text) is not None
+
+
+@pytest.mark.parametrize("fused,erase,saved_x", [
+    (True, True, True),
+    (False, True, False),     # X formed from the token-major k, v (``x_from_states``)
+    (False, False, False),    # x = V, relayouted (``head_major``)
+])
+def test_heads_layout_matches_default(fused, erase, saved_x):
+  """``chunk_gradients(heads=H)`` on token-major q, k, v, dO gives the default layout's outputs
+  (dq, dk, dv token-major, the rest as they are) to rel RMS 1e-6: both tails, with and without
+  erase, X given and formed. B = H = 2 (b = i // H, h = i % H), two chunks, D = 64 (one
+  warpgroup); the tails' block index maps do not depend on erase, so three cases cover them."""
+  b, t, h, d, vdim, e = 2, 128, 2, 64, 32, 2
+  args = backward_operands(b, t, h, d, vdim, e, erase, 1.0)
+  x = ()
+  if saved_x:   # as the Mosaic forward saves it: (BH, NC, C, V) bf16 with heads too
+    q, k, v, _, _, _, states, _, k2, _, _, gc = args[:12]
+    x = (mosaic_backward.x_from_states(k, v, states, k2, gc).astype(q.dtype),)
+  kw = dict(scale=SCALE, erase=erase, fused_tail=fused, interpret=True)
+  want = jax.jit(functools.partial(mosaic_backward.chunk_gradients, **kw))(*args, *x)
+  tok = [token_major(y, b, h) for y in args[:4]]
+  got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, heads=h, **kw))(
+      *tok, *args[4:], *x)
+  want = [token_major(y, b, h) for y in want[:3]] + list(want[3:])
+  for name, g, w in zip(NAMES, got, want, strict=True):
+    assert g.shape == w.shape and g.dtype == w.dtype, name
+    assert rel_rms(g, w) <= 1e-6, name
+
+
+@pytest.mark.parametrize("e,wgs,fused,erase,saved_x", [
+    (1, 1, True, True, True),
+    (1, 2, False, True, True),
+    (8, 1, False, True, True),
+    (8, 2, True, True, True),
+    (8, 2, False, False, False),
+])
+def test_heads_layout_lowers_for_cuda(e, wgs, fused, erase, saved_x):
+  """With ``heads`` the slice kernel (strided TMA boxes of q, k in 64-column pieces and of dO)
+  and the tail kernels (q, k, dO read and dq, dk written through block index maps with a
+  squeezed head dim) lower for "cuda" at D = V = 128; dq, dk, dv come back (B, T, H, X) and no
+  (B, T, H, X) argument is transposed before the kernels (without erase V is relayouted for the
+  tail's X by a reshape first: ``head_major``, by design)."""
+  b, h, nc, c, d, vdim = 2, 2, 4, 64, 128, 128
+  bh, t = b * h, nc * c
+  bf = lambda *s: jax.ShapeDtypeStruct(s, jnp.bfloat16)
+  args = (bf(b, t, h, d), bf(b, t, h, d), bf(b, t, h, vdim), bf(b, t, h, vdim),
+          *_abstract_operands(d, vdim, e, bh=bh, nc=nc)[4:])
+  x = (bf(bh, nc, c, vdim),) if saved_x else ()
+  fn = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
+                                 slice_warpgroups=wgs, fused_tail=fused, heads=h))
+  traced = fn.trace(*args, *x)
+  assert [o.shape for o in traced.out_info[:3]] == [(b, t, h, d), (b, t, h, d), (b, t, h, vdim)]
+  assert traced.out_info[0].dtype == jnp.bfloat16 and traced.out_info[2].dtype == jnp.float32
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_chunk_backward_slices" in text
+  assert f"triadic_chunk_backward_tail_{'fused' if fused else 'ut'}" in text
+  assert not transposes_an_argument(text, (b, t, h))
+
+
+def test_heads_layout_rejects():
+  """With ``heads`` T must be whole chunks, named by the argument (``common.check_heads``), in
+  ``chunk_gradients`` and in the kernels' own entry points."""
+  z = lambda *s, dt=jnp.bfloat16: jnp.zeros(s, dt)
+  ok, bad = z(1, 128, 2, 64), z(1, 150, 2, 64)
+  per_chunk = lambda *s: z(2, 2, *s, dt=jnp.float32)
+  rest = (per_chunk(64, 64), per_chunk(64, 64), z(2, 2, 1, 64, 64), z(2, 2, 1, 64, 64),
+          per_chunk(64, 1), per_chunk(1, 64), per_chunk(64, 1), per_chunk(64, 1),
+          per_chunk(1, 64), per_chunk(64, 1), per_chunk(64, 64))
+  kw = dict(scale=1.0, erase=True, heads=2)
+  with pytest.raises(ValueError, match="q: T = 150 must be a multiple of the chunk size C = 64"):
+    mosaic_backward.chunk_gradients(bad, ok, ok, ok, *rest, **kw)
+  with pytest.raises(ValueError, match="do: T = 150"):
+    mosaic_backward.chunk_gradients(ok, ok, ok, bad, *rest, **kw)
+  f = per_chunk(4, 64)
+  with pytest.raises(ValueError, match="k: T = 150"):
+    mosaic_backward.slices_pass(ok, bad, per_chunk(64, 64), ok, per_chunk(64, 64), rest[2],
+                                rest[3], f, **kw)
+  tail_args = (ok, ok, per_chunk(64, 64), bad, *(per_chunk(64, 64),) * 5)
+  with pytest.raises(ValueError, match="do: T = 150"):
+    mosaic_backward.tail_kernel(*tail_args, per_chunk(64, 64), per_chunk(64, 64),
+                                per_chunk(64, 1), per_chunk(64, 64), cfg=CPU, **kw)

@@ -23,6 +23,7 @@ import dataclasses
 import functools
 import json
 import os
+import re
 import subprocess
 import sys
 import textwrap
@@ -137,6 +138,79 @@ def test_mosaic_gpu_kernels_match_scan(b, t, h, d, vdim, e, erase, decay, chunk_
   assert (pops.chunk_gradients_kernel(cfg, q, v,
                                      k2).func is mosaic_backward.chunk_gradients) == chunk_bwd
   check_against_scan(b, t, h, d, vdim, e, 64, erase, decay, jnp.bfloat16, config=cfg)
+
+
+def token_major_config(**fields):
+  """The Hopper kernels in interpret mode with ``Config.token_major``."""
+  return Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
+                ut_kernel=True, token_major=True, **fields)
+
+
+@pytest.mark.parametrize("e,erase,fused_tail", [(3, True, None), (2, False, False)])
+def test_token_major_matches_kernel_layout(e, erase, fused_tail):
+  """``Config.token_major`` (q, k, v, o, dO and dq, dk, dv read and written in the caller's
+  (B, T, H, X) by the kernels) computes what the relayouted kernels compute: output, final state
+  and every gradient to float32 rounding, B = H = 2 (b = i // H, h = i % H), two chunks; and the
+  scan's values within the bf16 bounds."""
+  from triadic.pallas import mosaic
+  if not mosaic.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable in this JAX")
+  b, t, h, d, vdim = 2, 128, 2, 64, 32
+  cfg = token_major_config(fused_tail=fused_tail)
+  assert pops.explain_layout(b, t, h, d, vdim, e, 64, jnp.bfloat16, config=cfg).token_major
+  args, do, ds = make_grad_inputs(0, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.bfloat16)
+  got = value_and_grads("pallas", args, do, ds, erase=erase, chunk_size=64, config=cfg)
+  want = value_and_grads("pallas", args, do, ds, erase=erase, chunk_size=64,
+                         config=dataclasses.replace(cfg, token_major=False))
+  for name, x, y in zip((*("d" + n for n in NAMES), "o", "state"), jax.tree.leaves(got),
+                        jax.tree.leaves(want), strict=True):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert rel_rms(x, y) < 1e-5, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+  check_against_scan(b, t, h, d, vdim, e, 64, erase, 1.0, jnp.bfloat16, config=cfg)
+
+
+def test_token_major_layout_reasons():
+  """``explain_layout`` takes the caller's layout only where every stage reads it, and says why
+  not elsewhere: the option off, T not whole chunks, D or V padded, the state passes in pieces,
+  the Triton kernels."""
+  cfg = token_major_config()
+  layout = lambda t=128, d=64, vdim=32, **kw: pops.explain_layout(
+      2, t, 2, d, vdim, 2, 64, jnp.bfloat16, config=dataclasses.replace(cfg, **kw))
+  assert layout().token_major and "(B, T, H, X), in place" in str(layout())
+  assert layout(token_major=False).reason == "Config.token_major off"
+  assert "T = 100 is not a multiple of the chunk size 64" in layout(t=100).reason
+  assert "D = 80, V = 32 are padded to 128, 32" in layout(d=80).reason
+  assert "2 pieces" in layout(t=2048, sequence_pieces=2).reason
+  assert "Mosaic GPU state passes and chunk backward" in layout(mosaic_gpu_backward=False).reason
+  for reason in (layout(t=100), layout(token_major=False)):
+    assert not reason.token_major and "relayouted" in str(reason)
+
+
+def bf16_transposes(text, b, t, h, x):
+  """The stablehlo.transpose ops of a lowered program on bf16 arrays of B * T * H * X elements:
+  the relayouts of q, k, v, o, dO and their gradients."""
+  size = b * t * h * x
+  count = 0
+  for m in re.finditer(r"stablehlo\.transpose .*?: \(tensor<([0-9x]+)xbf16>\)", text):
+    count += int(np.prod([int(n) for n in m.group(1).split("x")])) == size
+  return count
+
+
+def test_token_major_lowers_for_cuda_without_relayouts():
+  """With ``token_major`` the whole op (forward and backward) lowers for CUDA with no transpose
+  of a q-sized bf16 array (D = V = 128): the kernels read q, k, v, dO and write o, dq, dk in
+  place. The relayouted op has them (so the count can fail)."""
+  b, t, h, d = 2, 256, 2, 128
+  cfg = dataclasses.replace(pops.default_config("gpu", 8, d), mosaic_gpu=True,
+                            mosaic_gpu_backward=True, token_major=True)
+  assert pops.explain_layout(b, t, h, d, d, 8, 64, jnp.bfloat16, config=cfg).token_major
+  text = cuda_lowering_text(cfg, b, t, h, d, d, 8)
+  for kernel in ("triadic_chunk_prep", "triadic_forward_mgpu", "triadic_backward_states_mgpu",
+                 "triadic_chunk_backward_slices", "triadic_chunk_backward_tail"):
+    assert kernel in text, kernel
+  assert bf16_transposes(text, b, t, h, d) == 0
+  relayouted = cuda_lowering_text(dataclasses.replace(cfg, token_major=False), b, t, h, d, d, 8)
+  assert bf16_transposes(relayouted, b, t, h, d) >= 4
 
 
 def test_unsupported_sizes_raise_under_pallas_and_fall_back_under_auto():
@@ -366,4 +440,57 @@ def test_pallas_runs_per_shard_under_jit():
       assert err < bound, f"{partitioner}: {name} rel RMS {err:.2e}"
     assert r["all_gathers"] == 0, (partitioner, r)
     assert not r["global_kernel_shape"] and r["local_kernel_shape"], (partitioner, r)
+    assert all(r["sharded_like_inputs"]), (partitioner, r)
+
+
+PARTITION_SCRIPT = textwrap.dedent("""
+    import json, re
+    import jax, jax.numpy as jnp, numpy as np
+    from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+    from triadic.pallas import partition
+
+    def fun(scale, x, y):
+      # per (b, h): x (B, T, H, D) token-major, y (B, H, N) head-major
+      return x * scale + jnp.sum(y, -1)[:, None, :, None], 2 * y
+
+    wrapped = partition.batch_head_partitioned(fun, n_static=1, rule="b t h d, b h n -> "
+                                               "b t h d, b h n", replicated=("t", "d", "n", "c"))
+    x = jnp.arange(2 * 8 * 2 * 4, dtype=jnp.float32).reshape(2, 8, 2, 4)
+    y = jnp.arange(2 * 2 * 3, dtype=jnp.float32).reshape(2, 2, 3)
+    want = fun(3.0, x, y)
+    mesh = jax.make_mesh((2, 2), ("data", "tensor"), axis_types=(AxisType.Auto,) * 2)
+    specs = (P("data", None, "tensor"), P("data", "tensor"))
+    args = [jax.device_put(a, NamedSharding(mesh, s)) for a, s in zip((x, y), specs)]
+    report = {}
+    for partitioner in ("shardy", "gspmd"):
+      jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
+      f = jax.jit(lambda a, b: wrapped(3.0, a, b)).lower(*args).compile()
+      hlo = f.as_text()
+      got = f(*args)
+      report[partitioner] = dict(
+          exact=all(bool(np.array_equal(g, w)) for g, w in zip(got, want)),
+          local_shapes=bool(re.search(r"f32\\[1,8,1,4\\]", hlo)),
+          global_shapes=bool(re.search(r"f32\\[2,8,2,4\\]", hlo)),
+          all_gathers=len(re.findall(r"all-gather", hlo)),
+          sharded_like_inputs=[str(g.sharding.spec) == str(s) for g, s in zip(got, specs)])
+    print("RESULT", json.dumps(report))
+""")
+
+
+def test_partition_finds_batch_and_heads_by_name():
+  """``partition.batch_head_partitioned`` shards each array on the dims its rule names b and h,
+  wherever they sit: a token-major (B, T, H, D) operand beside a (B, H, N) one, B over "data" and
+  H over "tensor" on 4 fake CPU devices, under Shardy and GSPMD: exact values, every device on
+  its (B/2, T, H/2, D) slice (no global shape, no all-gather), results sharded like the inputs."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  proc = subprocess.run([sys.executable, "-c", PARTITION_SCRIPT], cwd=ROOT, env=env, text=True,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+  report = json.loads(line[len("RESULT "):])
+  for partitioner, r in report.items():
+    assert r["exact"], (partitioner, r)
+    assert r["local_shapes"] and not r["global_shapes"], (partitioner, r)
+    assert r["all_gathers"] == 0, (partitioner, r)
     assert all(r["sharded_like_inputs"]), (partitioner, r)

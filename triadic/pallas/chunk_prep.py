@@ -35,7 +35,7 @@ from jax.experimental import pallas as pl
 
 from triadic.chunked import unit_lower_inverse
 from triadic.pallas import masks
-from triadic.pallas.common import F32, call, mm
+from triadic.pallas.common import F32, call, check_heads, mm
 from triadic.pallas.common import masks as causal_masks
 
 SUB = 16  # rows per diagonal block of ``unit_lower_inverse_kernel``
@@ -120,14 +120,22 @@ def unit_lower_inverse_kernel(lower, *, cfg, num_warps=UT_NUM_WARPS):
               num_warps=num_warps)(lower)
 
 
-def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg):
-  """gc, its transpose, A and P for every chunk. Inputs in the kernels' (BH, NC, C, X) layout.
+def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None):
+  """gc, its transpose, A and P for every chunk. Inputs in the kernels' (BH, NC, C, X) layout;
+  with ``heads=H`` q and k are in the caller's (B, T, H, D) layout instead (T = NC * C), read in
+  place by the kernel's blocks (program (i, n) reads tokens n*C.. of batch i // H, head i % H).
 
   Returns gc (BH, NC, C, E), gc transposed (BH, NC, E, C), float32, A (BH, NC, C, C) float32 and
   P (BH, NC, C, C) in q's dtype: P's every use (the state passes' P U and P^T dO) casts it to that
   dtype, so a float32 P would only be written and read at twice the bytes.
   """
-  bh, nc, c, d = q.shape
+  bh, nc, c = g_col.shape[:3]
+  d = q.shape[-1]
+  if heads is None:
+    qk_spec = pl.BlockSpec((None, None, c, d), lambda i, j: (i, j, 0, 0))
+  else:
+    check_heads(heads, bh, nc, c, q=q, k=k)
+    qk_spec = pl.BlockSpec((None, c, None, d), lambda i, j: (i // heads, j, i % heads, 0))
   gc_col = masks.chunk_cumsum(g_col)
   gc_row = jnp.swapaxes(gc_col, -1, -2)
   k2_row = jnp.swapaxes(k2_col, -1, -2).astype(F32)
@@ -139,7 +147,7 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg):
   mats = (mq, m) if erase else (mq,)
   lower, p = call(
       kernel, cfg=cfg, grid=(bh, nc),
-      in_specs=[spec(c, d), spec(c, d), spec(c, 1)] + [spec(c, c)] * len(mats),
+      in_specs=[qk_spec, qk_spec, spec(c, 1)] + [spec(c, c)] * len(mats),
       out_specs=[spec(c, c), spec(c, c)],
       out_shape=[shape, jax.ShapeDtypeStruct((bh, nc, c, c), q.dtype)],
       semantics=("parallel", "parallel"), name="triadic_chunk_prep",

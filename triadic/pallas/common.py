@@ -2,7 +2,10 @@
 
 Kernels see the chunked, head-major layout (BH, NC, C, X) built by ``triadic.pallas.ops``: every
 block covers whole trailing dimensions, which Mosaic TPU needs (tiles are (8, 128) or the full
-dimension) and which keeps Triton's power-of-two tensors to C, D, V, BV.
+dimension) and which keeps Triton's power-of-two tensors to C, D, V, BV. The GPU kernels also
+take the per-token operands q, k, v, dO in the caller's (B, T, H, X) layout (``heads=H``,
+``check_heads``; ``Config.token_major``): chunk n of row i = b * H + h is then the strided block
+of tokens n*C.. at batch b, head h.
 
 Platforms differ in what a block is. On Triton (GPU) a block is a pointer into global memory: a
 block may span the whole sequence and the kernel walks it (the state-passing loop does so). On
@@ -74,6 +77,11 @@ class Config:
   (``masks.decay_masks``' ``sub``: matmuls over E across sub-chunks, elementwise inside), where
   the chunk is a multiple of it and larger; None: by their elementwise definition. Same values
   to float32 rounding.
+  token_major: keep the op's per-token operands q, k, v and o (and dO, dq, dk, dv) in the
+  caller's (B, T, H, X) layout: the kernels read and write them in place (strided TMA boxes,
+  block index maps) instead of the op relayouting them to (B*H, NC, C, X) and back. Taken where
+  every stage can (the Mosaic GPU state passes and chunk backward, T a multiple of the chunk,
+  D and V powers of two, the state passes in one piece); ``plan.layout`` says why not elsewhere.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -96,6 +104,7 @@ class Config:
   warmup_chunks: int = 16
   ut_kernel: bool = False
   sub_chunk_masks: int | None = None
+  token_major: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -110,6 +119,8 @@ class Config:
     if self.sub_chunk_masks is not None and (not isinstance(self.sub_chunk_masks, int)
                                              or self.sub_chunk_masks < 1):
       raise ValueError(f"sub_chunk_masks must be None or an int >= 1, got {self.sub_chunk_masks!r}")
+    if not isinstance(self.token_major, bool):
+      raise TypeError(f"token_major must be a bool, got {self.token_major!r}")
     if not isinstance(self.warmup_chunks, int) or self.warmup_chunks < 1:
       raise ValueError(f"warmup_chunks must be an int >= 1, got {self.warmup_chunks!r}")
     if self.platform == "cpu" and not self.interpret:
@@ -175,8 +186,15 @@ def check_heads(heads: int, bh: int, nc: int, c: int, **arrays) -> None:
 
 def token_major(x, b: int, h: int):
   """(B*H, NC, C, X) -> (B, T, H, X), T = NC * C: the kernel layout back to the caller's (a
-  copy; tests and the op's fallbacks)."""
+  copy)."""
   return jnp.swapaxes(x.reshape(b, h, -1, x.shape[-1]), 1, 2)
+
+
+def head_major(x, c: int):
+  """(B, T, H, X) -> (B*H, NC, C, X), T = NC * C: the caller's layout to the kernels' (a copy;
+  ``token_major`` is its inverse)."""
+  b, t, h, xd = x.shape
+  return jnp.einsum("bnchx->bhncx", x.reshape(b, t // c, c, h, xd)).reshape(b * h, t // c, c, xd)
 
 
 def mm(a, b, dtype, *, ta=False, tb=False, precision=None):

@@ -104,11 +104,15 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
 * The initial / final state is moved once per program in the "cat" layout (BH, V/BV, D, E*BV),
   rearranged in plain JAX (state-sized, once); the per-chunk states are written directly in
   recurrent.py's (BH, NC, E, D, V) layout from an (E, D, BV) SMEM buffer.
-* q, k, v and o are in the (BH, NC, C, X) layout of ``ops.kernel_layout`` (T padded to NC * C,
-  H moved before T). The one-warpgroup forward also takes them in the user's (B, T, H, X)
-  layout (``state_pass(..., heads=H)``, T = NC * C): program i reads chunk n of head h = i % H of
-  batch b = i // H as the strided TMA box ``x.at[b, pl.ds(n * C, C), h, :]`` (row stride H * X)
-  and writes o the same way, so the relayout copies of q, k, v and o are not made.
+* q, k, v, o and dO are in the (BH, NC, C, X) layout of ``ops.kernel_layout`` (T padded to
+  NC * C, H moved before T). Every kernel (forward and reverse, one or two warpgroups) also
+  takes them in the user's (B, T, H, X) layout (``heads=H`` of ``state_pass`` and
+  ``reverse_state_pass``, T = NC * C; ``_chunk_box``): program i reads chunk n of head h = i % H
+  of batch b = i // H as the strided TMA box ``x.at[b, pl.ds(n * C, C), h, cols]`` (row stride
+  H * X; cols: the value block of v and dO, a warpgroup's 64 columns of q and k with two
+  warpgroups, else all) and the forward writes o the same way, so the relayout copies of q, k,
+  v, o and dO are not made. Every other operand and output (the row factors, A, P, U, X, dU, the
+  states) keeps its (BH, ...) layout.
 * float32 inputs are not supported (use the Triton path): wgmma on float32 would be TF32.
 """
 
@@ -514,6 +518,17 @@ class _Inputs:
     plgpu.barrier_wait(self.bars.at[self._slot(name, step)[2]])
 
 
+def _chunk_box(heads, i, c):
+  """``at(g, n, cols)``: program i's chunk n of a per-token gmem ref ``g``, columns ``cols`` of
+  its last dim (all by default). Without ``heads`` g is (BH, NC, C, X) and the box is
+  ``g.at[i, n, :, cols]``; with ``heads=H`` g is the caller's (B, T, H, X) and the box is the
+  strided ``g.at[b, pl.ds(n * C, C), h, cols]`` (row stride H * X), b = i // H, h = i % H."""
+  if heads is None:
+    return lambda g, n, cols=slice(None): g.at[i, n, :, cols]
+  b, h = i // heads, i % heads
+  return lambda g, n, cols=slice(None): g.at[b, pl.ds(n * c, c), h, cols]
+
+
 def _begin_chunk(carry, carry_s, out_s):
   """Write the carried (D, E*BV) state as the chunk's bf16 wgmma operand (``carry_s``) and into
   the per-chunk output buffer ``out_s`` (E, D, BV), which ``_publish_chunk`` stores after the next
@@ -586,11 +601,9 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     srcs, o_at = None, lambda n: o_g.at[i, n, :, cols]
   else:
     # q, k, v and o in (B, T, H, X): chunk n of head h is a strided (C, X) box of TMA.
-    b, h, c = i // heads, i % heads, f_g.shape[-1]
-    tok = lambda n: pl.ds(n * c, c)
-    srcs = {"q": lambda n: q_g.at[b, tok(n), h, :], "k": lambda n: k_g.at[b, tok(n), h, :],
-            "v": lambda n: v_g.at[b, tok(n), h, cols]}
-    o_at = lambda n: o_g.at[b, tok(n), h, cols]
+    at = _chunk_box(heads, i, f_g.shape[-1])
+    srcs = {"q": lambda n: at(q_g, n), "k": lambda n: at(k_g, n), "v": lambda n: at(v_g, n, cols)}
+    o_at = lambda n: at(o_g, n, cols)
   erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
   x_rows = 3 * e_dim + 1              # save_x: c = k2 a (E rows) after beta
   state0 = _load_cat(ops, h0_g.at[i, j], cat, bars.at[CAT_BARRIER])
@@ -671,13 +684,12 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
   _store_cat(state, ht_g.at[i, j], cat)
 
 
-def _check_heads(heads, warpgroups, k2_col, **qkv):
-  """The (B, T, H, X) layout's checks (``state_pass`` with ``heads``, ``common.check_heads``):
-  every one of q, k, v is (B, T, H, X) with B * H and T = NC * C matching the (BH, NC, C, E)
-  operands; one warpgroup."""
-  if warpgroups != 1:
-    raise ValueError(f"heads (the (B, T, H, X) layout) needs warpgroups=1, got {warpgroups}")
-  check_heads(heads, *k2_col.shape[:3], **qkv)
+def _check_heads(heads, k2_col, q, **arrays):
+  """The (B, T, H, X) layout's checks (a state pass with ``heads``, ``common.check_heads``): q and
+  every one of ``arrays`` is (B, T, H, X) with B * H and T = NC * C matching the (BH, NC, C, E)
+  operands. Returns q's shape in the (BH, NC, C, D) layout, which ``_prologue`` reads."""
+  check_heads(heads, *k2_col.shape[:3], q=q, **arrays)
+  return jax.ShapeDtypeStruct((*k2_col.shape[:3], q.shape[-1]), q.dtype)
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
@@ -688,15 +700,12 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   (BH,NC,C,V) in q's dtype, after U: the chunk-parallel backward's ``x``. ``warpgroups``: 1, or 2
   at D = 128 (``warpgroups_supported``; block_v default ``default_block_v(.., warpgroups=2)``).
 
-  ``heads=H`` (one warpgroup only): q, k, v are in the user's (B, T, H, X) layout with T = NC * C
-  and o is returned (B, T, H, V); the kernel reads and writes them in place by TMA, which saves
-  the relayout copies of q, k, v and o (``ops.kernel_layout``). Every other operand and output
-  keeps its (BH, ...) layout, BH = B * H with b = i // H, h = i % H."""
+  ``heads=H`` (either warpgroup count): q, k, v are in the user's (B, T, H, X) layout with
+  T = NC * C and o is returned (B, T, H, V); the kernel reads and writes them in place by TMA,
+  which saves the relayout copies of q, k, v and o (``ops.kernel_layout``). Every other operand
+  and output keeps its (BH, ...) layout, BH = B * H with b = i // H, h = i % H."""
   vd = v.shape[-1]
-  shape = q
-  if heads is not None:
-    _check_heads(heads, warpgroups, k2_col, q=q, k=k, v=v)
-    shape = jax.ShapeDtypeStruct((*k2_col.shape[:3], q.shape[-1]), q.dtype)
+  shape = q if heads is None else _check_heads(heads, k2_col, q, k=k, v=v)
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(shape, vd, k2_col, q2_col, gc_col, beta_col,
                                                   block_v, warpgroups)
   save_x = bool(save_x and erase)
@@ -704,7 +713,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
     f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
   if warpgroups == 2:
     return _forward_2wg(q, k, v, a, p, f, lam_cat, h0, e_dim=e_dim, bv=bv, scale=scale,
-                        erase=erase, save_x=save_x, interpret=interpret)
+                        erase=erase, save_x=save_x, heads=heads, interpret=interpret)
   n_rows = f.shape[2]
   n_cat = e_dim * bv
   ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv)
@@ -751,10 +760,16 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
 
 
 def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, dh0_g, bars, *,
-                     scratch, cat, nc, e_dim, bv, scale, erase, interpret):
+                     scratch, cat, nc, e_dim, bv, scale, erase, interpret, heads=None):
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
+  srcs = None
+  if heads is not None:
+    # k, q and dO in (B, T, H, X): chunk n of head h is a strided (C, X) box of TMA.
+    at = _chunk_box(heads, i, f_g.shape[-1])
+    srcs = {"k": lambda n: at(k_g, n), "q": lambda n: at(q_g, n),
+            "do": lambda n: at(do_g, n, cols)}
   erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
   dstate0 = _load_cat(ops, dht_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
@@ -762,7 +777,8 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, d
     return _Inputs.of(bars, [("k", k_g, k_s), ("q", q_g, q_s), ("do", do_g, do_s),
                              ("a", a_g, a_s), ("p", p_g, p_s), ("lam", lam_g, lam_s),
                              ("f", f_g, f_s)],
-                      row=i, cols=cols, value="do", order=lambda step: nc - 1 - step, nc=nc)
+                      row=i, cols=cols, value="do", srcs=srcs, order=lambda step: nc - 1 - step,
+                      nc=nc)
 
   first = ("k", "do", "p", "lam", "f") + (("a",) if erase else ())
   at_end = ("q",)                       # read only by the state update at the end, as Q^T
@@ -815,16 +831,20 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, d
 
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
-                       block_v=None, warpgroups=1, interpret=False):
+                       block_v=None, warpgroups=1, heads=None, interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   float32, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
-  (BH,E,D,V) float32. ``warpgroups``: as ``state_pass``."""
+  (BH,E,D,V) float32. ``warpgroups``: as ``state_pass``.
+
+  ``heads=H``: q, k (B, T, H, D) and do (B, T, H, V) are in the user's layout with T = NC * C,
+  read in place by TMA as in ``state_pass``; every output keeps its layout."""
   vd = do.shape[-1]
-  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(q, vd, k2_col, q2_col, gc_col, beta_col, block_v,
-                                                  warpgroups)
+  shape = q if heads is None else _check_heads(heads, k2_col, q, k=k, do=do)
+  bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(shape, vd, k2_col, q2_col, gc_col, beta_col,
+                                                  block_v, warpgroups)
   if warpgroups == 2:
     return _backward_2wg(q, k, do, a, p, f, lam_cat, dht, e_dim=e_dim, bv=bv, scale=scale,
-                         erase=erase, interpret=interpret)
+                         erase=erase, heads=heads, interpret=interpret)
   n_cat = e_dim * bv
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   sw_v = _swizzle(bv)
@@ -847,7 +867,8 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
        if interpret else [])
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # dht / dh0 (cat layout)
   kernel = functools.partial(_backward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
+                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret),
+                             heads=heads)
   du, dstates, dh0 = plgpu.kernel(
       kernel,
       out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
@@ -914,7 +935,7 @@ def _partial(ops, lhs, rhs, f_s, first_row, bv):
 
 
 def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, cat,
-                        nc, e_dim, bv, scale, erase, save_x, interpret):
+                        nc, e_dim, bv, scale, erase, save_x, interpret, heads=None):
   if save_x:
     o_g, u_g, x_g, st_g, ht_g, bars, xbar = outs_and_bars
   else:
@@ -922,6 +943,8 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
   ops = _Ops(interpret)
   i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
   cols, rows = pl.ds(j * bv, bv), pl.ds(w * HALF, HALF)
+  # q, k, v, o: (BH, NC, C, X) boxes, or with heads strided boxes of (B, T, H, X).
+  at = _chunk_box(heads, i, f_g.shape[-1])
   read_rows, write_rows, beta_row = e_dim, 2 * e_dim, 3 * e_dim
   # R's row factor: c = k2 a with save_x (X = V - sum_e c_e R_e, rhs = beta X), else fe = beta c.
   r_rows = 3 * e_dim + 1 if save_x else 0
@@ -931,11 +954,11 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
     # K is the state update's K^T too: two buffers (slots 3 w + 1, 3 w + 2), chunk n's read by
     # its state update after chunk n + 1's copy has started.
     return _Inputs(bars, {
-        "q": (lambda n: q_g.at[i, n, :, rows], q_s.at[w], 3 * w),
-        "k": (lambda n: k_g.at[i, n, :, rows], k_s.at[w], 3 * w + 1),
+        "q": (lambda n: at(q_g, n, rows), q_s.at[w], 3 * w),
+        "k": (lambda n: at(k_g, n, rows), k_s.at[w], 3 * w + 1),
         "f": (lambda n: f_g.at[i, n], f_s, _FACTORS),
         "lam": (lambda n: lam_g.at[i, n], lam_s, _LAM),
-        "v": (lambda n: v_g.at[i, n, :, cols], v_s, 8),
+        "v": (lambda n: at(v_g, n, cols), v_s, 8),
         "a": (lambda n: a_g.at[i, n], a_s, 9),
         "p": (lambda n: p_g.at[i, n], p_s, 10)}, order=lambda n: n, nc=nc, double=("k",))
 
@@ -1017,7 +1040,7 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
       o_s[...] = (scale * out).astype(o_s.dtype)
       plgpu.commit_smem()
       cp.start_next(("p",), n)
-      plgpu.copy_smem_to_gmem(o_s, o_g.at[i, n, :, cols])
+      plgpu.copy_smem_to_gmem(o_s, at(o_g, n, cols))
 
     _sync(xbar)       # W is in SMEM; warpgroup 0 has read the partials; both are done with f
     pl.when(w == 0)(lambda: cp.start_next(("f",), n))
@@ -1039,8 +1062,12 @@ def _kernel_2wg(kernel, ins, out_type, grid, name, interpret):
       kernel_name=name)(*ins)
 
 
-def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save_x, interpret):
-  bh, nc, c, d = q.shape
+def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save_x, heads,
+                 interpret):
+  """``state_pass`` with two warpgroups. The sizes come from the row factors f (BH, NC, rows, C)
+  and q's last dim, since q, k, v (and o) are (BH, NC, C, X), or (B, T, H, X) with ``heads``."""
+  bh, nc, _, c = f.shape
+  d = q.shape[-1]
   vd = v.shape[-1]
   n_cat = e_dim * bv
   sw_v, sw_f = _swizzle(bv), _swizzle(bv, F32)
@@ -1066,12 +1093,14 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # initial / final state rows
   kernel = functools.partial(_forward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_x=save_x,
-                             interpret=bool(interpret))
+                             interpret=bool(interpret), heads=heads)
   per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
+  o_type = per_chunk(q.dtype) if heads is None else jax.ShapeDtypeStruct(
+      (*q.shape[:3], vd), q.dtype)
   ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv)
   *outs, ht = _kernel_2wg(
       kernel, ins,
-      [per_chunk(q.dtype), per_chunk(F32)] + ([per_chunk(q.dtype)] if save_x else []) + [
+      [o_type, per_chunk(F32)] + ([per_chunk(q.dtype)] if save_x else []) + [
           jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
           jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
       (bh, vd // bv), "triadic_forward_mgpu_wg2", interpret)
@@ -1079,20 +1108,23 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
 
 
 def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, dh0_g, bars,
-                         xbar, *, scratch, cat, nc, e_dim, bv, scale, erase, interpret):
+                         xbar, *, scratch, cat, nc, e_dim, bv, scale, erase, interpret,
+                         heads=None):
   ops = _Ops(interpret)
   i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
   cols, rows = pl.ds(j * bv, bv), pl.ds(w * HALF, HALF)
+  # k, q, dO: (BH, NC, C, X) boxes, or with heads strided boxes of (B, T, H, X).
+  at = _chunk_box(heads, i, f_g.shape[-1])
   erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
   dstate0 = _load_rows(ops, dht_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
 
   def copies(k_s, q_s, do_s, a_s, p_s, f_s, lam_s):
     return _Inputs(bars, {
-        "k": (lambda n: k_g.at[i, n, :, rows], k_s.at[w], 3 * w),
-        "q": (lambda n: q_g.at[i, n, :, rows], q_s.at[w], 3 * w + 2),
+        "k": (lambda n: at(k_g, n, rows), k_s.at[w], 3 * w),
+        "q": (lambda n: at(q_g, n, rows), q_s.at[w], 3 * w + 2),
         "f": (lambda n: f_g.at[i, n], f_s, _FACTORS),
         "lam": (lambda n: lam_g.at[i, n], lam_s, _LAM),
-        "do": (lambda n: do_g.at[i, n, :, cols], do_s, 8),
+        "do": (lambda n: at(do_g, n, cols), do_s, 8),
         "a": (lambda n: a_g.at[i, n], a_s, 9),
         "p": (lambda n: p_g.at[i, n], p_s, 10)}, order=lambda step: nc - 1 - step, nc=nc)
 
@@ -1161,8 +1193,10 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_
   _store_rows(dstate, dh0_g.at[i, j, rows], cat, w)
 
 
-def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, interpret):
-  bh, nc, c, d = q.shape
+def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, heads, interpret):
+  """``reverse_state_pass`` with two warpgroups; sizes and layouts as ``_forward_2wg``'s."""
+  bh, nc, _, c = f.shape
+  d = q.shape[-1]
   vd = do.shape[-1]
   n_cat = e_dim * bv
   sw_v = _swizzle(bv)
@@ -1184,7 +1218,8 @@ def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, i
        if interpret else [])
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # dht / dh0 rows
   kernel = functools.partial(_backward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret))
+                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret),
+                             heads=heads)
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   du, dstates, dh0 = _kernel_2wg(
       kernel, ins,

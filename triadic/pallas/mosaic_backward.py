@@ -29,6 +29,18 @@ the row sums from the same three C x D products). What runs where:
   gradients (dk2, dq2, d gc through exp(gc_t - gc_s)) after, over all chunks at once, which XLA
   fuses into its reductions.
 
+Layout: every operand is in the kernel layout (BH, NC, C, X) of ``ops.kernel_layout``, or, with
+``heads=H`` (``chunk_gradients``, ``slices_pass``, ``tail`` and the tail kernels), q, k, v, dO
+are in the caller's (B, T, H, X) (T = NC * C) and dq, dk, dv are returned in it, which saves the
+op's relayout copies of those seven arrays (but V's without erase, below). Program (i, n) then
+reads rows n*C.. of head i % H of batch i // H: the slice kernel as strided TMA boxes (q, k in
+64-column pieces, dO whole), the tail kernels through block index maps with the head dim
+squeezed (dq, dk written the same way); dv = beta drhs is written token-major by XLA from the
+product (the slice kernel reads its bf16 kernel-layout copy as dX). X, U, dU, the states and
+the per-slice rows keep the kernel layout; X is formed from the token-major k, v where the
+forward did not save it (``x_from_states``), and without erase X = V is relayouted in plain JAX
+(``head_major``).
+
 How the slice kernel is built (idioms from ``mosaic.py``, imported: ``_smem``, ``_swizzle``,
 ``_Ops``, ``_interpret_params``):
 
@@ -89,7 +101,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from triadic.pallas import masks
 from triadic.pallas.backward import chunk_local, ut_after, ut_before
-from triadic.pallas.common import F32, Config, call, col, mm, rowsum
+from triadic.pallas.common import (F32, Config, call, check_heads, col, head_major, mm, rowsum,
+                                   token_major)
 from triadic.pallas.mosaic import (SMEM_LIMIT, _Ops, _interpret_params, _load, _smem, _swizzle,
                                    _wait)
 
@@ -229,9 +242,15 @@ def _launch(kernel, operands, out_type, *, grid, n_pieces, warpgroups, interpret
 
 
 def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g, lam_g, bars,
-                  done, *, scratch, outs, c, d, e_dim, scale, erase, wgs, interpret):
+                  done, *, scratch, outs, c, d, e_dim, scale, erase, wgs, interpret, heads=None):
   ops = _Ops(interpret)
   i, n = lax.axis_index("bh"), lax.axis_index("n")
+  if heads is None:
+    tok_at = lambda x_g, cols: x_g.at[i, n, :, cols]
+  else:
+    # q, k, dO in (B, T, H, X): chunk n of head h is a strided (C, X) box of TMA (row stride H X).
+    b, hd = i // heads, i % heads
+    tok_at = lambda x_g, cols: x_g.at[b, pl.ds(n * c, c), hd, cols]
   n_pieces = d // PIECE
   # The pieces (64-row blocks of the state, 64-column blocks of dq, dk, K, Q) a warpgroup owns:
   # all of them with one warpgroup, piece w for warpgroup w with two.
@@ -264,9 +283,9 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
 
     def load_firsts():
       cols = lambda h: pl.ds(h * PIECE, PIECE)
-      pairs = ([(q_g.at[i, n, :, cols(h)], q_s.at[h]) for h in range(n_pieces)]
-               + [(k_g.at[i, n, :, cols(h)], k_s.at[h]) for h in range(n_pieces)]
-               + [(f_g.at[i, n], f_s), (do_g.at[i, n], do_s), (u_g.at[i, n], u_s)]
+      pairs = ([(tok_at(q_g, cols(h)), q_s.at[h]) for h in range(n_pieces)]
+               + [(tok_at(k_g, cols(h)), k_s.at[h]) for h in range(n_pieces)]
+               + [(f_g.at[i, n], f_s), (tok_at(do_g, slice(None)), do_s), (u_g.at[i, n], u_s)]
                + ([(dx_g.at[i, n], dx_s)] if erase else []))
       _load(pairs, bars)
 
@@ -348,7 +367,7 @@ def slice_warpgroups(requested: int | None, d: int) -> int:
   return 2 if requested in (None, 2) and slice_warpgroups_supported(d) is None else 1
 
 
-def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups=1,
+def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups=1, heads=None,
                 interpret=False):
   """The Mosaic GPU slice kernel ``triadic_chunk_backward_slices`` (grid (B*H, NC)). Per chunk it
   streams the state slices in pieces of 64 rows (item (h, e): rows h*64.. of S_e and dS_e, two
@@ -366,9 +385,16 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
   one piece with its own stream and slots (``slice_warpgroups_supported``).
   Operands: q, k (BH,NC,C,D), dX = beta A^T dU, dO, U (BH,NC,C,V), all bf16; the states
   (BH,NC,E,D,V) bf16; the factor rows f (BH,NC,3E+1,C) float32 (``factor_rows``). Returns dq, dk
-  partials (BH,NC,C,D), the row-sum matrix (BH,NC,C,32) and dlam partials (BH,NC,64,8), float32."""
-  bh, nc, c, d = q.shape
-  vd, e_dim = do.shape[-1], (f.shape[2] - 1) // 3
+  partials (BH,NC,C,D), the row-sum matrix (BH,NC,C,32) and dlam partials (BH,NC,64,8), float32.
+
+  ``heads=H``: q, k (B,T,H,D) and dO (B,T,H,V) in the caller's layout, T = NC * C, read in place
+  (program (i, n) copies the strided boxes of rows n*C.. of head i % H of batch i // H, q and k in
+  64-column pieces), so that they need no relayout copy; every other operand and the outputs
+  keep their (BH, NC, ...) layout (``common.check_heads``)."""
+  bh, nc, c = f.shape[0], f.shape[1], f.shape[-1]
+  d, vd, e_dim = q.shape[-1], do.shape[-1], (f.shape[2] - 1) // 3
+  if heads is not None:
+    check_heads(heads, bh, nc, c, q=q, k=k, do=do)
   if warpgroups not in (1, 2) or (warpgroups == 2 and slice_warpgroups_supported(d)):
     raise ValueError(f"warpgroups must be 1, or 2 at D = {2 * PIECE}; got {warpgroups} at D={d}")
   n_pieces = d // PIECE
@@ -394,19 +420,33 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
               jax.ShapeDtypeStruct((bh, nc, warpgroups, c, COEF_W), F32),
               jax.ShapeDtypeStruct((bh, nc, warpgroups, PIECE, LAM_W), F32)]
   kernel = functools.partial(_slice_kernel, scratch=scratch, outs=outs, c=c, d=d, e_dim=e_dim,
-                             scale=scale, erase=erase, wgs=warpgroups, interpret=bool(interpret))
+                             scale=scale, erase=erase, wgs=warpgroups, interpret=bool(interpret),
+                             heads=heads)
   dqp, dkp, coef, lam = _launch(kernel, (q, k, dx, do, u, states, dstates, f), out_type,
                                 grid=(bh, nc), n_pieces=n_pieces, warpgroups=warpgroups,
                                 interpret=interpret)
   return dqp, dkp, jnp.sum(coef, axis=2), jnp.sum(lam, axis=2)
 
 
-def x_from_states(k, v, states, k2_col, gc_col):
-  """X = V - sum_e diag(k2_e exp(gc_e)) K S_e (BH,NC,C,V) float32 in plain JAX: the slice
-  kernel's X when the forward did not save it (its state passes not the Mosaic ones)."""
-  ks = jnp.einsum("bncd,bnedv->bnecv", k, states.astype(k.dtype), preferred_element_type=F32)
-  coef = k2_col * jnp.exp(gc_col)
-  return v.astype(F32) - jnp.einsum("bnce,bnecv->bncv", coef, ks)
+def x_from_states(k, v, states, k2_col, gc_col, heads=None):
+  """X = V - sum_e diag(k2_e exp(gc_e)) K S_e (BH,NC,C,V) float32 in plain JAX: the tail's X
+  when the forward did not save it (its state passes not the Mosaic ones). ``heads=H``: k, v in
+  the caller's (B, T, H, X) layout, read as (B, NC, C, H, X) views (no relayout copy of k; V's
+  relayout is part of the subtraction's output), X still in the kernel layout."""
+  if heads is None:
+    ks = jnp.einsum("bncd,bnedv->bnecv", k, states.astype(k.dtype), preferred_element_type=F32)
+    coef = k2_col * jnp.exp(gc_col)
+    return v.astype(F32) - jnp.einsum("bnce,bnecv->bncv", coef, ks)
+  bh, nc, c = k2_col.shape[:3]
+  check_heads(heads, bh, nc, c, k=k, v=v)
+  chunks = lambda y: y.reshape(bh // heads, nc, c, heads, y.shape[-1])     # (B, NC, C, H, X)
+  per_head = lambda y: y.reshape(bh // heads, heads, *y.shape[1:])          # (B, H, ...)
+  ks = jnp.einsum("bnchd,bhnedv->bhnecv", chunks(k), per_head(states).astype(k.dtype),
+                  preferred_element_type=F32)
+  coef = per_head(k2_col * jnp.exp(gc_col))
+  x = (jnp.einsum("bnchv->bhncv", chunks(v)).astype(F32)
+       - jnp.einsum("bhnce,bhnecv->bhncv", coef, ks))
+  return x.reshape(bh, nc, c, -1)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -484,27 +524,44 @@ def _tail_blocks(bh, nc, vd, cfg):
   return bv, spec, shape
 
 
-def tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a, *, scale, erase, cfg):
+def _token_blocks(bh, nc, c, heads, spec, shape):
+  """BlockSpec and output shape makers (of the last dim X) of the tails' per-token arrays (q, k,
+  dO in, dq, dk out): the chunk's (C, X) block of (BH, NC, C, X) or, with ``heads``, of the
+  caller's (B, T, H, X), the head dim squeezed (program (i, j): rows j*C.. of head i % H of
+  batch i // H), so that those arrays need no relayout copy."""
+  if heads is None:
+    return (lambda x: spec(c, x)), (lambda x, dt: shape(c, x, dt=dt))
+  index = lambda i, j: (i // heads, j, i % heads, 0)
+  return ((lambda x: pl.BlockSpec((None, c, None, x), index)),
+          (lambda x, dt: jax.ShapeDtypeStruct((bh // heads, nc * c, heads, x), dt)))
+
+
+def tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a, *, scale, erase, cfg,
+                heads=None):
   """The E-independent tail kernel ``triadic_chunk_backward_tail_ut``: the products over V
   (dbeta's X part, dA, dP) accumulated over blocks of ``cfg.bwd_block_v`` value columns (the
   loop Triton pipelines, so that no C x V operand is held whole), then ``backward.ut_before`` /
   ``ut_after`` with M' and M (None without erase) given.
   Returns dq, dk (BH,NC,C,D) in q's dtype (the op's gradients are cast to it next), float32
-  dbeta (C,1), dM' (C,C) and dM (C,C; erase only, else None)."""
-  bh, nc, c, d = q.shape
+  dbeta (C,1), dM' (C,C) and dM (C,C; erase only, else None). ``heads=H``: q, k, dO are read
+  and dq, dk written in the caller's (B, T, H, X) layout (``_token_blocks``); the rest keeps
+  (BH, NC, ...)."""
+  bh, nc, c, d = dqp.shape
   vd = x.shape[-1]
+  if heads is not None:
+    check_heads(heads, bh, nc, c, q=q, k=k, do=do)
   bv, spec, shape = _tail_blocks(bh, nc, vd, cfg)
+  tspec, tshape = _token_blocks(bh, nc, c, heads, spec, shape)
   kernel = functools.partial(_tail_ut_kernel, c=c, vd=vd, bv=bv, scale=scale, erase=erase,
                              dtype=q.dtype, precision=cfg.f32_precision)
   n_mm = 2 if erase else 1
   res = call(
       kernel, cfg=cfg, grid=(bh, nc),
-      in_specs=[spec(c, d), spec(c, d), spec(c, vd), spec(c, vd), spec(c, vd), spec(c, vd),
+      in_specs=[tspec(d), tspec(d), spec(c, vd), tspec(vd), spec(c, vd), spec(c, vd),
                 spec(c, vd), spec(c, d), spec(c, d)] + [spec(c, c)] * n_mm
                + [spec(c, 1), spec(c, c)],
-      out_specs=[spec(c, d), spec(c, d), spec(c, 1)] + [spec(c, c)] * n_mm,
-      out_shape=[shape(c, d, dt=q.dtype), shape(c, d, dt=q.dtype), shape(c, 1)]
-                + [shape(c, c)] * n_mm,
+      out_specs=[tspec(d), tspec(d), spec(c, 1)] + [spec(c, c)] * n_mm,
+      out_shape=[tshape(d, q.dtype), tshape(d, q.dtype), shape(c, 1)] + [shape(c, c)] * n_mm,
       semantics=("parallel", "parallel"), name="triadic_chunk_backward_tail_ut",
       num_warps=cfg.bwd_num_warps,
   )(q, k, x, do, u, du, drhs, dqp, dkp, mq, *((m,) if erase else ()), beta_col, a)
@@ -512,26 +569,31 @@ def tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a, *, scale
 
 
 def fused_tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col,
-                      k2_row, q2_col, gc_col, gc_row, beta_col, a, *, scale, erase, cfg):
+                      k2_row, q2_col, gc_col, gc_row, beta_col, a, *, scale, erase, cfg,
+                      heads=None):
   """Everything after the slice kernel in one Pallas kernel ``triadic_chunk_backward_tail_fused``
   (grid (B*H, NC)): ``_value_products``, then ``backward.chunk_local``, which builds M, M' and
   the per-slice mask gradients in the kernel, one slice's C x C decay mask live at a time. Same
   operands and outputs as ``tail``; for small E, where those per-slice C x C terms fit in
   registers, it saves ``tail``'s four C x C float32 matrices per chunk through HBM and the plain
-  JAX around it."""
-  bh, nc, c, d = q.shape
+  JAX around it. ``heads=H``: q, k, dO in and dq, dk out in the caller's (B, T, H, X) layout, as
+  in ``tail_kernel``."""
+  bh, nc, c, d = dqp.shape
   vd, e_dim = x.shape[-1], k2_col.shape[-1]
+  if heads is not None:
+    check_heads(heads, bh, nc, c, q=q, k=k, do=do)
   bv, spec, shape = _tail_blocks(bh, nc, vd, cfg)
+  tspec, tshape = _token_blocks(bh, nc, c, heads, spec, shape)
   kernel = functools.partial(_fused_tail_kernel, c=c, vd=vd, bv=bv, e_dim=e_dim, scale=scale,
                              erase=erase, dtype=q.dtype, precision=cfg.f32_precision)
   cols, rows = spec(c, e_dim), spec(e_dim, c)
   return call(
       kernel, cfg=cfg, grid=(bh, nc),
-      in_specs=[spec(c, d), spec(c, d)] + [spec(c, vd)] * 5 + [spec(c, d), spec(c, d)]
-               + [cols] * 3 + [spec(1, e_dim), cols, rows, cols, cols, rows, spec(c, 1),
-                               spec(c, c)],
-      out_specs=[spec(c, d), spec(c, d), cols, rows, cols, cols, rows, spec(c, 1)],
-      out_shape=[shape(c, d, dt=q.dtype), shape(c, d, dt=q.dtype), shape(c, e_dim),
+      in_specs=[tspec(d), tspec(d), spec(c, vd), tspec(vd)] + [spec(c, vd)] * 3
+               + [spec(c, d), spec(c, d)] + [cols] * 3
+               + [spec(1, e_dim), cols, rows, cols, cols, rows, spec(c, 1), spec(c, c)],
+      out_specs=[tspec(d), tspec(d), cols, rows, cols, cols, rows, spec(c, 1)],
+      out_shape=[tshape(d, q.dtype), tshape(d, q.dtype), shape(c, e_dim),
                  shape(e_dim, c), shape(c, e_dim), shape(c, e_dim), shape(e_dim, c),
                  shape(c, 1)],
       semantics=("parallel", "parallel"), name="triadic_chunk_backward_tail_fused",
@@ -564,21 +626,24 @@ def default_fused_tail(e: int) -> bool:
 
 
 def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
-         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, sub_chunk_masks=None):
+         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, sub_chunk_masks=None,
+         heads=None):
   """Everything after the slice kernel. ``fused``: ``fused_tail_kernel``; else the masks M, M'
   (plain JAX), the E-independent tail kernel, and the per-slice mask gradients (plain JAX; both
   by sub-chunks of ``sub_chunk_masks`` tokens where given, ``masks.py``).
   ``dcoef``, ``dqcoef``, ``dkcoef`` (BH,NC,C,E) and ``dlam`` (BH,NC,E) are the slice kernel's row
   sums. Returns dq, dk (BH,NC,C,D) in q's dtype and, float32, dk2 column (C,E) and row (E,C)
-  parts, dq2 (C,E), d gc column and row parts and dbeta (C,1)."""
+  parts, dq2 (C,E), d gc column and row parts and dbeta (C,1). ``heads=H``: q, k, dO in and dq,
+  dk out in the caller's (B, T, H, X) layout (the tail kernels' ``heads``); x and the rest keep
+  the kernel layout."""
   if fused:
     return tuple(fused_tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef,
                                    dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
-                                   scale=scale, erase=erase, cfg=cfg))
+                                   scale=scale, erase=erase, cfg=cfg, heads=heads))
   m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase,
                             sub=sub_chunk_masks)
   dq, dk, dbeta, dmq, dm = tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a,
-                                       scale=scale, erase=erase, cfg=cfg)
+                                       scale=scale, erase=erase, cfg=cfg, heads=heads)
   dk2_col, dk2_row, dq2_col, dgc_col, dgc_row = masks.mask_grads(
       dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase,
       sub=sub_chunk_masks)
@@ -587,10 +652,18 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
-                    sub_chunk_masks=None, interpret=False):
+                    sub_chunk_masks=None, heads=None, interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   (dq, dk (BH,NC,C,D) in q's dtype, the rest float32): dv (BH,NC,C,V), dk2 column and row parts
   ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
+
+  ``heads=H``: q, k, v, dO in the caller's (B, T, H, X) layout (T = NC * C, B * H = BH;
+  ``common.check_heads``) and dq, dk (in q's dtype), dv (float32) returned in it; the rest as
+  above. The slice and tail kernels read q, k, dO in place and the tail writes dq, dk so; dv is
+  the product beta drhs written token-major by XLA (the slice kernel reads its bf16
+  kernel-layout copy as dX); X, formed from the token-major k, v where not given
+  (``x_from_states``) or V relayouted without erase (``head_major``), is read in the kernel
+  layout, as is a given ``x`` (the Mosaic forward saves it so with ``heads`` too).
 
   ``x`` (erase only): X = V - sum_e diag(c_e) K S_e as the forward saved it (without it,
   ``x_from_states`` forms it in plain JAX). ``slice_warpgroups``: the slice kernel's
@@ -598,8 +671,10 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   ``default_fused_tail``). ``sub_chunk_masks``: the split tail's masks and mask gradients by
   sub-chunks of that many tokens (``tail``). ``interpret=True``: Mosaic GPU interpret mode for
   the slice kernel and Pallas interpret mode for the tail (CPU tests)."""
-  bh, nc, c, d = q.shape
-  vd, e_dim = v.shape[-1], k2_col.shape[-1]
+  bh, nc, c = k2_col.shape[:3]
+  d, vd, e_dim = q.shape[-1], v.shape[-1], k2_col.shape[-1]
+  if heads is not None:
+    check_heads(heads, bh, nc, c, q=q, k=k, v=v, do=do)
   reason = supported(d, vd, c, e_dim, q.dtype, erase, slice_warpgroups)
   if reason:
     raise ValueError(reason)
@@ -610,11 +685,11 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   f = factor_rows(gc_col, k2_col, q2_col, beta_col)
   dqp, dkp, coef, lam = slices_pass(q, k, low(dv), low(do), low(u), low(states), low(dstates), f,
                                     scale=scale, erase=erase, warpgroups=slice_warpgroups,
-                                    interpret=interpret)
+                                    heads=heads, interpret=interpret)
   if not erase:
-    x = v
+    x = v if heads is None else head_major(v, c)
   elif x is None:
-    x = x_from_states(k, v, states, k2_col, gc_col)
+    x = x_from_states(k, v, states, k2_col, gc_col, heads=heads)
   dcoef, dqcoef, dkcoef = (coef[..., j * e_dim:(j + 1) * e_dim] for j in range(3))
   dlam = jnp.sum(lam, axis=2)[..., :e_dim]            # (BH, NC, E): the sum over the rows
   # The tail kernel's products over V take bf16 operands anyway (``mm``), so its C x V inputs
@@ -624,5 +699,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta = tail(
       q, k, low(x), do, low(u), low(du), low(drhs), dqp, dkp, dcoef, dqcoef, dkcoef, dlam,
       k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a, scale=scale, erase=erase,
-      cfg=tail_config(interpret, fused), fused=fused, sub_chunk_masks=sub_chunk_masks)
+      cfg=tail_config(interpret, fused), fused=fused, sub_chunk_masks=sub_chunk_masks,
+      heads=heads)
+  if heads is not None:
+    dv = token_major(dv, bh // heads, heads)
   return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta

@@ -13,6 +13,10 @@ runs them over pieces of the sequence, each started from a short warm-up pass (`
 
 Layout: (B, T, H, X) -> (B, H, NC, C, X) with T zero-padded to NC*C (padded tokens have k = q = v =
 beta = k2 = q2 = 0 and g = 0, so they leave the state alone); the kernels see (B*H, NC, C, X).
+With ``Config.token_major`` (``plan.layout`` says where it applies: the Mosaic GPU kernels, T a
+multiple of C, no padding of D and V, one piece) q, k, v and o, dO, dq, dk, dv are not relayouted:
+every kernel that reads or writes them takes them in the caller's (B, T, H, X) (``heads=H``),
+and only the small per-token E-wide operands (k2, q2, g, beta) are.
 D and V are zero-padded to a power of two (Triton tensors are powers of two; zero rows/columns of
 the state stay zero), E likewise.
 The platform is the default backend's: Triton on GPU, Mosaic on TPU, ``interpret=True`` on CPU.
@@ -41,6 +45,7 @@ The ``jax.custom_vjp`` stays outside them (custom_partitioning defines no deriva
 from __future__ import annotations
 
 import functools
+import itertools
 from typing import NamedTuple
 
 import jax
@@ -166,21 +171,28 @@ _DIMS = {
     "gc_col": "b h n c e", "gc_row": "b h n e c", "a": "b h n c s", "p": "b h n c s",
     "u": "b h n c v", "states": "b h n e d v", "x": "b h n c v",
 }
+# With ``Plan``'s token-major layout (``plan.layout``) q, k, v, o and their gradients stay in the
+# caller's (B, T, H, X): t the token axis, whole on every device like n and c.
+_TOKEN_MAJOR_DIMS = {"q": "b t h d", "k": "b t h d", "v": "b t h v", "o": "b t h v"}
 assert all(dims.startswith("b h ") for dims in _DIMS.values())
 assert set(Residuals._fields) <= set(_DIMS)
-_REPLICATED = tuple(dict.fromkeys(f for dims in _DIMS.values() for f in dims.split()[2:]))
+_REPLICATED = tuple(dict.fromkeys(f for table in (_DIMS, _TOKEN_MAJOR_DIMS)
+                                  for dims in table.values() for f in dims.split()
+                                  if f not in ("b", "h")))
 
 _INPUTS = ("q", "k", "v", "k2", "q2", "g", "beta", "h0")   # of ``_core`` and the forward
 _READ_BACK = ("q", "k", "v", "k2", "q2", "beta")           # the inputs the backward reads
 
 
-def _dims(name: str) -> str:
-  return _DIMS[name] if name in _DIMS else _DIMS[name.removeprefix("d")]
+def _dims(name: str, token_major: bool = False) -> str:
+  base = name if name in _DIMS else name.removeprefix("d")
+  return (_TOKEN_MAJOR_DIMS if token_major and base in _TOKEN_MAJOR_DIMS else _DIMS)[base]
 
 
-def _rule(operands, results) -> str:
-  """Shardy's einsum-like rule of a function of the named operands to the named results."""
-  dims = lambda names: ", ".join(map(_dims, names))
+def _rule(operands, results, token_major: bool = False) -> str:
+  """Shardy's einsum-like rule of a function of the named operands to the named results (q, k,
+  v, o and their gradients token-major where ``token_major``)."""
+  dims = lambda names: ", ".join(_dims(name, token_major) for name in names)
   return f"{dims(operands)} -> {dims(results)}"
 
 
@@ -196,19 +208,23 @@ def _signatures(saves_x: bool):
 
 
 def _plan(cfg, q, v, k2):
-  return plan_lib.resolve(cfg, d=q.shape[-1], vd=v.shape[-1], c=q.shape[-2], e=k2.shape[-1],
+  """The plan for kernel operands q, v (either layout) and k2 (BH, NC, C, E)."""
+  return plan_lib.resolve(cfg, d=q.shape[-1], vd=v.shape[-1], c=k2.shape[-2], e=k2.shape[-1],
                           dtype=q.dtype)
 
 
-def state_pass_kernels(cfg, q, v, k2, save_x=False):
+def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None):
   """The plan's state-passing kernels, as (forward, backward) functions of
   ``recurrent.state_pass``'s operands: ``mosaic`` (Hopper wgmma) or ``recurrent`` (Triton / TPU /
   interpret). ``save_x``: the forward also returns X after U (the Mosaic forward only: pass
-  ``Plan.saves_x``)."""
+  ``Plan.saves_x``). ``heads``: the Mosaic kernels' per-token operands are token-major
+  (``plan.layout``)."""
   if _plan(cfg, q, v, k2).mosaic_state_kernels:
-    sizes = dict(d=q.shape[-1], vd=v.shape[-1], c=q.shape[-2], e=k2.shape[-1])
+    sizes = dict(d=q.shape[-1], vd=v.shape[-1], c=k2.shape[-2], e=k2.shape[-1])
     tiles = plan_lib.state_tiles(cfg, **sizes)
     kw = dict(interpret=cfg.platform == "cpu", block_v=tiles.block_v)
+    if heads is not None:
+      kw["heads"] = heads
     return (functools.partial(mosaic.state_pass, save_x=save_x,
                               warpgroups=tiles.forward_warpgroups, **kw),
             functools.partial(mosaic.reverse_state_pass, warpgroups=tiles.reverse_warpgroups,
@@ -220,59 +236,67 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False):
 def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
   """The plan's pieces of the sequence for the state passes (``plan.sequence_pieces``), on the
   kernels' (B*H, NC, C, X) operands."""
-  return plan_lib.sequence_pieces(cfg, bh=q.shape[0], nc=q.shape[1], d=q.shape[-1],
-                                  vd=v.shape[-1], c=q.shape[-2], e=k2.shape[-1], dtype=q.dtype)
+  return plan_lib.sequence_pieces(cfg, bh=k2.shape[0], nc=k2.shape[1], d=q.shape[-1],
+                                  vd=v.shape[-1], c=k2.shape[-2], e=k2.shape[-1], dtype=q.dtype)
 
 
-def chunk_gradients_kernel(cfg, q, v, k2):
+def chunk_gradients_kernel(cfg, q, v, k2, heads=None):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel with
-  ``cfg.slice_warpgroups``, ``cfg.fused_tail``, ``cfg.sub_chunk_masks``) or
-  ``backward.chunk_gradients``."""
+  ``cfg.slice_warpgroups``, ``cfg.fused_tail``, ``cfg.sub_chunk_masks``; ``heads``: token-major
+  per-token operands) or ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
     return functools.partial(
         mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
         slice_warpgroups=mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, q.shape[-1]),
-        fused_tail=cfg.fused_tail, sub_chunk_masks=cfg.sub_chunk_masks)
+        fused_tail=cfg.fused_tail, sub_chunk_masks=cfg.sub_chunk_masks,
+        **({} if heads is None else {"heads": heads}))
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 
-def _forward(scale, erase, cfg, *, saves_x, q, k, v, k2, q2, g, beta, h0):
-  """Forward kernels on (B, H, NC, C, X) operands and h0 (B, H, E, D, V): chunk prep, then the
-  forward state pass (over pieces of the sequence where the plan says). Returns o, the final state
+def _forward(scale, erase, cfg, heads, *, saves_x, q, k, v, k2, q2, g, beta, h0):
+  """Forward kernels on (B, H, NC, C, X) operands and h0 (B, H, E, D, V), or with ``heads`` q,
+  k, v in the caller's (B, T, H, X) (``plan.layout``): chunk prep, then the forward state pass
+  (over pieces of the sequence where the plan says). Returns o (in q's layout), the final state
   ht and the ``Residuals`` fields by name, all with leading (B, H); x only where ``saves_x``."""
-  b, h = q.shape[:2]
-  q, k, v, k2, q2, g, beta, h0 = map(_merge, (q, k, v, k2, q2, g, beta, h0))
+  b, h = k2.shape[:2]
+  tok = _merge if heads is None else (lambda x: x)      # the per-token operands' layout
+  q, k, v, k2, q2, g, beta, h0 = (tok(q), tok(k), tok(v), *map(_merge, (k2, q2, g, beta, h0)))
   gc_col, gc_row, a, p = chunk_prep(q, k, k2_col=k2, q2_col=q2, g_col=g, beta_col=beta,
-                                    erase=erase, cfg=cfg)
-  forward = state_pass_kernels(cfg, q, v, k2, save_x=saves_x)[0]
+                                    erase=erase, cfg=cfg, heads=heads)
+  forward = state_pass_kernels(cfg, q, v, k2, save_x=saves_x, heads=heads)[0]
   o, u, *x, states, ht = pieces.state_pass(
       forward, sequence_pieces(cfg, q, v, k2), q=q, k=k, v=v, k2=k2, q2=q2, gc=gc_col, beta=beta,
       a=a, p=p, h0=h0, g=g, scale=scale, erase=erase)
   residuals = Residuals(gc_col=gc_col, gc_row=gc_row, a=a, p=p, u=u, states=states,
                         x=x[0] if x else None)
-  return {name: None if y is None else _split(y, b, h)
-          for name, y in dict(o=o, ht=ht, **residuals._asdict()).items()}
+  o = o if heads is not None else _split(o, b, h)
+  return {"o": o, **{name: None if y is None else _split(y, b, h)
+                     for name, y in dict(ht=ht, **residuals._asdict()).items()}}
 
 
-def _backward(scale, erase, cfg, *, q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do,
-              dht, x=None):
+def _backward(scale, erase, cfg, heads, *, q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u,
+              states, do, dht, x=None):
   """Backward kernels on the inputs read back, the ``Residuals`` fields and the cotangents (do,
-  dht), all with leading (B, H): the reverse state pass (chunk-end state gradients and dU), then
-  the chunk-parallel backward. Returns the gradients ``d<input>`` of the eight ``_forward``
-  inputs by name, in their dtypes."""
-  b, h = q.shape[:2]
+  dht), all with leading (B, H), or with ``heads`` q, k, v and do in the caller's (B, T, H, X):
+  the reverse state pass (chunk-end state gradients and dU), then the chunk-parallel backward.
+  Returns the gradients ``d<input>`` of the eight ``_forward`` inputs by name, in their dtypes
+  and layouts."""
+  b, h = k2.shape[:2]
   dtypes = (q.dtype, k.dtype, v.dtype, k2.dtype, q2.dtype, beta.dtype)
-  q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht = map(
-      _merge, (q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u, states, do, dht))
+  tok = _merge if heads is None else (lambda x: x)      # the per-token operands' layout
+  q, k, v = map(tok, (q, k, v))
+  k2, q2, beta, gc_col, gc_row, a, p, u, states = map(
+      _merge, (k2, q2, beta, gc_col, gc_row, a, p, u, states))
+  do, dht = tok(do), _merge(dht)
   # Only the Mosaic chunk-parallel backward takes X (``Plan.saves_x``).
   saved_x = {} if x is None else {"x": _merge(x)}
-  backward = state_pass_kernels(cfg, q, do, k2)[1]
+  backward = state_pass_kernels(cfg, q, do, k2, heads=heads)[1]
   g = gc_col - jnp.pad(gc_col[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0)))  # per-token decay
   du, dstates, dh0 = pieces.reverse_state_pass(
       backward, sequence_pieces(cfg, q, do, k2), q=q, k=k, do=do.astype(q.dtype), k2=k2, q2=q2,
       gc=gc_col, beta=beta, a=a, p=p, dht=dht.astype(F32), g=g, scale=scale, erase=erase)
-  chunk_gradients = chunk_gradients_kernel(cfg, q, v, k2)
+  chunk_gradients = chunk_gradients_kernel(cfg, q, v, k2, heads=heads)
   dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = chunk_gradients(
       q=q, k=k, v=v, do=do, u=u, du=du, states=states, dstates=dstates, k2_col=k2,
       k2_row=_rows(k2), q2_col=q2, gc_col=gc_col, gc_row=gc_row, beta_col=beta, a=a, **saved_x,
@@ -282,57 +306,61 @@ def _backward(scale, erase, cfg, *, q, k, v, k2, q2, beta, gc_col, gc_row, a, p,
   dk2 = dk2_col + _rows(dk2_row)
   dq, dk, dv, dk2, dq2, dbeta = (y.astype(dt) for y, dt in zip((dq, dk, dv, dk2, dq2, dbeta),
                                                                  dtypes))
-  grads = {"dq": dq, "dk": dk, "dv": dv, "dk2": dk2, "dq2": dq2, "dg": dg, "dbeta": dbeta,
-           "dh0": dh0}
-  return {name: _split(y, b, h) for name, y in grads.items()}
+  per_token = {"dq": dq, "dk": dk, "dv": dv}
+  if heads is None:
+    per_token = {name: _split(y, b, h) for name, y in per_token.items()}
+  rest = {"dk2": dk2, "dq2": dq2, "dg": dg, "dbeta": dbeta, "dh0": dh0}
+  return {**per_token, **{name: _split(y, b, h) for name, y in rest.items()}}
 
 
 class _Stage:
-  """``fn(scale, erase, cfg, **arrays)`` -> arrays by name, as custom_partitioning sees it: flat
-  operands and results in the order of the ``operands`` and ``results`` names, and the Shardy
-  rule built from the same names (``_rule``). Called with the operands by name, it returns the
-  results by name; ``partitioned=False`` runs the flat function as it is."""
+  """``fn(scale, erase, cfg, heads, **arrays)`` -> arrays by name, as custom_partitioning sees
+  it: flat operands and results in the order of the ``operands`` and ``results`` names, and the
+  Shardy rule built from the same names (``_rule``; q, k, v, o and their gradients token-major
+  where ``token_major``, i.e. the stage is called with ``heads``). Called with the operands by
+  name, it returns the results by name; ``partitioned=False`` runs the flat function as it is."""
 
-  def __init__(self, fn, operands, results, *, partitioned: bool):
-    self.operands, self.results = operands, results
-    self.rule = _rule(operands, results)
+  def __init__(self, fn, operands, results, *, partitioned: bool, token_major: bool):
+    self.operands, self.results, self.token_major = operands, results, token_major
+    self.rule = _rule(operands, results, token_major)
 
-    def flat(scale, erase, cfg, *arrays):
-      out = fn(scale, erase, cfg, **dict(zip(operands, arrays, strict=True)))
+    def flat(scale, erase, cfg, heads, *arrays):
+      out = fn(scale, erase, cfg, heads, **dict(zip(operands, arrays, strict=True)))
       out = {name: y for name, y in out.items() if y is not None}
       if set(out) != set(results):
         raise AssertionError(f"{fn} returned {sorted(out)}, its rule names {sorted(results)}")
       return tuple(out[name] for name in results)
 
-    self._flat = (partition.batch_head_partitioned(flat, n_static=3, rule=self.rule,
+    self._flat = (partition.batch_head_partitioned(flat, n_static=4, rule=self.rule,
                                                    replicated=_REPLICATED)
                   if partitioned else flat)
 
-  def __call__(self, scale, erase, cfg, **arrays) -> dict:
+  def __call__(self, scale, erase, cfg, heads, **arrays) -> dict:
     if set(arrays) != set(self.operands):
       raise TypeError(f"operands {sorted(arrays)}, expected {sorted(self.operands)}")
-    out = self._flat(scale, erase, cfg, *(arrays[name] for name in self.operands))
+    if (heads is not None) != self.token_major:
+      raise TypeError(f"heads={heads!r} for a stage with token_major={self.token_major}")
+    out = self._flat(scale, erase, cfg, heads, *(arrays[name] for name in self.operands))
     return dict(zip(self.results, out, strict=True))
 
 
-def _make_stages(saves_x: bool, partitioned: bool) -> tuple[_Stage, _Stage]:
+def _make_stages(saves_x: bool, partitioned: bool, token_major: bool) -> tuple[_Stage, _Stage]:
   (fwd_operands, fwd_results), (bwd_operands, bwd_results) = _signatures(saves_x)
-  return (_Stage(functools.partial(_forward, saves_x=saves_x), fwd_operands, fwd_results,
-                 partitioned=partitioned),
-          _Stage(_backward, bwd_operands, bwd_results, partitioned=partitioned))
+  kw = dict(partitioned=partitioned, token_major=token_major)
+  return (_Stage(functools.partial(_forward, saves_x=saves_x), fwd_operands, fwd_results, **kw),
+          _Stage(_backward, bwd_operands, bwd_results, **kw))
 
 
-_STAGES = {(saves_x, partitioned): _make_stages(saves_x, partitioned)
-           for saves_x in (False, True) for partitioned in (False, True)}
+_STAGES = {key: _make_stages(*key) for key in itertools.product((False, True), repeat=3)}
 
 
-def _stages(cfg, saves_x: bool) -> tuple[_Stage, _Stage]:
-  """The forward and backward, the forward saving X or not (``Plan.saves_x``): custom-partitioned
-  (their rules with or without X), or the plain functions when the kernels run as host callbacks
-  (Mosaic GPU interpret mode on a CPU), which custom_partitioning cannot lower. On one device the
-  two compile to the same program."""
+def _stages(cfg, saves_x: bool, heads) -> tuple[_Stage, _Stage]:
+  """The forward and backward, the forward saving X or not (``Plan.saves_x``), token-major or not
+  (``heads``): custom-partitioned (their rules with or without X), or the plain functions when
+  the kernels run as host callbacks (Mosaic GPU interpret mode on a CPU), which
+  custom_partitioning cannot lower. On one device the two compile to the same program."""
   host_callbacks = (cfg.mosaic_gpu or cfg.mosaic_gpu_backward) and cfg.platform == "cpu"
-  return _STAGES[saves_x, not host_callbacks]
+  return _STAGES[saves_x, not host_callbacks, heads is not None]
 
 
 def _saves_x(cfg, q, v, k2, erase) -> bool:
@@ -340,31 +368,31 @@ def _saves_x(cfg, q, v, k2, erase) -> bool:
   return _plan(cfg, q, v, k2).saves_x(erase)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
-def _core(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
+def _core(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg, heads):
   # Not differentiated: nothing needs X.
-  out = _stages(cfg, False)[0](scale, erase, cfg, q=q, k=k, v=v, k2=k2, q2=q2, g=g, beta=beta,
-                               h0=h0)
+  out = _stages(cfg, False, heads)[0](scale, erase, cfg, heads, q=q, k=k, v=v, k2=k2, q2=q2,
+                                      g=g, beta=beta, h0=h0)
   return out["o"], out["ht"]
 
 
-def _core_fwd(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg):
+def _core_fwd(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg, heads):
   """(o, ht) and, for ``_core_bwd``, the inputs it reads back by name and the ``Residuals``."""
-  forward = _stages(cfg, _saves_x(cfg, q, v, k2, erase))[0]
-  out = forward(scale, erase, cfg, q=q, k=k, v=v, k2=k2, q2=q2, g=g, beta=beta, h0=h0)
+  forward = _stages(cfg, _saves_x(cfg, q, v, k2, erase), heads)[0]
+  out = forward(scale, erase, cfg, heads, q=q, k=k, v=v, k2=k2, q2=q2, g=g, beta=beta, h0=h0)
   read_back = {"q": q, "k": k, "v": v, "k2": k2, "q2": q2, "beta": beta}
   residuals = Residuals(**{name: out.get(name) for name in Residuals._fields})
   return (out["o"], out["ht"]), (read_back, residuals)
 
 
-def _core_bwd(scale, erase, cfg, saved, cotangents):
+def _core_bwd(scale, erase, cfg, heads, saved, cotangents):
   """The gradients of ``_core``'s eight array inputs, in its order, by the backward that takes
   the X the forward saved, if it saved one."""
   read_back, residuals = saved
   do, dht = cotangents
-  backward = _stages(cfg, residuals.x is not None)[1]
+  backward = _stages(cfg, residuals.x is not None, heads)[1]
   arrays = {name: y for name, y in residuals._asdict().items() if y is not None}
-  grads = backward(scale, erase, cfg, **read_back, **arrays, do=do, dht=dht)
+  grads = backward(scale, erase, cfg, heads, **read_back, **arrays, do=do, dht=dht)
   return tuple(grads["d" + name] for name in _INPUTS)
 
 
@@ -385,6 +413,28 @@ def explain(d: int, vd: int, e: int, chunk_size: int, dtype, *, platform: str | 
   return plan_lib.resolve(cfg, d=dp, vd=vp, c=chunk_size, e=ep, dtype=dtype)
 
 
+def explain_layout(b: int, t: int, h: int, d: int, vd: int, e: int, chunk_size: int, dtype, *,
+                   platform: str | None = None, config: Config | None = None) -> plan_lib.Layout:
+  """Where ``triadic_pallas`` keeps the per-token operands of a (B, T, H, .) call: the caller's
+  layout read in place, or the (B*H, NC, C, X) relayout, with the reason (``plan.layout``)."""
+  return _layout(b, t, h, d, vd, e, chunk_size, dtype, platform, config)[0]
+
+
+def _layout(b, t, h, d, vd, e, c, dtype, platform, config):
+  """(``plan.Layout``, the Config) of a call: ``explain_layout``."""
+  reason = unsupported(d, vd, c)
+  if reason:
+    raise ValueError(reason)
+  dp, vp, ep = pow2(d, 16), pow2(vd, 16), pow2(e)
+  cfg = config or default_config(platform or default_platform(), ep, vp, bh=b * h)
+  plan = plan_lib.resolve(cfg, d=dp, vd=vp, c=c, e=ep, dtype=dtype)
+  nc = -(-t // c)
+  count = (plan_lib.sequence_pieces(cfg, bh=b * h, nc=nc, d=dp, vd=vp, c=c, e=ep, dtype=dtype).count
+           if plan.mosaic_state_kernels else 1)
+  return plan_lib.layout(cfg, plan, t=t, c=c, d=d, vd=vd, padded_d=dp, padded_vd=vp,
+                         pieces_count=count), cfg
+
+
 def triadic_pallas(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: jax.Array,
                    erase: bool, chunk_size: int, platform: str | None = None,
                    config: Config | None = None):
@@ -392,26 +442,29 @@ def triadic_pallas(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: jax
 
   platform: "gpu", "tpu" or "cpu" (interpret); default from ``jax.default_backend()``. Passing it
   explicitly lets a CPU machine lower the GPU or TPU kernels. Raises ValueError for sizes the
-  kernels cannot take (``unsupported``).
+  kernels cannot take (``unsupported``). q, k, v stay in their (B, T, H, X) layout where
+  ``explain_layout`` says so (``Config.token_major``), else they are relayouted for the kernels.
   """
   b, t, h, d = q.shape
   vd, e = v.shape[-1], k2.shape[-1]
-  reason = unsupported(d, vd, chunk_size)
-  if reason:
-    raise ValueError(reason)
-  platform = platform or default_platform()
-  dp, vp, ep = pow2(d, 16), pow2(vd, 16), pow2(e)
-  cfg = config or default_config(platform, ep, vp, bh=b * h)
-  c = chunk_size
-  nc = -(-t // c)
   dtype = q.dtype
+  c = chunk_size
+  layout, cfg = _layout(b, t, h, d, vd, e, c, dtype, platform, config)
+  dp, vp, ep = pow2(d, 16), pow2(vd, 16), pow2(e)
+  nc = -(-t // c)
   ch = functools.partial(kernel_layout, nc=nc, c=c)
   pad_state = ((0, 0), (0, 0), (0, ep - e), (0, dp - d), (0, vp - vd))
   h0 = jnp.pad(initial_state.astype(F32), pad_state)
-  o, ht = _core(ch(q, width=dp), ch(k.astype(dtype), width=dp), ch(v.astype(dtype), width=vp),
-                ch(k2.astype(F32), width=ep), ch(q2.astype(F32), width=ep),
+  if layout.token_major:
+    heads, qkv = h, (q, k.astype(dtype), v.astype(dtype))
+  else:
+    heads, qkv = None, (ch(q, width=dp), ch(k.astype(dtype), width=dp),
+                        ch(v.astype(dtype), width=vp))
+  o, ht = _core(*qkv, ch(k2.astype(F32), width=ep), ch(q2.astype(F32), width=ep),
                 ch(g.astype(F32), width=ep), ch(beta.astype(F32)), h0, float(scale), bool(erase),
-                cfg)
-  o = o.reshape(b, h, nc * c, vp)[:, :, :t, :vd]
+                cfg, heads)
   ht = ht[:, :, :e, :d, :vd]
+  if layout.token_major:
+    return o, ht
+  o = o.reshape(b, h, nc * c, vp)[:, :, :t, :vd]
   return jnp.moveaxis(o, 1, 2), ht

@@ -4,13 +4,15 @@ A ``pallas_call`` is opaque to XLA's partitioner: given sharded operands it gath
 the whole global-batch kernel on every device (no error, just no speed-up from data parallelism).
 The recurrence couples tokens only, never batch rows or heads, so any sharding of B and H is
 exact if every device runs the kernels on its own (B/b, H/h) slice. ``batch_head_partitioned``
-wraps a function whose array operands and results all have leading (B, H) dimensions in
-``jax.experimental.custom_partitioning`` that says exactly this:
+wraps a function whose array operands and results all have a B and an H dimension in
+``jax.experimental.custom_partitioning`` that says exactly this (the dims are named ``b`` and ``h``
+in its rule, wherever they sit: leading in the kernels' (B, H, ...) layouts, first and third in
+the caller's (B, T, H, X)):
 
 * Shardy (the default partitioner): an einsum-like sharding rule in which every other factor
   (tokens, chunk, D, V, E) needs replication.
 * GSPMD: ``infer_sharding_from_operands`` and ``partition`` give every operand and result the B and
-  H mesh axes of the first operand and replicate the rest.
+  H mesh axes of the first operand on its b and h dims and replicate the rest.
 
 Either way ``partition`` lowers the same function on the local shapes. The wrapper is mesh
 agnostic: it reads the mesh axes from the operands' shardings, never from a config. On one device
@@ -29,25 +31,40 @@ from jax.experimental.custom_partitioning import custom_partitioning
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 
-def _leading_axes(sharding):
-  """Mesh axes of dims 0 (B) and 1 (H) of a NamedSharding, or None if it is not one."""
+def _factors(rule: str) -> tuple[list[tuple[str, ...]], list[tuple[str, ...]]]:
+  """The factor names of every operand and every result of a Shardy rule "b h n, b t h -> ..."."""
+  split = lambda side: [tuple(dims.split()) for dims in side.split(",")]
+  operands, results = rule.split("->")
+  return split(operands), split(results)
+
+
+def _spec(factors, lead):
+  """The PartitionSpec of an array with these factor names: B's mesh axes on ``b``, H's on
+  ``h``, every other dim replicated."""
+  return P(*(lead[0] if f == "b" else lead[1] if f == "h" else None for f in factors))
+
+
+def _leading_axes(sharding, factors):
+  """Mesh axes of the dims named b (B) and h (H) of a NamedSharding, or None if it is not one."""
   if not isinstance(sharding, NamedSharding):
     return None
-  spec = tuple(sharding.spec) + (None, None)
-  return spec[0], spec[1]
+  spec = tuple(sharding.spec) + (None,) * len(factors)
+  return spec[factors.index("b")], spec[factors.index("h")]
 
 
-def _shardings(mesh, lead, shapes):
-  """Every array in ``shapes`` sharded as ``lead`` on its two leading dims, replicated elsewhere."""
-  return jax.tree.map(lambda s: NamedSharding(mesh, P(*lead, *(None,) * (len(s.shape) - 2))),
-                      shapes)
+def _shardings(mesh, lead, shapes, factors):
+  """Every array in ``shapes`` (in the order of ``factors``, one name tuple per array) sharded as
+  ``lead`` on its b and h dims, replicated elsewhere."""
+  leaves, tree = jax.tree.flatten(shapes)
+  return jax.tree.unflatten(tree, [NamedSharding(mesh, _spec(f, lead))
+                                   for f, _ in zip(factors, leaves, strict=True)])
 
 
-def _layout(mesh, arg_shapes):
+def _layout(mesh, arg_shapes, factors):
   """(mesh, (B axes, H axes)) taken from the first operand. Operands without a named sharding
   (no mesh known at lowering) fall back to replication over their devices: correct, unsharded."""
   first = jax.tree.leaves(arg_shapes)[0].sharding
-  lead = _leading_axes(first)
+  lead = _leading_axes(first, factors[0])
   if lead is None or mesh.empty:
     devices = np.asarray(first._device_assignment)
     return Mesh(devices, ("devices",)), (None, None)
@@ -58,27 +75,30 @@ def batch_head_partitioned(fun, *, n_static: int, rule: str, replicated: tuple[s
   """``fun(*static, *arrays)`` as a custom-partitioned op that runs per (B, H) shard.
 
   fun: the first ``n_static`` arguments are static (hashable Python values); every array
-    argument and every result has leading dims (B, H) and is independent across them.
-  rule: Shardy's einsum-like rule over all operands and results, B and H named ``b h``.
-  replicated: every other factor of ``rule`` (dims that must not be sharded).
+    argument and every result has a B and an H dim and is independent across them.
+  rule: Shardy's einsum-like rule over all operands and results, B and H named ``b`` and ``h``
+    (anywhere in each array's dims: the GSPMD shardings are built from the same names).
+  replicated: the factors that must not be sharded (those absent from ``rule`` are ignored).
   """
   wrapped = custom_partitioning(fun, static_argnums=tuple(range(n_static)))
+  operand_factors, result_factors = _factors(rule)
   # Shardy's verifier wants the need-replication factors in factor order, i.e. in the order they
   # first appear in the rule; jax passes them through as given.
   order = list(dict.fromkeys(rule.replace("->", ",").replace(",", " ").split()))
-  replicated = tuple(sorted(replicated, key=order.index))
+  replicated = tuple(sorted((f for f in replicated if f in order), key=order.index))
 
   def infer_sharding_from_operands(*args):
     mesh, arg_shapes, result_shape = args[n_static:]
-    mesh, lead = _layout(mesh, arg_shapes)
-    return _shardings(mesh, lead, result_shape)
+    mesh, lead = _layout(mesh, arg_shapes, operand_factors)
+    return _shardings(mesh, lead, result_shape, result_factors)
 
   def partition(*args):
     static = args[:n_static]
     mesh, arg_shapes, result_shape = args[n_static:]
-    mesh, lead = _layout(mesh, arg_shapes)
-    return (mesh, functools.partial(fun, *static), _shardings(mesh, lead, result_shape),
-            _shardings(mesh, lead, arg_shapes))
+    mesh, lead = _layout(mesh, arg_shapes, operand_factors)
+    return (mesh, functools.partial(fun, *static),
+            _shardings(mesh, lead, result_shape, result_factors),
+            _shardings(mesh, lead, arg_shapes, operand_factors))
 
   wrapped.def_partition(partition, infer_sharding_from_operands=infer_sharding_from_operands,
                         sharding_rule=rule, need_replication_factors=replicated)

@@ -170,6 +170,47 @@ def _warpgroups_reason(cfg: Config, wgs: int, *, d: int, vd: int, c: int, e: int
           f"{e} wgmmas of N = {bv}")
 
 
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  """Where a call's per-token operands (q, k, v, o, dO, dq, dk, dv) live while the kernels run:
+  ``token_major``, the caller's (B, T, H, X) arrays read and written in place, or the
+  (B*H, NC, C, X) relayout (``ops.kernel_layout``), with the reason."""
+  token_major: bool
+  reason: str
+
+  def __str__(self) -> str:
+    where = "(B, T, H, X), in place" if self.token_major else "(B*H, NC, C, X), relayouted"
+    return f"per-token operands {where} ({self.reason})"
+
+
+def layout(cfg: Config, plan: Plan, *, t: int, c: int, d: int, vd: int, padded_d: int,
+           padded_vd: int, pieces_count: int) -> Layout:
+  """The layout of a call over ``t`` tokens with (unpadded) D, V under ``cfg`` and its ``plan``:
+  token-major (``Config.token_major``) where every stage reads it, else why not. Logged once
+  per distinct answer."""
+  if not cfg.token_major:
+    choice = Layout(False, "Config.token_major off")
+  elif not (plan.mosaic_state_kernels and plan.mosaic_chunk_gradients):
+    choice = Layout(False, "token-major reads need the Mosaic GPU state passes and chunk "
+                           "backward, which this plan does not run")
+  elif t % c:
+    choice = Layout(False, f"T = {t} is not a multiple of the chunk size {c} (the kernels copy "
+                           "whole chunks)")
+  elif (d, vd) != (padded_d, padded_vd):
+    choice = Layout(False, f"D = {d}, V = {vd} are padded to {padded_d}, {padded_vd}")
+  elif pieces_count != 1:
+    choice = Layout(False, f"the state passes run in {pieces_count} pieces of the sequence")
+  else:
+    choice = Layout(True, "Config.token_major")
+  _log_layout_once(plan.sizes, t, choice)
+  return choice
+
+
+@functools.lru_cache(maxsize=None)
+def _log_layout_once(sizes: str, t: int, choice: Layout) -> None:
+  log.info("triadic_pallas (%s, T=%d): %s", sizes, t, choice)
+
+
 def sequence_pieces(cfg: Config, *, bh: int, nc: int, d: int, vd: int, c: int, e: int, dtype
                     ) -> pieces.Pieces:
   """How the state passes of a call with B*H = ``bh`` over ``nc`` chunks are cut
