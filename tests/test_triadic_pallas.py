@@ -88,6 +88,34 @@ def test_sub_chunk_masks_match_scan():
                      config=Config("cpu", block_v=16, bwd_block_v=16, sub_chunk_masks=16))
 
 
+@pytest.mark.parametrize("e,erase,decay", [(3, True, 20.0), (1, False, 1.0)])
+def test_masks_in_prep_match_scan(e, erase, decay):
+  """``Config.masks_in_prep``: the prep kernel forms M, M' itself (strong decay, E = 3 padded to
+  4; and E = 1 without erase): output, final state and every gradient against the scan; the
+  plan says so."""
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, masks_in_prep=True)
+  assert pops.explain(16, 16, e, 32, jnp.float32, config=cfg).masks_in_prep
+  check_against_scan(1, 100, 2, 16, 16, e, 32, erase, decay, jnp.float32, config=cfg)
+
+
+def test_masks_in_prep_match_plain_masks():
+  """The prep with the masks formed in its kernel gives the plain-JAX masks' gc, A and P (float32
+  sums in another order), E = 3 at chunk 32; on the TPU structure the plan refuses it and says
+  why."""
+  args, _, _ = make_grad_inputs(0, 2, 64, 1, 16, 16, 3, decay=5.0, dtype=jnp.float32)
+  nc, c = 2, 32
+  merge = lambda x: x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+  q, k, k2, q2, g, beta = (merge(kernel_layout(x, nc, c)) for x in (*args[:2], *args[3:7]))
+  cfg = Config("cpu", block_v=16, bwd_block_v=16)
+  want = chunk_prep(q, k, k2, q2, g, beta, erase=True, cfg=cfg)
+  got = chunk_prep(q, k, k2, q2, g, beta, erase=True, cfg=cfg, masks_in_kernel=True)
+  for name, x, y in zip(("gc", "gc^T", "A", "P"), got, want, strict=True):
+    assert rel_rms(x, y) < 1e-6, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+  tpu = dataclasses.replace(tpu_interpreted(), masks_in_prep=True)
+  plan = pops.explain(16, 16, 3, 32, jnp.float32, config=tpu)
+  assert not plan.masks_in_prep and "GPU structure only" in plan.prep.reason
+
+
 def test_tpu_structure_under_tpu_interpret_mode():
   """The TPU-structured recurrent kernels under Pallas' TPU interpret mode, which simulates VMEM
   and the pipeline's DMAs, fills uninitialised scratch with NaN, splits the "parallel" grid axes

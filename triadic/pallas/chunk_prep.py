@@ -11,7 +11,9 @@ Computed once per chunk and shared by every value block of the state-passing ker
 
 The E-dependent part is elementwise (the masks), done by XLA over all chunks at once
 (``masks.decay_masks``); the kernel here is E-independent: one program per (batch*head, chunk)
-forms K K^T and Q K^T on the matrix units and applies the masks. It writes the strictly lower
+forms K K^T and Q K^T on the matrix units and applies the masks. With ``Config.masks_in_prep``
+(meant for small E, where a chunk's masks are a few elementwise C x C tiles) the kernel forms
+M and M' itself, one slice's decay tile at a time, so they never pass through HBM. It writes the strictly lower
 L = StrictLower(beta_t (k_t . k_s) M_ts) and P; A = (I + L)^-1 is then taken by forward
 substitution (``Config.ut_kernel``, the GPU default: ``unit_lower_inverse_kernel``, one program
 per chunk; else ``triadic.chunked.unit_lower_inverse`` in plain JAX, the TPU's and the CPU's
@@ -35,6 +37,7 @@ from jax.experimental import pallas as pl
 
 from triadic.chunked import unit_lower_inverse
 from triadic.pallas import masks
+from triadic.pallas.backward import decay_sums
 from triadic.pallas.common import F32, call, check_heads, mm
 from triadic.pallas.common import masks as causal_masks
 
@@ -42,19 +45,47 @@ SUB = 16  # rows per diagonal block of ``unit_lower_inverse_kernel``
 UT_NUM_WARPS = 1  # one warp: each substitution step's reductions stay in the warp (no barrier)
 
 
-def _prep_kernel(q_ref, k_ref, beta_ref, mq_ref, *rest, c, erase, dtype):
+def _products(q_ref, k_ref, beta_ref, mq, m, lower_ref, p_ref, *, c, erase, dtype):
   """P = Lower((Q K^T) * M') and L = StrictLower(beta (K K^T) * M) (zeros without erase) into
-  ``p_ref`` and ``lower_ref``; M' is ``mq_ref`` and, with erase, M is ``rest[0]``."""
-  lower_ref, p_ref = rest[-2:]
+  ``p_ref`` and ``lower_ref``; ``mq()`` and ``m()`` give M' and M (C, C) where they are used."""
   causal, strict, _, _ = causal_masks(c)
   k = k_ref[...]
-  p_ref[...] = jnp.where(causal, mm(q_ref[...], k, dtype, tb=True) * mq_ref[...], 0.0).astype(
+  p_ref[...] = jnp.where(causal, mm(q_ref[...], k, dtype, tb=True) * mq(), 0.0).astype(
       p_ref.dtype)
   if erase:
     kk = mm(k, k, dtype, tb=True)
-    lower_ref[...] = jnp.where(strict, beta_ref[...].astype(F32) * kk * rest[0][...], 0.0)
+    lower_ref[...] = jnp.where(strict, beta_ref[...].astype(F32) * kk * m(), 0.0)
   else:
     lower_ref[...] = jnp.zeros((c, c), F32)
+
+
+def _prep_kernel(q_ref, k_ref, beta_ref, mq_ref, *rest, c, erase, dtype):
+  """``_products`` with M' (``mq_ref``) and, with erase, M (``rest[0]``) read from HBM."""
+  lower_ref, p_ref = rest[-2:]
+  _products(q_ref, k_ref, beta_ref, lambda: mq_ref[...], lambda: rest[0][...], lower_ref, p_ref,
+            c=c, erase=erase, dtype=dtype)
+
+
+def _prep_masks_kernel(q_ref, k_ref, beta_ref, k2_col, k2_row, q2_col, gc_col, gc_row, lower_ref,
+                       p_ref, *, c, e_dim, erase, dtype):
+  """``_products`` with M' and M (erase) formed here from k2, q2 and gc
+  (``backward.decay_sums``: one slice's decay tile at a time), live only until the products
+  take them (``Config.masks_in_prep``)."""
+  mq, m = decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, c=c, e_dim=e_dim, erase=erase)
+  _products(q_ref, k_ref, beta_ref, lambda: mq, lambda: m, lower_ref, p_ref, c=c, erase=erase,
+            dtype=dtype)
+
+
+def masks_in_prep_supported(c: int, e: int, cfg) -> str | None:
+  """Why the prep kernel cannot form the masks itself at chunk ``c`` and ``e`` slices under
+  ``cfg`` (None: it can): its (C, 1) column loads and whole (C, E) blocks are the GPU
+  structure's (Triton, or interpreted), not Mosaic TPU's (8, 128) tiles, and a Triton tensor's
+  E must be a power of two (the op pads it)."""
+  if cfg.chunk_grid:
+    return "masks in the prep kernel: the GPU structure only (Config.masks_in_prep on TPU)"
+  if not cfg.interpret and e & (e - 1):
+    return f"masks in the prep kernel need E to be a power of two on the GPU (pad it), got {e}"
+  return None
 
 
 def _diagonal_block_inverses(lower_ref, nb):
@@ -120,17 +151,27 @@ def unit_lower_inverse_kernel(lower, *, cfg, num_warps=UT_NUM_WARPS):
               num_warps=num_warps)(lower)
 
 
-def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None):
+def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
+               masks_in_kernel=False):
   """gc, its transpose, A and P for every chunk. Inputs in the kernels' (BH, NC, C, X) layout;
   with ``heads=H`` q and k are in the caller's (B, T, H, D) layout instead (T = NC * C), read in
   place by the kernel's blocks (program (i, n) reads tokens n*C.. of batch i // H, head i % H).
+  ``masks_in_kernel``: the kernel forms the masks M, M' itself (``_prep_masks_kernel``; the plan's
+  ``masks_in_prep``, ``Config.masks_in_prep``; a ValueError where ``masks_in_prep_supported``
+  refuses) instead of reading those of ``masks.decay_masks``; the same values up to the order of
+  float32 sums.
 
   Returns gc (BH, NC, C, E), gc transposed (BH, NC, E, C), float32, A (BH, NC, C, C) float32 and
   P (BH, NC, C, C) in q's dtype: P's every use (the state passes' P U and P^T dO) casts it to that
   dtype, so a float32 P would only be written and read at twice the bytes.
   """
-  bh, nc, c = g_col.shape[:3]
+  bh, nc, c, e_dim = g_col.shape
   d = q.shape[-1]
+  in_kernel = masks_in_kernel
+  if in_kernel:
+    reason = masks_in_prep_supported(c, e_dim, cfg)
+    if reason:
+      raise ValueError(reason)
   if heads is None:
     qk_spec = pl.BlockSpec((None, None, c, d), lambda i, j: (i, j, 0, 0))
   else:
@@ -139,19 +180,26 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None)
   gc_col = masks.chunk_cumsum(g_col)
   gc_row = jnp.swapaxes(gc_col, -1, -2)
   k2_row = jnp.swapaxes(k2_col, -1, -2).astype(F32)
-  m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase,
-                            sub=cfg.sub_chunk_masks)
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))
-  kernel = functools.partial(_prep_kernel, c=c, erase=erase, dtype=q.dtype)
+  if in_kernel:
+    kernel = functools.partial(_prep_masks_kernel, c=c, e_dim=e_dim, erase=erase, dtype=q.dtype)
+    operands = (k2_col, k2_row, q2_col, gc_col, gc_row)
+    op_specs = [spec(c, e_dim), spec(e_dim, c), spec(c, e_dim), spec(c, e_dim), spec(e_dim, c)]
+  else:
+    m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase,
+                              sub=cfg.sub_chunk_masks)
+    kernel = functools.partial(_prep_kernel, c=c, erase=erase, dtype=q.dtype)
+    operands = (mq, m) if erase else (mq,)
+    op_specs = [spec(c, c)] * len(operands)
   shape = jax.ShapeDtypeStruct((bh, nc, c, c), F32)
-  mats = (mq, m) if erase else (mq,)
   lower, p = call(
       kernel, cfg=cfg, grid=(bh, nc),
-      in_specs=[qk_spec, qk_spec, spec(c, 1)] + [spec(c, c)] * len(mats),
+      in_specs=[qk_spec, qk_spec, spec(c, 1)] + op_specs,
       out_specs=[spec(c, c), spec(c, c)],
       out_shape=[shape, jax.ShapeDtypeStruct((bh, nc, c, c), q.dtype)],
       semantics=("parallel", "parallel"), name="triadic_chunk_prep",
-  )(q, k, beta_col, *mats)
+      num_warps=max(cfg.num_warps, c * c // 1024) if in_kernel else None,
+  )(q, k, beta_col, *operands)
   if not erase:
     return gc_col, gc_row, lower, p
   inverse = (functools.partial(unit_lower_inverse_kernel, cfg=cfg) if cfg.ut_kernel

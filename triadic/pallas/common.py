@@ -77,6 +77,9 @@ class Config:
   (``masks.decay_masks``' ``sub``: matmuls over E across sub-chunks, elementwise inside), where
   the chunk is a multiple of it and larger; None: by their elementwise definition. Same values
   to float32 rounding.
+  masks_in_prep: the prep kernel forms the decay masks M, M' itself from k2, q2 and gc (one
+  slice's C x C decay tile at a time) instead of reading them from the plain-JAX masks, so they
+  never pass through HBM; for small E (GPU structure only: ``chunk_prep.masks_in_prep_supported``).
   token_major: keep the op's per-token operands q, k, v and o (and dO, dq, dk, dv) in the
   caller's (B, T, H, X) layout: the kernels read and write them in place (strided TMA boxes,
   block index maps) instead of the op relayouting them to (B*H, NC, C, X) and back. Taken where
@@ -104,6 +107,7 @@ class Config:
   warmup_chunks: int = 16
   ut_kernel: bool = False
   sub_chunk_masks: int | None = None
+  masks_in_prep: bool = False
   token_major: bool = False
 
   def __post_init__(self):
@@ -119,8 +123,9 @@ class Config:
     if self.sub_chunk_masks is not None and (not isinstance(self.sub_chunk_masks, int)
                                              or self.sub_chunk_masks < 1):
       raise ValueError(f"sub_chunk_masks must be None or an int >= 1, got {self.sub_chunk_masks!r}")
-    if not isinstance(self.token_major, bool):
-      raise TypeError(f"token_major must be a bool, got {self.token_major!r}")
+    for name in ("masks_in_prep", "token_major"):
+      if not isinstance(getattr(self, name), bool):
+        raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if not isinstance(self.warmup_chunks, int) or self.warmup_chunks < 1:
       raise ValueError(f"warmup_chunks must be an int >= 1, got {self.warmup_chunks!r}")
     if self.platform == "cpu" and not self.interpret:

@@ -263,7 +263,8 @@ def _forward(scale, erase, cfg, heads, *, saves_x, q, k, v, k2, q2, g, beta, h0)
   tok = _merge if heads is None else (lambda x: x)      # the per-token operands' layout
   q, k, v, k2, q2, g, beta, h0 = (tok(q), tok(k), tok(v), *map(_merge, (k2, q2, g, beta, h0)))
   gc_col, gc_row, a, p = chunk_prep(q, k, k2_col=k2, q2_col=q2, g_col=g, beta_col=beta,
-                                    erase=erase, cfg=cfg, heads=heads)
+                                    erase=erase, cfg=cfg, heads=heads,
+                                    masks_in_kernel=_plan(cfg, q, v, k2).masks_in_prep)
   forward = state_pass_kernels(cfg, q, v, k2, save_x=saves_x, heads=heads)[0]
   o, u, *x, states, ht = pieces.state_pass(
       forward, sequence_pieces(cfg, q, v, k2), q=q, k=k, v=v, k2=k2, q2=q2, gc=gc_col, beta=beta,

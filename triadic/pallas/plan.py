@@ -16,7 +16,7 @@ import logging
 
 import jax.numpy as jnp
 
-from triadic.pallas import mosaic, mosaic_backward, pieces
+from triadic.pallas import chunk_prep, mosaic, mosaic_backward, pieces
 from triadic.pallas.common import Config
 
 log = logging.getLogger("triadic.pallas")
@@ -40,6 +40,7 @@ class Plan:
   forward: Stage
   backward_states: Stage
   chunk_gradients: Stage
+  masks_in_prep: bool = False     # the prep kernel forms M, M' itself (``Config.masks_in_prep``)
 
   @property
   def stages(self) -> tuple[Stage, ...]:
@@ -81,8 +82,14 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   masks_by = "masks M, M' in plain JAX" + (
       f"{by_sub} (Config.sub_chunk_masks)" if by_sub else
       f" by definition (sub_chunk_masks={sub} needs a larger chunk it divides)" if sub else "")
-  prep = Stage("prep", base, "one program per chunk",
-               f"{masks_by} (E-independent kernel); {inverse}")
+  refused = (chunk_prep.masks_in_prep_supported(c, e, cfg) if cfg.masks_in_prep
+             else "Config.masks_in_prep off")
+  if refused is None:
+    masks_by = "masks M, M' in the kernel, a slice at a time (Config.masks_in_prep)"
+  elif cfg.masks_in_prep:
+    masks_by += f" ({refused})"
+  kernel = "" if refused is None else " (E-independent kernel)"
+  prep = Stage("prep", base, "one program per chunk", f"{masks_by}{kernel}; {inverse}")
 
   st = state_tiles(cfg, d=d, vd=vd, c=c, e=e)
   state_reason = ((mosaic.supported(d, vd, c, e, dtype, st.block_v, st.forward_warpgroups)
@@ -121,7 +128,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   else:
     chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
-  plan = Plan(sizes, prep, forward, bwd_states, chunk_bwd)
+  plan = Plan(sizes, prep, forward, bwd_states, chunk_bwd, masks_in_prep=refused is None)
   _log_once(plan)
   return plan
 
