@@ -253,7 +253,7 @@ def smem_bytes_2wg(d: int, c: int, e: int, bv: int, backward: bool) -> int:
   return (common + 3 * c * d * 2              # q, k (two chunks' buffers)
           + (4 * e + 1) * c * 4               # factor rows (with save_x's c rows)
           + c * n * 2                         # W
-          + c * bv * (2 + 2 + 2 + 4 + 2)      # rhs, U bf16, o, U f32, X
+          + c * bv * (2 + 2 + 2 + 2)          # rhs, U, o, X
           + 2 * c * bv * 4)                   # the second warpgroup's R and Y partials
 
 
@@ -624,7 +624,7 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     copies(*refs[:7]).start(first, 0)
 
   def chunk(n, s, q_s, k_bufs, v_s, a_s, p_s, f_bufs, lam_s, state_bf16_s, w_s, rhs_bf16_s,
-            u_bf16_s, o_s, u_s, st_s, *extra):
+            u_bf16_s, o_s, st_s, *extra):
     ins = copies(q_s, k_bufs, v_s, a_s, p_s, f_bufs, lam_s)
     x_out, interp = extra[:save_x], extra[save_x:]      # interp: K^T, interpret mode only
     f_s, k_s = ins.ref("f", n), ins.ref("k", n)
@@ -660,12 +660,11 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
       u = ops.mm(a_s, rhs_bf16_s)
     else:
       u = beta * ops.acc(v_s[...].astype(F32))
-    u_s[...] = u
     u_bf16_s[...] = u.astype(BF16)
     _e_expand(ops, w_s, u, f_s, write_rows, bv)
     plgpu.commit_smem()
     ins.start_next(("a",) if erase else ("v",), n)
-    plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
+    plgpu.copy_smem_to_gmem(u_bf16_s, u_g.at[i, n, :, cols])
 
     ins.wait("q", n)
     y = ops.mm(q_s, state_bf16_s)
@@ -695,7 +694,7 @@ def _check_heads(heads, k2_col, q, **arrays):
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
                save_x=False, warpgroups=1, heads=None, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
-  dtype, U (BH,NC,C,V) float32, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
+  dtype, U (BH,NC,C,V) in q's dtype, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
   (BH,NC,C,V) in q's dtype, after U: the chunk-parallel backward's ``x``. ``warpgroups``: 1, or 2
   at D = 128 (``warpgroups_supported``; block_v default ``default_block_v(.., warpgroups=2)``).
@@ -731,7 +730,6 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
       _smem((c, bv), BF16, sw_v),         # rhs (bf16 operand)
       _smem((c, bv), BF16, sw_v),         # U (bf16 operand)
       _smem((c, bv), q.dtype, sw_v),      # o
-      _smem((c, bv), F32, _swizzle(bv, F32)),             # U
       _smem((e_dim, d, bv), q.dtype, sw_v),               # chunk-start state
   ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else []) + (     # X
       [_smem((d, c), BF16, sw_v)] if interpret else [])             # K^T (interpret mode)
@@ -744,7 +742,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
       (*q.shape[:3], vd), q.dtype)
   *outs, ht = plgpu.kernel(
       kernel,
-      out_type=[o_type, per_chunk(F32)] + ([per_chunk(q.dtype)] if save_x else []) + [
+      out_type=[o_type, per_chunk(q.dtype)] + ([per_chunk(q.dtype)] if save_x else []) + [
           jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
           jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
       scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv),
@@ -973,7 +971,7 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
     cp.start(own, 0)
     pl.when(w == 0)(lambda: cp.start(first0, 0))
 
-  def chunk(n, s, q_s, k_bufs, v_s, a_s, p_s, f_s, lam_s, s_s, w_s, rhs_s, u16_s, o_s, u_s, red_r,
+  def chunk(n, s, q_s, k_bufs, v_s, a_s, p_s, f_s, lam_s, s_s, w_s, rhs_s, u16_s, o_s, red_r,
             red_y, *extra):
     cp = copies(q_s, k_bufs, v_s, a_s, p_s, f_s, lam_s)
     x_out = extra[:save_x]
@@ -1029,12 +1027,11 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
         u = ops.mm(a_s, rhs_s)
       else:
         u = beta * v
-      u_s[...] = u
       u16_s[...] = u.astype(BF16)
       _e_expand(ops, w_s, u, f_s, write_rows, bv)
       plgpu.commit_smem()
       cp.start_next(("a",) if erase else ("v",), n)
-      plgpu.copy_smem_to_gmem(u_s, u_g.at[i, n, :, cols])
+      plgpu.copy_smem_to_gmem(u16_s, u_g.at[i, n, :, cols])
       cp.wait("p", n)
       out = ops.mm(p_s, u16_s) + part_y + ops.acc(red_y[...])
       o_s[...] = (scale * out).astype(o_s.dtype)
@@ -1085,7 +1082,6 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
       _smem((c, bv), BF16, sw_v),                 # rhs (bf16 operand)
       _smem((c, bv), BF16, sw_v),                 # U (bf16 operand)
       _smem((c, bv), q.dtype, sw_v),              # o
-      _smem((c, bv), F32, sw_f),                  # U
       _smem((c, bv), F32, sw_f),                  # warpgroup 1's part of sum_e f_e R_e
       _smem((c, bv), F32, sw_f),                  # warpgroup 1's part of sum_e fq_e Y_e
   ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else []) + (   # X
@@ -1100,7 +1096,7 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
   ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv)
   *outs, ht = _kernel_2wg(
       kernel, ins,
-      [o_type, per_chunk(F32)] + ([per_chunk(q.dtype)] if save_x else []) + [
+      [o_type, per_chunk(q.dtype)] + ([per_chunk(q.dtype)] if save_x else []) + [
           jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
           jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
       (bh, vd // bv), "triadic_forward_mgpu_wg2", interpret)

@@ -149,7 +149,7 @@ class Residuals(NamedTuple):
   gc_row: jax.Array            # (NC, E, C) float32: gc transposed
   a: jax.Array                 # (NC, C, C) float32: the UT transform A (``chunk_prep``)
   p: jax.Array                 # (NC, C, C) in q's dtype: the intra-chunk read P
-  u: jax.Array                 # (NC, C, V) float32: U from the forward state pass
+  u: jax.Array                 # (NC, C, V) in q's dtype: U from the forward state pass
   states: jax.Array            # (NC, E, D, V) in q's dtype: every chunk's start state
   x: jax.Array | None = None   # (NC, C, V) in q's dtype where ``Plan.saves_x``, else None
 

@@ -12,7 +12,8 @@ gc, A and P from ``chunk_prep`` (a = exp(gc), lam = exp(gc_C), b = exp(gc_C - gc
   backward  dU  = scale P^T dO + sum_e diag(k2_e b_e) K dS_e      (dS_e: chunk-end state gradient)
             dS_e <- lam_e dS_e + scale (diag(q2_e a_e) Q)^T dO - (diag(beta k2_e a_e) K)^T A^T dU
 
-The forward saves the chunk-start states (in the input dtype: bf16 for bf16 inputs) and U (float32);
+The forward saves the chunk-start states and U in the input dtype (bf16 for bf16 inputs: every
+use of U in the backward is a matmul operand in that dtype, so storing it wider only costs bytes);
 the backward saves the chunk-end state gradients and dU. Everything else in the gradient is
 parallel over chunks (``backward.py``). Cost per chunk and value block: 3E + 2 matmuls forward
 (C x D x block_v, E of them for the read of S, E for the output, E for the write), 3E + 2 backward.
@@ -70,7 +71,7 @@ def _forward_chunk(ins, outs, state, lead, *, c, e_dim, scale, erase, dtype):
     read = mm((col(q2_col, e, *lead) * a) * q, s, dtype)
     out = read if out is None else out + read
   u = mm(a_ref[at], rhs, dtype) if erase else rhs
-  u_ref[at] = u
+  u_ref[at] = u.astype(u_ref.dtype)
   o_ref[at] = (scale * (out + mm(p_ref[at], u, dtype))).astype(o_ref.dtype)
   new = []
   for e in range(e_dim):
@@ -185,12 +186,12 @@ def _launch(chunk, ins, init, vd, out_chunk_shapes, *, cfg, reverse, name, **kw)
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, cfg):
-  """Chunk loop forward. Returns o (BH,NC,C,V) in q's dtype, U (BH,NC,C,V) float32,
+  """Chunk loop forward. Returns o (BH,NC,C,V) in q's dtype, U (BH,NC,C,V) in q's dtype,
   chunk-start states (BH,NC,E,D,V) in q's dtype, final state (BH,E,D,V) float32."""
   c, d = q.shape[2:]
   vd, e_dim = v.shape[-1], k2_col.shape[-1]
   return _launch(_forward_chunk, (q, k, v, k2_col, q2_col, gc_col, beta_col, a, p), h0, vd,
-                 [((c, vd), q.dtype), ((c, vd), F32), ((e_dim, d, vd), q.dtype)],
+                 [((c, vd), q.dtype), ((c, vd), q.dtype), ((e_dim, d, vd), q.dtype)],
                  cfg=cfg, reverse=False, name="triadic_forward", scale=scale, erase=erase)
 
 
