@@ -79,8 +79,8 @@ def stage_flops(b, t, h, d, vd, e, c=64):
 def stage_bytes(b, t, h, d, vd, e, c=64, half=2):
   """HBM bytes of each Pallas stage (prep, forward, backward states, chunk backward) with every
   operand read once and every result written once, in the dtypes the kernels take and give
-  (``half`` bytes for q, k, v, o, dO, U, X and the chunk states, 4 for the rest), per token and
-  head:
+  (``half`` bytes for q, k, v, o, dO, U, dU, X and the chunk states, 4 for the rest; erase), per
+  token and head:
 
   prep            q, k; k2, q2, g, beta  ->  gc (column and row), A, P (C each)
   forward         q, k, v; k2, q2, gc, beta; A, P  ->  o, U, X, chunk-start states (E D V / C)
@@ -95,8 +95,8 @@ def stage_bytes(b, t, h, d, vd, e, c=64, half=2):
   states = half * e * d * vd / c
   return (n * (2 * half * d + 4 * (3 * e + 1) + 4 * 2 * e + 4 * 2 * c),
           n * (half * (2 * d + vd) + 4 * (3 * e + 1) + 4 * 2 * c + 3 * half * vd + states),
-          n * (half * (2 * d + vd) + 4 * (3 * e + 1) + 4 * 2 * c + 4 * vd + states),
-          n * (half * (2 * d + 4 * vd) + 4 * vd + 2 * states + 4 * (5 * e + 1) + 4 * c
+          n * (half * (2 * d + vd) + 4 * (3 * e + 1) + 4 * 2 * c + half * vd + states),
+          n * (half * (2 * d + 5 * vd) + 2 * states + 4 * (5 * e + 1) + 4 * c
                + half * 2 * d + 4 * vd + 4 * (5 * e + 1)))
 
 

@@ -189,6 +189,13 @@ def check_heads(heads: int, bh: int, nc: int, c: int, **arrays) -> None:
                        f"operands' (BH, NC * C) = ({bh}, {nc * c})")
 
 
+def du_dtype(dtype, erase: bool):
+  """The dtype the reverse state passes store dU in: the inputs' ``dtype`` with erase, where its
+  every later use is a matmul operand in that dtype (A^T dU, dA, the tails' products over V), so
+  that a wider dU would only cost bytes; float32 without erase, where dv = beta dU directly."""
+  return jnp.dtype(dtype) if erase else jnp.dtype(F32)
+
+
 def token_major(x, b: int, h: int):
   """(B*H, NC, C, X) -> (B, T, H, X), T = NC * C: the kernel layout back to the caller's (a
   copy)."""

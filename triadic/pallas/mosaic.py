@@ -126,7 +126,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from triadic.pallas.common import check_heads
+from triadic.pallas.common import check_heads, du_dtype
 
 F32 = jnp.float32
 BF16 = jnp.bfloat16
@@ -806,17 +806,18 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, d
     du = scale * ops.mm(tr(p_s, 3), do_s)
     ins.wait("f", step)
     du = du + _e_reduce(ops, r, f_s, write_rows, bv)
-    u_s[...] = du
+    # dU leaves in bf16 with erase (its every later use is a bf16 operand), else in float32.
+    du_out_s = u_bf16_s if erase else u_s
+    du_out_s[...] = du.astype(du_out_s.dtype)
     do = ops.acc(do_s[...].astype(F32))
     _e_expand(ops, x_s, do, f_s, read_rows, bv, scale)
     if erase:
-      u_bf16_s[...] = du.astype(BF16)
       plgpu.commit_smem()
       ins.wait("a", step)
       drhs = ops.mm(tr(a_s, 2), u_bf16_s)
       _e_expand(ops, z_s, drhs, f_s, erase_rows, bv, -1.0)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(u_s, du_g.at[i, n, :, cols])
+    plgpu.copy_smem_to_gmem(du_out_s, du_g.at[i, n, :, cols])
     for name in at_end:
       ins.wait(name, step)
     pairs = [(tr(q_s, 1), x_s)]
@@ -831,7 +832,7 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, d
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
                        block_v=None, warpgroups=1, heads=None, interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
-  float32, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
+  in ``common.du_dtype``, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the initial state
   (BH,E,D,V) float32. ``warpgroups``: as ``state_pass``.
 
   ``heads=H``: q, k (B, T, H, D) and do (B, T, H, V) are in the user's layout with T = NC * C,
@@ -857,8 +858,8 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
       _smem((d, n_cat), BF16, sw_v),      # dS_cat (bf16 operand)
       _smem((c, n_cat), BF16, sw_v),      # X = [scale diag(fq_e) dO]_e
       _smem((c, n_cat), BF16, sw_v),      # Z = [-diag(fe_e) A^T dU]_e
-      _smem((c, bv), BF16, sw_v),         # dU (bf16 operand)
-      _smem((c, bv), F32, _swizzle(bv, F32)),             # dU
+      _smem((c, bv), BF16, sw_v),         # dU (bf16 operand; the output with erase)
+      _smem((c, bv), F32, _swizzle(bv, F32)),             # dU, the output without erase
       _smem((e_dim, d, bv), q.dtype, sw_v),               # chunk-end state gradient
   ] + ([_smem((d, c), BF16, sw_v), _smem((d, c), BF16, sw_v),   # K^T, Q^T, A^T, P^T
         _smem((c, c), BF16, sw_v), _smem((c, c), BF16, sw_v)]   # (interpret mode)
@@ -869,7 +870,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
                              heads=heads)
   du, dstates, dh0 = plgpu.kernel(
       kernel,
-      out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
+      out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), du_dtype(q.dtype, erase)),
                 jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
                 jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
       scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv),
@@ -1163,11 +1164,11 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_
       cp.wait("p", step)
       cp.wait("do", step)
       du = scale * ops.mm(tr(p_s, 3), do_s) + part + ops.acc(u_s[...])
-      u_s[...] = du
-      if erase:
-        u16_s[...] = du.astype(BF16)
+      # dU leaves in bf16 with erase (its every later use is a bf16 operand), else in float32.
+      du_out_s = u16_s if erase else u_s
+      du_out_s[...] = du.astype(du_out_s.dtype)
       plgpu.commit_smem()
-      plgpu.copy_smem_to_gmem(u_s, du_g.at[i, n, :, cols])
+      plgpu.copy_smem_to_gmem(du_out_s, du_g.at[i, n, :, cols])
       do = ops.acc(do_s[...].astype(F32))
       _e_expand(ops, x_s, do, f_s, read_rows, bv, scale)
       if erase:
@@ -1207,8 +1208,9 @@ def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, h
       _smem((2, e_dim, HALF, bv), BF16, sw_v),    # dS_cat (bf16), per warpgroup and slice
       _smem((c, n_cat), BF16, sw_v),              # X = [scale diag(fq_e) dO]_e
       _smem((c, n_cat), BF16, sw_v),              # Z = [-diag(fe_e) A^T dU]_e
-      _smem((c, bv), BF16, sw_v),                 # dU (bf16 operand)
-      _smem((c, bv), F32, _swizzle(bv, F32)),     # dU; before it, warpgroup 1's partial
+      _smem((c, bv), BF16, sw_v),                 # dU (bf16 operand; the output with erase)
+      # warpgroup 1's partial, then dU without erase
+      _smem((c, bv), F32, _swizzle(bv, F32)),
   ] + ([_smem((2, HALF, c), BF16, sw_v), _smem((2, HALF, c), BF16, sw_v),  # K^T, Q^T, A^T, P^T
         _smem((c, c), BF16, sw_v), _smem((c, c), BF16, sw_v)]             # (interpret mode)
        if interpret else [])
@@ -1219,7 +1221,7 @@ def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, h
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   du, dstates, dh0 = _kernel_2wg(
       kernel, ins,
-      [jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
+      [jax.ShapeDtypeStruct((bh, nc, c, vd), du_dtype(q.dtype, erase)),
        jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
        jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
       (bh, vd // bv), "triadic_backward_states_mgpu_wg2", interpret)

@@ -14,7 +14,8 @@ gc, A and P from ``chunk_prep`` (a = exp(gc), lam = exp(gc_C), b = exp(gc_C - gc
 
 The forward saves the chunk-start states and U in the input dtype (bf16 for bf16 inputs: every
 use of U in the backward is a matmul operand in that dtype, so storing it wider only costs bytes);
-the backward saves the chunk-end state gradients and dU. Everything else in the gradient is
+the backward saves the chunk-end state gradients and dU (in the input dtype with erase, for the
+same reason; ``common.du_dtype``). Everything else in the gradient is
 parallel over chunks (``backward.py``). Cost per chunk and value block: 3E + 2 matmuls forward
 (C x D x block_v, E of them for the read of S, E for the output, E for the write), 3E + 2 backward.
 
@@ -43,7 +44,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from triadic.pallas.common import F32, call, col, last, mm
+from triadic.pallas.common import F32, call, col, du_dtype, last, mm
 
 
 def _at(lead):
@@ -95,7 +96,7 @@ def _backward_chunk(ins, outs, dstate, lead, *, c, e_dim, scale, erase, dtype):
     gl = last(gc_col, e, c, *lead)
     write = (col(k2_col, e, *lead) * jnp.exp(gl - col(gc_col, e, *lead))) * k
     du = du + mm(write, dstate[e], dtype)
-  du_ref[at] = du
+  du_ref[at] = du.astype(du_ref.dtype)
   if erase:
     drhs = mm(a_ref[at], du, dtype, ta=True)
     beta = beta_ref[at].astype(F32)
@@ -196,11 +197,11 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
 
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase, cfg):
-  """Reverse chunk loop. Returns dU (BH,NC,C,V) float32, chunk-end state gradients
+  """Reverse chunk loop. Returns dU (BH,NC,C,V) in ``common.du_dtype``, chunk-end state gradients
   (BH,NC,E,D,V) in q's dtype, gradient of the initial state (BH,E,D,V) float32."""
   c, d = q.shape[2:]
   vd, e_dim = do.shape[-1], k2_col.shape[-1]
   return _launch(_backward_chunk, (q, k, do, k2_col, q2_col, gc_col, beta_col, a, p), dht, vd,
-                 [((c, vd), F32), ((e_dim, d, vd), q.dtype)],
+                 [((c, vd), du_dtype(q.dtype, erase)), ((e_dim, d, vd), q.dtype)],
                  cfg=cfg, reverse=True, name="triadic_backward_states", scale=scale,
                  erase=erase)
