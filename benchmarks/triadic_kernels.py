@@ -237,14 +237,14 @@ def stages(t, e_list, reps, variants=False, tails=False, fields=()):
     for cfg in configs:
       pre = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))
       prep_args = (q, k, k2, q2, g, beta)
-      gc_col, gc_row, a, p = pre(*prep_args)
+      gc_col, gc_row, a, p, a_operand = pre(*prep_args)
       saves_x = pops.explain(d, vd, e, c, jnp.bfloat16, config=cfg).saves_x(True)
       state_fwd, state_bwd = pops.state_pass_kernels(cfg, q, v, k2, save_x=saves_x)
       fwd = jax.jit(functools.partial(state_fwd, scale=0.1, erase=True))
-      fwd_args = (q, k, v, k2, q2, gc_col, beta, a, p, h0)
+      fwd_args = (q, k, v, k2, q2, gc_col, beta, a_operand, p, h0)
       o, u, *x, st, ht = fwd(*fwd_args)     # X where the plan saves it (``Plan.saves_x``)
       bst = jax.jit(functools.partial(state_bwd, scale=0.1, erase=True))
-      bst_args = (q, k, do, k2, q2, gc_col, beta, a, p, h0)
+      bst_args = (q, k, do, k2, q2, gc_col, beta, a_operand, p, h0)
       du, dst, _ = bst(*bst_args)
       cbw = jax.jit(functools.partial(pops.chunk_gradients_kernel(cfg, q, v, k2), scale=0.1,
                                       erase=True))
@@ -338,7 +338,7 @@ def layouts(t_list, e_list, reps):
       k2, q2, g, beta = (ch(x, jnp.float32) for x in xs[3:])
       h0 = jnp.zeros((b * h, e, d, vd), jnp.float32)
       cfg = pops.default_config("gpu", e, vd)
-      gc_col, _, a, p = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))(
+      gc_col, _, _, p, a = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))(
           q, k, k2, q2, g, beta)
       save_x = pops.explain(d, vd, e, c, jnp.bfloat16, config=cfg).saves_x(True)
       kw = dict(scale=0.1, erase=True, block_v=bv, save_x=save_x, warpgroups=1)

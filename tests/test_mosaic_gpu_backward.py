@@ -59,7 +59,7 @@ def backward_operands(b, t, h, d, vdim, e, erase, decay, c=64, seed=0):
   k2, q2, g, beta = (merge(kernel_layout(x.astype(jnp.float32), nc, c)) for x in args[3:7])
   h0, dht = merge(args[7]), merge(ds)
   do = merge(kernel_layout(do, nc, c)).astype(q.dtype)
-  gc_col, gc_row, a, p = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=CPU)
+  gc_col, gc_row, a, p, _ = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=CPU)
   kw = dict(scale=SCALE, erase=erase, cfg=CPU)
   _, u, states, _ = recurrent.state_pass(q, k, v, k2, q2, gc_col, beta, a, p, h0, **kw)
   du, dstates, _ = recurrent.reverse_state_pass(q, k, do, k2, q2, gc_col, beta, a, p, dht, **kw)

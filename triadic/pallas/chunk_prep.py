@@ -30,6 +30,7 @@ accurate, with L read from HBM once and A written once.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -105,7 +106,7 @@ def _diagonal_block_inverses(lower_ref, nb):
   return invs
 
 
-def _inverse_kernel(lower_ref, a_ref, *, c, precision):
+def _inverse_kernel(lower_ref, a_ref, *low_ref, c, precision):
   nb = c // SUB
   blk = lambda i: pl.ds(i * SUB, SUB)
   f32mm = lambda x, y: mm(x, y, F32, precision=precision)
@@ -120,7 +121,10 @@ def _inverse_kernel(lower_ref, a_ref, *, c, precision):
   zero = jnp.zeros((SUB, SUB), F32)
   for i in range(nb):
     for j in range(nb):
-      a_ref[blk(i), blk(j)] = inv[i, j] if j <= i else zero
+      block = inv[i, j] if j <= i else zero
+      a_ref[blk(i), blk(j)] = block
+      for ref in low_ref:                 # A in the matmul operands' dtype, from the same values
+        ref[blk(i), blk(j)] = block.astype(ref.dtype)
 
 
 def ut_kernel_supported(c: int, cfg) -> str | None:
@@ -134,21 +138,34 @@ def ut_kernel_supported(c: int, cfg) -> str | None:
   return None
 
 
-def unit_lower_inverse_kernel(lower, *, cfg, num_warps=UT_NUM_WARPS):
+def unit_lower_inverse_kernel(lower, *, cfg, num_warps=UT_NUM_WARPS, low_dtype=None):
   """(I + L)^-1 of every chunk's strictly lower L (BH, NC, C, C) float32, one program per chunk:
   ``triadic.chunked.unit_lower_inverse``'s values (the module docstring says how). ``num_warps``:
   the Triton program's warps (the substitution is a chain of small reductions: with one warp
-  they are shuffles, with several each step also crosses warps through shared memory)."""
+  they are shuffles, with several each step also crosses warps through shared memory).
+  ``low_dtype``: also return A cast to that dtype, written by the same kernel (A, A_low)."""
   bh, nc, c, _ = lower.shape
   reason = ut_kernel_supported(c, cfg)
   if reason:
     raise ValueError(reason)
   spec = pl.BlockSpec((None, None, c, c), lambda i, j: (i, j, 0, 0))
   kernel = functools.partial(_inverse_kernel, c=c, precision=cfg.f32_precision)
-  return call(kernel, cfg=cfg, grid=(bh, nc), in_specs=[spec], out_specs=spec,
-              out_shape=jax.ShapeDtypeStruct(lower.shape, F32),
-              semantics=("parallel", "parallel"), name="triadic_ut_inverse",
-              num_warps=num_warps)(lower)
+  out_shape = [jax.ShapeDtypeStruct(lower.shape, F32)]
+  if low_dtype is not None:
+    out_shape.append(jax.ShapeDtypeStruct(lower.shape, low_dtype))
+  out = call(kernel, cfg=cfg, grid=(bh, nc), in_specs=[spec], out_specs=[spec] * len(out_shape),
+             out_shape=out_shape, semantics=("parallel", "parallel"), name="triadic_ut_inverse",
+             num_warps=num_warps)(lower)
+  return tuple(out) if low_dtype is not None else out[0]
+
+
+class Prep(NamedTuple):
+  """``chunk_prep``'s results, each (BH, NC, ...)."""
+  gc_col: jax.Array       # (C, E) float32: the chunk-local cumulative log decay gc
+  gc_row: jax.Array       # (E, C) float32: gc transposed
+  a: jax.Array            # (C, C) float32: the UT transform A (zeros without erase)
+  p: jax.Array            # (C, C) in q's dtype: the intra-chunk read P
+  a_operand: jax.Array    # (C, C) in q's dtype: A as the state passes' and A^T dU's operand
 
 
 def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
@@ -161,9 +178,12 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
   refuses) instead of reading those of ``masks.decay_masks``; the same values up to the order of
   float32 sums.
 
-  Returns gc (BH, NC, C, E), gc transposed (BH, NC, E, C), float32, A (BH, NC, C, C) float32 and
-  P (BH, NC, C, C) in q's dtype: P's every use (the state passes' P U and P^T dO) casts it to that
-  dtype, so a float32 P would only be written and read at twice the bytes.
+  Returns a ``Prep``: gc (BH, NC, C, E), gc transposed (BH, NC, E, C), float32, A (BH, NC, C, C)
+  float32, P (BH, NC, C, C) in q's dtype and A again in q's dtype. P's every use (the state
+  passes' P U and P^T dO) casts it to that dtype, so a float32 P would only be written and read
+  at twice the bytes; A's float32 values are read by the backward's UT-transform gradient, its
+  other uses (the state passes, A^T dU) cast it, so the inverse writes that copy too instead of a
+  cast pass before each of them.
   """
   bh, nc, c, e_dim = g_col.shape
   d = q.shape[-1]
@@ -201,7 +221,10 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
       num_warps=max(cfg.num_warps, c * c // 1024) if in_kernel else None,
   )(q, k, beta_col, *operands)
   if not erase:
-    return gc_col, gc_row, lower, p
-  inverse = (functools.partial(unit_lower_inverse_kernel, cfg=cfg) if cfg.ut_kernel
-             else unit_lower_inverse)
-  return gc_col, gc_row, inverse(lower), p
+    return Prep(gc_col, gc_row, lower, p, lower.astype(q.dtype))
+  if cfg.ut_kernel:
+    a, a_operand = unit_lower_inverse_kernel(lower, cfg=cfg, low_dtype=q.dtype)
+  else:
+    a = unit_lower_inverse(lower)
+    a_operand = a.astype(q.dtype)
+  return Prep(gc_col, gc_row, a, p, a_operand)

@@ -652,7 +652,7 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
-                    sub_chunk_masks=None, heads=None, interpret=False):
+                    sub_chunk_masks=None, heads=None, a_operand=None, interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   (dq, dk (BH,NC,C,D) in q's dtype, the rest float32): dv (BH,NC,C,V), dk2 column and row parts
   ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
@@ -665,7 +665,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   (``x_from_states``) or V relayouted without erase (``head_major``), is read in the kernel
   layout, as is a given ``x`` (the Mosaic forward saves it so with ``heads`` too).
 
-  ``x`` (erase only): X = V - sum_e diag(c_e) K S_e as the forward saved it (without it,
+  ``a_operand``: A in q's dtype as the prep wrote it (``chunk_prep.Prep``), for A^T dU (else A
+  is cast here). ``x`` (erase only): X = V - sum_e diag(c_e) K S_e as the forward saved it (without it,
   ``x_from_states`` forms it in plain JAX). ``slice_warpgroups``: the slice kernel's
   warpgroups (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
   ``default_fused_tail``). ``sub_chunk_masks``: the split tail's masks and mask gradients by
@@ -679,7 +680,7 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   if reason:
     raise ValueError(reason)
   beta = beta_col.astype(F32)
-  drhs = rhs_gradient(a, du, erase)
+  drhs = rhs_gradient(a if a_operand is None else a_operand, du, erase)
   dv = beta * drhs
   low = lambda y: y.astype(q.dtype)
   f = factor_rows(gc_col, k2_col, q2_col, beta_col)

@@ -149,6 +149,7 @@ class Residuals(NamedTuple):
   gc_row: jax.Array            # (NC, E, C) float32: gc transposed
   a: jax.Array                 # (NC, C, C) float32: the UT transform A (``chunk_prep``)
   p: jax.Array                 # (NC, C, C) in q's dtype: the intra-chunk read P
+  a_operand: jax.Array         # (NC, C, C) in q's dtype: A as the passes' and A^T dU's operand
   u: jax.Array                 # (NC, C, V) in q's dtype: U from the forward state pass
   states: jax.Array            # (NC, E, D, V) in q's dtype: every chunk's start state
   x: jax.Array | None = None   # (NC, C, V) in q's dtype where ``Plan.saves_x``, else None
@@ -169,6 +170,7 @@ _DIMS = {
     "o": "b h n c v", "ht": "b h e d v",
     # the residuals (``Residuals``)
     "gc_col": "b h n c e", "gc_row": "b h n e c", "a": "b h n c s", "p": "b h n c s",
+    "a_operand": "b h n c s",
     "u": "b h n c v", "states": "b h n e d v", "x": "b h n c v",
 }
 # With ``Plan``'s token-major layout (``plan.layout``) q, k, v, o and their gradients stay in the
@@ -262,22 +264,20 @@ def _forward(scale, erase, cfg, heads, *, saves_x, q, k, v, k2, q2, g, beta, h0)
   b, h = k2.shape[:2]
   tok = _merge if heads is None else (lambda x: x)      # the per-token operands' layout
   q, k, v, k2, q2, g, beta, h0 = (tok(q), tok(k), tok(v), *map(_merge, (k2, q2, g, beta, h0)))
-  gc_col, gc_row, a, p = chunk_prep(q, k, k2_col=k2, q2_col=q2, g_col=g, beta_col=beta,
-                                    erase=erase, cfg=cfg, heads=heads,
-                                    masks_in_kernel=_plan(cfg, q, v, k2).masks_in_prep)
+  prep = chunk_prep(q, k, k2_col=k2, q2_col=q2, g_col=g, beta_col=beta, erase=erase, cfg=cfg,
+                    heads=heads, masks_in_kernel=_plan(cfg, q, v, k2).masks_in_prep)
   forward = state_pass_kernels(cfg, q, v, k2, save_x=saves_x, heads=heads)[0]
   o, u, *x, states, ht = pieces.state_pass(
-      forward, sequence_pieces(cfg, q, v, k2), q=q, k=k, v=v, k2=k2, q2=q2, gc=gc_col, beta=beta,
-      a=a, p=p, h0=h0, g=g, scale=scale, erase=erase)
-  residuals = Residuals(gc_col=gc_col, gc_row=gc_row, a=a, p=p, u=u, states=states,
-                        x=x[0] if x else None)
+      forward, sequence_pieces(cfg, q, v, k2), q=q, k=k, v=v, k2=k2, q2=q2, gc=prep.gc_col,
+      beta=beta, a=prep.a_operand, p=prep.p, h0=h0, g=g, scale=scale, erase=erase)
+  residuals = Residuals(**prep._asdict(), u=u, states=states, x=x[0] if x else None)
   o = o if heads is not None else _split(o, b, h)
   return {"o": o, **{name: None if y is None else _split(y, b, h)
                      for name, y in dict(ht=ht, **residuals._asdict()).items()}}
 
 
-def _backward(scale, erase, cfg, heads, *, q, k, v, k2, q2, beta, gc_col, gc_row, a, p, u,
-              states, do, dht, x=None):
+def _backward(scale, erase, cfg, heads, *, q, k, v, k2, q2, beta, gc_col, gc_row, a, p,
+              a_operand, u, states, do, dht, x=None):
   """Backward kernels on the inputs read back, the ``Residuals`` fields and the cotangents (do,
   dht), all with leading (B, H), or with ``heads`` q, k, v and do in the caller's (B, T, H, X):
   the reverse state pass (chunk-end state gradients and dU), then the chunk-parallel backward.
@@ -287,21 +287,24 @@ def _backward(scale, erase, cfg, heads, *, q, k, v, k2, q2, beta, gc_col, gc_row
   dtypes = (q.dtype, k.dtype, v.dtype, k2.dtype, q2.dtype, beta.dtype)
   tok = _merge if heads is None else (lambda x: x)      # the per-token operands' layout
   q, k, v = map(tok, (q, k, v))
-  k2, q2, beta, gc_col, gc_row, a, p, u, states = map(
-      _merge, (k2, q2, beta, gc_col, gc_row, a, p, u, states))
+  k2, q2, beta, gc_col, gc_row, a, p, a_operand, u, states = map(
+      _merge, (k2, q2, beta, gc_col, gc_row, a, p, a_operand, u, states))
   do, dht = tok(do), _merge(dht)
-  # Only the Mosaic chunk-parallel backward takes X (``Plan.saves_x``).
-  saved_x = {} if x is None else {"x": _merge(x)}
+  # Only the Mosaic chunk-parallel backward takes X (``Plan.saves_x``) and A's operand copy.
+  mosaic_only = {} if x is None else {"x": _merge(x)}
+  if _plan(cfg, q, v, k2).mosaic_chunk_gradients:
+    mosaic_only["a_operand"] = a_operand
   backward = state_pass_kernels(cfg, q, do, k2, heads=heads)[1]
   g = gc_col - jnp.pad(gc_col[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0)))  # per-token decay
   du, dstates, dh0 = pieces.reverse_state_pass(
       backward, sequence_pieces(cfg, q, do, k2), q=q, k=k, do=do.astype(q.dtype), k2=k2, q2=q2,
-      gc=gc_col, beta=beta, a=a, p=p, dht=dht.astype(F32), g=g, scale=scale, erase=erase)
+      gc=gc_col, beta=beta, a=a_operand, p=p, dht=dht.astype(F32), g=g, scale=scale,
+      erase=erase)
   chunk_gradients = chunk_gradients_kernel(cfg, q, v, k2, heads=heads)
   dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = chunk_gradients(
       q=q, k=k, v=v, do=do, u=u, du=du, states=states, dstates=dstates, k2_col=k2,
-      k2_row=_rows(k2), q2_col=q2, gc_col=gc_col, gc_row=gc_row, beta_col=beta, a=a, **saved_x,
-      scale=scale, erase=erase)
+      k2_row=_rows(k2), q2_col=q2, gc_col=gc_col, gc_row=gc_row, beta_col=beta, a=a,
+      **mosaic_only, scale=scale, erase=erase)
   dgc = dgc_col + _rows(dgc_row)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dgc, 2), axis=2), 2)  # gc is a cumsum over the chunk axis
   dk2 = dk2_col + _rows(dk2_row)
