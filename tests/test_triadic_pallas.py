@@ -449,19 +449,24 @@ SHARDED_SCRIPT = textwrap.dedent("""
 """)
 
 
+def run_on_four_devices(script, timeout):
+  """Run ``script`` in a subprocess with 4 fake CPU devices (the device count flag stays out of
+  this pytest session); returns the JSON of its last "RESULT " line."""
+  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
+             XLA_FLAGS="--xla_force_host_platform_device_count=4")
+  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, text=True,
+                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
+  assert proc.returncode == 0, proc.stdout[-3000:]
+  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
+  return json.loads(line[len("RESULT "):])
+
+
 def test_pallas_runs_per_shard_under_jit():
   """Batch over "data" and heads over "tensor" on 4 fake CPU devices, under Shardy and GSPMD:
   values and gradients match the unsharded scan, every device runs the kernels on its own
   (B/2, H/2) slice (no all-gather of the operands, no array of the global kernel layout), and
-  outputs and gradients keep the inputs' sharding. In a subprocess so the device count flag
-  stays out of this pytest session."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  proc = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], cwd=ROOT, env=env, text=True,
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=600)
-  assert proc.returncode == 0, proc.stdout[-3000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-  report = json.loads(line[len("RESULT "):])
+  outputs and gradients keep the inputs' sharding."""
+  report = run_on_four_devices(SHARDED_SCRIPT, timeout=600)
   bound = PALLAS_BOUNDS[jnp.float32]["grad"]
   for partitioner, r in report.items():
     for name, err in r["errors"].items():
@@ -510,13 +515,7 @@ def test_partition_finds_batch_and_heads_by_name():
   wherever they sit: a token-major (B, T, H, D) operand beside a (B, H, N) one, B over "data" and
   H over "tensor" on 4 fake CPU devices, under Shardy and GSPMD: exact values, every device on
   its (B/2, T, H/2, D) slice (no global shape, no all-gather), results sharded like the inputs."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  proc = subprocess.run([sys.executable, "-c", PARTITION_SCRIPT], cwd=ROOT, env=env, text=True,
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=300)
-  assert proc.returncode == 0, proc.stdout[-3000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-  report = json.loads(line[len("RESULT "):])
+  report = run_on_four_devices(PARTITION_SCRIPT, timeout=300)
   for partitioner, r in report.items():
     assert r["exact"], (partitioner, r)
     assert r["local_shapes"] and not r["global_shapes"], (partitioner, r)
