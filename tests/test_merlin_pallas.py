@@ -183,6 +183,46 @@ def test_kernels_lower_for_cuda(erase):
     assert kernel in text, kernel
 
 
+# Each kernel's outputs: "x" in the inputs' dtype, "f" float32. The states and the gradients of the
+# input-dtype operands (Qe, W, Kw, Uv) are stored in that dtype, each use of them being a matmul
+# operand or the op's cotangent in that dtype; o, dgamma, dlam and the no-erase per-value-block dKw
+# (summed after) stay float32.
+OUT_DTYPES = {True: {"merlin_state_pass": "x", "merlin_readout": "f",
+                     "merlin_reverse_state_pass": "xx", "merlin_chunk_gradients": "xxxff"},
+              False: {"merlin_write_pass": "xx", "merlin_readout": "f",
+                      "merlin_reverse_write_pass": "xff", "merlin_read_gradients": "xf"}}
+
+
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+@pytest.mark.parametrize("erase", [True, False])
+def test_kernel_output_dtypes(erase, dtype):
+  """The dtypes the kernels of the forward and backward (traced for GPU) store."""
+  b, t, h, d, vd, segment_len, n = 1, 100, 1, 16, 32, 32, 4
+  spec = lambda *s, dt=dtype: jax.ShapeDtypeStruct(s, dt)
+  f32 = jnp.float32
+  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, dt=f32),
+          spec(b, t, h, dt=f32), spec(b, t, h, n, dt=f32)]
+
+  def loss(*a):
+    o = multistate_attention(*a, segment_len=segment_len, erase=erase, impl="pallas",
+                             platform="gpu")
+    return jnp.sum(o.astype(f32))
+
+  found = {}
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found[eqn.params["name"]] = [v.aval.dtype for v in eqn.outvars]
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(6))))(*args).jaxpr)
+  want = {name: [jnp.dtype(dtype if k == "x" else f32) for k in kinds]
+          for name, kinds in OUT_DTYPES[erase].items()}
+  assert found == want
+
+
 SHARDED_SCRIPT = textwrap.dedent("""
     import json, re, sys
     import jax, jax.numpy as jnp

@@ -28,7 +28,10 @@ state leaving chunk n:
 
 The reverse state pass (same grid as the forward) stores dS^i_{n+1} at ``index(i, n)`` and dUv;
 the chunk-gradients kernel, one program per (batch*head, chunk, gradient part), sums the stack's
-terms over i and the value axis, so no two programs write one output (no atomics).
+terms over i and the value axis, so no two programs write one output (no atomics). dUv, dQe, dW
+and dKw are summed in float32 and stored in the input dtype: they leave the op as the cotangents of
+operands in that dtype, so a float32 store would only be cast after (dgamma, dlam stay float32, as
+their operands are).
 
 No erase (rescaled states): a finished state only decays, S_n^i = F_n,i S_end^i with
 F_n,i = prod_{e_i <= m < n} gamma_m, so its contribution to every later token is a read of the one
@@ -36,8 +39,9 @@ end state S_end^i with the weight lam_n,i F_n,i, which ``ops.py`` folds into lam
 its gradient to g is JAX's). The write pass stores only the current state of each chunk (NC of
 them) and each segment's end state (NS): no per-chunk update or store of a finished state.
 Backward: dS_end^i = sum_{n >= e_i} (lam_n,i Qe_n)^T dO_n, then segment i's write phase in
-reverse (dUv, and dKw_n = Uv_n dS_{n+1}^T, dgamma_n = <dS_{n+1}, S_n> per value block, summed over
-the value blocks in JAX), and dQe, dlam from the read as in the erase case.
+reverse (dUv in the input dtype, and dKw_n = Uv_n dS_{n+1}^T, dgamma_n = <dS_{n+1}, S_n> per value
+block, float32, summed over the value blocks in JAX), and dQe (input dtype), dlam from the read as
+in the erase case.
 
 Layout: (BH, NC, C, X) for per-token operands, lam (BH, NS, NC, C, 1), gamma (BH, NC, 1, 1);
 D, V padded to powers of two (Triton), NS = ceil(NC / cps) the segments the tokens occupy.
@@ -135,7 +139,7 @@ def _stack_reverse_kernel(qe_ref, w_ref, kw_ref, lam_ref, gam_ref, do_ref, dstat
     dstates_ref[index(i, n, nc, cps)] = ds.astype(dstates_ref.dtype)
     y = mm(kw_ref[n], ds, dtype)
     if write:
-      duv_ref[n] = y
+      duv_ref[n] = y.astype(duv_ref.dtype)
     return (gam_ref[n] * ds + mm(lam_ref[n] * qe_ref[n].astype(F32), do_ref[n], dtype, ta=True)
             - mm(w_ref[n], y, dtype, ta=True))
 
@@ -161,9 +165,10 @@ def _stack_gradients_kernel(qe_ref, w_ref, kw_ref, uv_ref, lam_ref, do_ref, stat
 
   @pl.when(part == 0)
   def _():
-    dqe_ref[...] = _read_gradients(qe_ref[...], lam_ref, do_ref, dlam_ref,
-                                   functools.partial(tile, states_ref),
-                                   functools.partial(tile, states_ref, cur), cur, blocks, dtype)
+    dqe = _read_gradients(qe_ref[...], lam_ref, do_ref, dlam_ref,
+                          functools.partial(tile, states_ref),
+                          functools.partial(tile, states_ref, cur), cur, blocks, dtype)
+    dqe_ref[...] = dqe.astype(dqe_ref.dtype)
 
   @pl.when(part == 1)
   def _():
@@ -182,8 +187,8 @@ def _stack_gradients_kernel(qe_ref, w_ref, kw_ref, uv_ref, lam_ref, do_ref, stat
     dkw, dw, dgam = jax.lax.fori_loop(0, cur + 1, state, (zero, zero, jnp.zeros((1, 1), F32)))
     for cols in blocks:  # the write Kw^T Uv into the current state
       dkw = dkw + mm(uv_ref[:, cols], tile(dstates_ref, cur, cols), dtype, tb=True)
-    dkw_ref[...] = dkw
-    dw_ref[...] = dw
+    dkw_ref[...] = dkw.astype(dkw_ref.dtype)
+    dw_ref[...] = dw.astype(dw_ref.dtype)
     dgam_ref[...] = dgam
 
 
@@ -216,7 +221,7 @@ def _rescaled_reverse_kernel(qe_ref, kw_ref, uv_ref, lam_ref, gam_ref, do_ref, c
   ds = jax.lax.fori_loop(end, nc, lambda n, ds: ds + read(n), jnp.zeros((d, bv), F32))  # dS_end
 
   def chunk(n, ds):
-    duv_ref[n] = mm(kw_ref[n], ds, dtype)
+    duv_ref[n] = mm(kw_ref[n], ds, dtype).astype(duv_ref.dtype)
     dkw_ref[n] = mm(uv_ref[n], ds, dtype, tb=True)
     dgam_ref[n] = total(ds * cur_ref[n].astype(F32))
     return gam_ref[n] * ds + read(n)
@@ -227,9 +232,9 @@ def _rescaled_reverse_kernel(qe_ref, kw_ref, uv_ref, lam_ref, gam_ref, do_ref, c
 def _rescaled_gradients_kernel(qe_ref, lam_ref, do_ref, end_ref, cur_ref, dqe_ref, dlam_ref, *,
                                cps, vd, bv, dtype):
   cur = pl.program_id(1) // cps
-  dqe_ref[...] = _read_gradients(qe_ref[...], lam_ref, do_ref, dlam_ref,
-                                 lambda i, cols: end_ref[i, :, cols],
-                                 lambda cols: cur_ref[:, cols], cur, _value_blocks(vd, bv), dtype)
+  dqe = _read_gradients(qe_ref[...], lam_ref, do_ref, dlam_ref, lambda i, cols: end_ref[i, :, cols],
+                        lambda cols: cur_ref[:, cols], cur, _value_blocks(vd, bv), dtype)
+  dqe_ref[...] = dqe.astype(dqe_ref.dtype)
 
 
 # ---- launchers ----
@@ -296,8 +301,9 @@ def stack_readout(qe, lam, states, *, cps, cfg):
 
 
 def stack_reverse_state_pass(qe, w, kw, lam, gam, do, *, cps, cfg):
-  """Erase reverse state pass: dS^i_{n+1} at ``index(i, n)`` (BH, VIS, D, V) in qe's dtype, and
-  dUv (BH, NC, C, V) float32. Grid (BH, V / block_v, NS); do (BH, NC, C, V) in qe's dtype."""
+  """Erase reverse state pass: dS^i_{n+1} at ``index(i, n)`` (BH, VIS, D, V) and dUv
+  (BH, NC, C, V), both in qe's dtype (dUv's one use is the op's cotangent of Uv, which has that
+  dtype). Grid (BH, V / block_v, NS); do (BH, NC, C, V) in qe's dtype."""
   bh, nc, c, d = qe.shape
   vd = do.shape[-1]
   bv = min(cfg.block_v, vd)
@@ -308,25 +314,26 @@ def stack_reverse_state_pass(qe, w, kw, lam, gam, do, *, cps, cfg):
                                                  _vblock(nc, c, bv)],
               out_specs=[_vblock(vis, d, bv), _vblock(nc, c, bv)],
               out_shape=[jax.ShapeDtypeStruct((bh, vis, d, vd), qe.dtype),
-                         jax.ShapeDtypeStruct((bh, nc, c, vd), F32)],
+                         jax.ShapeDtypeStruct((bh, nc, c, vd), qe.dtype)],
               semantics=None, name="merlin_reverse_state_pass")(qe, w, kw, lam, gam, do)
 
 
 def stack_chunk_gradients(qe, w, kw, uv, lam, do, states, dstates, *, cps, cfg):
-  """Erase: dQe, dW, dKw (BH, NC, C, D), dgamma (BH, NC, 1, 1) and dlam (BH, NC, NS, C, 1;
-  entries i > s(n) unwritten), float32. Grid (BH, NC, 2 parts)."""
+  """Erase: dQe, dW, dKw (BH, NC, C, D) in qe's dtype (the op's cotangents of those operands, which
+  have it: summed in float32, rounded once at the store), dgamma (BH, NC, 1, 1) and dlam
+  (BH, NC, NS, C, 1; entries i > s(n) unwritten) float32. Grid (BH, NC, 2 parts)."""
   bh, nc, c, d = qe.shape
   vis, vd = states.shape[1], states.shape[-1]
   ns = lam.shape[1]
   stack = pl.BlockSpec((None, vis, d, vd), lambda b, n, p: (b, 0, 0, 0))
-  shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
+  shape = lambda *s, dtype=F32: jax.ShapeDtypeStruct((bh, nc, *s), dtype)
   kernel = functools.partial(_stack_gradients_kernel, nc=nc, cps=cps, vd=vd,
                              bv=min(cfg.bwd_block_v, vd), dtype=qe.dtype)
   return call(kernel, cfg=cfg, grid=(bh, nc, 2),
               in_specs=[_chunk_spec(c, d)] * 3 + [_chunk_spec(c, vd), _lam_of_chunk(ns, c),
                                                   _chunk_spec(c, vd), stack, stack],
               out_specs=[_chunk_spec(c, d)] * 3 + [_chunk_spec(1, 1), _chunk_spec(ns, c, 1)],
-              out_shape=[shape(c, d)] * 3 + [shape(1, 1), shape(ns, c, 1)],
+              out_shape=[shape(c, d, dtype=qe.dtype)] * 3 + [shape(1, 1), shape(ns, c, 1)],
               semantics=None, name="merlin_chunk_gradients",
               num_warps=cfg.bwd_num_warps)(qe, w, kw, uv, lam, do, states, dstates)
 
@@ -359,9 +366,10 @@ def rescaled_readout(qe, lam, cur, end, *, cps, cfg):
 
 
 def rescaled_reverse_pass(qe, kw, uv, lam, gam, do, cur, *, cps, cfg):
-  """No-erase reverse pass: dUv (BH, NC, C, V), and per value block of ``block_v`` columns the
-  partial dKw (BH, V / block_v, NC, C, D) and dgamma (BH, V / block_v, NC, 1, 1), float32.
-  Grid (BH, V / block_v, NS)."""
+  """No-erase reverse pass: dUv (BH, NC, C, V) in qe's dtype (the op's cotangent of Uv, which has
+  it), and per value block of ``block_v`` columns the partial dKw (BH, V / block_v, NC, C, D) and
+  dgamma (BH, V / block_v, NC, 1, 1), float32 (summed over the blocks after). Grid
+  (BH, V / block_v, NS)."""
   bh, nc, c, d = qe.shape
   vd = uv.shape[-1]
   bv = min(cfg.block_v, vd)
@@ -374,18 +382,18 @@ def rescaled_reverse_pass(qe, kw, uv, lam, gam, do, cur, *, cps, cfg):
                         _lam_of_segment(nc, c), _whole(nc, 1, 1), _vblock(nc, c, bv),
                         _vblock(nc, d, bv)],
               out_specs=[_vblock(nc, c, bv), per_block(c, d), per_block(1, 1)],
-              out_shape=[jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
+              out_shape=[jax.ShapeDtypeStruct((bh, nc, c, vd), qe.dtype),
                          jax.ShapeDtypeStruct((bh, nv, nc, c, d), F32),
                          jax.ShapeDtypeStruct((bh, nv, nc, 1, 1), F32)],
               semantics=None, name="merlin_reverse_write_pass")(qe, kw, uv, lam, gam, do, cur)
 
 
 def rescaled_read_gradients(qe, lam, do, cur, end, *, cps, cfg):
-  """No-erase: dQe (BH, NC, C, D) and dlam (BH, NC, NS, C, 1; entries i > s(n) unwritten) of the
-  read, float32. Grid (BH, NC)."""
+  """No-erase: the read's dQe (BH, NC, C, D) in qe's dtype (the op's cotangent of Qe, which has
+  it) and dlam (BH, NC, NS, C, 1; entries i > s(n) unwritten) float32. Grid (BH, NC)."""
   bh, nc, c, d = qe.shape
   ns, vd = end.shape[1], end.shape[-1]
-  shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
+  shape = lambda *s, dtype=F32: jax.ShapeDtypeStruct((bh, nc, *s), dtype)
   kernel = functools.partial(_rescaled_gradients_kernel, cps=cps, vd=vd,
                              bv=min(cfg.bwd_block_v, vd), dtype=qe.dtype)
   return call(kernel, cfg=cfg, grid=(bh, nc),
@@ -393,6 +401,6 @@ def rescaled_read_gradients(qe, lam, do, cur, end, *, cps, cfg):
                         pl.BlockSpec((None, ns, d, vd), lambda b, n: (b, 0, 0, 0)),
                         _chunk_spec(d, vd)],
               out_specs=[_chunk_spec(c, d), _chunk_spec(ns, c, 1)],
-              out_shape=[shape(c, d), shape(ns, c, 1)],
+              out_shape=[shape(c, d, dtype=qe.dtype), shape(ns, c, 1)],
               semantics=None, name="merlin_read_gradients",
               num_warps=cfg.bwd_num_warps)(qe, lam, do, end, cur)

@@ -13,7 +13,10 @@ number of segment states N is in ``kernels.py``, behind one ``jax.custom_vjp``:
             write pass (dUv, dKw, dgamma) and the read's gradients (dQe, dlam)
 
 The custom_vjp saves its inputs and the states the forward stored (in the input dtype). Kernel
-operands are the input dtype (bf16 inputs: bf16 tensor-core operands, float32 accumulation).
+operands are the input dtype (bf16 inputs: bf16 tensor-core operands, float32 accumulation). The
+kernels store the gradients of Qe, W, Kw, Uv in that dtype too, rounded once from their float32
+sums: they are the cotangents of operands in that dtype, so a float32 copy would only be cast. The
+output, dgamma, dlam and the no-erase partial dKw (summed over value blocks here) stay float32.
 Under jit with B and/or H sharded, the forward and the backward each run per (B, H) shard
 (``triadic.pallas.partition.batch_head_partitioned``; every operand and result keeps (B, H) as
 leading dims, merged to B*H only inside).
@@ -82,7 +85,7 @@ def _forward(cps, erase, cfg, *operands):
 
 def _backward(cps, erase, cfg, *args):
   """The gradients of ``_forward``'s operands (lam's zero for i > s(n)), from those operands,
-  the states it stored and the cotangent do, all (B, H, ...)."""
+  the states it stored and the cotangent do, all (B, H, ...); each in its operand's dtype."""
   n_states = 1 if erase else 2
   operands, states, do = args[:-n_states - 1], args[-n_states - 1:-1], args[-1]
   b, h, nc = operands[0].shape[:3]
@@ -100,11 +103,12 @@ def _backward(cps, erase, cfg, *args):
     duv, dkw, dgam = kernels.rescaled_reverse_pass(qe, kw, uv, lam, gam, do, states[0], cps=cps,
                                                    cfg=cfg)
     dqe, dlam = kernels.rescaled_read_gradients(qe, lam, do, *states, cps=cps, cfg=cfg)
-    dmats = (dqe, jnp.sum(dkw, axis=1), duv)  # dKw and dgamma: sums over the value blocks
+    # dKw and dgamma: float32 sums over the value blocks, dKw rounded after the sum
+    dmats = (dqe, jnp.sum(dkw, axis=1).astype(kw.dtype), duv)
     dgam = jnp.sum(dgam, axis=1)
   dlam = jnp.moveaxis(dlam[..., 0], 2, 1)  # (BH, NS, NC, C)
   dlam = jnp.where(_visible(nc, cps, lam.shape[1]).T[None, :, :, None], dlam, 0.0)
-  grads = [dx.astype(x.dtype) for dx, x in zip(dmats, mats)] + [dgam[:, :, 0, 0], dlam]
+  grads = [*dmats, dgam[:, :, 0, 0], dlam]  # dmats: the kernels store them in the mats' dtype
   return tuple(_split(x, b, h) for x in grads)
 
 
