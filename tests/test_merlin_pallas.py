@@ -9,7 +9,8 @@ Error bounds (relative RMS, ||a - b|| / ||b||):
   bfloat16 inputs (the scan runs on the same bf16-rounded values in float32): output 1.5e-2 (o is
   returned in bf16), gradients 2e-2 (bf16 tensor-core operands, chunk-start states kept in bf16).
 The plan (which impl "auto" picks, and why), the bad-input errors, the Triton lowering of the
-forward and backward for CUDA and the per-(B, H)-shard run under jit (a subprocess with 4 fake CPU
+forward and backward for CUDA, what each kernel stores (dtypes; the readout the op's output itself,
+in the caller's layout) and the per-(B, H)-shard run under jit (a subprocess with 4 fake CPU
 devices) are checked too.
 """
 
@@ -163,33 +164,58 @@ def test_bad_input_raises():
     call(platform="tpu")
 
 
+def op_specs(b, t, h, d, vd, n, dtype=jnp.bfloat16):
+  """Shape specs of the op's six inputs, q, k, v in ``dtype``."""
+  spec = lambda *s, dt=dtype: jax.ShapeDtypeStruct(s, dt)
+  f32 = jnp.float32
+  return [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, dt=f32),
+          spec(b, t, h, dt=f32), spec(b, t, h, n, dt=f32)]
+
+
+def pallas_op(erase, segment_len, **kw):
+  """The op on the GPU (Triton) kernels, to trace on this CPU machine."""
+  return lambda *a: multistate_attention(*a, segment_len=segment_len, erase=erase, impl="pallas",
+                                         platform="gpu", **kw)
+
+
+def grad_of_sum(fn):
+  """The gradients of sum(fn(...)) in the op's six inputs."""
+  return jax.grad(lambda *a: jnp.sum(fn(*a).astype(jnp.float32)), argnums=tuple(range(6)))
+
+
+def kernel_outputs(jaxpr):
+  """{name: [(shape, dtype) of each output]} of every pallas_call in a jaxpr, nested ones too."""
+  found = {}
+
+  def walk(jaxpr):
+    for eqn in jaxpr.eqns:
+      if eqn.primitive.name == "pallas_call":
+        found[eqn.params["name"]] = [(v.aval.shape, v.aval.dtype) for v in eqn.outvars]
+      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
+        walk(sub)
+
+  walk(jaxpr)
+  return found
+
+
 @pytest.mark.parametrize("erase", [True, False])
 def test_kernels_lower_for_cuda(erase):
   """Forward and backward lower to Triton for CUDA on this CPU machine (bf16, padded D and V)."""
   b, t, h, d, vd, segment_len, n = 1, 300, 2, 48, 80, 128, 3
-  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
-  f32 = jnp.float32
-  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, dt=f32),
-          spec(b, t, h, dt=f32), spec(b, t, h, n, dt=f32)]
-
-  def loss(*a):
-    o = multistate_attention(*a, segment_len=segment_len, erase=erase, impl="pallas",
-                             platform="gpu")
-    return jnp.sum(o.astype(f32))
-
-  text = jax.jit(jax.grad(loss, argnums=tuple(range(6)))).trace(*args).lower(
-      lowering_platforms=("cuda",)).as_text()
+  text = jax.jit(grad_of_sum(pallas_op(erase, segment_len))).trace(
+      *op_specs(b, t, h, d, vd, n)).lower(lowering_platforms=("cuda",)).as_text()
   for kernel in KERNELS[erase]:
     assert kernel in text, kernel
 
 
-# Each kernel's outputs: "x" in the inputs' dtype, "f" float32. The states and the gradients of the
-# input-dtype operands (Qe, W, Kw, Uv) are stored in that dtype, each use of them being a matmul
-# operand or the op's cotangent in that dtype; o, dgamma, dlam and the no-erase per-value-block dKw
-# (summed after) stay float32.
-OUT_DTYPES = {True: {"merlin_state_pass": "x", "merlin_readout": "f",
+# Each kernel's outputs: "x" in the inputs' dtype, "f" float32. The states, the op's output (the
+# readout adds the intra-chunk part and rounds once) and the gradients of the input-dtype operands
+# (Qe, W, Kw, Uv) are stored in that dtype, each use of them being a matmul operand or the op's
+# output or cotangent in that dtype; dgamma, dlam and the no-erase per-value-block dKw (summed
+# after) stay float32.
+OUT_DTYPES = {True: {"merlin_state_pass": "x", "merlin_readout": "x",
                      "merlin_reverse_state_pass": "xx", "merlin_chunk_gradients": "xxxff"},
-              False: {"merlin_write_pass": "xx", "merlin_readout": "f",
+              False: {"merlin_write_pass": "xx", "merlin_readout": "x",
                       "merlin_reverse_write_pass": "xff", "merlin_read_gradients": "xf"}}
 
 
@@ -198,29 +224,40 @@ OUT_DTYPES = {True: {"merlin_state_pass": "x", "merlin_readout": "f",
 def test_kernel_output_dtypes(erase, dtype):
   """The dtypes the kernels of the forward and backward (traced for GPU) store."""
   b, t, h, d, vd, segment_len, n = 1, 100, 1, 16, 32, 32, 4
-  spec = lambda *s, dt=dtype: jax.ShapeDtypeStruct(s, dt)
-  f32 = jnp.float32
-  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, dt=f32),
-          spec(b, t, h, dt=f32), spec(b, t, h, n, dt=f32)]
-
-  def loss(*a):
-    o = multistate_attention(*a, segment_len=segment_len, erase=erase, impl="pallas",
-                             platform="gpu")
-    return jnp.sum(o.astype(f32))
-
-  found = {}
-
-  def walk(jaxpr):
-    for eqn in jaxpr.eqns:
-      if eqn.primitive.name == "pallas_call":
-        found[eqn.params["name"]] = [v.aval.dtype for v in eqn.outvars]
-      for sub in jax.extend.core.jaxprs_in_params(eqn.params):
-        walk(sub)
-
-  walk(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(6))))(*args).jaxpr)
-  want = {name: [jnp.dtype(dtype if k == "x" else f32) for k in kinds]
+  jaxpr = jax.make_jaxpr(grad_of_sum(pallas_op(erase, segment_len)))(
+      *op_specs(b, t, h, d, vd, n, dtype)).jaxpr
+  found = {name: [dt for _, dt in outs] for name, outs in kernel_outputs(jaxpr).items()}
+  want = {name: [jnp.dtype(dtype if k == "x" else jnp.float32) for k in kinds]
           for name, kinds in OUT_DTYPES[erase].items()}
   assert found == want
+
+
+@pytest.mark.parametrize("erase", [True, False])
+@pytest.mark.parametrize("t,vd", [(128, 32), (100, 24)])
+def test_readout_writes_the_output(erase, t, vd):
+  """The readout kernel stores the op's output itself, in the inputs' dtype and the caller's
+  (B, T, H, V) layout (T padded to whole chunks, V to a power of two), not a float32
+  (B*H, NC, C, V) stack read that plain JAX would add to, transpose and cast: the op returns that
+  kernel output as it is, or one slice of it where T or V is padded."""
+  b, h, d, segment_len, chunk, n = 2, 3, 16, 32, 16, 4
+  tp, vp = -(-t // chunk) * chunk, max(16, 1 << (vd - 1).bit_length())
+  args = op_specs(b, t, h, d, vd, n)
+  op = pallas_op(erase, segment_len, chunk_size=chunk)
+  jaxpr = jax.make_jaxpr(grad_of_sum(op))(*args).jaxpr
+  assert kernel_outputs(jaxpr)["merlin_readout"] == [((b, tp, h, vp), jnp.dtype(jnp.bfloat16))]
+
+  jaxpr = jax.make_jaxpr(op)(*args).jaxpr
+  call = jaxpr.eqns[-1]  # the op's custom_vjp, with no step after it
+  assert call.primitive.name == "custom_vjp_call" and jaxpr.outvars == call.outvars
+  (inner,) = jax.extend.core.jaxprs_in_params(call.params)
+  producer = {v: eqn for eqn in inner.eqns for v in eqn.outvars}
+  step = producer[inner.outvars[0]]
+  if (tp, vp) != (t, vd):
+    assert step.primitive.name == "slice", step.primitive
+    step = producer[step.invars[0]]
+  # the forward kernels (custom-partitioned), whose first output is the readout's
+  assert step.primitive.name == "custom_partitioning", step.primitive
+  assert step.outvars[0].aval.shape == (b, tp, h, vp)
 
 
 SHARDED_SCRIPT = textwrap.dedent("""

@@ -13,7 +13,10 @@ Each state carries through its own chain of chunks, independent of the others, s
 passes put the segment index on the grid: program (bh, value block j, segment i) walks segment i's
 chunks with the (D, block_v) float32 state S^i in registers. The readout is parallel over chunks:
 o_n = sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i, the (C, (s(n)+1) D) x ((s(n)+1) D, V) product over the
-stacked states, walked state by state (``_read``).
+stacked states, walked state by state (``_read``). It stores the op's output, not o:
+scale (o_n + own_n intra_n) with the plain-JAX intra-chunk part intra_n = P_n Uv_n and own_n the
+tokens' lam of their own segment (float32), rounded once to the input dtype and written straight
+into the caller's (B, T, H, V) layout (``_readout_call``).
 
 Erase (the carried stack): a finished state keeps changing (Phi_n), so the forward stores every
 visible chunk-start state S_n^i (n >= n_i, in the input dtype) once, in a compact (BH, VIS, D, V)
@@ -44,7 +47,8 @@ block, float32, summed over the value blocks in JAX), and dQe (input dtype), dla
 in the erase case.
 
 Layout: (BH, NC, C, X) for per-token operands, lam (BH, NS, NC, C, 1), gamma (BH, NC, 1, 1);
-D, V padded to powers of two (Triton), NS = ceil(NC / cps) the segments the tokens occupy.
+D, V padded to powers of two (Triton), NS = ceil(NC / cps) the segments the tokens occupy. The
+readout's output alone is (B, NC * C, H, V), row bh of the others being batch bh // H, head bh % H.
 """
 
 from __future__ import annotations
@@ -85,6 +89,11 @@ def _read(qe, lam_ref, finished, current, cur, dtype):
   return acc + mm(lam_ref[cur] * qe, current, dtype)
 
 
+def _store_output(o_ref, o, intra_ref, own_ref, scale):
+  """The op's output tile: scale (o + own intra) in float32, rounded once to the output dtype."""
+  o_ref[...] = (scale * (o + own_ref[...] * intra_ref[...])).astype(o_ref.dtype)
+
+
 def _read_gradients(qe, lam_ref, do_ref, dlam_ref, finished, current, cur, blocks, dtype):
   """The read's dQe (returned) and dlam (written to ``dlam_ref[i]``, i <= cur) for one chunk:
   dQe = sum_i lam_i (dO S_i^T), dlam_i = rowsum(dO * (Qe S_i)); finished(i, cols) and
@@ -122,12 +131,13 @@ def _stack_kernel(w_ref, kw_ref, uv_ref, gam_ref, states_ref, *, nc, cps, dtype)
   jax.lax.fori_loop(end, nc, lambda n, s: chunk(n, s, False), s)
 
 
-def _stack_readout_kernel(qe_ref, lam_ref, states_ref, o_ref, *, nc, cps, dtype):
+def _stack_readout_kernel(qe_ref, lam_ref, states_ref, intra_ref, own_ref, o_ref, *, nc, cps,
+                          scale, dtype):
   n = pl.program_id(1)
   cur = n // cps
-  o_ref[...] = _read(qe_ref[...].astype(F32), lam_ref,
-                     lambda i: states_ref[index(i, n, nc, cps)],
-                     states_ref[index(cur, n, nc, cps)], cur, dtype)
+  o = _read(qe_ref[...].astype(F32), lam_ref, lambda i: states_ref[index(i, n, nc, cps)],
+            states_ref[index(cur, n, nc, cps)], cur, dtype)
+  _store_output(o_ref, o, intra_ref, own_ref, scale)
 
 
 def _stack_reverse_kernel(qe_ref, w_ref, kw_ref, lam_ref, gam_ref, do_ref, dstates_ref, duv_ref,
@@ -207,10 +217,11 @@ def _write_kernel(kw_ref, uv_ref, gam_ref, cur_ref, end_ref, *, nc, cps, dtype):
   end_ref[i] = s.astype(end_ref.dtype)
 
 
-def _rescaled_readout_kernel(qe_ref, lam_ref, end_ref, cur_ref, o_ref, *, cps, dtype):
+def _rescaled_readout_kernel(qe_ref, lam_ref, end_ref, cur_ref, intra_ref, own_ref, o_ref, *, cps,
+                             scale, dtype):
   cur = pl.program_id(1) // cps
-  o_ref[...] = _read(qe_ref[...].astype(F32), lam_ref, lambda i: end_ref[i], cur_ref[...], cur,
-                     dtype)
+  o = _read(qe_ref[...].astype(F32), lam_ref, lambda i: end_ref[i], cur_ref[...], cur, dtype)
+  _store_output(o_ref, o, intra_ref, own_ref, scale)
 
 
 def _rescaled_reverse_kernel(qe_ref, kw_ref, uv_ref, lam_ref, gam_ref, do_ref, cur_ref, duv_ref,
@@ -279,25 +290,36 @@ def stack_state_pass(w, kw, uv, gam, *, cps, cfg):
               semantics=None, name="merlin_state_pass")(w, kw, uv, gam)
 
 
-def _readout_call(kernel, qe, lam, state_specs, states, vd, cfg):
+def _readout_call(kernel, qe, lam, state_specs, states, intra, own, heads, cfg):
+  """The readout launch: program (bh, n, j) reads chunk n's Qe, lam, own and value block j of
+  intra and of the states, and writes the output's (C, bwd_block_v) tile in qe's dtype into the
+  caller's (B, NC * C, H, V) layout: row bh is batch bh // H, head bh % H (the head dim squeezed,
+  a strided block), so the output needs no relayout after."""
   bh, nc, c, d = qe.shape
+  vd = intra.shape[-1]
   bv = min(cfg.bwd_block_v, vd)
   return call(kernel, cfg=cfg, grid=(bh, nc, vd // bv),
-              in_specs=[_chunk_spec(c, d), _lam_of_chunk(lam.shape[1], c)] + state_specs,
-              out_specs=pl.BlockSpec((None, None, c, bv), lambda b, n, j: (b, n, 0, j)),
-              out_shape=jax.ShapeDtypeStruct((bh, nc, c, vd), F32),
-              semantics=None, name="merlin_readout")(qe, lam, *states)
+              in_specs=[_chunk_spec(c, d), _lam_of_chunk(lam.shape[1], c)] + state_specs
+                       + [pl.BlockSpec((None, None, c, bv), lambda b, n, j: (b, n, 0, j)),
+                          _chunk_spec(c, 1)],
+              out_specs=pl.BlockSpec((None, c, None, bv),
+                                     lambda b, n, j: (b // heads, n, b % heads, j)),
+              out_shape=jax.ShapeDtypeStruct((bh // heads, nc * c, heads, vd), qe.dtype),
+              semantics=None, name="merlin_readout")(qe, lam, *states, intra, own)
 
 
-def stack_readout(qe, lam, states, *, cps, cfg):
-  """o_n = sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i from the stored stack, (BH, NC, C, V) float32.
-  Grid (BH, NC, V / bwd_block_v)."""
+def stack_readout(qe, lam, states, intra, own, *, cps, scale, heads, cfg):
+  """The erase output: scale (o_n + own_n intra_n) with o_n = sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i
+  from the stored stack and the intra-chunk part intra = P Uv (BH, NC, C, V), weighted by own
+  (BH, NC, C, 1), each token's lam of its own segment (both float32): summed in float32 and
+  stored once in qe's dtype (the op's output dtype), (B, NC * C, H, V) with H = ``heads``
+  (``_readout_call``). Grid (BH, NC, V / bwd_block_v)."""
   nc, d = qe.shape[1], qe.shape[-1]
   vis, vd = states.shape[1], states.shape[-1]
   bv = min(cfg.bwd_block_v, vd)
-  kernel = functools.partial(_stack_readout_kernel, nc=nc, cps=cps, dtype=qe.dtype)
+  kernel = functools.partial(_stack_readout_kernel, nc=nc, cps=cps, scale=scale, dtype=qe.dtype)
   spec = pl.BlockSpec((None, vis, d, bv), lambda b, n, j: (b, 0, 0, j))
-  return _readout_call(kernel, qe, lam, [spec], [states], vd, cfg)
+  return _readout_call(kernel, qe, lam, [spec], [states], intra, own, heads, cfg)
 
 
 def stack_reverse_state_pass(qe, w, kw, lam, gam, do, *, cps, cfg):
@@ -354,15 +376,16 @@ def write_pass(kw, uv, gam, *, cps, cfg):
               semantics=None, name="merlin_write_pass")(kw, uv, gam)
 
 
-def rescaled_readout(qe, lam, cur, end, *, cps, cfg):
-  """No-erase readout: o_n = sum_{i < s(n)} (lam_n,i Qe_n) S_end^i + (lam_n,s(n) Qe_n) S_n, with
-  lam already carrying the finished states' decay. (BH, NC, C, V) float32."""
+def rescaled_readout(qe, lam, cur, end, intra, own, *, cps, scale, heads, cfg):
+  """The no-erase output: scale (o_n + own_n intra_n) with o_n = sum_{i < s(n)} (lam_n,i Qe_n)
+  S_end^i + (lam_n,s(n) Qe_n) S_n (lam already carrying the finished states' decay), stored as
+  ``stack_readout``'s: (B, NC * C, H, V) in qe's dtype."""
   ns, d, vd = end.shape[1:]
   bv = min(cfg.bwd_block_v, vd)
-  kernel = functools.partial(_rescaled_readout_kernel, cps=cps, dtype=qe.dtype)
+  kernel = functools.partial(_rescaled_readout_kernel, cps=cps, scale=scale, dtype=qe.dtype)
   specs = [pl.BlockSpec((None, ns, d, bv), lambda b, n, j: (b, 0, 0, j)),
            pl.BlockSpec((None, None, d, bv), lambda b, n, j: (b, n, 0, j))]
-  return _readout_call(kernel, qe, lam, specs, [end, cur], vd, cfg)
+  return _readout_call(kernel, qe, lam, specs, [end, cur], intra, own, heads, cfg)
 
 
 def rescaled_reverse_pass(qe, kw, uv, lam, gam, do, cur, *, cps, cfg):

@@ -12,14 +12,20 @@ number of segment states N is in ``kernels.py``, behind one ``jax.custom_vjp``:
             readout, with a finished state's decay folded into lam here; backward: reverse
             write pass (dUv, dKw, dgamma) and the read's gradients (dQe, dlam)
 
-The custom_vjp saves its inputs and the states the forward stored (in the input dtype). Kernel
-operands are the input dtype (bf16 inputs: bf16 tensor-core operands, float32 accumulation). The
-kernels store the gradients of Qe, W, Kw, Uv in that dtype too, rounded once from their float32
-sums: they are the cotangents of operands in that dtype, so a float32 copy would only be cast. The
-output, dgamma, dlam and the no-erase partial dKw (summed over value blocks here) stay float32.
+The readout also takes the intra-chunk part, P Uv and each token's lam of its own segment (own),
+and writes the op's output scale (o + own P Uv) itself, in float32 and rounded once to the input
+dtype, into the caller's (B, T, H, V) layout (T padded to whole chunks and V to ``_pow2``: a slice
+after where either is padded). So the stack read o never leaves the kernel: no float32 o is
+written and read back, and no relayout or cast pass follows. The custom_vjp saves its inputs and
+the states the forward stored (in the input dtype); its backward forms dO = scale dy (float32,
+chunk layout), the cotangent of the kernels and of the intra-chunk part. Kernel operands are the
+input dtype (bf16 inputs: bf16 tensor-core operands, float32 accumulation). The kernels store the
+gradients of Qe, W, Kw, Uv in that dtype too, rounded once from their float32 sums: they are the
+cotangents of operands in that dtype, so a float32 copy would only be cast. dgamma, dlam and the
+no-erase partial dKw (summed over value blocks here) stay float32.
 Under jit with B and/or H sharded, the forward and the backward each run per (B, H) shard
 (``triadic.pallas.partition.batch_head_partitioned``; every operand and result keeps (B, H) as
-leading dims, merged to B*H only inside).
+its dims, leading but for the output's (B, T, H, V), merged to B*H only inside).
 """
 
 from __future__ import annotations
@@ -46,6 +52,8 @@ def _merge(x):
 
 
 def _pad_last(x, width):
+  if x.shape[-1] == width:
+    return x
   return jnp.pad(x, [(0, 0)] * (x.ndim - 1) + [(0, width - x.shape[-1])])
 
 
@@ -65,27 +73,35 @@ def _kernel_layout(operands):
   return mats, gam[..., None, None], lam[..., None]
 
 
-def _forward(cps, erase, cfg, *operands):
+def _forward(cps, erase, cfg, scale, *operands):
   """State pass and readout on (B, H, ...) operands: qe, [w (erase),] kw, uv, gam (B, H, NC),
-  lam (B, H, NS, NC, C). Returns the stack read (B, H, NC, C, V) float32 and the stored states:
-  erase the visible chunk-start states (B, H, VIS, D, V); no erase each chunk's current state
-  (B, H, NC, D, V) and each segment's end state (B, H, NS, D, V)."""
+  lam (B, H, NS, NC, C), and the intra-chunk part, float32: intra = P Uv (B, H, NC, C, V) and
+  own (B, H, NC, C), each token's lam of its own segment. Returns the op's output
+  scale (o + own intra), o the stack read, in qe's dtype and the caller's layout
+  (B, NC * C, H, V), and the stored states: erase the visible chunk-start states
+  (B, H, VIS, D, V); no erase each chunk's current state (B, H, NC, D, V) and each segment's end
+  state (B, H, NS, D, V)."""
   b, h = operands[0].shape[:2]
-  mats, gam, lam = _kernel_layout(operands)
+  mats, gam, lam = _kernel_layout(operands[:-2])
+  # intra arrives with the op's V, so that its pullback (own's sum over V) runs on the real
+  # columns only, and is padded to the kernels' V here
+  intra, own = _pad_last(_merge(operands[-2]), mats[-1].shape[-1]), _merge(operands[-1])[..., None]
+  read = {"cps": cps, "scale": scale, "heads": h, "cfg": cfg}
   if erase:
     qe, w, kw, uv = mats
     states = (kernels.stack_state_pass(w, kw, uv, gam, cps=cps, cfg=cfg),)
-    o = kernels.stack_readout(qe, lam, *states, cps=cps, cfg=cfg)
+    o = kernels.stack_readout(qe, lam, *states, intra, own, **read)
   else:
     qe, kw, uv = mats
     states = kernels.write_pass(kw, uv, gam, cps=cps, cfg=cfg)
-    o = kernels.rescaled_readout(qe, lam, *states, cps=cps, cfg=cfg)
-  return tuple(_split(x, b, h) for x in (o, *states))
+    o = kernels.rescaled_readout(qe, lam, *states, intra, own, **read)
+  return (o, *(_split(x, b, h) for x in states))
 
 
 def _backward(cps, erase, cfg, *args):
-  """The gradients of ``_forward``'s operands (lam's zero for i > s(n)), from those operands,
-  the states it stored and the cotangent do, all (B, H, ...); each in its operand's dtype."""
+  """The gradients of ``_forward``'s kernel operands, all but intra and own (lam's zero for
+  i > s(n)), from those operands, the states it stored and the stack read's cotangent do, all
+  (B, H, ...); each in its operand's dtype."""
   n_states = 1 if erase else 2
   operands, states, do = args[:-n_states - 1], args[-n_states - 1:-1], args[-1]
   b, h, nc = operands[0].shape[:3]
@@ -112,41 +128,68 @@ def _backward(cps, erase, cfg, *args):
   return tuple(_split(x, b, h) for x in grads)
 
 
-# Shardy rules: b, h may be sharded on any mesh axes; chunks n, tokens c, segments s, the stacked
-# states i, D and V must be whole on every device (the recurrence runs along them).
-_REPLICATED = ("n", "c", "d", "v", "s", "i")
+# Shardy rules: b, h may be sharded on any mesh axes; chunks n, tokens c (t in the output's
+# (B, T, H, V) layout), segments s, the stacked states i, D and V (v padded, u not) must be whole
+# on every device (the recurrence runs along them).
+_REPLICATED = ("n", "c", "t", "d", "v", "u", "s", "i")
 
 
 def _rules(erase):
   mats = "b h n c d, " * (3 if erase else 2) + "b h n c v, b h n, b h s n c"
   states = "b h i d v" if erase else "b h n d v, b h s d v"
-  return f"{mats} -> b h n c v, {states}", f"{mats}, {states}, b h n c v -> {mats}"
+  return (f"{mats}, b h n c u, b h n c -> b t h v, {states}",
+          f"{mats}, {states}, b h n c v -> {mats}")
 
 
 _PARTITIONED = {
     erase: tuple(partition.batch_head_partitioned(
-        fn, n_static=3, rule=rule, replicated=tuple(f for f in _REPLICATED if f in rule.split()))
-                 for fn, rule in zip((_forward, _backward), _rules(erase)))
+        fn, n_static=n_static, rule=rule,
+        replicated=tuple(f for f in _REPLICATED if f in rule.split()))
+                 for fn, n_static, rule in zip((_forward, _backward), (4, 3), _rules(erase)))
     for erase in (True, False)}
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _stack_read(cps, erase, cfg, *operands):
-  """sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i for every chunk n: (B, H, NC, C, V) float32."""
-  return _PARTITIONED[erase][0](cps, erase, cfg, *operands)[0]
+def _intra_part(intra, own):
+  """o_intra = own intra: the intra-chunk output, weighted by each token's own segment's lam."""
+  return own[..., None] * intra
 
 
-def _stack_read_fwd(cps, erase, cfg, *operands):
-  o, *states = _PARTITIONED[erase][0](cps, erase, cfg, *operands)
-  return o, (operands, tuple(states))
+def _unpad(o, t, vd):
+  """The output's first T tokens and V columns: a slice, and only where T or V were padded."""
+  return o if o.shape[1::2] == (t, vd) else o[:, :t, :, :vd]
 
 
-def _stack_read_bwd(cps, erase, cfg, saved, do):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _attend(cps, erase, cfg, scale, t, *operands):
+  """scale (sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i + own_n intra_n) for every chunk n: the op's
+  output (B, T, H, V) in qe's dtype; operands as ``_forward``'s."""
+  o = _PARTITIONED[erase][0](cps, erase, cfg, scale, *operands)[0]
+  return _unpad(o, t, operands[-2].shape[-1])
+
+
+def _attend_fwd(cps, erase, cfg, scale, t, *operands):
+  o, *states = _PARTITIONED[erase][0](cps, erase, cfg, scale, *operands)
+  return _unpad(o, t, operands[-2].shape[-1]), (operands, tuple(states))
+
+
+def _attend_bwd(cps, erase, cfg, scale, t, saved, dy):
+  """The output's cotangent dy (B, T, H, V) in the output dtype gives dO = scale dy (float32,
+  (B, H, NC, C, V), zero past T), by the float32 steps of the autodiff of the same output formed
+  in plain JAX (cast, pad, relayout, scale), so the gradients are the same to the bit. The kernels
+  take the stack read's gradients from dO (V padded as theirs, ``_backward``), ``_intra_part``'s
+  pullback those of intra and own."""
   operands, states = saved
-  return _PARTITIONED[erase][1](cps, erase, cfg, *operands, *states, do)
+  b, h, nc, c = operands[0].shape[:4]
+  vd = dy.shape[-1]
+  dy = dy.astype(F32)
+  if nc * c != t:
+    dy = jnp.pad(dy, ((0, 0), (0, nc * c - t), (0, 0), (0, 0)))
+  do = scale * jnp.moveaxis(dy.reshape(b, nc, c, h, vd), 3, 1)
+  grads = _PARTITIONED[erase][1](cps, erase, cfg, *operands[:-2], *states, _pad_last(do, _pow2(vd)))
+  return (*grads, *jax.vjp(_intra_part, *operands[-2:])[1](do))
 
 
-_stack_read.defvjp(_stack_read_fwd, _stack_read_bwd)
+_attend.defvjp(_attend_fwd, _attend_bwd)
 
 
 def _finished_decay(gc_end, cps, ns):
@@ -166,8 +209,10 @@ def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, 
   """Chunk-parallel multi-state recurrence with the state stack in Pallas kernels; shapes as
   ``merlin.multistate_attention``. ``lam`` must already be zero for i > s(t), ``g`` clamped
   (``triadic.ops.clamp_log_decay``); ``chunk_size`` must divide ``segment_len`` and be one of
-  ``plan.CHUNK_SIZES``. Returns o (B, T, H, V) float32."""
-  b, t, h, d = q.shape
+  ``plan.CHUNK_SIZES``; ``scale`` a Python float (a constant of the readout kernel). Returns
+  o (B, T, H, V) in q's dtype, written by the readout kernel (a slice of its output where T is
+  not a multiple of the chunk or V not a power of two >= 16: ``_pow2``)."""
+  _, t, _, d = q.shape
   vd = v.shape[-1]
   c = chunk_size
   nc = -(-t // c)
@@ -179,7 +224,7 @@ def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, 
   gc, betac = to_chunks(g, nc, c), to_chunks(beta, nc, c)
   uv, w, qe, kw, gam, intra, _, _ = intra_chunk(qc, kc, vc, gc, betac, erase)
   owner = jax.nn.one_hot(segment_ids(nc, cps), ns, dtype=F32)  # (NC, NS)
-  o_intra = jnp.einsum("bhncm,nm->bhnc", lamc, owner)[..., None] * intra
+  own = jnp.einsum("bhncm,nm->bhnc", lamc, owner)  # each token's lam of its own segment
   lam_k = jnp.moveaxis(lamc, -1, 2)  # (B, H, NS, NC, C)
   if not erase:  # a finished state is its end state, decayed: the decay goes into its weight
     lam_k = lam_k * _finished_decay(jnp.sum(gc, axis=-1), cps, ns)[..., None]
@@ -187,7 +232,5 @@ def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, 
   dp, vp = _pow2(d), _pow2(vd)
   kernel_op = lambda x, width: _pad_last(x, width).astype(dtype)
   mats = [kernel_op(qe, dp)] + ([kernel_op(w, dp)] if erase else [])
-  mats += [kernel_op(kw, dp), kernel_op(uv, vp), gam, lam_k]
-  o = _stack_read(cps, erase, config, *mats)[..., :vd]
-  o = scale * (o + o_intra)
-  return jnp.moveaxis(o, 1, 3).reshape(b, nc * c, h, vd)[:, :t]
+  mats += [kernel_op(kw, dp), kernel_op(uv, vp), gam, lam_k, intra, own]
+  return _attend(cps, erase, config, float(scale), t, *mats)
