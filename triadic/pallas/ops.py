@@ -1,11 +1,15 @@
 """``triadic_pallas``: the Pallas kernels behind ``triadic_gdn(..., impl="pallas")``.
 
 Pipeline (forward): ``chunk_prep`` (parallel over chunks: gc, A, P; the masks M, M' in plain JAX,
-``masks.py``) -> the forward state pass (chunk loop per value block; saves chunk-start states and
-U). Backward (``jax.custom_vjp``): the reverse state pass (chunk-end state gradients and dU) ->
-the chunk-parallel backward (every input gradient). Only the inputs, gc, A, P, U and the
-chunk-start states are kept from the forward (and X = V - sum_e diag(c_e) K S_e where the Hopper
-backward reads it: ``Plan.saves_x``); M, M', K K^T and Q K^T are recomputed. Which kernel runs
+``masks.py``, or in the prep kernel: ``Config.masks_in_prep``) -> the forward state pass (chunk
+loop per value block; saves chunk-start states and U). Backward (``jax.custom_vjp``): the reverse
+state pass (chunk-end state gradients and dU) -> the chunk-parallel backward (every input
+gradient). Only the inputs, gc, A (float32 for the UT-transform gradient, and a copy in the
+inputs' dtype for the matmuls that take it), P, U and the chunk-start states are kept from the
+forward (and X = V - sum_e diag(c_e) K S_e where the Hopper backward reads it: ``Plan.saves_x``);
+M, M', K K^T and Q K^T are recomputed. What passes between kernels in float32 is only what some
+float32 arithmetic reads: U, dU (with erase) and P are stored in the inputs' dtype, since their
+every use is a matmul operand in it. Which kernel runs
 each stage is decided in one place, ``plan.resolve`` (``explain`` shows it for given sizes).
 When the state passes' programs cannot fill the GPU (B = 1 at long T), ``Config.sequence_pieces``
 runs them over pieces of the sequence, each started from a short warm-up pass (``pieces.py``,
