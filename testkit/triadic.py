@@ -3,6 +3,8 @@ against the scan oracle (shared by the op, Pallas and Mosaic tests)."""
 
 from __future__ import annotations
 
+import re
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,3 +108,13 @@ def cuda_lowering_text(config, b, t, h, d, vdim, e, *, erase=True, chunk_size=64
 
   return jax.jit(jax.grad(loss, argnums=tuple(range(8)))).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
+
+
+def transposes_an_argument(text, shape=None) -> bool:
+  """Whether a lowered program transposes one of its arguments (``stablehlo.transpose %argN``)
+  before the kernels; with ``shape`` (leading dims), one of that shape only (the split tail's
+  plain-JAX masks transpose the small (C, E) float32 operands in either layout)."""
+  if shape is None:
+    return re.search(r"stablehlo\.transpose %arg\d+", text) is not None
+  dims = "x".join(map(str, shape))
+  return re.search(rf"stablehlo\.transpose %arg\d+, [^\n]*: \(tensor<{dims}x", text) is not None

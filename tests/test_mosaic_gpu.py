@@ -25,13 +25,12 @@ interpret mode) and by the CUDA lowering.
 from __future__ import annotations
 
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from testkit.triadic import make_grad_inputs
+from testkit.triadic import make_grad_inputs, transposes_an_argument
 from testkit import rel_rms
 from triadic.pallas import mosaic, mosaic_backward, recurrent
 from triadic.pallas.chunk_prep import chunk_prep
@@ -189,12 +188,6 @@ def kernel_arg_specs(qkv_shapes, *, bh, nc, c, d, vdim, e):
   return (*(spec(*s) for s in qkv_shapes), f32(bh, nc, c, e), f32(bh, nc, c, e),
           f32(bh, nc, c, e), f32(bh, nc, c, 1), f32(bh, nc, c, c), f32(bh, nc, c, c),
           f32(bh, e, d, vdim))
-
-
-def transposes_an_argument(text) -> bool:
-  """Whether a lowered program transposes one of its arguments (``stablehlo.transpose %argN``)
-  before the kernel."""
-  return re.search(r"stablehlo\.transpose %arg\d+", text) is not None
 
 
 @pytest.mark.parametrize("erase,save_x,bv", [(True, True, 16), (False, False, 32)])

@@ -25,14 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from testkit.triadic import check_against_scan, make_grad_inputs
+from testkit.triadic import check_against_scan, make_grad_inputs, transposes_an_argument
 from testkit import rel_rms
 from triadic.pallas import backward, mosaic, mosaic_backward, recurrent
 from triadic.pallas import ops as pops
@@ -283,14 +282,6 @@ def test_hopper_op_lowers_for_cuda(d, e, state_wgs, fwd_wgs, rev_wgs):
 
 # ------------------------------------------------------------------------------------------------
 # heads=H: the per-token operands in the caller's (B, T, H, X) layout.
-
-
-def transposes_an_argument(text, shape=None) -> bool:
-  """Whether a lowered program transposes one of its arguments (``stablehlo.transpose %argN``)
-  before the kernels; with ``shape``, one of that shape (the split tail's plain-JAX masks
-  transpose the small (C, E) float32 operands in either layout)."""
-  dims = r"[\dx]+" if shape is None else "x".join(map(str, shape))
-  return re.search(rf"stablehlo\.transpose %arg\d+, [^\n]*: \(tensor<{dims}x", text) is not None
 
 
 @pytest.mark.parametrize("fused,erase,saved_x", [
