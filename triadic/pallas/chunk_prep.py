@@ -13,12 +13,13 @@ The E-dependent part is elementwise (the masks), done by XLA over all chunks at 
 (``masks.decay_masks``); the kernel here is E-independent: one program per (batch*head, chunk)
 forms K K^T and Q K^T on the matrix units and applies the masks. With ``Config.masks_in_prep``
 (meant for small E, where a chunk's masks are a few elementwise C x C tiles) the kernel forms
-M and M' itself, one slice's decay tile at a time, so they never pass through HBM. It writes the strictly lower
-L = StrictLower(beta_t (k_t . k_s) M_ts) and P; A = (I + L)^-1 is then taken by forward
-substitution (``Config.ut_kernel``, the GPU default: ``unit_lower_inverse_kernel``, one program
-per chunk; else ``triadic.chunked.unit_lower_inverse`` in plain JAX, the TPU's and the CPU's
-path), not by the all-matmul doubling product (I - L)(I + L^2)(I + L^4)...: that product loses
-every digit in float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g. a repeated token).
+M and M' itself, one slice's decay tile at a time, so they never pass through HBM. It writes the
+strictly lower L = StrictLower(beta_t (k_t . k_s) M_ts) and P; A = (I + L)^-1 is then taken by
+forward substitution (``Config.ut_kernel``, the GPU default: ``unit_lower_inverse_kernel``, one
+program per chunk; else ``triadic.chunked.unit_lower_inverse`` in plain JAX, the TPU's and the
+CPU's path), not by the all-matmul doubling product (I - L)(I + L^2)(I + L^4)...: that product
+loses every digit in float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g. a repeated
+token).
 
 The kernel form: the chunk's ``SUB`` x ``SUB`` diagonal blocks A_ii = (I + L_ii)^-1 by
 substitution in registers (``_diagonal_block_inverses``), then the blocks below the diagonal by
@@ -187,8 +188,7 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
   """
   bh, nc, c, e_dim = g_col.shape
   d = q.shape[-1]
-  in_kernel = masks_in_kernel
-  if in_kernel:
+  if masks_in_kernel:
     reason = masks_in_prep_supported(c, e_dim, cfg)
     if reason:
       raise ValueError(reason)
@@ -201,7 +201,7 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
   gc_row = jnp.swapaxes(gc_col, -1, -2)
   k2_row = jnp.swapaxes(k2_col, -1, -2).astype(F32)
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))
-  if in_kernel:
+  if masks_in_kernel:
     kernel = functools.partial(_prep_masks_kernel, c=c, e_dim=e_dim, erase=erase, dtype=q.dtype)
     operands = (k2_col, k2_row, q2_col, gc_col, gc_row)
     op_specs = [spec(c, e_dim), spec(e_dim, c), spec(c, e_dim), spec(c, e_dim), spec(e_dim, c)]
@@ -218,7 +218,9 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
       out_specs=[spec(c, c), spec(c, c)],
       out_shape=[shape, jax.ShapeDtypeStruct((bh, nc, c, c), q.dtype)],
       semantics=("parallel", "parallel"), name="triadic_chunk_prep",
-      num_warps=max(cfg.num_warps, c * c // 1024) if in_kernel else None,
+      # with the masks inside, at least C^2 / 1024 warps: a C x C float32 tile at 32 registers a
+      # thread (M' and M alone would fill 4 warps' registers at C = 128)
+      num_warps=max(cfg.num_warps, c * c // 1024) if masks_in_kernel else None,
   )(q, k, beta_col, *operands)
   if not erase:
     return Prep(gc_col, gc_row, lower, p, lower.astype(q.dtype))

@@ -666,8 +666,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   layout, as is a given ``x`` (the Mosaic forward saves it so with ``heads`` too).
 
   ``a_operand``: A in q's dtype as the prep wrote it (``chunk_prep.Prep``), for A^T dU (else A
-  is cast here). ``x`` (erase only): X = V - sum_e diag(c_e) K S_e as the forward saved it (without it,
-  ``x_from_states`` forms it in plain JAX). ``slice_warpgroups``: the slice kernel's
+  is cast here). ``x`` (erase only): X = V - sum_e diag(c_e) K S_e as the forward saved it
+  (without it, ``x_from_states`` forms it in plain JAX). ``slice_warpgroups``: the slice kernel's
   warpgroups (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
   ``default_fused_tail``). ``sub_chunk_masks``: the split tail's masks and mask gradients by
   sub-chunks of that many tokens (``tail``). ``interpret=True``: Mosaic GPU interpret mode for
