@@ -42,7 +42,7 @@ forward did not save it (``x_from_states``), and without erase X = V is relayout
 (``head_major``).
 
 How the slice kernel is built (idioms from ``mosaic.py``, imported: ``_smem``, ``_swizzle``,
-``_Ops``, ``_interpret_params``):
+``_Ops``, ``_interpret_params``, ``_chunk_box``):
 
 * The stream. Per chunk the kernel reads K, Q (in 64-column pieces), dX, dO, U and the factor
   rows once, then streams the states in items of 64 state rows ("pieces", ``PIECE``): item
@@ -103,8 +103,8 @@ from triadic.pallas import masks
 from triadic.pallas.backward import chunk_local, ut_after, ut_before
 from triadic.pallas.common import (F32, Config, call, check_heads, col, head_major, mm, rowsum,
                                    token_major)
-from triadic.pallas.mosaic import (SMEM_LIMIT, _Ops, _interpret_params, _load, _smem, _swizzle,
-                                   _wait)
+from triadic.pallas.mosaic import (SMEM_LIMIT, _chunk_box, _Ops, _interpret_params, _load, _smem,
+                                   _swizzle, _wait)
 
 BF16 = jnp.bfloat16
 
@@ -245,12 +245,9 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
                   done, *, scratch, outs, c, d, e_dim, scale, erase, wgs, interpret, heads=None):
   ops = _Ops(interpret)
   i, n = lax.axis_index("bh"), lax.axis_index("n")
-  if heads is None:
-    tok_at = lambda x_g, cols: x_g.at[i, n, :, cols]
-  else:
-    # q, k, dO in (B, T, H, X): chunk n of head h is a strided (C, X) box of TMA (row stride H X).
-    b, hd = i // heads, i % heads
-    tok_at = lambda x_g, cols: x_g.at[b, pl.ds(n * c, c), hd, cols]
+  # q, k, dO: chunk n of row i, or with heads the strided box of the (B, T, H, X) arrays.
+  at = _chunk_box(heads, i, c)
+  tok_at = lambda x_g, cols: at(x_g, n, cols)
   n_pieces = d // PIECE
   # The pieces (64-row blocks of the state, 64-column blocks of dq, dk, K, Q) a warpgroup owns:
   # all of them with one warpgroup, piece w for warpgroup w with two.
