@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from triadic.chunked import unit_lower_inverse
 from triadic.pallas import masks
 from triadic.pallas.backward import decay_sums
-from triadic.pallas.common import F32, call, check_heads, mm
+from triadic.pallas.common import F32, call, check_heads, mm, token_block
 from triadic.pallas.common import masks as causal_masks
 
 SUB = 16  # rows per diagonal block of ``unit_lower_inverse_kernel``
@@ -196,7 +196,7 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
     qk_spec = pl.BlockSpec((None, None, c, d), lambda i, j: (i, j, 0, 0))
   else:
     check_heads(heads, bh, nc, c, q=q, k=k)
-    qk_spec = pl.BlockSpec((None, c, None, d), lambda i, j: (i // heads, j, i % heads, 0))
+    qk_spec = token_block(c, d, heads)
   gc_col = masks.chunk_cumsum(g_col)
   gc_row = jnp.swapaxes(gc_col, -1, -2)
   k2_row = jnp.swapaxes(k2_col, -1, -2).astype(F32)

@@ -189,6 +189,12 @@ def check_heads(heads: int, bh: int, nc: int, c: int, **arrays) -> None:
                        f"operands' (BH, NC * C) = ({bh}, {nc * c})")
 
 
+def token_block(c: int, x: int, heads: int):
+  """The BlockSpec of chunk j's (C, X) block of head i % H, batch i // H of a caller-layout
+  (B, T, H, X) array, for a (B*H, NC) grid (i, j): the head dim squeezed, a strided block."""
+  return pl.BlockSpec((None, c, None, x), lambda i, j: (i // heads, j, i % heads, 0))
+
+
 def du_dtype(dtype, erase: bool):
   """The dtype the reverse state passes store dU in: the inputs' ``dtype`` with erase, where its
   every later use is a matmul operand in that dtype (A^T dU, dA, the tails' products over V), so

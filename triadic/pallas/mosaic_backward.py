@@ -102,7 +102,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 from triadic.pallas import masks
 from triadic.pallas.backward import chunk_local, ut_after, ut_before
 from triadic.pallas.common import (F32, Config, call, check_heads, col, head_major, mm, rowsum,
-                                   token_major)
+                                   token_block, token_major)
 from triadic.pallas.mosaic import (SMEM_LIMIT, _chunk_box, _Ops, _interpret_params, _load, _smem,
                                    _swizzle, _wait)
 
@@ -528,8 +528,7 @@ def _token_blocks(bh, nc, c, heads, spec, shape):
   batch i // H), so that those arrays need no relayout copy."""
   if heads is None:
     return (lambda x: spec(c, x)), (lambda x, dt: shape(c, x, dt=dt))
-  index = lambda i, j: (i // heads, j, i % heads, 0)
-  return ((lambda x: pl.BlockSpec((None, c, None, x), index)),
+  return ((lambda x: token_block(c, x, heads)),
           (lambda x, dt: jax.ShapeDtypeStruct((bh // heads, nc * c, heads, x), dt)))
 
 
