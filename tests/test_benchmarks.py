@@ -70,3 +70,48 @@ def test_merlin_ops_table_runs(capsys):
   fl, by = merlin_ops.multistate_cost(1, 2048, 16, 128, 128, 128, 256, 64, aggregator="vanilla")
   gfl, gby = merlin_ops.multistate_cost(1, 2048, 16, 128, 128, 128, 2048, 64, aggregator="vanilla")
   assert fl > 2 * gfl and by > gby  # 8 segments: the stack's work dominates
+
+
+def test_triton_kernels_of_the_op():
+  """The register report's kernels: every Pallas-Triton kernel of the op's Hopper lowering, once
+  each, with its TTIR and the num_warps / num_stages its custom call asks for."""
+  from benchmarks import triton_registers
+  from triadic.pallas import mosaic_backward
+  from triadic.pallas import ops as pops
+  for e, tail in ((1, "triadic_chunk_backward_tail_fused"), (4, "triadic_chunk_backward_tail_ut")):
+    cfg = pops.default_config("gpu", e, 64, bh=2, hopper=True)
+    assert cfg.mosaic_gpu and cfg.mosaic_gpu_backward
+    kernels = triton_registers.triton_kernels(
+        *triton_registers.triadic_grad(1, 128, 2, 64, 64, e, True, cfg))
+    by_name = {k.name: k for k in kernels}
+    assert len(by_name) == len(kernels)
+    assert set(by_name) == {"triadic_chunk_prep", "triadic_ut_inverse", tail}
+    for kernel in kernels:
+      assert f"tt.func public @{kernel.name}(" in kernel.ttir
+    tiles = mosaic_backward.TAIL_TILES[e <= mosaic_backward.FUSED_TAIL_MAX_E]
+    assert (by_name[tail].num_warps, by_name[tail].num_stages) == (
+        tiles["bwd_num_warps"], tiles["num_stages"])
+    assert by_name["triadic_ut_inverse"].num_warps == 1
+
+
+def test_parse_ptxas():
+  from benchmarks.triton_registers import parse_ptxas
+  report = ("ptxas info    : Compiling entry function 'k' for 'sm_90a'\n"
+            "ptxas info    : Function properties for k\n"
+            "    1032 bytes stack frame, 1048 bytes spill stores, 1052 bytes spill loads\n"
+            "ptxas info    : Used 255 registers, used 1 barriers, 1032 bytes cumulative stack size\n")
+  assert parse_ptxas(report) == (255, 1048, 1052)
+  with pytest.raises(ValueError, match="no register"):
+    parse_ptxas("ptxas info    : 0 bytes gmem\n")
+
+
+def test_triton_registers_compiles_a_kernel():
+  """With the triton package (an optional extra), a kernel compiles for sm_90a on this CPU."""
+  pytest.importorskip("triton")
+  from benchmarks import triton_registers
+  from triadic.pallas import ops as pops
+  cfg = pops.default_config("gpu", 1, 64, bh=2, hopper=True)
+  kernels = triton_registers.triton_kernels(
+      *triton_registers.triadic_grad(1, 128, 2, 64, 64, 1, True, cfg))
+  use = triton_registers.usage(next(k for k in kernels if k.name == "triadic_chunk_prep"))
+  assert 0 < use.registers <= 255 and use.shared > 0 and use.spill_stores >= 0

@@ -87,7 +87,8 @@ def is_hopper() -> bool:
   return dev.platform == "gpu" and str(getattr(dev, "compute_capability", "")).startswith("9.")
 
 
-def default_config(platform: str, e: int, vd: int, bh: int | None = None) -> Config:
+def default_config(platform: str, e: int, vd: int, bh: int | None = None, *,
+                   hopper: bool | None = None) -> Config:
   """Tile choices per platform, which also fixes the recurrent kernels' structure (``Config``).
 
   GPU (Triton, chunk loop inside the kernel over whole-sequence blocks): block_v 32 (16 for
@@ -103,11 +104,13 @@ def default_config(platform: str, e: int, vd: int, bh: int | None = None) -> Con
   one chunk per VMEM block, state in VMEM scratch): whole V per program (Mosaic tiles are (8, 128)
   or the full dimension; at D = V = 128, C = 64, E = 8 a program's double-buffered blocks and
   state scratch take about 3.6 MiB of VMEM, whatever T). CPU (interpret mode, the GPU
-  structure): 16, so that small test shapes still run several value blocks."""
+  structure): 16, so that small test shapes still run several value blocks. ``hopper``: take the
+  GPU's Hopper defaults or not (None: whether the default device is a Hopper GPU), so that a
+  machine without one can lower them."""
   if platform not in PLATFORMS:
     raise ValueError(f"platform must be one of {PLATFORMS}, got {platform!r}")
   if platform == "gpu":
-    hopper = is_hopper()
+    hopper = is_hopper() if hopper is None else hopper
     wide = (hopper and e == 1 and bh is not None and vd % 64 == 0
             and 2 * bh * (vd // 32) <= pieces.device_sms())
     return Config("gpu", block_v=16 if e >= 8 else 32, bwd_block_v=32, mosaic_gpu=hopper,

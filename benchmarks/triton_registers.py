@@ -1,0 +1,214 @@
+"""Registers, spills and shared memory of the ops' Pallas-Triton kernels, without a GPU.
+
+    PYTHONPATH=. python benchmarks/triton_registers.py                          # triadic, E = 1 2 4 8
+    PYTHONPATH=. python benchmarks/triton_registers.py --e 1 2 --op-variants masks_in_prep
+    PYTHONPATH=. python benchmarks/triton_registers.py --merlin --no-triadic    # the MERLIN kernels
+
+Lowers the op's forward and backward for CUDA on this machine (the triadic op with the Hopper
+defaults, ``ops.default_config(hopper=True)``, and each ``--op-variants`` Config; the MERLIN op
+with its GPU config), takes each Triton kernel's module as JAX emits it (TTIR) with the
+num_warps / num_stages it asks for, and compiles it with the ``triton`` package for sm_90a. The
+table gives per kernel: warps, stages, shared memory, registers a thread and ptxas' spill stores
+and loads a thread. No GPU is needed: ``pip install triton`` brings the compiler and ptxas.
+
+The device compiles these modules with the Triton that XLA bundles, not this package, so its
+allocation can differ by some registers: compare variants with each other in one run. The Mosaic
+GPU kernels are not Triton and are not listed (``MOSAIC_GPU_DUMP_PTXAS=1`` on a GPU shows theirs).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import dataclasses
+import os
+import re
+import subprocess
+import sys
+import tempfile
+from typing import NamedTuple
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks.triadic_kernels import variant_fields  # noqa: E402
+from merlin.ops import multistate_attention  # noqa: E402
+from triadic.pallas import ops as pops  # noqa: E402
+
+SM = 90     # the compute capability compiled for (Hopper)
+
+
+class TritonKernel(NamedTuple):
+  """One Pallas-Triton kernel of a lowering: its name, TTIR text and launch parameters."""
+  name: str
+  ttir: str
+  num_warps: int
+  num_stages: int
+
+
+class Usage(NamedTuple):
+  """What ptxas reports for a kernel: per thread registers and spill bytes; the block's shared
+  memory (Triton's)."""
+  registers: int
+  spill_stores: int
+  spill_loads: int
+  shared: int
+
+
+@contextlib.contextmanager
+def _recorded_modules():
+  """Within the context, every Pallas-Triton lowering's module text is appended to the yielded
+  list, keyed by its kernel name (the module's ``tt.func``)."""
+  from jax._src.pallas.triton import pallas_call_registration as registration
+  lowering = registration.lowering
+  lower = lowering.lower_jaxpr_to_triton_module
+  modules = []
+
+  def recording(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    text = result.module.operation.get_asm(enable_debug_info=False)
+    name = re.search(r"tt\.func public @([\w$]+)", text).group(1)
+    modules.append((name, text))
+    return result
+
+  lowering.lower_jaxpr_to_triton_module = recording
+  try:
+    yield modules
+  finally:
+    lowering.lower_jaxpr_to_triton_module = lower
+
+
+_LAUNCH = re.compile(r'name = "([\w$]+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32')
+
+
+def triton_kernels(fn, args) -> list[TritonKernel]:
+  """The Triton kernels of ``jax.jit(fn)`` lowered for CUDA on the list ``args`` (arrays or shape
+  specs), each once, in lowering order: name, TTIR and the num_warps / num_stages of its custom
+  call."""
+  with _recorded_modules() as modules:
+    text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  launch = {name: (int(warps), int(stages)) for name, stages, warps in _LAUNCH.findall(text)}
+  kernels = {}
+  for name, ttir in modules:
+    if name not in launch:
+      raise RuntimeError(f"kernel {name} is in no custom call of the lowering")
+    kernels.setdefault(name, TritonKernel(name, ttir, *launch[name]))
+  return list(kernels.values())
+
+
+_USED = re.compile(r"Used (\d+) registers")
+_SPILLS = re.compile(r"(\d+) bytes spill stores, (\d+) bytes spill loads")
+
+
+def parse_ptxas(report: str) -> tuple[int, int, int]:
+  """(registers, spill store bytes, spill load bytes) from ``ptxas -v``'s report of one kernel."""
+  used, spills = _USED.search(report), _SPILLS.search(report)
+  if not used or not spills:
+    raise ValueError(f"no register / spill line in the ptxas report:\n{report}")
+  return int(used.group(1)), int(spills.group(1)), int(spills.group(2))
+
+
+def usage(kernel: TritonKernel) -> Usage:
+  """Compile ``kernel`` with the ``triton`` package for sm_90a and run ``ptxas -v`` on its PTX."""
+  import triton
+  from triton.backends.compiler import GPUTarget
+  with tempfile.TemporaryDirectory() as tmp:
+    src = os.path.join(tmp, f"{kernel.name}.ttir")
+    with open(src, "w") as f:
+      f.write(kernel.ttir)
+    compiled = triton.compile(src, target=GPUTarget("cuda", SM, 32),
+                              options={"num_warps": kernel.num_warps,
+                                       "num_stages": kernel.num_stages})
+    ptx = os.path.join(tmp, f"{kernel.name}.ptx")
+    with open(ptx, "w") as f:
+      f.write(compiled.asm["ptx"])
+    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+    report = subprocess.run([ptxas, "-v", f"--gpu-name=sm_{SM}a", ptx, "-o", os.devnull],
+                            capture_output=True, text=True, check=True).stderr
+  return Usage(*parse_ptxas(report), shared=compiled.metadata.shared)
+
+
+def spec(*shape, dtype=jnp.bfloat16):
+  return jax.ShapeDtypeStruct(shape, dtype)
+
+
+def triadic_grad(b, t, h, d, vd, e, erase, cfg):
+  """(fn, specs): the gradients of the triadic op under ``cfg`` in all eight inputs."""
+  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, e),
+          spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, vd, dtype=jnp.float32)]
+
+  def loss(*a):
+    o, s = pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7], erase=erase,
+                               chunk_size=64, config=cfg)
+    return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
+
+  return jax.grad(loss, argnums=tuple(range(8))), args
+
+
+def merlin_grad(b, t, h, d, vd, segment_len, erase):
+  """(fn, specs): the gradients of the MERLIN op (its GPU kernels) in its six inputs."""
+  n = -(-t // segment_len)
+  f32 = jnp.float32
+  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, dtype=f32),
+          spec(b, t, h, dtype=f32), spec(b, t, h, n, dtype=f32)]
+
+  def loss(*a):
+    o = multistate_attention(*a, segment_len=segment_len, erase=erase, impl="pallas",
+                             platform="gpu")
+    return jnp.sum(o.astype(jnp.float32))
+
+  return jax.grad(loss, argnums=tuple(range(6))), args
+
+
+def rows(label: str, kernels: list[TritonKernel]):
+  for kernel in kernels:
+    use = usage(kernel)
+    yield (f"| {label} | {kernel.name} | {kernel.num_warps} | {kernel.num_stages} | "
+           f"{use.shared // 1024} | {use.registers} | {use.spill_stores} | {use.spill_loads} |")
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap.add_argument("--e", type=int, nargs="+", default=[1, 2, 4, 8])
+  ap.add_argument("--op-variants", nargs="*", default=[],
+                  help="Config variants of the triadic op (benchmarks/triadic_kernels.py syntax)")
+  ap.add_argument("--b", type=int, default=2)
+  ap.add_argument("--t", type=int, default=1024, help="tokens (registers do not depend on it)")
+  ap.add_argument("--h", type=int, default=16)
+  ap.add_argument("--d", type=int, default=128)
+  ap.add_argument("--v", type=int, default=128)
+  ap.add_argument("--no-erase", action="store_true")
+  ap.add_argument("--no-triadic", action="store_true")
+  ap.add_argument("--merlin", action="store_true", help="also the MERLIN op's kernels")
+  ap.add_argument("--segment-len", type=int, default=256)
+  args = ap.parse_args(argv)
+  try:
+    import triton
+  except ImportError:
+    sys.exit("needs the triton package (pip install triton; no GPU needed)")
+  erase = not args.no_erase
+  print(f"# Pallas-Triton kernels compiled for sm_{SM}a by triton {triton.__version__}, JAX "
+        f"{jax.__version__}; B={args.b} T={args.t} H={args.h} D={args.d} V={args.v}, bf16, "
+        f"erase={erase}; registers and spill bytes per thread, shared KiB per block")
+  print("| op | kernel | warps | stages | shared KiB | registers | spill stores | spill loads |")
+  print("|---|---|---|---|---|---|---|---|")
+  if not args.no_triadic:
+    for e in args.e:
+      base = pops.default_config("gpu", pops.pow2(e), args.v, bh=args.b * args.h, hopper=True)
+      for variant in ["", *args.op_variants]:
+        cfg = dataclasses.replace(base, **(variant_fields(variant) if variant else {}))
+        fn, specs = triadic_grad(args.b, args.t, args.h, args.d, args.v, e, erase, cfg)
+        label = f"triadic E={e}" + (f" {variant}" if variant else "")
+        for line in rows(label, triton_kernels(fn, specs)):
+          print(line, flush=True)
+  if args.merlin:
+    fn, specs = merlin_grad(args.b, args.t, args.h, args.d, args.v, args.segment_len, erase)
+    for line in rows(f"MERLIN segment {args.segment_len}", triton_kernels(fn, specs)):
+      print(line, flush=True)
+
+
+if __name__ == "__main__":
+  main()
