@@ -88,9 +88,10 @@ def _chunk_backward_kernel(q_ref, k_ref, v_ref, do_ref, u_ref, du_ref, s_ref, ds
     carry = jax.lax.fori_loop(0, vd // bv, lambda j, cr: vblock(pl.ds(j * bv, bv), cr), carry)
   dq, dk, da, dp, dbeta, dcoef, dqcoef, dkcoef, dlam = carry
 
-  chunk_local(q, k, lambda: (dq, dk), dp, da if erase else None, dbeta, dcoef, dqcoef, dkcoef,
-              dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta, amat, outs, c=c, e_dim=e_dim,
-              erase=erase, dtype=dtype, precision=precision)
+  coefs = lambda e: (dcoef[e], dqcoef[e], dkcoef[e], dlam[e])      # carried values: e static
+  chunk_local(q, k, lambda: (dq, dk), dp, da if erase else None, dbeta, coefs, k2_col, k2_row,
+              q2_col, gc_col, gc_row, beta, amat, outs, c=c, e_dim=e_dim, erase=erase,
+              dtype=dtype, precision=precision)
 
 
 def ut_before(q, k, dp, da, beta, amat, *, c, erase, dtype, precision):
@@ -139,74 +140,90 @@ def decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, *, c, e_dim, erase):
   return mq, m
 
 
-def slice_mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row,
-                     outs, *, c, e_dim, erase):
+def slice_mask_grads(dmq, dm, coefs, k2_col, k2_row, q2_col, gc_col, gc_row, outs, *, c, e_dim,
+                     erase, loop=False):
   """The per-slice gradients of the masks, one loop over e (``masks.mask_grads``' formulas, its
   four reductions): from dM' = dmq and dM = dm (C, C; dm None without erase) and the row
-  coefficients (per slice (C, 1) columns dcoef, dqcoef, dkcoef and (1, 1) dlam), write ``outs``
-  = (dk2 column, dk2 row, dq2, d gc column, d gc row) refs. Slice e's decay mask
+  coefficients (``coefs(e)``: slice e's dcoef, dqcoef, dkcoef (C, 1) columns and dlam (1, 1)),
+  write ``outs`` = (dk2 column, dk2 row, dq2, d gc column, d gc row) refs. Slice e's decay mask
   exp(gc_t - gc_s) is built, used and dropped in its iteration, so one C x C mask is live at a
   time (register pressure); from it W' = dM' D_e (and W = dM D_e) give rq = sum_s W' k2_s,
   cq = sum_t W' q2_t (rk, ck with k2_t), and the gradient through exp(gc_t - gc_s) needs no
-  reduction of its own: sum_s dG_ts = q2_t rq_t + k2_t rk_t, sum_t dG_ts = k2_s dk2 row_s."""
+  reduction of its own: sum_s dG_ts = q2_t rq_t + k2_t rk_t, sum_t dG_ts = k2_s dk2 row_s.
+  ``loop``: the slices as a ``lax.fori_loop`` (e traced, so ``coefs`` must read refs), which
+  keeps the compiler from interleaving their iterations, and them with the code after, and so
+  holding several C x C tiles at once (registers); else unrolled (e a Python int)."""
   dk2_col_ref, dk2_row_ref, dq2_col_ref, dgc_col_ref, dgc_row_ref = outs
-  a, gl, b = decays(gc_col, e_dim, c)
   causal, _, _, _ = masks(c)
   is_last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
-  for e in range(e_dim):
+
+  def grads_of_slice(e, carry):
+    dcoef, dqcoef, dkcoef, dlam = coefs(e)
+    gl = last(gc_col, e, c)                # gc at the chunk's end
+    a = jnp.exp(col(gc_col, e))
+    b = jnp.exp(gl - col(gc_col, e))
     k2t, k2s, q2t = col(k2_col, e), row(k2_row, e), col(q2_col, e)
     dec = decay_mask(col(gc_col, e), row(gc_row, e), causal)
     wq = dmq * dec                         # d M'_ts / d(q2_t k2_s), times dM'
     rq = rowsum(wq * k2s)
-    dq2 = rq + dqcoef[e] * a[e]
+    dq2 = rq + dqcoef * a
     dk2_row = colsum(wq * q2t)
     dgm = q2t * rq                         # sum_s of the gradient through exp(gc_t - gc_s)
-    dk2_col = dkcoef[e] * b[e]
+    dk2_col = dkcoef * b
     if erase:
       wk = dm * dec
       rk = rowsum(wk * k2s)
-      dk2_col = dk2_col + rk + dcoef[e] * a[e]
+      dk2_col = dk2_col + rk + dcoef * a
       dk2_row = dk2_row + colsum(wk * k2t)
       dgm = dgm + k2t * rk
-    dg_col = dgm + dqcoef[e] * q2t * a[e] - dkcoef[e] * k2t * b[e]
+    dg_col = dgm + dqcoef * q2t * a - dkcoef * k2t * b
     if erase:
-      dg_col = dg_col + dcoef[e] * k2t * a[e]
-    dgl = total(dkcoef[e] * k2t * b[e]) + dlam[e] * jnp.exp(gl[e])
+      dg_col = dg_col + dcoef * k2t * a
+    dgl = total(dkcoef * k2t * b) + dlam * jnp.exp(gl)
     dg_col = dg_col + jnp.where(is_last, dgl, 0.0)
     dq2_col_ref[:, pl.ds(e, 1)] = dq2
     dk2_col_ref[:, pl.ds(e, 1)] = dk2_col
     dk2_row_ref[pl.ds(e, 1), :] = dk2_row
     dgc_col_ref[:, pl.ds(e, 1)] = dg_col
     dgc_row_ref[pl.ds(e, 1), :] = -(k2s * dk2_row)
+    return carry
+
+  if loop:
+    jax.lax.fori_loop(0, e_dim, grads_of_slice, 0)
+  else:
+    for e in range(e_dim):
+      grads_of_slice(e, 0)
 
 
-def chunk_local(q, k, partials, dp, da, dbeta, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row,
-                q2_col, gc_col, gc_row, beta, amat, outs, *, c, e_dim, erase, dtype, precision):
+def chunk_local(q, k, partials, dp, da, dbeta, coefs, k2_col, k2_row, q2_col, gc_col, gc_row, beta,
+                amat, outs, *, c, e_dim, erase, dtype, precision, loop=False):
   """The chunk-local part of the backward, after the value axis: the masks M, M' and the UT
   transform, then the outputs. Takes the value-contracted partials (``partials()`` gives dq, dk
   (C, D), called where they are needed, so a kernel may load them late; dp, da (C, C),
-  da None without erase; dbeta (C, 1); per slice e the row coefficients dcoef, dqcoef, dkcoef
-  (C, 1) and dlam (1, 1)) and writes ``outs`` = (dq, dk, dk2 column, dk2 row, dq2, d gc column,
-  d gc row, dbeta) refs. ``ut_before`` / ``ut_after``, ``decay_sums`` and ``slice_mask_grads``
-  are shared with the Hopper path's tail kernels (``mosaic_backward.py``).
+  da None without erase; dbeta (C, 1); ``coefs(e)`` slice e's row coefficients dcoef, dqcoef,
+  dkcoef (C, 1) and dlam (1, 1)) and writes ``outs`` = (dq, dk, dk2 column, dk2 row, dq2,
+  d gc column, d gc row, dbeta) refs. ``ut_before`` / ``ut_after``, ``decay_sums`` and
+  ``slice_mask_grads`` are shared with the Hopper path's tail kernels (``mosaic_backward.py``).
+  ``loop``: the mask gradients' slices as a loop (``slice_mask_grads``; ``coefs`` then takes a
+  traced e, so it must read refs).
 
-  Order (register pressure): ``ut_before`` (dM', dM), then M and M' (``decay_sums``) and what
-  needs them (``ut_after``), whose dq, dk are written before the per-slice loop
-  (``slice_mask_grads``) starts, so that only dM' and dM stay live through it. Each slice's
-  decay mask is therefore built twice, once per loop, instead of keeping M and M' live through
-  the gradients.
+  Order (register pressure): ``ut_before`` (dM', dM), then the per-slice mask gradients
+  (``slice_mask_grads``), which consume dM' and dM, then M and M' (``decay_sums``) and what
+  needs them (``ut_after``: dq, dk). Each slice's decay mask is built twice, once per loop,
+  instead of keeping M and M' live through the gradients, and dM', dM are dead before dq and dk
+  exist, which ptxas' spills show (``benchmarks/triton_registers.py``, RESULTS.md).
   """
   dq_ref, dk_ref, dbeta_ref = outs[0], outs[1], outs[-1]
   dp, dmq, dl, dlkk, dm = ut_before(q, k, dp, da, beta, amat, c=c, erase=erase, dtype=dtype,
                                     precision=precision)
+  slice_mask_grads(dmq, dm, coefs, k2_col, k2_row, q2_col, gc_col, gc_row, outs[2:-1], c=c,
+                   e_dim=e_dim, erase=erase, loop=loop)
   mq, m = decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, c=c, e_dim=e_dim, erase=erase)
   dq, dk, dbeta = ut_after(q, k, *partials(), dbeta, dp, dl, dlkk, mq, m, beta, erase=erase,
                            dtype=dtype)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dbeta_ref[...] = dbeta
-  slice_mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row,
-                   outs[2:-1], c=c, e_dim=e_dim, erase=erase)
 
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,

@@ -485,14 +485,16 @@ def _tail_ut_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref,
                                   scale=scale, erase=erase, dtype=dtype)
   dp, dmq, dl, dlkk, dm = ut_before(q, k, dp, da if erase else None, beta, a_ref[...], c=c,
                                     erase=erase, dtype=dtype, precision=precision)
+  # Stored before ut_after, so that they are dead before dq and dk exist (registers: ptxas'
+  # spills, ``benchmarks/triton_registers.py``).
+  dmq_ref[...] = dmq
+  if erase:
+    dm_ref[...] = dm
   dq, dk, dbeta = ut_after(q, k, dqp_ref[...], dkp_ref[...], dbeta, dp, dl, dlkk, mq_ref[...],
                            m_ref[...] if erase else None, beta, erase=erase, dtype=dtype)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dbeta_ref[...] = dbeta
-  dmq_ref[...] = dmq
-  if erase:
-    dm_ref[...] = dm
 
 
 def _fused_tail_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref, dkp_ref,
@@ -503,11 +505,11 @@ def _fused_tail_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_r
   beta = beta_ref[...].astype(F32)
   dbeta, dp, da = _value_products(x_ref, do_ref, u_ref, du_ref, dr_ref, beta, c=c, vd=vd, bv=bv,
                                   scale=scale, erase=erase, dtype=dtype)
-  coefs = [[col(r, e) for e in range(e_dim)] for r in (dcoef_ref, dqcoef_ref, dkcoef_ref)]
-  dlam = [dlam_ref[:, pl.ds(e, 1)] for e in range(e_dim)]
+  coefs = lambda e: (col(dcoef_ref, e), col(dqcoef_ref, e), col(dkcoef_ref, e),
+                     dlam_ref[:, pl.ds(e, 1)])
   chunk_local(q, k, lambda: (dqp_ref[...], dkp_ref[...]), dp, da if erase else None, dbeta,
-              *coefs, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta, a_ref[...], outs, c=c,
-              e_dim=e_dim, erase=erase, dtype=dtype, precision=precision)
+              coefs, k2_col, k2_row, q2_col, gc_col, gc_row, beta, a_ref[...], outs, c=c,
+              e_dim=e_dim, erase=erase, dtype=dtype, precision=precision, loop=True)
 
 
 def _tail_blocks(bh, nc, vd, cfg):
