@@ -28,26 +28,46 @@ from triadic.pallas.common import (F32, call, col, colsum, decay_mask, last, mas
                                    rowsum, total)
 
 
-def decays(gc_col, e_dim, c):
-  """Per slice e: a_e = exp(gc_e) (C, 1), the chunk-end gc_Ce (1, 1), b_e = exp(gc_Ce - gc_e)."""
-  a = [jnp.exp(col(gc_col, e)) for e in range(e_dim)]
-  gl = [last(gc_col, e, c) for e in range(e_dim)]
-  b = [jnp.exp(gl[e] - col(gc_col, e)) for e in range(e_dim)]
-  return a, gl, b
+def decays(gc_col, e, c):
+  """Slice e's a = exp(gc_e) (C, 1), its chunk-end gc_Ce (1, 1) and b = exp(gc_Ce - gc_e) (C, 1);
+  e a Python int or traced."""
+  gl = last(gc_col, e, c)
+  return jnp.exp(col(gc_col, e)), gl, jnp.exp(gl - col(gc_col, e))
 
 
 def _chunk_backward_kernel(q_ref, k_ref, v_ref, do_ref, u_ref, du_ref, s_ref, ds_ref,
                            k2_col, k2_row, q2_col, gc_col, gc_row, beta_ref, a_ref,
                            dq_ref, dk_ref, dv_ref, dk2_col_ref, dk2_row_ref, dq2_col_ref,
                            dgc_col_ref, dgc_row_ref, dbeta_ref, *, c, e_dim, vd, bv, scale, erase,
-                           dtype, precision):
+                           dtype, precision, loop):
   outs = (dq_ref, dk_ref, dk2_col_ref, dk2_row_ref, dq2_col_ref, dgc_col_ref, dgc_row_ref,
           dbeta_ref)
   q, k = q_ref[...].astype(F32), k_ref[...].astype(F32)
   beta = beta_ref[...].astype(F32)
   amat = a_ref[...]
-  a, _, b = decays(gc_col, e_dim, c)
-  z_col = jnp.zeros((c, 1), F32)
+
+  def slice_terms(e, carry, *, cols, do, u, dx):
+    """Slice e's terms over the value columns ``cols``: X's update (erase), dq, dk and the row
+    coefficients dcoef, dqcoef, dkcoef (C, E) and dlam (1, E), added in column e."""
+    x, dq, dk, dcoef, dqcoef, dkcoef, dlam = carry
+    column_e = jax.lax.broadcasted_iota(jnp.int32, (1, e_dim), 1) == e
+    add = lambda m, y: m + jnp.where(column_e, y, 0.0)          # y into column e of m
+    a, _, b = decays(gc_col, e, c)
+    s = s_ref[e, :, cols].astype(F32)
+    ds = ds_ref[e, :, cols].astype(F32)
+    if erase:
+      x = x - mm(col(k2_col, e) * a * k, s, dtype)
+      g1 = mm(dx, s, dtype, tb=True)
+      dk = dk - (col(k2_col, e) * a) * g1
+      dcoef = add(dcoef, -rowsum(k * g1))
+    g2 = mm(do, s, dtype, tb=True)
+    dq = dq + scale * (col(q2_col, e) * a) * g2
+    dqcoef = add(dqcoef, scale * rowsum(q * g2))
+    g3 = mm(u, ds, dtype, tb=True)
+    dk = dk + (col(k2_col, e) * b) * g3
+    dkcoef = add(dkcoef, rowsum(k * g3))
+    dlam = add(dlam, total(ds * s))
+    return x, dq, dk, dcoef, dqcoef, dkcoef, dlam
 
   def vblock(cols, carry):
     dq, dk, da, dp, dbeta, dcoef, dqcoef, dkcoef, dlam = carry
@@ -57,41 +77,38 @@ def _chunk_backward_kernel(q_ref, k_ref, v_ref, do_ref, u_ref, du_ref, s_ref, ds
     drhs = mm(amat, du, dtype, ta=True) if erase else du
     dx = beta * drhs
     dv_ref[:, cols] = dx
-    dcoef, dqcoef, dkcoef, dlam = list(dcoef), list(dqcoef), list(dkcoef), list(dlam)
-    for e in range(e_dim):
-      s = s_ref[e, :, cols].astype(F32)
-      ds = ds_ref[e, :, cols].astype(F32)
-      if erase:
-        x = x - mm(col(k2_col, e) * a[e] * k, s, dtype)
-        g1 = mm(dx, s, dtype, tb=True)
-        dk = dk - (col(k2_col, e) * a[e]) * g1
-        dcoef[e] = dcoef[e] - rowsum(k * g1)
-      g2 = mm(do, s, dtype, tb=True)
-      dq = dq + scale * (col(q2_col, e) * a[e]) * g2
-      dqcoef[e] = dqcoef[e] + scale * rowsum(q * g2)
-      g3 = mm(u, ds, dtype, tb=True)
-      dk = dk + (col(k2_col, e) * b[e]) * g3
-      dkcoef[e] = dkcoef[e] + rowsum(k * g3)
-      dlam[e] = dlam[e] + total(ds * s)
+    per_slice = (x, dq, dk, dcoef, dqcoef, dkcoef, dlam)
+    terms = functools.partial(slice_terms, cols=cols, do=do, u=u, dx=dx)
+    if loop:
+      per_slice = jax.lax.fori_loop(0, e_dim, terms, per_slice)
+    else:
+      for e in range(e_dim):
+        per_slice = terms(e, per_slice)
+    x, dq, dk, dcoef, dqcoef, dkcoef, dlam = per_slice
     dbeta = dbeta + rowsum(drhs * x)
     if erase:
       da = da + mm(du, beta * x, dtype, tb=True)
     dp = dp + scale * mm(do, u, dtype, tb=True)
-    return dq, dk, da, dp, dbeta, tuple(dcoef), tuple(dqcoef), tuple(dkcoef), tuple(dlam)
+    return dq, dk, da, dp, dbeta, dcoef, dqcoef, dkcoef, dlam
 
   zeros = lambda *s: jnp.zeros(s, F32)
   carry = (zeros(c, q.shape[1]), zeros(c, k.shape[1]), zeros(c, c), zeros(c, c), zeros(c, 1),
-           (z_col,) * e_dim, (z_col,) * e_dim, (z_col,) * e_dim, (zeros(1, 1),) * e_dim)
+           zeros(c, e_dim), zeros(c, e_dim), zeros(c, e_dim), zeros(1, e_dim))
   if vd == bv:
     carry = vblock(slice(None), carry)
   else:
     carry = jax.lax.fori_loop(0, vd // bv, lambda j, cr: vblock(pl.ds(j * bv, bv), cr), carry)
   dq, dk, da, dp, dbeta, dcoef, dqcoef, dkcoef, dlam = carry
 
-  coefs = lambda e: (dcoef[e], dqcoef[e], dkcoef[e], dlam[e])      # carried values: e static
+  def coefs(e):
+    """Slice e's columns of the row coefficients (a masked sum: exact, and e may be traced)."""
+    pick = lambda m: rowsum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, m.shape, 1) == e, m,
+                                      0.0))
+    return pick(dcoef), pick(dqcoef), pick(dkcoef), pick(dlam)
+
   chunk_local(q, k, lambda: (dq, dk), dp, da if erase else None, dbeta, coefs, k2_col, k2_row,
               q2_col, gc_col, gc_row, beta, amat, outs, c=c, e_dim=e_dim, erase=erase,
-              dtype=dtype, precision=precision)
+              dtype=dtype, precision=precision, loop=loop)
 
 
 def ut_before(q, k, dp, da, beta, amat, *, c, erase, dtype, precision):
@@ -159,9 +176,7 @@ def slice_mask_grads(dmq, dm, coefs, k2_col, k2_row, q2_col, gc_col, gc_row, out
 
   def grads_of_slice(e, carry):
     dcoef, dqcoef, dkcoef, dlam = coefs(e)
-    gl = last(gc_col, e, c)                # gc at the chunk's end
-    a = jnp.exp(col(gc_col, e))
-    b = jnp.exp(gl - col(gc_col, e))
+    a, gl, b = decays(gc_col, e, c)
     k2t, k2s, q2t = col(k2_col, e), row(k2_row, e), col(q2_col, e)
     dec = decay_mask(col(gc_col, e), row(gc_row, e), causal)
     wq = dmq * dec                         # d M'_ts / d(q2_t k2_s), times dM'
@@ -239,7 +254,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
   shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
   kernel = functools.partial(_chunk_backward_kernel, c=c, e_dim=e_dim, vd=vd, bv=bv, scale=scale,
-                             erase=erase, dtype=q.dtype, precision=cfg.f32_precision)
+                             erase=erase, dtype=q.dtype, precision=cfg.f32_precision,
+                             loop=not cfg.chunk_grid)
   return call(
       kernel, cfg=cfg, grid=(bh, nc),
       in_specs=[spec(c, d), spec(c, d), spec(c, vd), spec(c, vd), spec(c, vd), spec(c, vd),
