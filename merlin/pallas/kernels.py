@@ -78,8 +78,13 @@ def _segment_bounds(nc, cps):
   return start, jnp.minimum(start + cps, nc)
 
 
-def _value_blocks(vd, bv):
-  return [pl.ds(j * bv, bv) for j in range(vd // bv)] if vd > bv else [slice(None)]
+def _over_value_blocks(vd, bv, body, carry):
+  """carry after ``body(cols, carry)`` for the value blocks of ``bv`` columns in order: a
+  ``lax.fori_loop`` over ``pl.ds`` blocks where V has several, which keeps the compiler from
+  interleaving their iterations and so holding several blocks' tiles at once (registers)."""
+  if vd == bv:
+    return body(slice(None), carry)
+  return jax.lax.fori_loop(0, vd // bv, lambda j, cr: body(pl.ds(j * bv, bv), cr), carry)
 
 
 def _read(qe, lam_ref, finished, current, cur, dtype):
@@ -94,18 +99,21 @@ def _store_output(o_ref, o, intra_ref, own_ref, scale):
   o_ref[...] = (scale * (o + own_ref[...] * intra_ref[...])).astype(o_ref.dtype)
 
 
-def _read_gradients(qe, lam_ref, do_ref, dlam_ref, finished, current, cur, blocks, dtype):
+def _read_gradients(qe, lam_ref, do_ref, dlam_ref, finished, current, cur, vd, bv, dtype):
   """The read's dQe (returned) and dlam (written to ``dlam_ref[i]``, i <= cur) for one chunk:
   dQe = sum_i lam_i (dO S_i^T), dlam_i = rowsum(dO * (Qe S_i)); finished(i, cols) and
   current(cols) give the states' value-block tiles."""
   c, d = qe.shape
 
   def state(tile, i, dqe):
-    dq, dlam = jnp.zeros((c, d), F32), jnp.zeros((c, 1), F32)
-    for cols in blocks:
+    def block(cols, carry):
+      dq, dlam = carry
       s, do = tile(cols), do_ref[:, cols]
-      dq = dq + mm(do, s, dtype, tb=True)
-      dlam = dlam + rowsum(do.astype(F32) * mm(qe, s, dtype))
+      return (dq + mm(do, s, dtype, tb=True),
+              dlam + rowsum(do.astype(F32) * mm(qe, s, dtype)))
+
+    dq, dlam = _over_value_blocks(vd, bv, block, (jnp.zeros((c, d), F32),
+                                                  jnp.zeros((c, 1), F32)))
     dlam_ref[i] = dlam
     return dqe + lam_ref[i] * dq
 
@@ -170,14 +178,13 @@ def _stack_gradients_kernel(qe_ref, w_ref, kw_ref, uv_ref, lam_ref, do_ref, stat
   n, part = pl.program_id(1), pl.program_id(2)
   cur = n // cps
   c, d = qe_ref.shape
-  blocks = _value_blocks(vd, bv)
   tile = lambda ref, i, cols: ref[index(i, n, nc, cps), :, cols]
 
   @pl.when(part == 0)
   def _():
     dqe = _read_gradients(qe_ref[...], lam_ref, do_ref, dlam_ref,
                           functools.partial(tile, states_ref),
-                          functools.partial(tile, states_ref, cur), cur, blocks, dtype)
+                          functools.partial(tile, states_ref, cur), cur, vd, bv, dtype)
     dqe_ref[...] = dqe.astype(dqe_ref.dtype)
 
   @pl.when(part == 1)
@@ -186,17 +193,19 @@ def _stack_gradients_kernel(qe_ref, w_ref, kw_ref, uv_ref, lam_ref, do_ref, stat
     zero = jnp.zeros((c, d), F32)
 
     def state(i, carry):
-      dkw, dw, dgam = carry
-      for cols in blocks:
+      def block(cols, carry):
+        dkw, dw, dgam = carry
         s, ds = tile(states_ref, i, cols), tile(dstates_ref, i, cols)
-        dgam = dgam + total(ds.astype(F32) * s.astype(F32))
-        dkw = dkw - mm(mm(w, s, dtype), ds, dtype, tb=True)
-        dw = dw - mm(mm(kw, ds, dtype), s, dtype, tb=True)
-      return dkw, dw, dgam
+        return (dkw - mm(mm(w, s, dtype), ds, dtype, tb=True),
+                dw - mm(mm(kw, ds, dtype), s, dtype, tb=True),
+                dgam + total(ds.astype(F32) * s.astype(F32)))
+
+      return _over_value_blocks(vd, bv, block, carry)
 
     dkw, dw, dgam = jax.lax.fori_loop(0, cur + 1, state, (zero, zero, jnp.zeros((1, 1), F32)))
-    for cols in blocks:  # the write Kw^T Uv into the current state
-      dkw = dkw + mm(uv_ref[:, cols], tile(dstates_ref, cur, cols), dtype, tb=True)
+    dkw = _over_value_blocks(   # the write Kw^T Uv into the current state
+        vd, bv, lambda cols, dkw: dkw + mm(uv_ref[:, cols], tile(dstates_ref, cur, cols), dtype,
+                                           tb=True), dkw)
     dkw_ref[...] = dkw.astype(dkw_ref.dtype)
     dw_ref[...] = dw.astype(dw_ref.dtype)
     dgam_ref[...] = dgam
@@ -244,7 +253,7 @@ def _rescaled_gradients_kernel(qe_ref, lam_ref, do_ref, end_ref, cur_ref, dqe_re
                                cps, vd, bv, dtype):
   cur = pl.program_id(1) // cps
   dqe = _read_gradients(qe_ref[...], lam_ref, do_ref, dlam_ref, lambda i, cols: end_ref[i, :, cols],
-                        lambda cols: cur_ref[:, cols], cur, _value_blocks(vd, bv), dtype)
+                        lambda cols: cur_ref[:, cols], cur, vd, bv, dtype)
   dqe_ref[...] = dqe.astype(dqe_ref.dtype)
 
 
