@@ -28,6 +28,9 @@ from triadic.pallas.common import (F32, call, col, colsum, decay_mask, last, mas
                                    rowsum, total)
 
 
+SLICE_GROUP = 4     # decay_sums(loop=True): slices unrolled per loop step (ptxas, RESULTS.md)
+
+
 def decays(gc_col, e, c):
   """Slice e's a = exp(gc_e) (C, 1), its chunk-end gc_Ce (1, 1) and b = exp(gc_Ce - gc_e) (C, 1);
   e a Python int or traced."""
@@ -142,19 +145,33 @@ def ut_after(q, k, dq, dk, dbeta, dp, dl, dlkk, mq, m, beta, *, erase, dtype):
   return dq, dk, dbeta
 
 
-def decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, *, c, e_dim, erase):
+def decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, *, c, e_dim, erase, loop=False):
   """M' and M (None without erase) of one chunk, (C, C) float32, one slice's decay mask live at a
-  time: M'_ts = sum_e q2_te k2_se exp(gc_te - gc_se), M_ts = sum_e k2_te k2_se exp(...)."""
+  time: M'_ts = sum_e q2_te k2_se exp(gc_te - gc_se), M_ts = sum_e k2_te k2_se exp(...).
+  ``loop``: above ``SLICE_GROUP`` slices, a ``lax.fori_loop`` over groups of that many (unrolled
+  inside), so that the compiler does not hold every slice's decay tile at once (registers)."""
   causal, _, _, _ = masks(c)
-  mq = jnp.zeros((c, c), F32)
-  m = jnp.zeros((c, c), F32) if erase else None
-  for e in range(e_dim):
+
+  def add_slice(e, sums):
+    mq, m = sums
     k2s = row(k2_row, e)
     dec = decay_mask(col(gc_col, e), row(gc_row, e), causal)
     mq = mq + col(q2_col, e) * k2s * dec
     if erase:
       m = m + col(k2_col, e) * k2s * dec
-  return mq, m
+    return mq, m
+
+  def add_group(first, size, sums):
+    for j in range(size):
+      sums = add_slice(first + j, sums)
+    return sums
+
+  zeros = jnp.zeros((c, c), F32)
+  sums = (zeros, zeros if erase else None)
+  if loop and e_dim > SLICE_GROUP and e_dim % SLICE_GROUP == 0:
+    return jax.lax.fori_loop(0, e_dim // SLICE_GROUP,
+                             lambda g, sums: add_group(g * SLICE_GROUP, SLICE_GROUP, sums), sums)
+  return add_group(0, e_dim, sums)
 
 
 def slice_mask_grads(dmq, dm, coefs, k2_col, k2_row, q2_col, gc_col, gc_row, outs, *, c, e_dim,
@@ -219,8 +236,8 @@ def chunk_local(q, k, partials, dp, da, dbeta, coefs, k2_col, k2_row, q2_col, gc
   dkcoef (C, 1) and dlam (1, 1)) and writes ``outs`` = (dq, dk, dk2 column, dk2 row, dq2,
   d gc column, d gc row, dbeta) refs. ``ut_before`` / ``ut_after``, ``decay_sums`` and
   ``slice_mask_grads`` are shared with the Hopper path's tail kernels (``mosaic_backward.py``).
-  ``loop``: the mask gradients' slices as a loop (``slice_mask_grads``; ``coefs`` then takes a
-  traced e, so it must read refs).
+  ``loop``: the per-slice work as loops (``slice_mask_grads``, whose ``coefs`` then takes a traced
+  e, so it must read refs; ``decay_sums`` by groups of slices).
 
   Order (register pressure): ``ut_before`` (dM', dM), then the per-slice mask gradients
   (``slice_mask_grads``), which consume dM' and dM, then M and M' (``decay_sums``) and what
@@ -233,7 +250,8 @@ def chunk_local(q, k, partials, dp, da, dbeta, coefs, k2_col, k2_row, q2_col, gc
                                     precision=precision)
   slice_mask_grads(dmq, dm, coefs, k2_col, k2_row, q2_col, gc_col, gc_row, outs[2:-1], c=c,
                    e_dim=e_dim, erase=erase, loop=loop)
-  mq, m = decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, c=c, e_dim=e_dim, erase=erase)
+  mq, m = decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, c=c, e_dim=e_dim, erase=erase,
+                     loop=loop)
   dq, dk, dbeta = ut_after(q, k, *partials(), dbeta, dp, dl, dlkk, mq, m, beta, erase=erase,
                            dtype=dtype)
   dq_ref[...] = dq.astype(dq_ref.dtype)
