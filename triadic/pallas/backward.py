@@ -184,7 +184,7 @@ def slice_mask_grads(dmq, dm, coefs, k2_col, k2_row, q2_col, gc_col, gc_row, out
   time (register pressure); from it W' = dM' D_e (and W = dM D_e) give rq = sum_s W' k2_s,
   cq = sum_t W' q2_t (rk, ck with k2_t), and the gradient through exp(gc_t - gc_s) needs no
   reduction of its own: sum_s dG_ts = q2_t rq_t + k2_t rk_t, sum_t dG_ts = k2_s dk2 row_s.
-  ``loop``: the slices as a ``lax.fori_loop`` (e traced, so ``coefs`` must read refs), which
+  ``loop``: the slices as a ``lax.fori_loop`` (e traced, which ``coefs`` must take), which
   keeps the compiler from interleaving their iterations, and them with the code after, and so
   holding several C x C tiles at once (registers); else unrolled (e a Python int)."""
   dk2_col_ref, dk2_row_ref, dq2_col_ref, dgc_col_ref, dgc_row_ref = outs
@@ -236,8 +236,8 @@ def chunk_local(q, k, partials, dp, da, dbeta, coefs, k2_col, k2_row, q2_col, gc
   dkcoef (C, 1) and dlam (1, 1)) and writes ``outs`` = (dq, dk, dk2 column, dk2 row, dq2,
   d gc column, d gc row, dbeta) refs. ``ut_before`` / ``ut_after``, ``decay_sums`` and
   ``slice_mask_grads`` are shared with the Hopper path's tail kernels (``mosaic_backward.py``).
-  ``loop``: the per-slice work as loops (``slice_mask_grads``, whose ``coefs`` then takes a traced
-  e, so it must read refs; ``decay_sums`` by groups of slices).
+  ``loop``: the per-slice work as loops (``slice_mask_grads``, whose ``coefs`` must then take a
+  traced e: read refs, or pick a column by a mask; ``decay_sums`` by groups of slices).
 
   Order (register pressure): ``ut_before`` (dM', dM), then the per-slice mask gradients
   (``slice_mask_grads``), which consume dM' and dM, then M and M' (``decay_sums``) and what
@@ -273,6 +273,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
   kernel = functools.partial(_chunk_backward_kernel, c=c, e_dim=e_dim, vd=vd, bv=bv, scale=scale,
                              erase=erase, dtype=q.dtype, precision=cfg.f32_precision,
+                             # Slices as loops on the GPU structure (registers); Mosaic TPU would
+                             # need dynamic lane slices for a traced slice index.
                              loop=not cfg.chunk_grid)
   return call(
       kernel, cfg=cfg, grid=(bh, nc),
