@@ -59,8 +59,9 @@ class Usage(NamedTuple):
 
 @contextlib.contextmanager
 def _recorded_modules():
-  """Within the context, every Pallas-Triton lowering's module text is appended to the yielded
-  list, keyed by its kernel name (the module's ``tt.func``)."""
+  """Within the context, every Pallas-Triton lowering's (kernel name, module text) is appended to
+  the yielded list. It wraps JAX's private ``lower_jaxpr_to_triton_module``, the one place the
+  module exists before it is serialized; tests/test_benchmarks.py fails if JAX moves it."""
   from jax._src.pallas.triton import pallas_call_registration as registration
   lowering = registration.lowering
   lower = lowering.lower_jaxpr_to_triton_module
