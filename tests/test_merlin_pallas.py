@@ -16,10 +16,6 @@ devices) are checked too.
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -31,10 +27,10 @@ import merlin
 from merlin import multistate_attention
 from merlin.pallas import plan as plan_lib
 from testkit import rel_rms
+from testkit.devices import run_on_four_devices
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NAMES = ("q", "k", "v", "g", "beta", "lam")
 BOUNDS = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (1.5e-2, 2e-2)}
 KERNELS = {True: ("merlin_state_pass", "merlin_readout", "merlin_reverse_state_pass",
@@ -299,14 +295,8 @@ def test_pallas_runs_per_shard_under_jit():
   """Batch over "data" and heads over "tensor" on 4 fake CPU devices, under Shardy and GSPMD,
   both erase modes:
   values and gradients match the unsharded scan, and every device runs the kernels on its own
-  (B/2, H/2) slice (no all-gather, no array of the global kernel layout). In a subprocess so the
-  device count flag stays out of this pytest session."""
-  flags = os.environ.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=4"
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu", XLA_FLAGS=flags)
-  out = subprocess.run([sys.executable, "-c", SHARDED_SCRIPT], cwd=ROOT, env=env,
-                       capture_output=True, text=True, timeout=600)
-  assert out.returncode == 0, out.stderr[-3000:]
-  report = json.loads(out.stdout.split("RESULT", 1)[1])
+  (B/2, H/2) slice (no all-gather, no array of the global kernel layout)."""
+  report = run_on_four_devices(SHARDED_SCRIPT, timeout=600)
   for partitioner, r in report.items():
     for name, err in r["errors"].items():
       assert err < 1e-5, (partitioner, name, err)

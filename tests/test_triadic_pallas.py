@@ -21,11 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import json
-import os
 import re
-import subprocess
-import sys
 import textwrap
 
 import jax
@@ -36,6 +32,7 @@ from jax.experimental.pallas import tpu as pltpu
 from jax.extend import core as jex_core
 
 from testkit import rel_rms
+from testkit.devices import run_on_four_devices
 from testkit.triadic import (NAMES, PALLAS_BOUNDS, check_against_scan, cuda_lowering_text,
                              make_grad_inputs, value_and_grads)
 from triadic import triadic_gdn
@@ -47,7 +44,6 @@ from triadic.pallas.ops import kernel_layout, triadic_pallas
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 CASES = [
     # b, t, h, d, v, e, chunk, erase, decay, dtype
@@ -447,18 +443,6 @@ SHARDED_SCRIPT = textwrap.dedent("""
                               + [str(o.sharding.spec) == str(specs[0])])
     print("RESULT", json.dumps(report))
 """)
-
-
-def run_on_four_devices(script, timeout):
-  """Run ``script`` in a subprocess with 4 fake CPU devices (the device count flag stays out of
-  this pytest session); returns the JSON of its last "RESULT " line."""
-  env = dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu",
-             XLA_FLAGS="--xla_force_host_platform_device_count=4")
-  proc = subprocess.run([sys.executable, "-c", script], cwd=ROOT, env=env, text=True,
-                        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, timeout=timeout)
-  assert proc.returncode == 0, proc.stdout[-3000:]
-  line = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")][-1]
-  return json.loads(line[len("RESULT "):])
 
 
 def test_pallas_runs_per_shard_under_jit():
