@@ -338,8 +338,8 @@ def layouts(t_list, e_list, reps):
       k2, q2, g, beta = (ch(x, jnp.float32) for x in xs[3:])
       h0 = jnp.zeros((b * h, e, d, vd), jnp.float32)
       cfg = pops.default_config("gpu", e, vd)
-      gc_col, _, _, p, a = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))(
-          q, k, k2, q2, g, beta)
+      prep = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))(q, k, k2, q2, g, beta)
+      gc_col, p, a = prep.gc_col, prep.p, prep.a_operand
       save_x = pops.explain(d, vd, e, c, jnp.bfloat16, config=cfg).saves_x(True)
       kw = dict(scale=0.1, erase=True, block_v=bv, save_x=save_x, warpgroups=1)
       rest = (k2, q2, gc_col, beta, a, p, h0)

@@ -9,8 +9,8 @@ inputs' dtype for the matmuls that take it), P, U and the chunk-start states are
 forward (and X = V - sum_e diag(c_e) K S_e where the Hopper backward reads it: ``Plan.saves_x``);
 M, M', K K^T and Q K^T are recomputed. What passes between kernels in float32 is only what some
 float32 arithmetic reads: U, dU (with erase) and P are stored in the inputs' dtype, since their
-every use is a matmul operand in it. Which kernel runs
-each stage is decided in one place, ``plan.resolve`` (``explain`` shows it for given sizes).
+every use is a matmul operand in it. Which kernel runs each stage is decided in one place,
+``plan.resolve`` (``explain`` shows it for given sizes).
 When the state passes' programs cannot fill the GPU (B = 1 at long T), ``Config.sequence_pieces``
 runs them over pieces of the sequence, each started from a short warm-up pass (``pieces.py``,
 ``plan.sequence_pieces``; exact to far below rounding, and only where every window decays enough).
