@@ -29,6 +29,7 @@ import dataclasses
 import datetime
 import functools
 import os
+import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -48,6 +49,7 @@ from benchmarks.common import triadic_inputs as inputs  # noqa: E402
 from testkit import rel_rms as rel  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
 from triadic.pallas import ops as pops  # noqa: E402
+from triadic.pallas.common import Config  # noqa: E402
 
 SHAPES = {4096: 8, 16384: 2, 65536: 1}  # T -> B, 32768 tokens per batch
 
@@ -172,7 +174,9 @@ def check(only=None, variants=()):
            ("bf16 vs chunked B2 T1000 H2 D128 E1", (2, 1000, 2, 128, 128, 1), jnp.bfloat16,
             "chunked", True),
            ("bf16 vs chunked sGLA B1 T777 H3 D64 V128 E2", (1, 777, 3, 64, 128, 2), jnp.bfloat16,
-            "chunked", False)]
+            "chunked", False),
+           ("bf16 vs chunked B2 T1024 H16 D128 E2", (2, 1024, 16, 128, 128, 2), jnp.bfloat16,
+            "chunked", True)]
   for i, (label, (b, t, h, d, vd, e), dtype, ref, erase) in enumerate(cases):
     if only and i not in only:
       continue
@@ -194,6 +198,10 @@ def check(only=None, variants=()):
 
     want = jax.jit(lambda: grads(ref))()
     for name, fields in [("default", None)] + [(v, variant_fields(v)) for v in variants]:
+      if dtype == jnp.bfloat16:  # the bf16 cases run the Hopper kernels: which layout they take
+        layout = pops.explain_layout(b, t, h, d, vd, e, 64, dtype,
+                                     config=pallas_config(e, vd, b * h, **(fields or {})))
+        print(f"# {label}, {name}: {layout}")
       try:
         got = jax.jit(lambda: grads("pallas", fields))()
       except Exception as err:  # one failing option must not end the table
@@ -266,7 +274,7 @@ def stages(t, e_list, reps, variants=False, tails=False, fields=()):
       roof = roofline_cells(ms + [sum(ms)], fl + (sum(fl),), by + (sum(by),), peak, hbm)
       print(f"# roofline, E = {e} (counted bytes, floor, measured / floor): prep | forward | "
             "backward states | chunk backward | total: " + " | ".join(roof), flush=True)
-      print(f"# prep by part, E = {e}: " + prep_parts(prep_args, reps, cfg.sub_chunk_masks),
+      print(f"# prep by part, E = {e}: " + prep_parts(prep_args, reps),
             flush=True)
       if cfg.mosaic_gpu_backward:  # each row also printed as it comes (a run cut short keeps it)
         parts.append((e, mosaic_backward_parts(cbw_args, reps, cfg)))
@@ -357,9 +365,9 @@ def layouts(t_list, e_list, reps):
       print("| " + " | ".join(str(x) for x in cells) + " |", flush=True)
 
 
-def prep_parts(prep_args, reps, sub=None):
+def prep_parts(prep_args, reps):
   """The prep's plain-JAX parts, each timed alone (ms): the cumulative decay and the masks M, M'
-  (``masks``; by sub-chunks of ``sub`` tokens where given), and the UT inverse
+  (``masks``), and the UT inverse
   (``unit_lower_inverse``); the kernel with its glue is the rest of the whole stage's time.
   Beside them the UT inverse's kernel
   (``unit_lower_inverse_kernel``, ``Config.ut_kernel``) at 1, 2 and 4 warps."""
@@ -372,7 +380,7 @@ def prep_parts(prep_args, reps, sub=None):
   def mask_work(k2, q2, g):
     gc_col = masks.chunk_cumsum(g)
     return masks.decay_masks(k2, jnp.swapaxes(k2, -1, -2).astype(jnp.float32), q2, gc_col,
-                             jnp.swapaxes(gc_col, -1, -2), erase=True, sub=sub)
+                             jnp.swapaxes(gc_col, -1, -2), erase=True)
 
   strict = jnp.tril(jnp.ones((c, c), bool), -1)
   lower = jnp.where(strict, 0.1 * jax.random.normal(jax.random.PRNGKey(3), q.shape[:2] + (c, c)),
@@ -391,7 +399,7 @@ def prep_parts(prep_args, reps, sub=None):
 def mosaic_backward_parts(cbw_args, reps, cfg):
   """Table cells: the times of the parts of ``mosaic_backward.chunk_gradients`` (erase=True,
   scale 0.1) under ``cfg`` (X from ``cbw_args``' 16th entry, the forward's, where it saved it;
-  the masks and their gradients in plain JAX, by sub-chunks where ``cfg.sub_chunk_masks``)."""
+  the masks and their gradients in plain JAX)."""
   from triadic.pallas import masks
   from triadic.pallas import mosaic_backward as mb
   q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args[:15]
@@ -412,7 +420,7 @@ def mosaic_backward_parts(cbw_args, reps, cfg):
   sk = jax.jit(slices)
   sk_args = (q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)
   dqp, dkp, coef, _ = sk(*sk_args)
-  msk = jax.jit(functools.partial(masks.decay_masks, erase=True, sub=cfg.sub_chunk_masks))
+  msk = jax.jit(functools.partial(masks.decay_masks, erase=True))
   msk_args = (k2_col, k2_row, q2_col, gc_col, gc_row)
   m, mq = msk(*msk_args)
   tk = jax.jit(functools.partial(mb.tail_kernel, scale=0.1, erase=True,
@@ -420,7 +428,7 @@ def mosaic_backward_parts(cbw_args, reps, cfg):
   tk_args = (q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a)
   _, _, _, dmq, dm = tk(*tk_args)
   cols = coef[..., :e_dim]
-  mg = jax.jit(functools.partial(masks.mask_grads, erase=True, sub=cfg.sub_chunk_masks))
+  mg = jax.jit(functools.partial(masks.mask_grads, erase=True))
   mg_args = (dmq, dm, cols, cols, cols, jnp.zeros_like(k2_col[..., 0, :]), k2_col, k2_row, q2_col,
              gc_col, gc_row)
   times = [timeit(fn, xs, reps) for fn, xs in ((pro, (a, du, gc_col, k2_col, q2_col, beta_col)),
@@ -484,12 +492,15 @@ def main():
   parser.add_argument("--t", type=int, nargs="*", default=list(SHAPES))
   parser.add_argument("--e", type=int, nargs="*", default=[1, 2, 4, 8])
   parser.add_argument("--reps", type=int, default=10)
+  parser.add_argument("--rounds", type=int, default=1,
+                      help="op table: time the default and every --op-variants set in turn this "
+                           "many times and print the median per cell")
   parser.add_argument("--check", action="store_true", help="correctness table, then exit")
   parser.add_argument("--no-chunked", action="store_true", help="skip the chunked JAX column")
   parser.add_argument("--no-attention", action="store_true", help="skip the cuDNN attention column")
   parser.add_argument("--no-triton", action="store_true",
                       help="on Hopper, skip the pallas-triton column (Triton kernels only)")
-  parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0..6)")
+  parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0..7)")
   parser.add_argument("--stages", action="store_true", help="per-kernel times, then exit")
   parser.add_argument("--layouts", action="store_true",
                       help="Hopper: the one-warpgroup forward state pass on relayouted q, k, v "
@@ -527,12 +538,36 @@ def main():
 
 def variant_fields(variant: str) -> dict:
   """``--op-variants`` syntax: comma-joined Config fields, a bare name set True, name=N an int
-  (e.g. ``fused_tail``, ``sequence_pieces=0,warmup_chunks=8``)."""
+  (0 or 1 for a bool field) (e.g. ``fused_tail``, ``sequence_pieces=0,warmup_chunks=8``,
+  ``token_major=0``)."""
+  bools = {f.name for f in dataclasses.fields(Config) if f.type in ("bool", bool)}
   fields = {}
   for item in variant.split(","):
     name, _, value = item.partition("=")
-    fields[name] = int(value) if value else True
+    fields[name] = (bool(int(value)) if name in bools else int(value)) if value else True
   return fields
+
+
+def time_in_rounds(configs, xs, reps, rounds, where):
+  """{name: (fwd ms, f+b ms)} of each {name: (forward, forward+backward)} in ``configs``, each
+  the median over ``rounds`` rounds that time every config in turn (so a drift of the machine
+  during the table reaches all of them alike), each round's time the median of ``reps`` calls.
+  A config that fails (an untimed option) is reported and gets nan; the others go on."""
+  times = {name: ([], []) for name in configs}
+  failed = set()
+  for _ in range(rounds):
+    for name, fns in configs.items():
+      if name in failed:
+        continue
+      try:
+        for fn, out in zip(fns, times[name]):
+          out.append(timeit(fn, xs, reps))
+      except Exception as err:  # an untimed option that fails here must not end the table
+        print(f"# {name} failed at {where}: {type(err).__name__}: {err}"[:300])
+        failed.add(name)
+  nan = float("nan")
+  return {name: tuple(nan if name in failed else statistics.median(x) for x in pair)
+          for name, pair in times.items()}
 
 
 def op_table(args):
@@ -573,27 +608,21 @@ def op_table(args):
       pieces_of = lambda cfg: plan_lib.sequence_pieces(
           cfg, bh=b * h, nc=-(-t // 64), d=d, vd=vd, c=64, e=pops.pow2(e), dtype=jnp.bfloat16)
       plan = pops.explain(d, vd, e, 64, jnp.bfloat16, bh=b * h)
+      default = pallas_config(e, vd, b * h)
+      layout = pops.explain_layout(b, t, h, d, vd, e, 64, jnp.bfloat16, config=default)
       print("\n".join("# " + line for line in str(plan).splitlines())
-            + f"\n# state passes at B={b} T={t}: {pieces_of(pallas_config(e, vd, b * h))}")
-      pf, pfb = triadic_fns("pallas")
-      pal = (timeit(pf, xs, args.reps), timeit(pfb, xs, args.reps))
-      e1 = pal[1] if e == 1 else e1
-      variants = []
+            + f"\n# state passes at B={b} T={t}: {pieces_of(default)}; {layout}")
+      configs = {"default": triadic_fns("pallas")}
       for variant in args.op_variants:
         fields = variant_fields(variant)
-        if "sequence_pieces" in fields:
-          print(f"# {variant} at B={b} T={t} E={e}: "
-                f"{pieces_of(pallas_config(e, vd, b * h, **fields))}")
-        if "token_major" in fields:
-          layout = pops.explain_layout(b, t, h, d, vd, e, 64, jnp.bfloat16,
-                                       config=pallas_config(e, vd, b * h, **fields))
-          print(f"# {variant} at B={b} T={t} E={e}: {layout}")
-        try:
-          vf, vfb = triadic_fns("pallas", **fields)
-          variants += [timeit(vf, xs, args.reps), timeit(vfb, xs, args.reps)]
-        except Exception as err:  # an untimed option that fails here must not end the table
-          print(f"# {variant} failed at E={e}: {type(err).__name__}: {err}"[:300])
-          variants += [nan, nan]
+        cfg = pallas_config(e, vd, b * h, **fields)
+        print(f"# {variant} at B={b} T={t} E={e}: {pieces_of(cfg)}; "
+              f"{pops.explain_layout(b, t, h, d, vd, e, 64, jnp.bfloat16, config=cfg)}")
+        configs[variant] = triadic_fns("pallas", **fields)
+      timed = time_in_rounds(configs, xs, args.reps, args.rounds, f"E={e}")
+      pal = timed.pop("default")
+      e1 = pal[1] if e == 1 else e1
+      variants = [x for pair in timed.values() for x in pair]
       tri = (nan, nan)
       if hopper and not args.no_triton:
         tf_, tfb = triadic_fns("pallas", mosaic_gpu=False, mosaic_gpu_backward=False)

@@ -1,5 +1,5 @@
-"""The decay masks M, M' and their gradients (``triadic.pallas.masks``), both forms: the
-elementwise definition and sub-chunks (``sub``), against a float64 autodiff oracle.
+"""The decay masks M, M' and their gradients (``triadic.pallas.masks``) against a float64
+autodiff oracle.
 
 The oracle is ``triadic.chunked.chunk_masks`` (the definition, elementwise over (C, C, E)) in a
 scalar L = <dM, M> + <dM', M'> + the row-coefficient terms that ``mask_grads`` adds (dcoef k2 a,
@@ -57,12 +57,11 @@ def oracle(cols, cots, erase):
   return jax.grad(loss, argnums=(0, 1, 2))(*(jnp.asarray(x, jnp.float64) for x in cols))
 
 
-@pytest.mark.parametrize("sub", [None, 16], ids=["definition", "sub16"])
 @pytest.mark.parametrize("decay,erase", [(30.0, True), (0.05, True), (30.0, False)])
-def test_masks_and_gradients_match_float64_oracle(sub, decay, erase):
+def test_masks_and_gradients_match_float64_oracle(decay, erase):
   (k2, q2, gc), cots = operands(decay)
   rows = lambda x: jnp.swapaxes(x, -1, -2)
-  m, mq = masks.decay_masks(k2, rows(k2), q2, gc, rows(gc), erase=erase, sub=sub)
+  m, mq = masks.decay_masks(k2, rows(k2), q2, gc, rows(gc), erase=erase)
   with jax.enable_x64(True):
     want_m, want_mq = chunk_masks(*(jnp.asarray(x, jnp.float64) for x in (gc, k2, q2)))
     assert rel_rms(mq, want_mq) < BOUND
@@ -74,25 +73,9 @@ def test_masks_and_gradients_match_float64_oracle(sub, decay, erase):
   dm, dmq, dcoef, dqcoef, dkcoef, dlam = cots
   dk2_col, dk2_row, dq2, dgc_col, dgc_row = masks.mask_grads(
       dmq, dm if erase else None, dcoef, dqcoef, dkcoef, dlam, k2, rows(k2), q2, gc, rows(gc),
-      erase=erase, sub=sub)
+      erase=erase)
   got = (dk2_col + rows(dk2_row), dq2, dgc_col + rows(dgc_row))
   for name, x, y in zip(("dk2", "dq2", "dgc"), got, want):
     assert x.dtype == jnp.float32 and x.shape == y.shape, name
     assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
 
-
-def test_plan_and_config():
-  """The plan says where the masks are formed by sub-chunks (prep, and the split tail at E = 8),
-  and where the chunk does not take them; the Config refuses a sub-chunk that is no int >= 1."""
-  from triadic.pallas import ops as pops
-  from triadic.pallas.common import Config
-  cfg = Config("gpu", block_v=16, bwd_block_v=32, mosaic_gpu=True, mosaic_gpu_backward=True,
-               sub_chunk_masks=16)
-  plan = pops.explain(128, 128, 8, 64, jnp.bfloat16, config=cfg)
-  assert "by sub-chunks of 16 (Config.sub_chunk_masks)" in plan.prep.reason
-  assert "tail between JAX mask work by sub-chunks of 16" in plan.chunk_gradients.tiles
-  small = pops.explain(16, 16, 2, 16, jnp.float32, config=Config("cpu", 16, 16, sub_chunk_masks=16))
-  assert "by definition (sub_chunk_masks=16 needs a larger chunk it divides)" in small.prep.reason
-  for bad in (0, 2.5, "16"):
-    with pytest.raises(ValueError, match="sub_chunk_masks"):
-      Config("cpu", 16, 16, sub_chunk_masks=bad)

@@ -101,34 +101,19 @@ def test_matches_triton_structure(b, t, h, vdim, e, erase, decay, d, saved_x):
   check_outputs(got, want, BOUNDS)
 
 
-@pytest.mark.parametrize("e,erase,decay,fused,sub", [
-    (1, True, 1.0, False, None),   # E = 1 takes the fused tail by default: the split one here
-    (2, False, 20.0, None, None),  # the default (fused) without erase
-    (4, True, 20.0, True, None),   # E = 4 takes the split tail by default: the fused one here
-    (3, True, 20.0, False, 16),    # the split tail's mask work by sub-chunks of 16
+@pytest.mark.parametrize("e,erase,decay,fused", [
+    (1, True, 1.0, False),   # E = 1 takes the fused tail by default: the split one here
+    (2, False, 20.0, None),  # the default (fused) without erase
+    (4, True, 20.0, True),   # E = 4 takes the split tail by default: the fused one here
+    (3, True, 20.0, False),  # the split tail at an E that is no power of two
 ])
-def test_tail_variants_match_triton_structure(e, erase, decay, fused, sub):
-  """Both tails (``fused_tail_kernel``; masks in JAX around ``tail_kernel``, by their definition
-  or by sub-chunks of ``sub``), D = 64, V = 32."""
+def test_tail_variants_match_triton_structure(e, erase, decay, fused):
+  """Both tails (``fused_tail_kernel``; masks in JAX around ``tail_kernel``), D = 64, V = 32."""
   args = backward_operands(1, 150, 2, 64, 32, e, erase, decay)
   want = backward.chunk_gradients(*args, scale=SCALE, erase=erase, cfg=CPU)
   got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                  fused_tail=fused, sub_chunk_masks=sub, interpret=True))(*args)
-  if sub:  # by sub-chunks the column parts carry the whole dk2 and d gc, the row parts are zero
-    got, want = combined_parts(got), combined_parts(want)
-  check_outputs(got, want, BOUNDS, names=NAMES if not sub else COMBINED_NAMES)
-
-
-# dk2 and d gc with their column and row parts added (the sum is what the op takes).
-COMBINED_NAMES = ("dq", "dk", "dv", "dk2_col", "dq2_col", "dgc_col", "dbeta")
-
-
-def combined_parts(outs):
-  """``chunk_gradients``' outputs with dk2 row added into dk2 column, d gc row into d gc column,
-  in the order of COMBINED_NAMES."""
-  dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = outs
-  rows = lambda x: jnp.swapaxes(x, -1, -2)
-  return dq, dk, dv, dk2_col + rows(dk2_row), dq2, dgc_col + rows(dgc_row), dbeta
+                                  fused_tail=fused, interpret=True))(*args)
+  check_outputs(got, want, BOUNDS)
 
 
 def check_outputs(got, want, bounds, names=NAMES):

@@ -77,13 +77,6 @@ def test_tpu_structure_matches_scan(b, t, h, d, vdim, e, chunk, erase, decay, dt
   check_against_scan(b, t, h, d, vdim, e, chunk, erase, decay, dtype, config=tpu_interpreted())
 
 
-def test_sub_chunk_masks_match_scan():
-  """``Config.sub_chunk_masks``: the prep's masks by sub-chunks of 16 (chunk 64, strong decay,
-  E = 3): output, final state and every gradient against the scan."""
-  check_against_scan(1, 150, 1, 16, 16, 3, 64, True, 20.0, jnp.float32,
-                     config=Config("cpu", block_v=16, bwd_block_v=16, sub_chunk_masks=16))
-
-
 @pytest.mark.parametrize("e,erase,decay", [(3, True, 20.0), (1, False, 1.0)])
 def test_masks_in_prep_match_scan(e, erase, decay):
   """``Config.masks_in_prep``: the prep kernel forms M, M' itself (strong decay, E = 3 padded to

@@ -79,9 +79,8 @@ def sub_chunk_masks(gc: jax.Array, k2: jax.Array, q2: jax.Array, sub: int = SUB_
 
   Not the default of ``triadic_chunked``: on the 2-core CPU, forward+backward of the whole op
   ranged from 0.85x to 1.4x the definition's speed over E = 1..16 (benchmarks/RESULTS.md), since
-  the state matmuls dominate there. The Pallas op's plain-JAX masks and their gradients take it
-  with ``Config.sub_chunk_masks`` (``triadic.pallas.masks``), where it turns the per-slice C x C
-  elementwise work into matmuls with K or N = E.
+  the state matmuls dominate there. (The Pallas op's masks measured slower by sub-chunks on the
+  H200 than by the definition: benchmarks/RESULTS.md.)
   """
   c, e = gc.shape[-2:]
   if c % sub or c <= sub:

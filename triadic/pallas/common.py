@@ -72,11 +72,6 @@ class Config:
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).
-  sub_chunk_masks: form the decay masks M, M' (the prep, the split tail of the Mosaic chunk
-  backward) and their gradients (that tail) by sub-chunks of this many tokens
-  (``masks.decay_masks``' ``sub``: matmuls over E across sub-chunks, elementwise inside), where
-  the chunk is a multiple of it and larger; None: by their elementwise definition. Same values
-  to float32 rounding.
   masks_in_prep: the prep kernel forms the decay masks M, M' itself from k2, q2 and gc (one
   slice's C x C decay tile at a time) instead of reading them from the plain-JAX masks, so they
   never pass through HBM; for small E (GPU structure only: ``chunk_prep.masks_in_prep_supported``).
@@ -85,6 +80,8 @@ class Config:
   block index maps) instead of the op relayouting them to (B*H, NC, C, X) and back. Taken where
   every stage can (the Mosaic GPU state passes and chunk backward, T a multiple of the chunk,
   D and V powers of two, the state passes in one piece); ``plan.layout`` says why not elsewhere.
+  On by default: it measured faster at every E on the H200 (benchmarks/RESULTS.md); False keeps
+  the relayout everywhere.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -106,9 +103,8 @@ class Config:
   sequence_pieces: int = 1
   warmup_chunks: int = 16
   ut_kernel: bool = False
-  sub_chunk_masks: int | None = None
   masks_in_prep: bool = False
-  token_major: bool = False
+  token_major: bool = True
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -120,9 +116,6 @@ class Config:
     if not isinstance(self.sequence_pieces, int) or self.sequence_pieces < 0:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
-    if self.sub_chunk_masks is not None and (not isinstance(self.sub_chunk_masks, int)
-                                             or self.sub_chunk_masks < 1):
-      raise ValueError(f"sub_chunk_masks must be None or an int >= 1, got {self.sub_chunk_masks!r}")
     for name in ("masks_in_prep", "token_major"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")

@@ -29,20 +29,11 @@ Layout: as the kernels, (BH, NC, C, E) columns and (BH, NC, E, C) rows. M and M'
 sum over e of elementwise (BH, NC, C, C) terms (one loop fusion, no reduction); each per-slice sum
 is over the minor axis of a (BH, NC, E, C, C) broadcast expression with its own decay mask, so
 that each reduction fuses its exponentials instead of reading one materialised E x C x C mask.
-
-With ``sub`` (``Config.sub_chunk_masks``) the masks are ``triadic.chunked.sub_chunk_masks`` by
-sub-chunks of ``sub`` tokens instead: elementwise only inside a sub-chunk, matmuls contracting
-over E across sub-chunks (every exponent <= 0 through the anchors), so a chunk takes C sub E
-exponentials instead of C^2 E; the gradients through M and M' (the W' and W terms above) are
-that function's autodiff, matmuls too. Same values to float32 rounding.
 """
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
-
-from triadic.chunked import sub_chunk_masks
 
 
 def _cols(x):
@@ -78,13 +69,9 @@ def chunk_cumsum(g_col):
   return jnp.cumsum(g_col.astype(jnp.float32), axis=-2)
 
 
-def decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, *, erase, sub=None):
+def decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, *, erase):
   """M and M' of every chunk, (BH, NC, C, C) float32 each (M is None without erase), as one
-  elementwise sum over the slices each, or with ``sub`` by sub-chunks of that many tokens
-  (``sub_chunk_masks``)."""
-  if sub:
-    m, mq = sub_chunk_masks(gc_col, k2_col.astype(jnp.float32), q2_col.astype(jnp.float32), sub)
-    return (m if erase else None), mq
+  elementwise sum over the slices each."""
   e_dim = gc_col.shape[-1]
   m = mq = 0.0
   for e in range(e_dim):
@@ -97,19 +84,14 @@ def decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, *, erase, sub=None):
 
 
 def mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, *,
-               erase, sub=None):
+               erase):
   """The per-slice gradients of the masks (``backward.chunk_local``'s loop over e), for all
   chunks at once.
 
   dmq = dM' (BH, NC, C, C), dm = dM (None without erase); the slice kernel's row coefficients
   dcoef (unused without erase), dqcoef, dkcoef (BH, NC, C, E) and dlam (BH, NC, E); k2, q2, gc
   in the kernels' column (C, E) and row (E, C) layouts. Returns float32 dk2 column (C, E), dk2
-  row (E, C), dq2 (C, E), d gc column (C, E) and d gc row (E, C) parts, each (BH, NC, ...).
-  ``sub``: the gradients through M and M' by the autodiff of ``sub_chunk_masks`` (sub-chunks of
-  that many tokens); the row parts are then zero (everything is in the column parts)."""
-  if sub:
-    return _sub_chunk_mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, q2_col, gc_col,
-                                 erase=erase, sub=sub)
+  row (E, C), dq2 (C, E), d gc column (C, E) and d gc row (E, C) parts, each (BH, NC, ...)."""
   rows = lambda x: jnp.swapaxes(x, -1, -2)
   # Per-token factors along the minor axis: s of (E, C_t, C_s), t of the transposed (E, C_s, C_t).
   k2_minor, q2_minor = _rows(k2_row), _rows(rows(q2_col))
@@ -148,19 +130,3 @@ def _factor_grads(dcoef, dqcoef, dkcoef, dlam, k2_col, q2_col, gc_col, *, erase)
   dgl = jnp.sum(dkcoef * k2_col * b, axis=-2) + dlam * jnp.exp(gl[..., 0, :])   # (BH, NC, E)
   return dk2, dq2, dgc.at[..., c - 1, :].add(dgl)
 
-
-def _sub_chunk_mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, q2_col, gc_col, *, erase,
-                          sub):
-  """``mask_grads`` with the gradients through M and M' by the autodiff of ``sub_chunk_masks``
-  (its matmuls' transposes), as column parts; the row parts are zeros."""
-  k2_col, q2_col = k2_col.astype(jnp.float32), q2_col.astype(jnp.float32)
-  if erase:
-    _, vjp = jax.vjp(lambda k2, q2, gc: sub_chunk_masks(gc, k2, q2, sub), k2_col, q2_col, gc_col)
-    dk2_m, dq2_m, dgc_m = vjp((dm, dmq))
-  else:
-    _, vjp = jax.vjp(lambda k2, q2, gc: sub_chunk_masks(gc, k2, q2, sub)[1], k2_col, q2_col,
-                     gc_col)
-    dk2_m, dq2_m, dgc_m = vjp(dmq)
-  dk2, dq2, dgc = _factor_grads(dcoef, dqcoef, dkcoef, dlam, k2_col, q2_col, gc_col, erase=erase)
-  zeros_row = jnp.zeros(gc_col.shape[:-2] + gc_col.shape[:-3:-1], jnp.float32)
-  return dk2 + dk2_m, zeros_row, dq2 + dq2_m, dgc + dgc_m, zeros_row

@@ -624,11 +624,10 @@ def default_fused_tail(e: int) -> bool:
 
 
 def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
-         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, sub_chunk_masks=None,
-         heads=None):
+         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, heads=None):
   """Everything after the slice kernel. ``fused``: ``fused_tail_kernel``; else the masks M, M'
-  (plain JAX), the E-independent tail kernel, and the per-slice mask gradients (plain JAX; both
-  by sub-chunks of ``sub_chunk_masks`` tokens where given, ``masks.py``).
+  (plain JAX), the E-independent tail kernel, and the per-slice mask gradients (plain JAX,
+  ``masks.py``).
   ``dcoef``, ``dqcoef``, ``dkcoef`` (BH,NC,C,E) and ``dlam`` (BH,NC,E) are the slice kernel's row
   sums. Returns dq, dk (BH,NC,C,D) in q's dtype and, float32, dk2 column (C,E) and row (E,C)
   parts, dq2 (C,E), d gc column and row parts and dbeta (C,1). ``heads=H``: q, k, dO in and dq,
@@ -638,19 +637,17 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
     return tuple(fused_tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef,
                                    dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
                                    scale=scale, erase=erase, cfg=cfg, heads=heads))
-  m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase,
-                            sub=sub_chunk_masks)
+  m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   dq, dk, dbeta, dmq, dm = tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a,
                                        scale=scale, erase=erase, cfg=cfg, heads=heads)
   dk2_col, dk2_row, dq2_col, dgc_col, dgc_row = masks.mask_grads(
-      dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase,
-      sub=sub_chunk_masks)
+      dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   return dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta
 
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
-                    sub_chunk_masks=None, heads=None, a_operand=None, interpret=False):
+                    heads=None, a_operand=None, interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   (dq, dk (BH,NC,C,D) in q's dtype, the rest float32): dv (BH,NC,C,V), dk2 column and row parts
   ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
@@ -667,9 +664,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   is cast here). ``x`` (erase only): X = V - sum_e diag(c_e) K S_e as the forward saved it
   (without it, ``x_from_states`` forms it in plain JAX). ``slice_warpgroups``: the slice kernel's
   warpgroups (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
-  ``default_fused_tail``). ``sub_chunk_masks``: the split tail's masks and mask gradients by
-  sub-chunks of that many tokens (``tail``). ``interpret=True``: Mosaic GPU interpret mode for
-  the slice kernel and Pallas interpret mode for the tail (CPU tests)."""
+  ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret mode for the slice kernel
+  and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c = k2_col.shape[:3]
   d, vd, e_dim = q.shape[-1], v.shape[-1], k2_col.shape[-1]
   if heads is not None:
@@ -698,8 +694,7 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta = tail(
       q, k, low(x), do, low(u), low(du), low(drhs), dqp, dkp, dcoef, dqcoef, dkcoef, dlam,
       k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a, scale=scale, erase=erase,
-      cfg=tail_config(interpret, fused), fused=fused, sub_chunk_masks=sub_chunk_masks,
-      heads=heads)
+      cfg=tail_config(interpret, fused), fused=fused, heads=heads)
   if heads is not None:
     dv = token_major(dv, bh // heads, heads)
   return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta

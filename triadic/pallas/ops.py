@@ -17,10 +17,10 @@ runs them over pieces of the sequence, each started from a short warm-up pass (`
 
 Layout: (B, T, H, X) -> (B, H, NC, C, X) with T zero-padded to NC*C (padded tokens have k = q = v =
 beta = k2 = q2 = 0 and g = 0, so they leave the state alone); the kernels see (B*H, NC, C, X).
-With ``Config.token_major`` (``plan.layout`` says where it applies: the Mosaic GPU kernels, T a
-multiple of C, no padding of D and V, one piece) q, k, v and o, dO, dq, dk, dv are not relayouted:
-every kernel that reads or writes them takes them in the caller's (B, T, H, X) (``heads=H``),
-and only the small per-token E-wide operands (k2, q2, g, beta) are.
+With ``Config.token_major`` (the default; ``plan.layout`` says where it applies: the Mosaic GPU
+kernels, T a multiple of C, no padding of D and V, one piece) q, k, v and o, dO, dq, dk, dv are
+not relayouted: every kernel that reads or writes them takes them in the caller's (B, T, H, X)
+(``heads=H``), and only the small per-token E-wide operands (k2, q2, g, beta) are.
 D and V are zero-padded to a power of two (Triton tensors are powers of two; zero rows/columns of
 the state stay zero), E likewise.
 The platform is the default backend's: Triton on GPU, Mosaic on TPU, ``interpret=True`` on CPU.
@@ -251,14 +251,14 @@ def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
 
 def chunk_gradients_kernel(cfg, q, v, k2, heads=None):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel with
-  ``cfg.slice_warpgroups``, ``cfg.fused_tail``, ``cfg.sub_chunk_masks``; ``heads``: token-major
-  per-token operands) or ``backward.chunk_gradients``."""
+  ``cfg.slice_warpgroups``, ``cfg.fused_tail``; ``heads``: token-major per-token operands) or
+  ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
     return functools.partial(
         mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
         slice_warpgroups=mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, q.shape[-1]),
-        fused_tail=cfg.fused_tail, sub_chunk_masks=cfg.sub_chunk_masks,
+        fused_tail=cfg.fused_tail,
         **({} if heads is None else {"heads": heads}))
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 

@@ -77,11 +77,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   interp = "/interpret" if cfg.platform == "cpu" else ""
   loop = "chunks on the grid, state in VMEM" if cfg.chunk_grid else "chunk loop per value block"
   inverse = "UT inverse kernel (Config.ut_kernel)" if cfg.ut_kernel else "UT inverse in plain JAX"
-  sub = cfg.sub_chunk_masks
-  by_sub = f" by sub-chunks of {sub}" if sub and c % sub == 0 and c > sub else ""
-  masks_by = "masks M, M' in plain JAX" + (
-      f"{by_sub} (Config.sub_chunk_masks)" if by_sub else
-      f" by definition (sub_chunk_masks={sub} needs a larger chunk it divides)" if sub else "")
+  masks_by = "masks M, M' in plain JAX"
   refused = (chunk_prep.masks_in_prep_supported(c, e, cfg) if cfg.masks_in_prep
              else "Config.masks_in_prep off")
   if refused is None:
@@ -112,7 +108,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
     bwd_states = Stage("backward_states", base, tiles, state_reason)
 
   fused = (mosaic_backward.default_fused_tail(e) if cfg.fused_tail is None else cfg.fused_tail)
-  tail = "fused tail" if fused else "tail between JAX mask work" + by_sub
+  tail = "fused tail" if fused else "tail between JAX mask work"
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
   slice_wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
