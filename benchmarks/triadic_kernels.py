@@ -274,8 +274,7 @@ def stages(t, e_list, reps, variants=False, tails=False, fields=()):
       roof = roofline_cells(ms + [sum(ms)], fl + (sum(fl),), by + (sum(by),), peak, hbm)
       print(f"# roofline, E = {e} (counted bytes, floor, measured / floor): prep | forward | "
             "backward states | chunk backward | total: " + " | ".join(roof), flush=True)
-      print(f"# prep by part, E = {e}: " + prep_parts(prep_args, reps),
-            flush=True)
+      print(f"# prep by part, E = {e}: " + prep_parts(prep_args, reps), flush=True)
       if cfg.mosaic_gpu_backward:  # each row also printed as it comes (a run cut short keeps it)
         parts.append((e, mosaic_backward_parts(cbw_args, reps, cfg)))
         print(f"# chunk backward by part, E = {e}: " + " | ".join(parts[-1][1]), flush=True)
@@ -367,10 +366,9 @@ def layouts(t_list, e_list, reps):
 
 def prep_parts(prep_args, reps):
   """The prep's plain-JAX parts, each timed alone (ms): the cumulative decay and the masks M, M'
-  (``masks``), and the UT inverse
-  (``unit_lower_inverse``); the kernel with its glue is the rest of the whole stage's time.
-  Beside them the UT inverse's kernel
-  (``unit_lower_inverse_kernel``, ``Config.ut_kernel``) at 1, 2 and 4 warps."""
+  (``masks``), and the UT inverse (``unit_lower_inverse``); the kernel with its glue is the rest
+  of the whole stage's time. Beside them the UT inverse's kernel (``unit_lower_inverse_kernel``,
+  ``Config.ut_kernel``) at 1, 2 and 4 warps."""
   from triadic.chunked import unit_lower_inverse
   from triadic.pallas import masks
   from triadic.pallas.chunk_prep import unit_lower_inverse_kernel

@@ -116,11 +116,11 @@ def test_tail_variants_match_triton_structure(e, erase, decay, fused):
   check_outputs(got, want, BOUNDS)
 
 
-def check_outputs(got, want, bounds, names=NAMES):
+def check_outputs(got, want, bounds):
   """Shapes, dtypes, finiteness and relative RMS of every output against ``bounds``. The Hopper
   path writes dq and dk in the (bf16) inputs' dtype, the Triton structure float32."""
   errs = {}
-  for name, x, y in zip(names, got, want, strict=True):
+  for name, x, y in zip(NAMES, got, want, strict=True):
     dtype = jnp.bfloat16 if name in ("dq", "dk") else y.dtype
     assert x.shape == y.shape and x.dtype == dtype, name
     assert np.all(np.isfinite(np.asarray(x))), name

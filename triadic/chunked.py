@@ -79,8 +79,8 @@ def sub_chunk_masks(gc: jax.Array, k2: jax.Array, q2: jax.Array, sub: int = SUB_
 
   Not the default of ``triadic_chunked``: on the 2-core CPU, forward+backward of the whole op
   ranged from 0.85x to 1.4x the definition's speed over E = 1..16 (benchmarks/RESULTS.md), since
-  the state matmuls dominate there. (The Pallas op's masks measured slower by sub-chunks on the
-  H200 than by the definition: benchmarks/RESULTS.md.)
+  the state matmuls dominate there. The Pallas op forms its masks by the definition (by
+  sub-chunks they measured slower on the H200: benchmarks/RESULTS.md).
   """
   c, e = gc.shape[-2:]
   if c % sub or c <= sub:
