@@ -110,6 +110,16 @@ def cuda_lowering_text(config, b, t, h, d, vdim, e, *, erase=True, chunk_size=64
       lowering_platforms=("cuda",)).as_text()
 
 
+def bf16_transposes(text, b, t, h, x) -> int:
+  """The stablehlo.transpose ops of a lowered program on bf16 arrays of B * T * H * X elements:
+  the relayouts of q, k, v, o, dO and their gradients."""
+  size = b * t * h * x
+  count = 0
+  for m in re.finditer(r"stablehlo\.transpose .*?: \(tensor<([0-9x]+)xbf16>\)", text):
+    count += int(np.prod([int(n) for n in m.group(1).split("x")])) == size
+  return count
+
+
 def transposes_an_argument(text, shape=None) -> bool:
   """Whether a lowered program transposes one of its arguments (``stablehlo.transpose %argN``)
   before the kernels; with ``shape`` (leading dims), one of that shape only (the split tail's

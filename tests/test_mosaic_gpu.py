@@ -215,29 +215,51 @@ def test_heads_layout_two_warpgroups_match_default(b, h, vdim, e, bv, erase, sav
                            dict(scale=SCALE, erase=erase, block_v=bv, warpgroups=2), save_x)
 
 
-def match_default_with_heads(built, b, h, run, kernel_kw, save_x):
+@pytest.mark.parametrize("wgs,e,bv", [(1, 2, 16), (2, 1, 32)])
+def test_heads_layout_over_pieces_matches_default(wgs, e, bv):
+  """``pieces=2`` with ``heads``: every (BH, ...) operand cut into two pieces of the sequence
+  ((BH * 2, NC / 2, ...), row (b * H + h) * 2 + piece) while q, k, v, o, dO stay whole in the
+  caller's layout: the passes read piece p's chunk n at the caller's chunk 2 p + n, bit for bit
+  what the default layout gives on the pieces' relayouted operands. D = 128 for two warpgroups,
+  64 for one; NC = 4."""
+  d = 128 if wgs == 2 else 64
+  b, h = 1 if wgs == 2 else 2, 2
+  match_default_with_heads(build(b, 256, h, d, 32, e, 64, True), b, h,
+                           jax.jit if wgs == 1 else (lambda f: f),
+                           dict(scale=SCALE, erase=True, block_v=bv, warpgroups=wgs), True,
+                           pieces=2)
+
+
+def match_default_with_heads(built, b, h, run, kernel_kw, save_x, pieces=1):
   """Both state passes (``run``: jax.jit or eager) with ``heads=h`` on token-major copies of their
   per-token inputs (q, k, v; q, k, dO) against the default layout on ``build``'s operands: every
-  output bit-equal (rel RMS <= 1e-6), o compared in (B, T, H, V)."""
+  output bit-equal (rel RMS <= 1e-6), o compared in (B, T, H, V). With ``pieces`` P > 1 both run
+  over P pieces: the (BH, NC, ...) operands reshaped to (BH * P, NC / P, ...), each piece started
+  from its row's h0 (dht), the token-major copies whole."""
   fargs, do, dht = built
-  mk = dict(kernel_kw, interpret=True)
+  if pieces > 1:
+    cut = lambda x: x.reshape(x.shape[0] * pieces, x.shape[1] // pieces, *x.shape[2:])
+    fargs = (*map(cut, fargs[:9]), jnp.repeat(fargs[9], pieces, axis=0))
+    do, dht = cut(do), jnp.repeat(dht, pieces, axis=0)
+  whole = lambda x: x.reshape(x.shape[0] // pieces, x.shape[1] * pieces, *x.shape[2:])
+  tok = lambda x: token_major(whole(x), b, h)
+  mk = dict(kernel_kw, interpret=True, **({"pieces": pieces} if pieces > 1 else {}))
+  plain = dict(kernel_kw, interpret=True)
 
   def check(got, want):
     for x, y in zip(got, want, strict=True):
       assert x.shape == y.shape and x.dtype == y.dtype
       assert rel_rms(x, y) <= 1e-6, f"rel RMS {rel_rms(x, y):.2e}"
 
-  fwd = functools.partial(mosaic.state_pass, save_x=save_x, **mk)
-  want = run(fwd)(*fargs)
-  got = run(functools.partial(fwd, heads=h))(*(token_major(x, b, h) for x in fargs[:3]),
-                                              *fargs[3:])
+  want = run(functools.partial(mosaic.state_pass, save_x=save_x, **plain))(*fargs)
+  got = run(functools.partial(mosaic.state_pass, save_x=save_x, heads=h, **mk))(
+      *(tok(x) for x in fargs[:3]), *fargs[3:])
   assert len(got) == (5 if save_x else 4)
-  check(got, (token_major(want[0], b, h), *want[1:]))
+  check(got, (tok(want[0]), *want[1:]))
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  bwd = functools.partial(mosaic.reverse_state_pass, **mk)
-  want = run(bwd)(*bargs)
-  check(run(functools.partial(bwd, heads=h))(*(token_major(x, b, h) for x in bargs[:3]),
-                                             *bargs[3:]), want)
+  want = run(functools.partial(mosaic.reverse_state_pass, **plain))(*bargs)
+  check(run(functools.partial(mosaic.reverse_state_pass, heads=h, **mk))(
+      *(tok(x) for x in bargs[:3]), *bargs[3:]), want)
 
 
 @pytest.mark.parametrize("d,vdim,e,erase,wgs,save_x,bv", [

@@ -11,7 +11,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from testkit.triadic import check_against_scan, cuda_lowering_text, make_grad_inputs
+from testkit import rel_rms
+from testkit.triadic import (bf16_transposes, check_against_scan, cuda_lowering_text,
+                             make_grad_inputs, value_and_grads)
 from triadic.pallas import ops as pops
 from triadic.pallas import pieces
 from triadic.pallas.common import Config
@@ -32,7 +34,8 @@ def _window_fits(b, t, h, e, decay, chunk, cfg):
   k, k2, g, beta = (lay(args[i]) for i in (1, 3, 5, 6))
   live = jnp.ones((b * h, e), bool)
   choice = pieces.choose(cfg.sequence_pieces, cfg.warmup_chunks, programs=1, nc=nc)
-  return bool(pieces._fits(pieces.token_log_bound(k, k2, g, beta, live, erase=True),
+  return bool(pieces._fits(pieces.token_log_bound(pieces.key_norms(k), k2, g, beta, live,
+                                                  erase=True),
                            pieces.window_starts(choice, reverse=False), choice.warmup))
 
 
@@ -64,6 +67,36 @@ def test_mosaic_gpu_pieces_match_scan():
   check_against_scan(1, 740, 1, 64, 64, 1, 64, True, 1.0, jnp.bfloat16, config=cfg)
 
 
+def test_token_major_pieces_match_kernel_layout():
+  """The Hopper kernels (interpret mode) over two pieces with q, k, v, o, dO in the caller's
+  layout (``plan.layout`` takes it with pieces): output, final state and every gradient equal to
+  the relayouted op's over the same pieces, where every window decays enough that the pieces
+  run, and to the scan's within the bf16 bounds. B = H = 2: piece rows (b * H + h) * 2 + p."""
+  from triadic.pallas import mosaic
+  if not mosaic.interpret_available():
+    pytest.skip("Mosaic GPU interpret mode unavailable in this JAX")
+  b, t, h, d, vdim, e, decay = 2, 256, 2, 64, 32, 2, 4.0
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
+               ut_kernel=True, sequence_pieces=2, warmup_chunks=2)
+  assert pops.explain_layout(b, t, h, d, vdim, e, 64, jnp.bfloat16, config=cfg).token_major
+  args, do, ds = make_grad_inputs(0, b, t, h, d, vdim, e, decay=decay, dtype=jnp.bfloat16)
+  lay = lambda x: kernel_layout(x, t // 64, 64).reshape(b * h, t // 64, 64, -1)
+  k, k2, g, beta = (lay(args[i]) for i in (1, 3, 5, 6))
+  k_sq = pieces.key_norms(k)
+  assert jnp.array_equal(pieces.key_norms(args[1], h, 64), k_sq)
+  choice = pieces.choose(2, 2, programs=1, nc=t // 64)
+  assert choice.count == 2 and bool(pieces._fits(
+      pieces.token_log_bound(k_sq, k2, g.astype(jnp.float32), beta, jnp.ones((b * h, e), bool),
+                             erase=True), pieces.window_starts(choice, reverse=False), 2))
+  got = value_and_grads("pallas", args, do, ds, erase=True, chunk_size=64, config=cfg)
+  want = value_and_grads("pallas", args, do, ds, erase=True, chunk_size=64,
+                         config=dataclasses.replace(cfg, token_major=False))
+  for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
+    assert x.shape == y.shape and x.dtype == y.dtype
+    assert rel_rms(x, y) < 1e-5, f"rel RMS {rel_rms(x, y):.2e}"
+  check_against_scan(b, t, h, d, vdim, e, 64, True, decay, jnp.bfloat16, config=cfg)
+
+
 def test_choose():
   auto = lambda programs, nc, sms=132: pieces.choose(0, 16, programs=programs, nc=nc, sms=sms)
   assert auto(64, 1024).count == 2            # B = 1, H = 16, four value blocks at T = 65536
@@ -87,12 +120,12 @@ def test_token_log_bound():
   k2 = jnp.full((1, 2, 4, 3), 3 ** -0.5, jnp.float32)
   beta = jnp.full((1, 2, 4, 1), 0.7, jnp.float32)
   live = jnp.array([[True, True, False]])
-  got = pieces.token_log_bound(k, k2, g, beta, live, erase=True)
-  np.testing.assert_allclose(got, jnp.max(g[..., :2], -1), rtol=1e-6)
-  got = pieces.token_log_bound(3 * k, k2, g, beta, live, erase=True)   # |u|^2 = 9
-  np.testing.assert_allclose(got, jnp.max(g[..., :2], -1) + np.log(0.7 * 9 - 1), rtol=1e-5)
-  assert jnp.all(pieces.token_log_bound(3 * k, k2, g, beta, live, erase=False)
-                 == jnp.max(g[..., :2], -1))
+  bound = lambda k, erase=True: pieces.token_log_bound(pieces.key_norms(k), k2, g, beta, live,
+                                                      erase=erase)
+  np.testing.assert_allclose(bound(k), jnp.max(g[..., :2], -1), rtol=1e-6)
+  np.testing.assert_allclose(bound(3 * k), jnp.max(g[..., :2], -1) + np.log(0.7 * 9 - 1),
+                             rtol=1e-5)                                   # |u|^2 = 9
+  assert jnp.all(bound(3 * k, erase=False) == jnp.max(g[..., :2], -1))
 
 
 def test_pieces_lower_for_cuda():
@@ -103,6 +136,22 @@ def test_pieces_lower_for_cuda():
   text = cuda_lowering_text(cfg, 1, 2048, 1, 64, 64, 1)
   assert text.count("triadic_forward_mgpu") >= 3      # the plain pass, the warm-up, the pieces
   assert "triadic_backward_states_mgpu" in text
+
+
+def test_token_major_pieces_lower_for_cuda():
+  """With pieces and token-major operands (two-warpgroup state passes at E = 4, D = 128) the op
+  lowers for CUDA with no transpose of a q-sized bf16 array: the pieces read q, k, v, dO in place
+  and only the warm-up windows are relayouted."""
+  b, t, h, d, e = 1, 2048, 2, 128, 4
+  cfg = dataclasses.replace(pops.default_config("gpu", e, d), mosaic_gpu=True,
+                            mosaic_gpu_backward=True, sequence_pieces=2, warmup_chunks=4)
+  assert pops.explain_layout(b, t, h, d, d, e, 64, jnp.bfloat16, config=cfg).token_major
+  assert "2 warpgroup(s)" in pops.explain(d, d, e, 64, jnp.bfloat16, config=cfg).forward.tiles
+  text = cuda_lowering_text(cfg, b, t, h, d, d, e)
+  assert text.count("triadic_forward_mgpu") >= 3      # the plain pass, the warm-up, the pieces
+  assert bf16_transposes(text, b, t, h, d) == 0
+  relayouted = cuda_lowering_text(dataclasses.replace(cfg, token_major=False), b, t, h, d, d, e)
+  assert bf16_transposes(relayouted, b, t, h, d) >= 4
 
 
 def test_hopper_default_config(monkeypatch):

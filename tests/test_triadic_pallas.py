@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import re
 import textwrap
 
 import jax
@@ -33,8 +32,8 @@ from jax.extend import core as jex_core
 
 from testkit import rel_rms
 from testkit.devices import run_on_four_devices
-from testkit.triadic import (NAMES, PALLAS_BOUNDS, check_against_scan, cuda_lowering_text,
-                             make_grad_inputs, value_and_grads)
+from testkit.triadic import (NAMES, PALLAS_BOUNDS, bf16_transposes, check_against_scan,
+                             cuda_lowering_text, make_grad_inputs, value_and_grads)
 from triadic import triadic_gdn
 from triadic.pallas import ops as pops
 from triadic.pallas import recurrent
@@ -188,8 +187,8 @@ def test_token_major_matches_kernel_layout(e, erase, fused_tail):
 
 def test_token_major_layout_reasons():
   """``explain_layout`` takes the caller's layout only where every stage reads it, and says why
-  not elsewhere: the option off, T not whole chunks, D or V padded, the state passes in pieces,
-  the Triton kernels."""
+  not elsewhere: the option off, T not whole chunks, D or V padded, the Triton kernels. The state
+  passes over pieces of the sequence read it in place too."""
   cfg = token_major_config()
   layout = lambda t=128, d=64, vdim=32, **kw: pops.explain_layout(
       2, t, 2, d, vdim, 2, 64, jnp.bfloat16, config=dataclasses.replace(cfg, **kw))
@@ -197,20 +196,10 @@ def test_token_major_layout_reasons():
   assert layout(token_major=False).reason == "Config.token_major off"
   assert "T = 100 is not a multiple of the chunk size 64" in layout(t=100).reason
   assert "D = 80, V = 32 are padded to 128, 32" in layout(d=80).reason
-  assert "2 pieces" in layout(t=2048, sequence_pieces=2).reason
+  assert layout(t=2048, sequence_pieces=2).token_major
   assert "Mosaic GPU state passes and chunk backward" in layout(mosaic_gpu_backward=False).reason
   for reason in (layout(t=100), layout(token_major=False)):
     assert not reason.token_major and "relayouted" in str(reason)
-
-
-def bf16_transposes(text, b, t, h, x):
-  """The stablehlo.transpose ops of a lowered program on bf16 arrays of B * T * H * X elements:
-  the relayouts of q, k, v, o, dO and their gradients."""
-  size = b * t * h * x
-  count = 0
-  for m in re.finditer(r"stablehlo\.transpose .*?: \(tensor<([0-9x]+)xbf16>\)", text):
-    count += int(np.prod([int(n) for n in m.group(1).split("x")])) == size
-  return count
 
 
 def test_token_major_lowers_for_cuda_without_relayouts():

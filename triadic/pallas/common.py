@@ -79,7 +79,7 @@ class Config:
   caller's (B, T, H, X) layout: the kernels read and write them in place (strided TMA boxes,
   block index maps) instead of the op relayouting them to (B*H, NC, C, X) and back. Taken where
   every stage can (the Mosaic GPU state passes and chunk backward, T a multiple of the chunk,
-  D and V powers of two, the state passes in one piece); ``plan.layout`` says why not elsewhere.
+  D and V powers of two); ``plan.layout`` says why not elsewhere.
   On by default: it measured faster at every E on the H200 (benchmarks/RESULTS.md); False keeps
   the relayout everywhere.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started

@@ -518,15 +518,22 @@ class _Inputs:
     plgpu.barrier_wait(self.bars.at[self._slot(name, step)[2]])
 
 
-def _chunk_box(heads, i, c):
+def _chunk_box(heads, i, c, pieces=1, nc=0):
   """``at(g, n, cols)``: program i's chunk n of a per-token gmem ref ``g``, columns ``cols`` of
   its last dim (all by default). Without ``heads`` g is (BH, NC, C, X) and the box is
   ``g.at[i, n, :, cols]``; with ``heads=H`` g is the caller's (B, T, H, X) and the box is the
-  strided ``g.at[b, pl.ds(n * C, C), h, cols]`` (row stride H * X), b = i // H, h = i % H."""
+  strided ``g.at[b, pl.ds(n * C, C), h, cols]`` (row stride H * X), b = i // H, h = i % H.
+  With ``pieces`` P > 1 (the pass over P pieces of NC = ``nc`` chunks each, ``pieces.py``) row i
+  is piece i % P of (b, h) = divmod(i // P, H), whose chunk n is the caller's chunk
+  (i % P) * NC + n."""
   if heads is None:
     return lambda g, n, cols=slice(None): g.at[i, n, :, cols]
-  b, h = i // heads, i % heads
-  return lambda g, n, cols=slice(None): g.at[b, pl.ds(n * c, c), h, cols]
+  if pieces == 1:
+    b, h = i // heads, i % heads
+    return lambda g, n, cols=slice(None): g.at[b, pl.ds(n * c, c), h, cols]
+  row, first = i // pieces, (i % pieces) * nc
+  b, h = row // heads, row % heads
+  return lambda g, n, cols=slice(None): g.at[b, pl.ds((first + n) * c, c), h, cols]
 
 
 def _begin_chunk(carry, carry_s, out_s):
@@ -589,7 +596,7 @@ def _compiler_params():
 
 
 def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, cat, nc,
-                    e_dim, bv, scale, erase, save_x, interpret, heads=None):
+                    e_dim, bv, scale, erase, save_x, interpret, heads=None, pieces=1):
   if save_x:
     o_g, u_g, x_g, st_g, ht_g, bars = outs_and_bars
   else:
@@ -601,7 +608,7 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     srcs, o_at = None, lambda n: o_g.at[i, n, :, cols]
   else:
     # q, k, v and o in (B, T, H, X): chunk n of head h is a strided (C, X) box of TMA.
-    at = _chunk_box(heads, i, f_g.shape[-1])
+    at = _chunk_box(heads, i, f_g.shape[-1], pieces, nc)
     srcs = {"q": lambda n: at(q_g, n), "k": lambda n: at(k_g, n), "v": lambda n: at(v_g, n, cols)}
     o_at = lambda n: at(o_g, n, cols)
   erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
@@ -683,16 +690,21 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
   _store_cat(state, ht_g.at[i, j], cat)
 
 
-def _check_heads(heads, k2_col, q, **arrays):
+def _check_heads(heads, pieces, k2_col, q, **arrays):
   """The (B, T, H, X) layout's checks (a state pass with ``heads``, ``common.check_heads``): q and
   every one of ``arrays`` is (B, T, H, X) with B * H and T = NC * C matching the (BH, NC, C, E)
-  operands. Returns q's shape in the (BH, NC, C, D) layout, which ``_prologue`` reads."""
-  check_heads(heads, *k2_col.shape[:3], q=q, **arrays)
+  operands, which with ``pieces`` P are (BH * P, NC / P, C, E). Returns q's shape in the
+  (BH * P, NC / P, C, D) layout, which ``_prologue`` reads."""
+  if not isinstance(pieces, int) or pieces < 1 or k2_col.shape[0] % pieces:
+    raise ValueError(f"pieces must be a positive int dividing the operands' leading dim "
+                     f"{k2_col.shape[0]}, got {pieces!r}")
+  rows, nc, c = k2_col.shape[:3]
+  check_heads(heads, rows // pieces, nc * pieces, c, q=q, **arrays)
   return jax.ShapeDtypeStruct((*k2_col.shape[:3], q.shape[-1]), q.dtype)
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               save_x=False, warpgroups=1, heads=None, interpret=False):
+               save_x=False, warpgroups=1, heads=None, pieces=1, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) in q's dtype, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
@@ -702,9 +714,12 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   ``heads=H`` (either warpgroup count): q, k, v are in the user's (B, T, H, X) layout with
   T = NC * C and o is returned (B, T, H, V); the kernel reads and writes them in place by TMA,
   which saves the relayout copies of q, k, v and o (``ops.kernel_layout``). Every other operand
-  and output keeps its (BH, ...) layout, BH = B * H with b = i // H, h = i % H."""
+  and output keeps its (BH, ...) layout, BH = B * H with b = i // H, h = i % H. With ``heads``,
+  ``pieces`` P > 1 runs the pass over P pieces of the sequence (``pieces.py``): every (BH, ...)
+  operand and output is (BH * P, NC / P, ...) (row (b * H + h) * P + piece), q, k, v and o stay
+  whole."""
   vd = v.shape[-1]
-  shape = q if heads is None else _check_heads(heads, k2_col, q, k=k, v=v)
+  shape = q if heads is None else _check_heads(heads, pieces, k2_col, q, k=k, v=v)
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(shape, vd, k2_col, q2_col, gc_col, beta_col,
                                                   block_v, warpgroups)
   save_x = bool(save_x and erase)
@@ -712,7 +727,8 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
     f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
   if warpgroups == 2:
     return _forward_2wg(q, k, v, a, p, f, lam_cat, h0, e_dim=e_dim, bv=bv, scale=scale,
-                        erase=erase, save_x=save_x, heads=heads, interpret=interpret)
+                        erase=erase, save_x=save_x, heads=heads, pieces=pieces,
+                        interpret=interpret)
   n_rows = f.shape[2]
   n_cat = e_dim * bv
   ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv)
@@ -736,7 +752,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # initial / final state (cat layout)
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_x=save_x,
-                             interpret=bool(interpret), heads=heads)
+                             interpret=bool(interpret), heads=heads, pieces=pieces)
   per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
   o_type = per_chunk(q.dtype) if heads is None else jax.ShapeDtypeStruct(
       (*q.shape[:3], vd), q.dtype)
@@ -758,14 +774,14 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
 
 
 def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, dh0_g, bars, *,
-                     scratch, cat, nc, e_dim, bv, scale, erase, interpret, heads=None):
+                     scratch, cat, nc, e_dim, bv, scale, erase, interpret, heads=None, pieces=1):
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
   srcs = None
   if heads is not None:
     # k, q and dO in (B, T, H, X): chunk n of head h is a strided (C, X) box of TMA.
-    at = _chunk_box(heads, i, f_g.shape[-1])
+    at = _chunk_box(heads, i, f_g.shape[-1], pieces, nc)
     srcs = {"k": lambda n: at(k_g, n), "q": lambda n: at(q_g, n),
             "do": lambda n: at(do_g, n, cols)}
   erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
@@ -830,20 +846,21 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, d
 
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
-                       block_v=None, warpgroups=1, heads=None, interpret=False):
+                       block_v=None, warpgroups=1, heads=None, pieces=1, interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   in ``common.du_dtype``, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the
   initial state (BH,E,D,V) float32. ``warpgroups``: as ``state_pass``.
 
   ``heads=H``: q, k (B, T, H, D) and do (B, T, H, V) are in the user's layout with T = NC * C,
-  read in place by TMA as in ``state_pass``; every output keeps its layout."""
+  read in place by TMA as in ``state_pass``; every output keeps its layout. ``pieces``: as in
+  ``state_pass``."""
   vd = do.shape[-1]
-  shape = q if heads is None else _check_heads(heads, k2_col, q, k=k, do=do)
+  shape = q if heads is None else _check_heads(heads, pieces, k2_col, q, k=k, do=do)
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(shape, vd, k2_col, q2_col, gc_col, beta_col,
                                                   block_v, warpgroups)
   if warpgroups == 2:
     return _backward_2wg(q, k, do, a, p, f, lam_cat, dht, e_dim=e_dim, bv=bv, scale=scale,
-                         erase=erase, heads=heads, interpret=interpret)
+                         erase=erase, heads=heads, pieces=pieces, interpret=interpret)
   n_cat = e_dim * bv
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   sw_v = _swizzle(bv)
@@ -867,7 +884,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # dht / dh0 (cat layout)
   kernel = functools.partial(_backward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, interpret=bool(interpret),
-                             heads=heads)
+                             heads=heads, pieces=pieces)
   du, dstates, dh0 = plgpu.kernel(
       kernel,
       out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), du_dtype(q.dtype, erase)),
@@ -934,7 +951,7 @@ def _partial(ops, lhs, rhs, f_s, first_row, bv):
 
 
 def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, cat,
-                        nc, e_dim, bv, scale, erase, save_x, interpret, heads=None):
+                        nc, e_dim, bv, scale, erase, save_x, interpret, heads=None, pieces=1):
   if save_x:
     o_g, u_g, x_g, st_g, ht_g, bars, xbar = outs_and_bars
   else:
@@ -943,7 +960,7 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
   i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
   cols, rows = pl.ds(j * bv, bv), pl.ds(w * HALF, HALF)
   # q, k, v, o: (BH, NC, C, X) boxes, or with heads strided boxes of (B, T, H, X).
-  at = _chunk_box(heads, i, f_g.shape[-1])
+  at = _chunk_box(heads, i, f_g.shape[-1], pieces, nc)
   read_rows, write_rows, beta_row = e_dim, 2 * e_dim, 3 * e_dim
   # R's row factor: c = k2 a with save_x (X = V - sum_e c_e R_e, rhs = beta X), else fe = beta c.
   r_rows = 3 * e_dim + 1 if save_x else 0
@@ -1061,7 +1078,7 @@ def _kernel_2wg(kernel, ins, out_type, grid, name, interpret):
 
 
 def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save_x, heads,
-                 interpret):
+                 pieces, interpret):
   """``state_pass`` with two warpgroups. The sizes come from the row factors f (BH, NC, rows, C)
   and q's last dim, since q, k, v (and o) are (BH, NC, C, X), or (B, T, H, X) with ``heads``."""
   bh, nc, _, c = f.shape
@@ -1090,7 +1107,7 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # initial / final state rows
   kernel = functools.partial(_forward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_x=save_x,
-                             interpret=bool(interpret), heads=heads)
+                             interpret=bool(interpret), heads=heads, pieces=pieces)
   per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
   o_type = per_chunk(q.dtype) if heads is None else jax.ShapeDtypeStruct(
       (*q.shape[:3], vd), q.dtype)
@@ -1106,12 +1123,12 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
 
 def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, dh0_g, bars,
                          xbar, *, scratch, cat, nc, e_dim, bv, scale, erase, interpret,
-                         heads=None):
+                         heads=None, pieces=1):
   ops = _Ops(interpret)
   i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
   cols, rows = pl.ds(j * bv, bv), pl.ds(w * HALF, HALF)
   # k, q, dO: (BH, NC, C, X) boxes, or with heads strided boxes of (B, T, H, X).
-  at = _chunk_box(heads, i, f_g.shape[-1])
+  at = _chunk_box(heads, i, f_g.shape[-1], pieces, nc)
   erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
   dstate0 = _load_rows(ops, dht_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
 
@@ -1190,7 +1207,8 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_
   _store_rows(dstate, dh0_g.at[i, j, rows], cat, w)
 
 
-def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, heads, interpret):
+def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, heads, pieces,
+                  interpret):
   """``reverse_state_pass`` with two warpgroups; sizes and layouts as ``_forward_2wg``'s."""
   bh, nc, _, c = f.shape
   d = q.shape[-1]
@@ -1217,7 +1235,7 @@ def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, h
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # dht / dh0 rows
   kernel = functools.partial(_backward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, interpret=bool(interpret),
-                             heads=heads)
+                             heads=heads, pieces=pieces)
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   du, dstates, dh0 = _kernel_2wg(
       kernel, ins,

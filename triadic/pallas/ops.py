@@ -18,7 +18,7 @@ runs them over pieces of the sequence, each started from a short warm-up pass (`
 Layout: (B, T, H, X) -> (B, H, NC, C, X) with T zero-padded to NC*C (padded tokens have k = q = v =
 beta = k2 = q2 = 0 and g = 0, so they leave the state alone); the kernels see (B*H, NC, C, X).
 With ``Config.token_major`` (the default; ``plan.layout`` says where it applies: the Mosaic GPU
-kernels, T a multiple of C, no padding of D and V, one piece) q, k, v and o, dO, dq, dk, dv are
+kernels, T a multiple of C, no padding of D and V) q, k, v and o, dO, dq, dk, dv are
 not relayouted: every kernel that reads or writes them takes them in the caller's (B, T, H, X)
 (``heads=H``), and only the small per-token E-wide operands (k2, q2, g, beta) are.
 D and V are zero-padded to a power of two (Triton tensors are powers of two; zero rows/columns of
@@ -276,7 +276,7 @@ def _forward(scale, erase, cfg, heads, *, saves_x, q, k, v, k2, q2, g, beta, h0)
   forward = state_pass_kernels(cfg, q, v, k2, save_x=saves_x, heads=heads)[0]
   o, u, *x, states, ht = pieces.state_pass(
       forward, sequence_pieces(cfg, q, v, k2), q=q, k=k, v=v, k2=k2, q2=q2, gc=prep.gc_col,
-      beta=beta, a=prep.a_operand, p=prep.p, h0=h0, g=g, scale=scale, erase=erase)
+      beta=beta, a=prep.a_operand, p=prep.p, h0=h0, g=g, scale=scale, erase=erase, heads=heads)
   residuals = Residuals(**prep._asdict(), u=u, states=states, x=x[0] if x else None)
   o = o if heads is not None else _split(o, b, h)
   return {"o": o, **{name: None if y is None else _split(y, b, h)
@@ -306,7 +306,7 @@ def _backward(scale, erase, cfg, heads, *, q, k, v, k2, q2, beta, gc_col, gc_row
   du, dstates, dh0 = pieces.reverse_state_pass(
       backward, sequence_pieces(cfg, q, do, k2), q=q, k=k, do=do.astype(q.dtype), k2=k2, q2=q2,
       gc=gc_col, beta=beta, a=a_operand, p=p, dht=dht.astype(F32), g=g, scale=scale,
-      erase=erase)
+      erase=erase, heads=heads)
   chunk_gradients = chunk_gradients_kernel(cfg, q, v, k2, heads=heads)
   dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = chunk_gradients(
       q=q, k=k, v=v, do=do, u=u, du=du, states=states, dstates=dstates, k2_col=k2,
@@ -439,11 +439,7 @@ def _layout(b, t, h, d, vd, e, c, dtype, platform, config):
   dp, vp, ep = pow2(d, 16), pow2(vd, 16), pow2(e)
   cfg = config or default_config(platform or default_platform(), ep, vp, bh=b * h)
   plan = plan_lib.resolve(cfg, d=dp, vd=vp, c=c, e=ep, dtype=dtype)
-  nc = -(-t // c)
-  count = (plan_lib.sequence_pieces(cfg, bh=b * h, nc=nc, d=dp, vd=vp, c=c, e=ep, dtype=dtype).count
-           if plan.mosaic_state_kernels else 1)
-  return plan_lib.layout(cfg, plan, t=t, c=c, d=d, vd=vd, padded_d=dp, padded_vd=vp,
-                         pieces_count=count), cfg
+  return plan_lib.layout(cfg, plan, t=t, c=c, d=d, vd=vd, padded_d=dp, padded_vd=vp), cfg
 
 
 def triadic_pallas(q, k, v, k2, q2, g, beta, *, scale: float, initial_state: jax.Array,

@@ -24,6 +24,10 @@ The reverse pass is the same with each window after its piece (the transposed tr
 the same norms): the window's pass from a zero gradient gives the gradient at the piece's end.
 Slices whose state stays zero (k2 = 0 at every token and a zero start, e.g. E padded to a power
 of two) are left out of the max over e.
+
+With the caller's (B, T, H, X) layout (``heads``, ``plan.layout``) q, k, v, o and dO stay whole:
+the Mosaic passes read piece p's chunks in place (their ``pieces``), and only the warm-up windows
+are relayouted.
 """
 
 from __future__ import annotations
@@ -82,16 +86,26 @@ def choose(requested: int, warmup: int, *, programs: int, nc: int, sms: int | No
                           f"pieces of at least {warmup}")
 
 
-def token_log_bound(k, k2, g, beta, live, *, erase):
-  """(BH, NC, C) log of each token's transition-norm bound (module docstring). k (BH,NC,C,D),
-  k2 / g (BH,NC,C,E), beta (BH,NC,C,1); ``live`` (BH, E) marks the slices whose state can be
-  nonzero (the others are left out of the max over e)."""
+def token_log_bound(k_sq, k2, g, beta, live, *, erase):
+  """(BH, NC, C) log of each token's transition-norm bound (module docstring). k_sq (BH,NC,C) the
+  keys' squared norms ``key_norms``, k2 / g (BH,NC,C,E), beta (BH,NC,C,1); ``live`` (BH, E)
+  marks the slices whose state can be nonzero (the others are left out of the max over e)."""
   decay = jnp.max(jnp.where(live[:, None, None, :], g.astype(F32), -jnp.inf), axis=-1)
   decay = jnp.maximum(decay, -1e30)                       # no live slice: no state at all
   if not erase:
     return decay
-  u2 = jnp.sum(jnp.square(k.astype(F32)), -1) * jnp.sum(jnp.square(k2.astype(F32)), -1)
+  u2 = k_sq * jnp.sum(jnp.square(k2.astype(F32)), -1)
   return decay + jnp.log(jnp.maximum(1.0, jnp.abs(1.0 - beta[..., 0].astype(F32) * u2)))
+
+
+def key_norms(k, heads=None, c=None):
+  """(BH, NC, C) float32 squared norms of the keys k (BH, NC, C, D), or of k (B, T, H, D) in the
+  caller's layout with ``heads=H`` and chunk ``c`` (the norms are relayouted, not k)."""
+  k_sq = jnp.sum(jnp.square(k.astype(F32)), -1)
+  if heads is None:
+    return k_sq
+  b, t = k_sq.shape[:2]
+  return jnp.swapaxes(k_sq, 1, 2).reshape(b * heads, t // c, c)
 
 
 def _live(writes, start):
@@ -111,6 +125,14 @@ def _windows(x, starts, w):
   """x (BH, NC, ...) -> (BH * len(starts), w, ...): chunks [s, s + w) for each start s."""
   y = x[:, _window_index(starts, w)]
   return y.reshape(y.shape[0] * y.shape[1], *y.shape[2:])
+
+
+def _token_windows(x, starts, w, c):
+  """x (B, T, H, X) in the caller's layout -> (B * H * len(starts), w, C, X): ``_windows`` of its
+  (B*H, NC, C, X) relayout, taken without relayouting the rest of x."""
+  b, t, h, xd = x.shape
+  y = x.reshape(b, t // c, c, h, xd)[:, _window_index(starts, w)]   # (B, n, w, C, H, X)
+  return jnp.moveaxis(y, 4, 1).reshape(b * h * len(starts), w, c, xd)
 
 
 def _pieces(x, n):
@@ -137,44 +159,60 @@ def window_starts(pieces: Pieces, *, reverse: bool) -> range:
   return range(step, last, step) if reverse else range(step - w, last - w, step)
 
 
-def _over_pieces(fn, pieces: Pieces, ins, boundary, live, bound_inputs, *, reverse, kw):
+def _over_pieces(fn, pieces: Pieces, ins, boundary, live, bound_inputs, *, reverse, kw,
+                 heads=None, token_outputs=0):
   """``fn`` (a state pass whose last result is the state, or gradient, at the far end from
   ``boundary``) over ``pieces``, or over the whole sequence where a window decays too little.
   ``boundary``: h0 (forward) or dht (``reverse``); ``bound_inputs``: (k, k2, g, beta) for
-  ``token_log_bound``."""
+  ``token_log_bound`` (k's squared norms by ``key_norms``). With ``heads`` (``fn`` a Mosaic pass with ``heads``) the first three of
+  ``ins`` and the first ``token_outputs`` results are in the caller's (B, T, H, X) layout: the
+  pieces read them in place (``fn``'s ``pieces``), the warm-ups a relayout of their windows."""
   n, w = pieces.count, pieces.warmup
   if n == 1:
     return fn(*ins, boundary, **kw)
   starts = window_starts(pieces, reverse=reverse)
+  tok = 0 if heads is None else 3
+  c = ins[tok].shape[2]                                   # k2 / q2 (BH, NC, C, E) after them
 
   def split(ins, boundary):
     bh, shape = boundary.shape[0], boundary.shape[1:]
     zero = jnp.zeros((bh * (n - 1),) + shape, boundary.dtype)
-    warm = fn(*(_windows(x, starts, w) for x in ins), zero, **kw)[-1].reshape(bh, n - 1, *shape)
+    windows = ([_token_windows(x, starts, w, c) for x in ins[:tok]]
+               + [_windows(x, starts, w) for x in ins[tok:]])
+    warm_kw = kw if heads is None else {**kw, "heads": None}
+    warm = fn(*windows, zero, **warm_kw)[-1].reshape(bh, n - 1, *shape)
     ends = [warm, boundary[:, None]] if reverse else [boundary[:, None], warm]
-    outs = fn(*(_pieces(x, n) for x in ins),
-              jnp.concatenate(ends, 1).reshape(-1, *shape).astype(boundary.dtype), **kw)
+    piece_kw = kw if heads is None else {**kw, "pieces": n}
+    outs = fn(*ins[:tok], *(_pieces(x, n) for x in ins[tok:]),
+              jnp.concatenate(ends, 1).reshape(-1, *shape).astype(boundary.dtype), **piece_kw)
     far = outs[-1].reshape(bh, n, *outs[-1].shape[1:])[:, 0 if reverse else -1]
-    return (*(_whole(x, n) for x in outs[:-1]), far)
+    whole = [x if j < token_outputs and heads is not None else _whole(x, n)
+             for j, x in enumerate(outs[:-1])]
+    return (*whole, far)
 
-  ok = _fits(token_log_bound(*bound_inputs, live, erase=kw["erase"]), starts, w)
+  k, *rest = bound_inputs
+  ok = _fits(token_log_bound(key_norms(k, heads, c), *rest, live, erase=kw["erase"]), starts, w)
   return jax.lax.cond(ok, split, lambda ins, boundary: fn(*ins, boundary, **kw), ins, boundary)
 
 
-def state_pass(fn, pieces: Pieces, q, k, v, k2, q2, gc, beta, a, p, h0, g, *, scale, erase):
+def state_pass(fn, pieces: Pieces, q, k, v, k2, q2, gc, beta, a, p, h0, g, *, scale, erase,
+               heads=None):
   """``fn`` (a forward state pass: ``recurrent.state_pass`` / ``mosaic.state_pass`` operands and
   results) over ``pieces``, each started from the state that a pass over the ``warmup`` chunks
   before it brings from zero, or over the whole sequence where a window decays too little.
-  ``g`` is the per-token log decay (BH, NC, C, E)."""
+  ``g`` is the per-token log decay (BH, NC, C, E). ``heads``: q, k, v and o in the caller's
+  (B, T, H, X) layout (``fn`` takes ``heads`` and ``pieces``: ``mosaic.state_pass``)."""
   return _over_pieces(fn, pieces, (q, k, v, k2, q2, gc, beta, a, p), h0, _live(k2, h0),
-                      (k, k2, g, beta), reverse=False, kw=dict(scale=scale, erase=erase))
+                      (k, k2, g, beta), reverse=False, kw=dict(scale=scale, erase=erase),
+                      heads=heads, token_outputs=1)
 
 
 def reverse_state_pass(fn, pieces: Pieces, q, k, do, k2, q2, gc, beta, a, p, dht, g, *, scale,
-                       erase):
+                       erase, heads=None):
   """``fn`` (a reverse state pass) over ``pieces``, each started from the gradient that a pass
   over the ``warmup`` chunks after it brings back from zero, or over the whole sequence where a
-  window decays too little."""
+  window decays too little. ``heads``: q, k, dO in the caller's layout, as ``state_pass``."""
   live = _live(k2, dht) | _live(q2, dht)   # a gradient slice is written through q2 and k2
   return _over_pieces(fn, pieces, (q, k, do, k2, q2, gc, beta, a, p), dht, live,
-                      (k, k2, g, beta), reverse=True, kw=dict(scale=scale, erase=erase))
+                      (k, k2, g, beta), reverse=True, kw=dict(scale=scale, erase=erase),
+                      heads=heads)

@@ -187,7 +187,7 @@ class Layout:
 
 
 def layout(cfg: Config, plan: Plan, *, t: int, c: int, d: int, vd: int, padded_d: int,
-           padded_vd: int, pieces_count: int) -> Layout:
+           padded_vd: int) -> Layout:
   """The layout of a call over ``t`` tokens with (unpadded) D, V under ``cfg`` and its ``plan``:
   token-major (``Config.token_major``) where every stage reads it, else why not. Logged once
   per distinct answer."""
@@ -201,8 +201,6 @@ def layout(cfg: Config, plan: Plan, *, t: int, c: int, d: int, vd: int, padded_d
                            "whole chunks)")
   elif (d, vd) != (padded_d, padded_vd):
     choice = Layout(False, f"D = {d}, V = {vd} are padded to {padded_d}, {padded_vd}")
-  elif pieces_count != 1:
-    choice = Layout(False, f"the state passes run in {pieces_count} pieces of the sequence")
   else:
     choice = Layout(True, "Config.token_major")
   _log_layout_once(plan.sizes, t, choice)
