@@ -18,9 +18,10 @@ runs them over pieces of the sequence, each started from a short warm-up pass (`
 Layout: (B, T, H, X) -> (B, H, NC, C, X) with T zero-padded to NC*C (padded tokens have k = q = v =
 beta = k2 = q2 = 0 and g = 0, so they leave the state alone); the kernels see (B*H, NC, C, X).
 With ``Config.token_major`` (the default; ``plan.layout`` says where it applies: the Mosaic GPU
-kernels, T a multiple of C, no padding of D and V) q, k, v and o, dO, dq, dk, dv are
-not relayouted: every kernel that reads or writes them takes them in the caller's (B, T, H, X)
-(``heads=H``), and only the small per-token E-wide operands (k2, q2, g, beta) are.
+kernels, T a multiple of C, no padding of D and V) q, k, v and o, dO, dq, dk, dv are not
+relayouted: every kernel that reads or writes them takes them in the caller's (B, T, H, X)
+(``heads=H``; the state passes over pieces too), and only the small per-token E-wide operands
+(k2, q2, g, beta) are.
 D and V are zero-padded to a power of two (Triton tensors are powers of two; zero rows/columns of
 the state stay zero), E likewise.
 The platform is the default backend's: Triton on GPU, Mosaic on TPU, ``interpret=True`` on CPU.

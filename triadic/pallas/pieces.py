@@ -164,9 +164,10 @@ def _over_pieces(fn, pieces: Pieces, ins, boundary, live, bound_inputs, *, rever
   """``fn`` (a state pass whose last result is the state, or gradient, at the far end from
   ``boundary``) over ``pieces``, or over the whole sequence where a window decays too little.
   ``boundary``: h0 (forward) or dht (``reverse``); ``bound_inputs``: (k, k2, g, beta) for
-  ``token_log_bound`` (k's squared norms by ``key_norms``). With ``heads`` (``fn`` a Mosaic pass with ``heads``) the first three of
-  ``ins`` and the first ``token_outputs`` results are in the caller's (B, T, H, X) layout: the
-  pieces read them in place (``fn``'s ``pieces``), the warm-ups a relayout of their windows."""
+  ``token_log_bound`` (k's squared norms by ``key_norms``). With ``heads`` (``fn`` a Mosaic pass
+  with ``heads``) the first three of ``ins`` and the first ``token_outputs`` results are in the
+  caller's (B, T, H, X) layout: the pieces read them in place (``fn``'s ``pieces``), the warm-ups
+  a relayout of their windows."""
   n, w = pieces.count, pieces.warmup
   if n == 1:
     return fn(*ins, boundary, **kw)
