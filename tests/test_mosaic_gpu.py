@@ -230,6 +230,12 @@ def test_heads_layout_over_pieces_matches_default(wgs, e, bv):
                            pieces=2)
 
 
+def test_pieces_without_heads_raise():
+  fargs, _, _ = build(1, 128, 1, 64, 32, 1, 64, True)
+  with pytest.raises(ValueError, match="pieces=2 needs heads"):
+    mosaic.state_pass(*fargs, scale=SCALE, erase=True, pieces=2, interpret=True)
+
+
 def match_default_with_heads(built, b, h, run, kernel_kw, save_x, pieces=1):
   """Both state passes (``run``: jax.jit or eager) with ``heads=h`` on token-major copies of their
   per-token inputs (q, k, v; q, k, dO) against the default layout on ``build``'s operands: every

@@ -690,6 +690,13 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
   _store_cat(state, ht_g.at[i, j], cat)
 
 
+def _check_pieces(heads, pieces):
+  """``pieces`` is for the caller's layout: (BH, NC, ...) operands are cut by a reshape alone."""
+  if pieces != 1 and heads is None:
+    raise ValueError(f"pieces={pieces!r} needs heads (the (B, T, H, X) layout); cut (BH, NC, ...) "
+                     "operands into pieces by reshaping them")
+
+
 def _check_heads(heads, pieces, k2_col, q, **arrays):
   """The (B, T, H, X) layout's checks (a state pass with ``heads``, ``common.check_heads``): q and
   every one of ``arrays`` is (B, T, H, X) with B * H and T = NC * C matching the (BH, NC, C, E)
@@ -719,6 +726,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   operand and output is (BH * P, NC / P, ...) (row (b * H + h) * P + piece), q, k, v and o stay
   whole."""
   vd = v.shape[-1]
+  _check_pieces(heads, pieces)
   shape = q if heads is None else _check_heads(heads, pieces, k2_col, q, k=k, v=v)
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(shape, vd, k2_col, q2_col, gc_col, beta_col,
                                                   block_v, warpgroups)
@@ -855,6 +863,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   read in place by TMA as in ``state_pass``; every output keeps its layout. ``pieces``: as in
   ``state_pass``."""
   vd = do.shape[-1]
+  _check_pieces(heads, pieces)
   shape = q if heads is None else _check_heads(heads, pieces, k2_col, q, k=k, do=do)
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(shape, vd, k2_col, q2_col, gc_col, beta_col,
                                                   block_v, warpgroups)
