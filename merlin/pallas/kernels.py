@@ -59,7 +59,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from triadic.pallas.common import F32, call, mm, rowsum, total
+from triadic.pallas.common import F32, call, mm, over_value_blocks, rowsum, total
 
 
 def num_visible(nc: int, cps: int) -> int:
@@ -76,15 +76,6 @@ def _segment_bounds(nc, cps):
   """(first chunk, end of the write phase) of the program's segment, from its grid index."""
   start = pl.program_id(2) * cps
   return start, jnp.minimum(start + cps, nc)
-
-
-def _over_value_blocks(vd, bv, body, carry):
-  """carry after ``body(cols, carry)`` for the value blocks of ``bv`` columns in order: a
-  ``lax.fori_loop`` over ``pl.ds`` blocks where V has several, which keeps the compiler from
-  interleaving their iterations and so holding several blocks' tiles at once (registers)."""
-  if vd == bv:
-    return body(slice(None), carry)
-  return jax.lax.fori_loop(0, vd // bv, lambda j, cr: body(pl.ds(j * bv, bv), cr), carry)
 
 
 def _read(qe, lam_ref, finished, current, cur, dtype):
@@ -112,8 +103,8 @@ def _read_gradients(qe, lam_ref, do_ref, dlam_ref, finished, current, cur, vd, b
       return (dq + mm(do, s, dtype, tb=True),
               dlam + rowsum(do.astype(F32) * mm(qe, s, dtype)))
 
-    dq, dlam = _over_value_blocks(vd, bv, block, (jnp.zeros((c, d), F32),
-                                                  jnp.zeros((c, 1), F32)))
+    dq, dlam = over_value_blocks(vd, bv, block, (jnp.zeros((c, d), F32),
+                                                 jnp.zeros((c, 1), F32)))
     dlam_ref[i] = dlam
     return dqe + lam_ref[i] * dq
 
@@ -200,10 +191,10 @@ def _stack_gradients_kernel(qe_ref, w_ref, kw_ref, uv_ref, lam_ref, do_ref, stat
                 dw - mm(mm(kw, ds, dtype), s, dtype, tb=True),
                 dgam + total(ds.astype(F32) * s.astype(F32)))
 
-      return _over_value_blocks(vd, bv, block, carry)
+      return over_value_blocks(vd, bv, block, carry)
 
     dkw, dw, dgam = jax.lax.fori_loop(0, cur + 1, state, (zero, zero, jnp.zeros((1, 1), F32)))
-    dkw = _over_value_blocks(   # the write Kw^T Uv into the current state
+    dkw = over_value_blocks(   # the write Kw^T Uv into the current state
         vd, bv, lambda cols, dkw: dkw + mm(uv_ref[:, cols], tile(dstates_ref, cur, cols), dtype,
                                            tb=True), dkw)
     dkw_ref[...] = dkw.astype(dkw_ref.dtype)

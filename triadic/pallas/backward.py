@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from triadic.pallas.common import (F32, call, col, colsum, decay_mask, last, masks, mm, row,
-                                   rowsum, total)
+from triadic.pallas.common import (F32, call, col, colsum, decay_mask, last, masks, mm,
+                                   over_value_blocks, row, rowsum, total)
 
 
 SLICE_GROUP = 4     # decay_sums(loop=True): slices unrolled per loop step (ptxas, RESULTS.md)
@@ -97,11 +97,7 @@ def _chunk_backward_kernel(q_ref, k_ref, v_ref, do_ref, u_ref, du_ref, s_ref, ds
   zeros = lambda *s: jnp.zeros(s, F32)
   carry = (zeros(c, q.shape[1]), zeros(c, k.shape[1]), zeros(c, c), zeros(c, c), zeros(c, 1),
            zeros(c, e_dim), zeros(c, e_dim), zeros(c, e_dim), zeros(1, e_dim))
-  if vd == bv:
-    carry = vblock(slice(None), carry)
-  else:
-    carry = jax.lax.fori_loop(0, vd // bv, lambda j, cr: vblock(pl.ds(j * bv, bv), cr), carry)
-  dq, dk, da, dp, dbeta, dcoef, dqcoef, dkcoef, dlam = carry
+  dq, dk, da, dp, dbeta, dcoef, dqcoef, dkcoef, dlam = over_value_blocks(vd, bv, vblock, carry)
 
   def coefs(e):
     """Slice e's columns of the row coefficients (a masked sum: exact, and e may be traced)."""

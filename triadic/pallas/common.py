@@ -252,6 +252,16 @@ def last(ref, e, c, *lead):
   return ref[(*lead, pl.ds(c - 1, 1), pl.ds(e, 1))].astype(F32)
 
 
+def over_value_blocks(vd, bv, body, carry):
+  """carry after ``body(cols, carry)`` for the value blocks of ``bv`` of V = ``vd`` columns in
+  order: one call with all columns where V is one block, else a ``lax.fori_loop`` over ``pl.ds``
+  blocks, which Triton pipelines and which keeps the compiler from interleaving the blocks and so
+  holding several blocks' tiles at once (registers)."""
+  if vd == bv:
+    return body(slice(None), carry)
+  return jax.lax.fori_loop(0, vd // bv, lambda j, cr: body(pl.ds(j * bv, bv), cr), carry)
+
+
 def rowsum(x):
   return jnp.sum(x, axis=1, keepdims=True)
 

@@ -101,8 +101,8 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from triadic.pallas import masks
 from triadic.pallas.backward import chunk_local, ut_after, ut_before
-from triadic.pallas.common import (F32, Config, call, check_heads, col, head_major, mm, rowsum,
-                                   token_block, token_major)
+from triadic.pallas.common import (F32, Config, call, check_heads, col, head_major, mm,
+                                   over_value_blocks, rowsum, token_block, token_major)
 from triadic.pallas.mosaic import (SMEM_LIMIT, _chunk_box, _Ops, _interpret_params, _load, _smem,
                                    _swizzle, _wait)
 
@@ -468,9 +468,7 @@ def _value_products(x_ref, do_ref, u_ref, du_ref, dr_ref, beta, *, c, vd, bv, sc
     return dbeta, dp, da
 
   carry = (jnp.zeros((c, 1), F32), jnp.zeros((c, c), F32), jnp.zeros((c, c), F32))
-  if bv == vd:
-    return vblock(slice(None), carry)
-  return jax.lax.fori_loop(0, vd // bv, lambda j, cr: vblock(pl.ds(j * bv, bv), cr), carry)
+  return over_value_blocks(vd, bv, vblock, carry)
 
 
 def _tail_ut_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref, dkp_ref, mq_ref,
