@@ -245,8 +245,10 @@ def stages(t, e_list, reps, variants=False, tails=False, fields=()):
     for cfg in configs:
       pre = jax.jit(lambda *x: chunk_prep(*x, erase=True, cfg=cfg))
       prep_args = (q, k, k2, q2, g, beta)
-      gc_col, gc_row, a, p, a_operand = pre(*prep_args)
-      saves_x = pops.explain(d, vd, e, c, jnp.bfloat16, config=cfg).saves_x(True)
+      prep = pre(*prep_args)
+      gc_col, gc_row, a, p, a_operand = prep[:5]
+      plan = pops.explain(d, vd, e, c, jnp.bfloat16, config=cfg)
+      saves_x = plan.saves_x(True)
       state_fwd, state_bwd = pops.state_pass_kernels(cfg, q, v, k2, save_x=saves_x)
       fwd = jax.jit(functools.partial(state_fwd, scale=0.1, erase=True))
       fwd_args = (q, k, v, k2, q2, gc_col, beta, a_operand, p, h0)
@@ -254,9 +256,19 @@ def stages(t, e_list, reps, variants=False, tails=False, fields=()):
       bst = jax.jit(functools.partial(state_bwd, scale=0.1, erase=True))
       bst_args = (q, k, do, k2, q2, gc_col, beta, a_operand, p, h0)
       du, dst, _ = bst(*bst_args)
-      cbw = jax.jit(functools.partial(pops.chunk_gradients_kernel(cfg, q, v, k2), scale=0.1,
-                                      erase=True))
-      cbw_args = (q, k, v, do, u, du, st, dst, k2, rows(k2), q2, gc_col, gc_row, beta, a, *x)
+      kernel = functools.partial(pops.chunk_gradients_kernel(cfg, q, v, k2), scale=0.1,
+                                 erase=True)
+      masks = (prep.mq, prep.m) if plan.saves_masks else ()   # as the op (``Plan.saves_masks``)
+
+      def chunk_backward(*xs):      # the kernel's operands, then M' and M where the plan keeps them
+        if not masks:
+          return kernel(*xs)
+        *xs, mq, m = xs
+        return kernel(*xs, mq=mq, m=m)
+
+      cbw = jax.jit(chunk_backward)
+      cbw_args = (q, k, v, do, u, du, st, dst, k2, rows(k2), q2, gc_col, gc_row, beta, a, *x,
+                  *masks)
       ms = [timeit(f, xs, reps) for f, xs in ((pre, prep_args), (fwd, fwd_args),
                                               (bst, bst_args), (cbw, cbw_args))]
       label = (f"bv{cfg.block_v} w{cfg.num_warps} s{cfg.num_stages} "
@@ -276,10 +288,10 @@ def stages(t, e_list, reps, variants=False, tails=False, fields=()):
             "backward states | chunk backward | total: " + " | ".join(roof), flush=True)
       print(f"# prep by part, E = {e}: " + prep_parts(prep_args, reps), flush=True)
       if cfg.mosaic_gpu_backward:  # each row also printed as it comes (a run cut short keeps it)
-        parts.append((e, mosaic_backward_parts(cbw_args, reps, cfg)))
+        parts.append((e, mosaic_backward_parts(cbw_args[:15], x[0] if x else None, reps, cfg)))
         print(f"# chunk backward by part, E = {e}: " + " | ".join(parts[-1][1]), flush=True)
         if tails and cfg is default:
-          for row in tail_variants(cbw_args, reps):
+          for row in tail_variants(cbw_args[:15], reps):
             tail_rows.append(row)
             print("# tail " + row, flush=True)
   if parts:
@@ -394,19 +406,19 @@ def prep_parts(prep_args, reps):
           f"(Config.ut_kernel): {kernel}")
 
 
-def mosaic_backward_parts(cbw_args, reps, cfg):
+def mosaic_backward_parts(cbw_args, x, reps, cfg):
   """Table cells: the times of the parts of ``mosaic_backward.chunk_gradients`` (erase=True,
-  scale 0.1) under ``cfg`` (X from ``cbw_args``' 16th entry, the forward's, where it saved it;
-  the masks and their gradients in plain JAX)."""
+  scale 0.1) under ``cfg`` (``x``: X as the forward saved it, or None; the masks and their
+  gradients in plain JAX; the masks are not the op's backward's where ``Plan.saves_masks``)."""
   from triadic.pallas import masks
   from triadic.pallas import mosaic_backward as mb
-  q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args[:15]
+  q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args
   d, e_dim = q.shape[-1], k2_col.shape[-1]
   wgs = mb.slice_warpgroups(cfg.slice_warpgroups, d)
   pro = jax.jit(lambda a, du, gc_col, k2_col, q2_col, beta_col: (
       mb.rhs_gradient(a, du, True), mb.factor_rows(gc_col, k2_col, q2_col, beta_col)))
   drhs, _ = pro(a, du, gc_col, k2_col, q2_col, beta_col)
-  x = cbw_args[15] if len(cbw_args) > 15 else mb.x_from_states(k, v, st, k2_col, gc_col)
+  x = mb.x_from_states(k, v, st, k2_col, gc_col) if x is None else x
   label = f"{e_dim} slices, {wgs} warpgroup(s)"
   low = lambda y: y.astype(q.dtype)
 
@@ -447,7 +459,7 @@ def tail_variants(cbw_args, reps):
   """Table rows: ``mosaic_backward.tail`` (everything after the slice kernel), fused and split,
   under ``TAIL_VARIANTS`` (overrides of each one's ``mosaic_backward.TAIL_TILES``), in ms."""
   from triadic.pallas import mosaic_backward as mb
-  q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args[:15]
+  q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args
   e_dim = k2_col.shape[-1]
   drhs = mb.rhs_gradient(a, du, True)
   low = lambda y: y.astype(q.dtype)

@@ -55,7 +55,7 @@ def build(b, t, h, d, vdim, e, c, erase, seed=0):
   k2, q2, g, beta = (merge(kernel_layout(x.astype(jnp.float32), nc, c)) for x in args[3:7])
   h0, dht = merge(args[7]), merge(ds)
   do = merge(kernel_layout(do, nc, c)).astype(q.dtype)
-  gc_col, _, a, p, _ = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=CPU)
+  gc_col, _, a, p, _ = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=CPU)[:5]
   return (q, k, v, k2, q2, gc_col, beta, a, p, h0), do, dht
 
 

@@ -58,7 +58,7 @@ def backward_operands(b, t, h, d, vdim, e, erase, decay, c=64, seed=0):
   k2, q2, g, beta = (merge(kernel_layout(x.astype(jnp.float32), nc, c)) for x in args[3:7])
   h0, dht = merge(args[7]), merge(ds)
   do = merge(kernel_layout(do, nc, c)).astype(q.dtype)
-  gc_col, gc_row, a, p, _ = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=CPU)
+  gc_col, gc_row, a, p, _ = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=CPU)[:5]
   kw = dict(scale=SCALE, erase=erase, cfg=CPU)
   _, u, states, _ = recurrent.state_pass(q, k, v, k2, q2, gc_col, beta, a, p, h0, **kw)
   du, dstates, _ = recurrent.reverse_state_pass(q, k, do, k2, q2, gc_col, beta, a, p, dht, **kw)
@@ -195,6 +195,12 @@ def test_supported():
     mosaic_backward.chunk_gradients(x, x, x, x, x, x, jnp.zeros((1, 1, 1, 64, 64)),
                                    jnp.zeros((1, 1, 1, 64, 64)), *(jnp.zeros((1, 1, 64, 1)),) * 5,
                                    jnp.zeros((1, 1, 64, 1)), x, scale=1.0, erase=True)
+  with pytest.raises(ValueError, match=r"m \(the mask M\) must be given exactly when mq"):
+    x = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
+    mosaic_backward.chunk_gradients(x, x, x, x, x, x, jnp.zeros((1, 1, 1, 64, 64)),
+                                   jnp.zeros((1, 1, 1, 64, 64)), *(jnp.zeros((1, 1, 64, 1)),) * 5,
+                                   jnp.zeros((1, 1, 64, 1)), x, scale=1.0, erase=True,
+                                   mq=jnp.zeros((1, 1, 64, 64)))
   with pytest.raises(ValueError, match="slice_warpgroups"):
     Config("gpu", block_v=16, bwd_block_v=16, slice_warpgroups=3)
   with pytest.raises(ValueError, match="state_warpgroups"):
@@ -203,12 +209,17 @@ def test_supported():
 
 def test_hopper_op_matches_scan():
   """The whole op with the Hopper kernels (the Mosaic state passes and the slice kernel, reading
-  the X that the Mosaic forward saves: ``Plan.saves_x``; interpret mode, inside
-  ``triadic_pallas``'s custom_vjp) against the scan, bf16 bounds of ``test_triadic_pallas``;
-  E = 3 padded to 4."""
+  the X that the Mosaic forward saves: ``Plan.saves_x``, and at E = 4 the split tail reading the
+  masks M, M' the forward kept: ``Plan.saves_masks``; interpret mode, inside ``triadic_pallas``'s
+  custom_vjp) against the scan, bf16 bounds of ``test_triadic_pallas``; E = 3 padded to 4."""
   cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True)
   plan = pops.explain(64, 32, 3, 64, jnp.bfloat16, config=cfg)
   assert plan.mosaic_chunk_gradients and plan.saves_x(True) and not plan.saves_x(False)
+  assert plan.saves_masks and "kept from the forward" in plan.chunk_gradients.tiles
+  # The masks are kept only for the split tail, and only where the prep formed them in plain JAX.
+  for e, changes in ((2, {}), (3, {"save_masks": False}), (3, {"masks_in_prep": True})):
+    other = pops.explain(64, 32, e, 64, jnp.bfloat16, config=dataclasses.replace(cfg, **changes))
+    assert not other.saves_masks, (e, changes)
   fn = pops.chunk_gradients_kernel(cfg, *(jnp.zeros((1, 1, 64, n), dt) for n, dt in (
       (64, jnp.bfloat16), (32, jnp.bfloat16), (4, jnp.float32))))
   assert fn.func is mosaic_backward.chunk_gradients and fn.keywords["slice_warpgroups"] == 1

@@ -167,6 +167,8 @@ class Prep(NamedTuple):
   a: jax.Array            # (C, C) float32: the UT transform A (zeros without erase)
   p: jax.Array            # (C, C) in q's dtype: the intra-chunk read P
   a_operand: jax.Array    # (C, C) in q's dtype: A as the state passes' and A^T dU's operand
+  mq: jax.Array | None = None   # (C, C) float32: M' where formed in plain JAX, else None
+  m: jax.Array | None = None    # (C, C) float32: M likewise (None without erase)
 
 
 def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
@@ -184,7 +186,9 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
   passes' P U and P^T dO) casts it to that dtype, so a float32 P would only be written and read
   at twice the bytes; A's float32 values are read by the backward's UT-transform gradient, its
   other uses (the state passes, A^T dU) cast it, so the inverse writes that copy too instead of a
-  cast pass before each of them.
+  cast pass before each of them. Where the masks were formed in plain JAX (not
+  ``masks_in_kernel``), also M' and M (erase), float32 (BH, NC, C, C), for a backward that
+  reads them (``Plan.saves_masks``).
   """
   bh, nc, c, e_dim = g_col.shape
   d = q.shape[-1]
@@ -201,6 +205,7 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
   gc_row = jnp.swapaxes(gc_col, -1, -2)
   k2_row = jnp.swapaxes(k2_col, -1, -2).astype(F32)
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))
+  m = mq = None
   if masks_in_kernel:
     kernel = functools.partial(_prep_masks_kernel, c=c, e_dim=e_dim, erase=erase, dtype=q.dtype)
     operands = (k2_col, k2_row, q2_col, gc_col, gc_row)
@@ -222,10 +227,10 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
       num_warps=max(cfg.num_warps, c * c // 1024) if masks_in_kernel else None,
   )(q, k, beta_col, *operands)
   if not erase:
-    return Prep(gc_col, gc_row, lower, p, lower.astype(q.dtype))
+    return Prep(gc_col, gc_row, lower, p, lower.astype(q.dtype), mq=mq)
   if cfg.ut_kernel:
     a, a_operand = unit_lower_inverse_kernel(lower, cfg=cfg, low_dtype=q.dtype)
   else:
     a = unit_lower_inverse(lower)
     a_operand = a.astype(q.dtype)
-  return Prep(gc_col, gc_row, a, p, a_operand)
+  return Prep(gc_col, gc_row, a, p, a_operand, mq=mq, m=m)

@@ -622,7 +622,7 @@ def default_fused_tail(e: int) -> bool:
 
 
 def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
-         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, heads=None):
+         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, heads=None, mq=None, m=None):
   """Everything after the slice kernel. ``fused``: ``fused_tail_kernel``; else the masks M, M'
   (plain JAX), the E-independent tail kernel, and the per-slice mask gradients (plain JAX,
   ``masks.py``).
@@ -630,12 +630,14 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
   sums. Returns dq, dk (BH,NC,C,D) in q's dtype and, float32, dk2 column (C,E) and row (E,C)
   parts, dq2 (C,E), d gc column and row parts and dbeta (C,1). ``heads=H``: q, k, dO in and dq,
   dk out in the caller's (B, T, H, X) layout (the tail kernels' ``heads``); x and the rest keep
-  the kernel layout."""
+  the kernel layout. ``mq``, ``m``: M' and M (erase) as the forward formed them, for the split
+  tail (else formed here)."""
   if fused:
     return tuple(fused_tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef,
                                    dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
                                    scale=scale, erase=erase, cfg=cfg, heads=heads))
-  m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
+  if mq is None:
+    m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   dq, dk, dbeta, dmq, dm = tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a,
                                        scale=scale, erase=erase, cfg=cfg, heads=heads)
   dk2_col, dk2_row, dq2_col, dgc_col, dgc_row = masks.mask_grads(
@@ -645,7 +647,7 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
-                    heads=None, a_operand=None, interpret=False):
+                    heads=None, a_operand=None, mq=None, m=None, interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   (dq, dk (BH,NC,C,D) in q's dtype, the rest float32): dv (BH,NC,C,V), dk2 column and row parts
   ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
@@ -660,7 +662,9 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
 
   ``a_operand``: A in q's dtype as the prep wrote it (``chunk_prep.Prep``), for A^T dU (else A
   is cast here). ``x`` (erase only): X = V - sum_e diag(c_e) K S_e as the forward saved it
-  (without it, ``x_from_states`` forms it in plain JAX). ``slice_warpgroups``: the slice kernel's
+  (without it, ``x_from_states`` forms it in plain JAX). ``mq``, ``m`` (m with erase): M' and M
+  as the forward's prep formed them (``Plan.saves_masks``), read by the split tail instead of
+  forming them again. ``slice_warpgroups``: the slice kernel's
   warpgroups (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
   ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret mode for the slice kernel
   and Pallas interpret mode for the tail (CPU tests)."""
@@ -671,6 +675,10 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   reason = supported(d, vd, c, e_dim, q.dtype, erase, slice_warpgroups)
   if reason:
     raise ValueError(reason)
+  if (m is not None) != (mq is not None and erase):
+    raise ValueError("m (the mask M) must be given exactly when mq (M') is and erase is on, got "
+                     f"mq {'set' if mq is not None else None}, m {'set' if m is not None else None},"
+                     f" erase={erase}")
   beta = beta_col.astype(F32)
   drhs = rhs_gradient(a if a_operand is None else a_operand, du, erase)
   dv = beta * drhs
@@ -692,7 +700,7 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta = tail(
       q, k, low(x), do, low(u), low(du), low(drhs), dqp, dkp, dcoef, dqcoef, dkcoef, dlam,
       k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a, scale=scale, erase=erase,
-      cfg=tail_config(interpret, fused), fused=fused, heads=heads)
+      cfg=tail_config(interpret, fused), fused=fused, heads=heads, mq=mq, m=m)
   if heads is not None:
     dv = token_major(dv, bh // heads, heads)
   return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta

@@ -6,8 +6,9 @@ loop per value block; saves chunk-start states and U). Backward (``jax.custom_vj
 state pass (chunk-end state gradients and dU) -> the chunk-parallel backward (every input
 gradient). Only the inputs, gc, A (float32 for the UT-transform gradient, and a copy in the
 inputs' dtype for the matmuls that take it), P, U and the chunk-start states are kept from the
-forward (and X = V - sum_e diag(c_e) K S_e where the Hopper backward reads it: ``Plan.saves_x``);
-M, M', K K^T and Q K^T are recomputed. What passes between kernels in float32 is only what some
+forward (and X = V - sum_e diag(c_e) K S_e where the Hopper backward reads it: ``Plan.saves_x``;
+M and M' where its split tail reads them: ``Plan.saves_masks``); K K^T and Q K^T are recomputed,
+and M, M' elsewhere. What passes between kernels in float32 is only what some
 float32 arithmetic reads: U, dU (with erase) and P are stored in the inputs' dtype, since their
 every use is a matmul operand in it. Which kernel runs each stage is decided in one place,
 ``plan.resolve`` (``explain`` shows it for given sizes).
@@ -50,7 +51,6 @@ The ``jax.custom_vjp`` stays outside them (custom_partitioning defines no deriva
 from __future__ import annotations
 
 import functools
-import itertools
 from typing import NamedTuple
 
 import jax
@@ -151,8 +151,9 @@ def _split(x, b, h):
 
 class Residuals(NamedTuple):
   """What the backward keeps from the forward besides the inputs it reads back (``_READ_BACK``),
-  each with leading (B, H) (shapes below after those). M, M', K K^T and Q K^T are recomputed
-  instead. Field names are also the operand names of the partitioned functions (``_DIMS``)."""
+  each with leading (B, H) (shapes below after those). K K^T and Q K^T are recomputed instead,
+  and so are M, M' where the plan does not keep them (``_OPTIONAL``). Field names are also the
+  operand names of the partitioned functions (``_DIMS``)."""
   gc_col: jax.Array            # (NC, C, E) float32: the log decay summed within each chunk
   gc_row: jax.Array            # (NC, E, C) float32: gc transposed
   a: jax.Array                 # (NC, C, C) float32: the UT transform A (``chunk_prep``)
@@ -161,6 +162,8 @@ class Residuals(NamedTuple):
   u: jax.Array                 # (NC, C, V) in q's dtype: U from the forward state pass
   states: jax.Array            # (NC, E, D, V) in q's dtype: every chunk's start state
   x: jax.Array | None = None   # (NC, C, V) in q's dtype where ``Plan.saves_x``, else None
+  mq: jax.Array | None = None  # (NC, C, C) float32: M' where ``Plan.saves_masks``, else None
+  m: jax.Array | None = None   # (NC, C, C) float32: M likewise, with erase
 
 
 # Every array operand and result of the partitioned forward and backward by name, with its dims
@@ -179,7 +182,8 @@ _DIMS = {
     # the residuals (``Residuals``)
     "gc_col": "b h n c e", "gc_row": "b h n e c", "a": "b h n c s", "p": "b h n c s",
     "a_operand": "b h n c s",
-    "u": "b h n c v", "states": "b h n e d v", "x": "b h n c v",
+    "u": "b h n c v", "states": "b h n e d v", "x": "b h n c v", "mq": "b h n c s",
+    "m": "b h n c s",
 }
 # With ``Plan``'s token-major layout (``plan.layout``) q, k, v, o and their gradients stay in the
 # caller's (B, T, H, X): t the token axis, whole on every device like n and c.
@@ -192,6 +196,7 @@ _REPLICATED = tuple(dict.fromkeys(f for table in (_DIMS, _TOKEN_MAJOR_DIMS)
 
 _INPUTS = ("q", "k", "v", "k2", "q2", "g", "beta", "h0")   # of ``_core`` and the forward
 _READ_BACK = ("q", "k", "v", "k2", "q2", "beta")           # the inputs the backward reads
+_OPTIONAL = ("x", "mq", "m")   # the residuals a plan may keep or not (``_saved``), in this order
 
 
 def _dims(name: str, token_major: bool = False) -> str:
@@ -206,14 +211,14 @@ def _rule(operands, results, token_major: bool = False) -> str:
   return f"{dims(operands)} -> {dims(results)}"
 
 
-def _signatures(saves_x: bool):
+def _signatures(saved: tuple[str, ...]):
   """((operands, results), (operands, results)): the names, in order, of the partitioned forward
-  and backward, with X saved or not (``Plan.saves_x``). X comes last in the forward's results and
-  in the backward's operands, so that the two variants differ only by that tail."""
-  residuals = tuple(name for name in Residuals._fields if name != "x")
-  x = ("x",) if saves_x else ()
-  forward = (_INPUTS, ("o", "ht", *residuals, *x))
-  backward = ((*_READ_BACK, *residuals, "do", "dht", *x), tuple("d" + n for n in _INPUTS))
+  and backward, keeping the ``saved`` ones of the optional residuals (``_OPTIONAL``, ``_saved``).
+  They come last in the forward's results and in the backward's operands, so that the variants
+  differ only by that tail."""
+  residuals = tuple(name for name in Residuals._fields if name not in _OPTIONAL)
+  forward = (_INPUTS, ("o", "ht", *residuals, *saved))
+  backward = ((*_READ_BACK, *residuals, "do", "dht", *saved), tuple("d" + n for n in _INPUTS))
   return forward, backward
 
 
@@ -264,28 +269,31 @@ def chunk_gradients_kernel(cfg, q, v, k2, heads=None):
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 
-def _forward(scale, erase, cfg, heads, *, saves_x, q, k, v, k2, q2, g, beta, h0):
+def _forward(scale, erase, cfg, heads, *, saved, q, k, v, k2, q2, g, beta, h0):
   """Forward kernels on (B, H, NC, C, X) operands and h0 (B, H, E, D, V), or with ``heads`` q,
   k, v in the caller's (B, T, H, X) (``plan.layout``): chunk prep, then the forward state pass
   (over pieces of the sequence where the plan says). Returns o (in q's layout), the final state
-  ht and the ``Residuals`` fields by name, all with leading (B, H); x only where ``saves_x``."""
+  ht and the ``Residuals`` fields by name, all with leading (B, H); of the optional ones
+  (``_OPTIONAL``) only the ``saved`` ones."""
   b, h = k2.shape[:2]
   tok = _merge if heads is None else (lambda x: x)      # the per-token operands' layout
   q, k, v, k2, q2, g, beta, h0 = (tok(q), tok(k), tok(v), *map(_merge, (k2, q2, g, beta, h0)))
   prep = chunk_prep(q, k, k2_col=k2, q2_col=q2, g_col=g, beta_col=beta, erase=erase, cfg=cfg,
                     heads=heads, masks_in_kernel=_plan(cfg, q, v, k2).masks_in_prep)
-  forward = state_pass_kernels(cfg, q, v, k2, save_x=saves_x, heads=heads)[0]
+  forward = state_pass_kernels(cfg, q, v, k2, save_x="x" in saved, heads=heads)[0]
   o, u, *x, states, ht = pieces.state_pass(
       forward, sequence_pieces(cfg, q, v, k2), q=q, k=k, v=v, k2=k2, q2=q2, gc=prep.gc_col,
       beta=beta, a=prep.a_operand, p=prep.p, h0=h0, g=g, scale=scale, erase=erase, heads=heads)
-  residuals = Residuals(**prep._asdict(), u=u, states=states, x=x[0] if x else None)
+  kept = dict(x=x[0] if x else None, mq=prep.mq, m=prep.m)
+  residuals = Residuals(**prep._asdict() | {name: kept[name] if name in saved else None
+                                             for name in _OPTIONAL}, u=u, states=states)
   o = o if heads is not None else _split(o, b, h)
   return {"o": o, **{name: None if y is None else _split(y, b, h)
                      for name, y in dict(ht=ht, **residuals._asdict()).items()}}
 
 
 def _backward(scale, erase, cfg, heads, *, q, k, v, k2, q2, beta, gc_col, gc_row, a, p,
-              a_operand, u, states, do, dht, x=None):
+              a_operand, u, states, do, dht, x=None, mq=None, m=None):
   """Backward kernels on the inputs read back, the ``Residuals`` fields and the cotangents (do,
   dht), all with leading (B, H), or with ``heads`` q, k, v and do in the caller's (B, T, H, X):
   the reverse state pass (chunk-end state gradients and dU), then the chunk-parallel backward.
@@ -298,8 +306,9 @@ def _backward(scale, erase, cfg, heads, *, q, k, v, k2, q2, beta, gc_col, gc_row
   k2, q2, beta, gc_col, gc_row, a, p, a_operand, u, states = map(
       _merge, (k2, q2, beta, gc_col, gc_row, a, p, a_operand, u, states))
   do, dht = tok(do), _merge(dht)
-  # Only the Mosaic chunk-parallel backward takes X (``Plan.saves_x``) and A's operand copy.
-  mosaic_only = {} if x is None else {"x": _merge(x)}
+  # Only the Mosaic chunk-parallel backward takes X (``Plan.saves_x``), the masks
+  # (``Plan.saves_masks``) and A's operand copy.
+  mosaic_only = {name: _merge(y) for name, y in dict(x=x, mq=mq, m=m).items() if y is not None}
   if _plan(cfg, q, v, k2).mosaic_chunk_gradients:
     mosaic_only["a_operand"] = a_operand
   backward = state_pass_kernels(cfg, q, do, k2, heads=heads)[1]
@@ -356,41 +365,44 @@ class _Stage:
     return dict(zip(self.results, out, strict=True))
 
 
-def _make_stages(saves_x: bool, partitioned: bool, token_major: bool) -> tuple[_Stage, _Stage]:
-  (fwd_operands, fwd_results), (bwd_operands, bwd_results) = _signatures(saves_x)
+@functools.cache
+def _make_stages(saved: tuple[str, ...], partitioned: bool, token_major: bool
+                 ) -> tuple[_Stage, _Stage]:
+  (fwd_operands, fwd_results), (bwd_operands, bwd_results) = _signatures(saved)
   kw = dict(partitioned=partitioned, token_major=token_major)
-  return (_Stage(functools.partial(_forward, saves_x=saves_x), fwd_operands, fwd_results, **kw),
+  return (_Stage(functools.partial(_forward, saved=saved), fwd_operands, fwd_results, **kw),
           _Stage(_backward, bwd_operands, bwd_results, **kw))
 
 
-_STAGES = {key: _make_stages(*key) for key in itertools.product((False, True), repeat=3)}
-
-
-def _stages(cfg, saves_x: bool, heads) -> tuple[_Stage, _Stage]:
-  """The forward and backward, the forward saving X or not (``Plan.saves_x``), token-major or not
-  (``heads``): custom-partitioned (their rules with or without X), or the plain functions when
-  the kernels run as host callbacks (Mosaic GPU interpret mode on a CPU), which
-  custom_partitioning cannot lower. On one device the two compile to the same program."""
+def _stages(cfg, saved: tuple[str, ...], heads) -> tuple[_Stage, _Stage]:
+  """The forward and backward, the forward keeping the ``saved`` optional residuals
+  (``_saved``), token-major or not (``heads``): custom-partitioned (their rules with those
+  residuals), or the plain functions when the kernels run as host callbacks (Mosaic GPU
+  interpret mode on a CPU), which custom_partitioning cannot lower. On one device the two compile
+  to the same program."""
   host_callbacks = (cfg.mosaic_gpu or cfg.mosaic_gpu_backward) and cfg.platform == "cpu"
-  return _STAGES[saves_x, not host_callbacks, heads is not None]
+  return _make_stages(saved, not host_callbacks, heads is not None)
 
 
-def _saves_x(cfg, q, v, k2, erase) -> bool:
-  """``Plan.saves_x`` for the (B, H, NC, C, X) operands."""
-  return _plan(cfg, q, v, k2).saves_x(erase)
+def _saved(cfg, q, v, k2, erase) -> tuple[str, ...]:
+  """The optional residuals (``_OPTIONAL``) the plan keeps for the (B, H, NC, C, X) operands: X
+  (``Plan.saves_x``), M' and, with erase, M (``Plan.saves_masks``)."""
+  plan = _plan(cfg, q, v, k2)
+  masks = ("mq", "m") if erase else ("mq",)
+  return ("x",) * plan.saves_x(erase) + masks * plan.saves_masks
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def _core(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg, heads):
-  # Not differentiated: nothing needs X.
-  out = _stages(cfg, False, heads)[0](scale, erase, cfg, heads, q=q, k=k, v=v, k2=k2, q2=q2,
-                                      g=g, beta=beta, h0=h0)
+  # Not differentiated: nothing needs the optional residuals.
+  out = _stages(cfg, (), heads)[0](scale, erase, cfg, heads, q=q, k=k, v=v, k2=k2, q2=q2,
+                                   g=g, beta=beta, h0=h0)
   return out["o"], out["ht"]
 
 
 def _core_fwd(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg, heads):
   """(o, ht) and, for ``_core_bwd``, the inputs it reads back by name and the ``Residuals``."""
-  forward = _stages(cfg, _saves_x(cfg, q, v, k2, erase), heads)[0]
+  forward = _stages(cfg, _saved(cfg, q, v, k2, erase), heads)[0]
   out = forward(scale, erase, cfg, heads, q=q, k=k, v=v, k2=k2, q2=q2, g=g, beta=beta, h0=h0)
   read_back = {"q": q, "k": k, "v": v, "k2": k2, "q2": q2, "beta": beta}
   residuals = Residuals(**{name: out.get(name) for name in Residuals._fields})
@@ -399,10 +411,11 @@ def _core_fwd(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg, heads):
 
 def _core_bwd(scale, erase, cfg, heads, saved, cotangents):
   """The gradients of ``_core``'s eight array inputs, in its order, by the backward that takes
-  the X the forward saved, if it saved one."""
+  the optional residuals the forward saved."""
   read_back, residuals = saved
   do, dht = cotangents
-  backward = _stages(cfg, residuals.x is not None, heads)[1]
+  backward = _stages(cfg, tuple(n for n in _OPTIONAL if getattr(residuals, n) is not None),
+                     heads)[1]
   arrays = {name: y for name, y in residuals._asdict().items() if y is not None}
   grads = backward(scale, erase, cfg, heads, **read_back, **arrays, do=do, dht=dht)
   return tuple(grads["d" + name] for name in _INPUTS)

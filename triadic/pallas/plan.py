@@ -41,6 +41,7 @@ class Plan:
   backward_states: Stage
   chunk_gradients: Stage
   masks_in_prep: bool = False     # the prep kernel forms M, M' itself (``Config.masks_in_prep``)
+  saves_masks: bool = False       # the forward keeps M', M for the split tail (``Config.save_masks``)
 
   @property
   def stages(self) -> tuple[Stage, ...]:
@@ -108,7 +109,14 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
     bwd_states = Stage("backward_states", base, tiles, state_reason)
 
   fused = (mosaic_backward.default_fused_tail(e) if cfg.fused_tail is None else cfg.fused_tail)
-  tail = "fused tail" if fused else "tail between JAX mask work"
+  # The split tail reads M', M; where the prep formed them in plain JAX the forward keeps them.
+  if refused is None:
+    keep = "M, M' formed again: the prep kernel formed its own"
+  elif cfg.save_masks:
+    keep = "M, M' kept from the forward: Config.save_masks"
+  else:
+    keep = "M, M' formed again: Config.save_masks off"
+  tail = "fused tail" if fused else f"tail between JAX mask work ({keep})"
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
   slice_wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
@@ -124,7 +132,9 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   else:
     chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
-  plan = Plan(sizes, prep, forward, bwd_states, chunk_bwd, masks_in_prep=refused is None)
+  saves_masks = (cb_reason is None and not fused and refused is not None and cfg.save_masks)
+  plan = Plan(sizes, prep, forward, bwd_states, chunk_bwd, masks_in_prep=refused is None,
+              saves_masks=saves_masks)
   _log_once(plan)
   return plan
 
