@@ -76,12 +76,20 @@ def check_against_scan(b, t, h, d, vdim, e, chunk, erase, decay, dtype, config=N
   """impl="pallas" (or ``config``) against scan on the same values (bf16 inputs rounded, then
   float32): outputs, final state and all eight gradients within ``PALLAS_BOUNDS[dtype]``."""
   args, do, ds = make_grad_inputs(0, b, t, h, d, vdim, e, decay=decay, dtype=dtype)
-  grads, (o, s) = value_and_grads("pallas", args, do, ds, erase=erase, chunk_size=chunk,
-                                  config=config)
+  got = value_and_grads("pallas", args, do, ds, erase=erase, chunk_size=chunk, config=config)
+  assert_matches_scan(got, args, do, ds, erase=erase, chunk_size=chunk)
+
+
+def assert_matches_scan(got, args, do, ds, *, erase, chunk_size):
+  """``got``, ``value_and_grads``' result for ``args`` (in one dtype), against the scan's on the
+  same values (bf16 inputs rounded, then float32): outputs, final state and all eight gradients
+  within ``PALLAS_BOUNDS`` of the inputs' dtype."""
+  grads, (o, s) = got
+  dtype = args[0].dtype
   ref_args = [x.astype(jnp.float32) for x in args]
   ref_grads, (o_ref, s_ref) = value_and_grads("scan", ref_args, do, ds, erase=erase,
-                                              chunk_size=chunk)
-  bound = PALLAS_BOUNDS[dtype]
+                                              chunk_size=chunk_size)
+  bound = PALLAS_BOUNDS[dtype.type]
   assert o.dtype == dtype and o.shape == o_ref.shape
   assert s.dtype == jnp.float32 and s.shape == s_ref.shape
   assert rel_rms(o, o_ref) < bound["out"], rel_rms(o, o_ref)

@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from testkit import rel_rms
-from testkit.triadic import (bf16_transposes, check_against_scan, cuda_lowering_text,
-                             make_grad_inputs, value_and_grads)
+from testkit.triadic import (assert_matches_scan, bf16_transposes, check_against_scan,
+                             cuda_lowering_text, make_grad_inputs, value_and_grads)
 from triadic.pallas import ops as pops
 from triadic.pallas import pieces
 from triadic.pallas.common import Config
@@ -94,7 +94,7 @@ def test_token_major_pieces_match_kernel_layout():
   for x, y in zip(jax.tree.leaves(got), jax.tree.leaves(want), strict=True):
     assert x.shape == y.shape and x.dtype == y.dtype
     assert rel_rms(x, y) < 1e-5, f"rel RMS {rel_rms(x, y):.2e}"
-  check_against_scan(b, t, h, d, vdim, e, 64, True, decay, jnp.bfloat16, config=cfg)
+  assert_matches_scan(got, args, do, ds, erase=True, chunk_size=64)
 
 
 def test_choose():

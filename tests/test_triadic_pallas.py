@@ -32,8 +32,9 @@ from jax.extend import core as jex_core
 
 from testkit import rel_rms
 from testkit.devices import run_on_four_devices
-from testkit.triadic import (NAMES, PALLAS_BOUNDS, bf16_transposes, check_against_scan,
-                             cuda_lowering_text, make_grad_inputs, value_and_grads)
+from testkit.triadic import (NAMES, PALLAS_BOUNDS, assert_matches_scan, bf16_transposes,
+                             check_against_scan, cuda_lowering_text, make_grad_inputs,
+                             value_and_grads)
 from triadic import triadic_gdn
 from triadic.pallas import ops as pops
 from triadic.pallas import recurrent
@@ -183,7 +184,7 @@ def test_token_major_matches_kernel_layout(e, erase, fused_tail):
                         jax.tree.leaves(want), strict=True):
     assert x.shape == y.shape and x.dtype == y.dtype, name
     assert rel_rms(x, y) < 1e-5, f"{name}: rel RMS {rel_rms(x, y):.2e}"
-  check_against_scan(b, t, h, d, vdim, e, 64, erase, 1.0, jnp.bfloat16, config=cfg)
+  assert_matches_scan(got, args, do, ds, erase=erase, chunk_size=64)
 
 
 def test_token_major_layout_reasons():
