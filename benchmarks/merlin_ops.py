@@ -15,6 +15,18 @@ each impl (moments "scan" for impl "scan", else "parallel"), the compiled progra
 memory (XLA ``memory_analysis``) and the relative-RMS distance of each impl's output to the first
 impl's. Every table names the machine, and the op table prints the plan "auto" would follow.
 
+``--parts`` prints instead, per T (and per erase setting, ``--erase``), where the pallas impl's
+time goes: its plain-JAX float32 intra-chunk part (``intra_chunk``, forward and forward+backward
+by ``jax.vjp``), the kernels' forward (state pass + readout) and backward (reverse pass + chunk
+gradients), each kernel launch alone, the whole op, and the glue (the op less those parts), each
+called as the op calls it (``merlin.pallas.ops``' stages) and beside its floor (``part_costs``)
+and its share of the op. On a GPU, both erase settings at B = 1, T = 16384 and B = 8,
+T = 2048:
+
+    for bt in "1 16384" "8 2048"; do set -- $bt; python benchmarks/merlin_ops.py --parts \
+        --erase both --dtype bfloat16 --B $1 --T $2 --H 16 --D 128 --V 128 --R 128 \
+        --segment-len 256 --chunk 64 --repeats 10; done
+
 On a CPU shared with other jobs, XLA's multi-threaded kernels stall under oversubscription (the
 chunked form, which has the larger parallel ops, by up to 100x); pin one core for stable numbers:
 
@@ -24,7 +36,9 @@ chunked form, which has the larger parallel ops, by up to 100x); pin one core fo
 from __future__ import annotations
 
 import argparse
+import functools
 import os
+import re
 import sys
 import time
 
@@ -40,8 +54,13 @@ import numpy as np  # noqa: E402
 
 import merlin  # noqa: E402
 from benchmarks.common import ceilings, machine  # noqa: E402
+from merlin.chunked import intra_chunk  # noqa: E402
+from merlin.pallas import kernels as merlin_kernels  # noqa: E402
+from merlin.pallas import ops as merlin_pallas  # noqa: E402
 from merlin.pallas import plan as merlin_plan  # noqa: E402
+from merlin.segments import visible  # noqa: E402
 from triadic import triadic_gdn  # noqa: E402
+from triadic.ops import clamp_log_decay  # noqa: E402
 
 
 def moments_impl(impl):
@@ -136,7 +155,7 @@ def multistate_cost(b, t, h, d, vd, r, segment_len, c, *, erase=True, aggregator
   head, with n_i visible segment states at chunk i (n_i = i C // L + 1):
 
     intra-chunk (as the single state)   Q K^T and P Uv, 2 C^2 D + 2 C^2 V; with erase also
-                                        K K^T, A [V | K] and P W, 2 C^2 (2 D + V)
+                                        K K^T, A [V | K] and P W, 2 C^2 (3 D + V)
     state stack                         erase: W S and Kw^T (W S) for every visible state,
                                         4 n_i C D V; the read Qe S over the stack, 2 n_i C D V;
                                         the current state's write Kw^T Uv, 2 C D V
@@ -150,7 +169,7 @@ def multistate_cost(b, t, h, d, vd, r, segment_len, c, *, erase=True, aggregator
   vis = sum(i * c // segment_len + 1 for i in range(n_chunks))   # sum over chunks of n_i
   per_head = n_chunks * (2 * c * c * d + 2 * c * c * vd)
   if erase:
-    per_head += n_chunks * 2 * c * c * (2 * d + vd) + vis * 4 * c * d * vd
+    per_head += n_chunks * 2 * c * c * (3 * d + vd) + vis * 4 * c * d * vd
   per_head += vis * 2 * c * d * vd + n_chunks * 2 * c * d * vd
   if aggregator in ("merlin", "meanpool"):
     quad = r * r if aggregator == "merlin" else 0
@@ -161,6 +180,63 @@ def multistate_cost(b, t, h, d, vd, r, segment_len, c, *, erase=True, aggregator
   if aggregator in ("merlin", "meanpool"):
     per_token += 2 * r + 1
   return flops, b * t * h * per_token * itemsize
+
+
+def _pow2(n):
+  """The kernels' padded width of a D or V dim (``merlin.pallas.ops``)."""
+  return max(16, 1 << (n - 1).bit_length())
+
+
+def part_costs(b, t, h, d, vd, segment_len, c, *, erase=True, itemsize=4, block_v=32):
+  """{stage: (FLOPs, HBM bytes)} of the pallas op's stages as it runs them: "intra_chunk" (its
+  forward) and each kernel launch, forward ones first. FLOPs count the matmuls as 2 m n k
+  (``intra_chunk`` also the UT inverse's block merges, 2 C s^2 per level of s x s blocks); bytes
+  count every operand of the stage read once and every result written once, in the dtypes and
+  padded widths the op passes them (float32 in and out of ``intra_chunk``; the kernels' Qe, W, Kw,
+  Uv, dO, stored states, output and matrix gradients in the input dtype; gamma, lam, intra, own,
+  dlam float32). So a stage's floor is that of the stage as the op splits the work (stored states
+  included), where ``multistate_cost``'s is the algorithm's. Per head, with VIS the visible
+  (segment, chunk) pairs (``kernels.num_visible``) and one product a (C, D) x (D, V) one:
+
+    state pass (erase)      W S and Kw^T (W S) per visible pair, Kw^T Uv per chunk
+    write pass (no erase)   Kw^T Uv per chunk
+    readout                 (lam Qe) S per visible pair
+    reverse pass            erase: Kw dS, W^T (Kw dS), (lam Qe)^T dO per visible pair; no erase:
+                            (lam Qe)^T dO per visible pair, Kw dS and Uv dS^T per chunk
+    chunk gradients         dO S^T, Qe S, W S, (W S) dS^T, Kw dS, (Kw dS) S^T per visible pair,
+                            Uv dS^T per chunk
+    read gradients          dO S^T, Qe S per visible pair
+
+  ``block_v``: the no-erase reverse pass stores its partial dKw and dgamma per value block."""
+  nc = -(-t // c)
+  cps = segment_len // c
+  ns = -(-nc // cps)
+  vis = merlin_kernels.num_visible(nc, cps)
+  dp, vp, it, f = _pow2(d), _pow2(vd), itemsize, 4
+  tok, mm, state = nc * c, 2 * c * d * vd, itemsize * _pow2(d) * _pow2(vd)
+  lam, gam = f * ns * tok, f * nc
+  n, size, ut = 1 << (c - 1).bit_length(), min(16, c), 0
+  while size < n:
+    ut, size = ut + 2 * n * size * size, 2 * size
+  intra = 2 * c * c * (d + vd) + (2 * c * c * (3 * d + vd) + ut if erase else 0)
+  costs = {"intra_chunk": (nc * intra, f * tok * (2 * d + vd + 2)
+                           + f * (tok * (2 * vd + (3 if erase else 2) * d) + nc))}
+  if erase:
+    costs["state pass"] = (vis * 2 * mm + nc * mm, it * tok * (2 * dp + vp) + gam + vis * state)
+    costs["readout"] = (vis * mm, it * tok * (dp + vp) + lam + vis * state + f * tok * (vp + 1))
+    costs["reverse pass"] = (vis * 3 * mm,
+                             it * tok * (3 * dp + 2 * vp) + lam + gam + vis * state)
+    costs["chunk gradients"] = (vis * 6 * mm + nc * mm, it * tok * (6 * dp + 2 * vp) + 2 * lam
+                                + gam + 2 * vis * state)
+  else:
+    nv = vp // min(block_v, vp)
+    ends = (nc + ns) * state
+    costs["write pass"] = (nc * mm, it * tok * (dp + vp) + gam + ends)
+    costs["readout"] = (vis * mm, it * tok * (dp + vp) + lam + ends + f * tok * (vp + 1))
+    costs["reverse pass"] = (vis * mm + nc * 2 * mm, it * tok * (2 * dp + 3 * vp) + lam + gam
+                             + nc * state + f * nv * (tok * dp + nc))
+    costs["read gradients"] = (vis * 2 * mm, it * tok * (2 * dp + vp) + 2 * lam + ends)
+  return {k: (b * h * fl, b * h * by) for k, (fl, by) in costs.items()}
 
 
 def measure(fn, args, repeats):
@@ -177,17 +253,21 @@ def measure(fn, args, repeats):
   return float(np.median(times)), (np.nan if temp is None else temp / 2 ** 20), out
 
 
-def fwd_and_fwd_bwd(fn, args, cot, repeats, backward):
+def fwd_and_fwd_bwd(fn, args, cot, repeats, backward, keep_output=False):
   """(fwd s, f+b s, f+b temp MiB, output) of fn(*args); the f+b is the gradient of sum(cot * o)
-  with respect to every array argument."""
+  with respect to every array argument and, with ``keep_output``, o too, as a training step needs
+  it (without, XLA drops whatever only o needs: the pallas op's readout kernel)."""
   fwd, _, out = measure(fn, args, repeats)
   if not backward:
     return fwd, np.nan, np.nan, out
   # cot is an argument, not a closure: a captured array would be a constant of the program,
   # which XLA then folds at compile time.
-  loss = lambda cot, *a: jnp.sum(cot * fn(*a).astype(jnp.float32))
-  fb, mem, _ = measure(jax.grad(loss, argnums=tuple(range(1, len(args) + 1))), (cot, *args),
-                       repeats)
+  def loss(cot, *a):
+    o = fn(*a)
+    return jnp.sum(cot * o.astype(jnp.float32)), o
+
+  grad = jax.grad(loss, argnums=tuple(range(1, len(args) + 1)), has_aux=True)
+  fb, mem, _ = measure(grad if keep_output else lambda *a: grad(*a)[0], (cot, *args), repeats)
   return fwd, fb, mem, out
 
 
@@ -266,6 +346,168 @@ def pipeline_table(args, lengths, n, dtype, floor_ms):
       print(" | ".join(fmt(v) for v in vals), flush=True)
 
 
+def hlo_census(fn, args):
+  """{opcode: count} of the instructions that launch work in fn's optimized HLO: those of every
+  computation but fused ones and reducers, less parameters, constants, tuples and bitcasts (a
+  while loop's body counted once, not per trip)."""
+  text = jax.jit(fn).lower(*args).compile().as_text()
+  inner = set(re.findall(r"(?:calls|to_apply)=%?([\w.-]+)", text))
+  counts, skip = {}, False
+  for line in text.splitlines():
+    head = re.match(r"(?:ENTRY\s+)?%?([\w.-]+)\s.*\{\s*$", line)
+    if head and not line[0].isspace():
+      skip = head.group(1) in inner
+      continue
+    op = re.match(r"\s+(?:ROOT\s+)?%?[\w.-]+\s*=\s*.*?\s([a-z][a-z0-9-]*)\(", line)
+    if op and not skip and op.group(1) not in ("parameter", "constant", "tuple",
+                                               "get-tuple-element", "bitcast"):
+      counts[op.group(1)] = counts.get(op.group(1), 0) + 1
+  return counts
+
+
+def census_line(counts):
+  fusions, calls, loops = (counts.get(k, 0) for k in ("fusion", "custom-call", "while"))
+  rest = sum(counts.values()) - fusions - calls - loops
+  return f"{fusions} fusions, {calls} custom calls, {loops} while loops, {rest} other"
+
+
+PART_ROWS = {True: ("state pass", "readout", "reverse pass", "chunk gradients"),
+             False: ("write pass", "readout", "reverse pass", "read gradients")}
+
+
+def parts_table(args, t, dtype, erase, floor_ms):
+  """Where the pallas op's time goes at length t: its stages timed alone on the operands the op
+  hands them (``merlin.pallas.ops``: ``chunk_inputs`` -> ``intra_chunk`` -> ``kernel_operands``
+  -> ``kernels_forward``; backward ``kernels_backward``), each kernel launch alone, the whole op,
+  and the glue: the op less its stages (relayouts, casts, lam's layout, the output cotangent's
+  dO, the autodiff of the plain-JAX steps around the stages). A stage's f+b is its time in the
+  op's forward+backward: the kernels' forward runs in both, their backward only in the f+b; the
+  intra-chunk part's f+b is ``jax.vjp`` with random cotangents on the results the op uses. The
+  op's f+b returns o with the gradients, as a training step needs it; "op, grads only" is the op
+  table's f+b, the gradients alone, for which XLA drops the readout kernel (and intra's P Uv)."""
+  b, h, d, vd, seg = args.B, args.H, args.D, args.V, args.segment_len
+  plan = merlin_plan.resolve("pallas", d=d, segment_len=seg, chunk_size=args.chunk,
+                             documents=False)
+  c, cfg, scale = plan.chunk_size, plan.config, float(d ** -0.5)
+  cps, n, nan = seg // c, -(-t // seg), float("nan")
+  x = inputs(jax.random.PRNGKey(t), b, t, h, d, vd, args.R, n, dtype)
+  lam = jax.jit(lambda x: weights("merlin", x, seg, n, "parallel"))(x)
+  op_args = (x["q"], x["k"], x["v"], x["g"], x["beta"], lam)
+  keys = iter(jax.random.split(jax.random.PRNGKey(2), 8))
+  normal = lambda y: jax.random.normal(next(keys), y.shape, y.dtype)
+  repeats = args.repeats
+  times = {}
+
+  def op(q, k, v, g, beta, lam):
+    return merlin.multistate_attention(q, k, v, g, beta, lam, segment_len=seg, erase=erase,
+                                       impl="pallas", chunk_size=c)
+
+  def stage_inputs(q, k, v, g, beta, lam):  # as multistate_attention hands them on
+    lam = jnp.where(visible(t, seg, n)[:, None, :], lam.astype(jnp.float32), 0.0)
+    return merlin_pallas.chunk_inputs(q, k, v, clamp_log_decay(g), beta, lam, segment_len=seg,
+                                      chunk_size=c)
+
+  cot = jax.random.normal(jax.random.PRNGKey(1), (b, t, h, vd))
+  # the whole op first, while no stage's arrays hold device memory
+  times["op"] = fwd_and_fwd_bwd(op, op_args, cot, repeats, True, keep_output=True)[:2]
+  times["op, grads only"] = (nan, fwd_and_fwd_bwd(op, op_args, cot, repeats, True)[1])
+  qc, kc, vc, gc, betac, lamc = jax.jit(stage_inputs)(*op_args)
+  intra_args = (qc, kc, vc, gc, betac)
+  intra_fn = lambda *a: intra_chunk(*a, erase)[:6]  # uv, w, qe, kw, gam, intra: what the op uses
+  def intra_vjp(cot, *a):  # its results too, as the op's f+b needs them
+    out, pullback = jax.vjp(intra_fn, *a)
+    return out, pullback(cot)
+
+  fwd, _, intra_out = measure(intra_fn, intra_args, repeats)
+  intra_cot = jax.tree.map(normal, intra_out)
+  times["intra_chunk"] = (fwd, measure(intra_vjp, (intra_cot, *intra_args), repeats)[0])
+  census = [census_line(hlo_census(fn, a)) for fn, a in ((intra_fn, intra_args),
+                                                         (intra_vjp, (intra_cot, *intra_args)))]
+
+  mats = jax.jit(functools.partial(merlin_pallas.kernel_operands, cps=cps, erase=erase,
+                                   dtype=dtype))(*intra_out, gc, lamc)
+  kfwd, _, (_, *states) = measure(
+      functools.partial(merlin_pallas.kernels_forward, cps, erase, cfg, scale), mats, repeats)
+  vp = mats[-5].shape[-1]  # uv, padded
+  do = jnp.pad(normal(mats[-2]), [(0, 0)] * 4 + [(0, vp - vd)])  # dO as _attend_bwd pads it
+  kbwd = measure(functools.partial(merlin_pallas.kernels_backward, cps, erase, cfg),
+                 (*mats[:-2], *states, do), repeats)[0]
+  times["kernels fwd"], times["kernels bwd"] = (kfwd, kfwd), (nan, kbwd)
+
+  # each launch alone, on the operands as _forward and _backward lay them out
+  merge = lambda y: y.reshape(y.shape[0] * y.shape[1], *y.shape[2:])
+  (kmats, gam, lam_k), (intra, own), states, do = jax.jit(lambda mats, states, do: (
+      merlin_pallas.kernel_layout(mats[:-2]), merlin_pallas.readout_layout(*mats[-2:], vp),
+      [merge(y) for y in states], merge(do).astype(dtype)))(mats, states, do)
+
+  def launch(name, fn, operands, forward, **static):
+    sec, _, out = measure(functools.partial(fn, cps=cps, cfg=cfg, **static), operands, repeats)
+    times[name] = (sec, sec) if forward else (nan, sec)
+    return out
+
+  kern, read = merlin_kernels, dict(scale=scale, heads=h)
+  if erase:
+    qe, w, kw, uv = kmats
+    stack = launch("state pass", kern.stack_state_pass, (w, kw, uv, gam), True)
+    launch("readout", kern.stack_readout, (qe, lam_k, stack, intra, own), True, **read)
+    dstack, _ = launch("reverse pass", kern.stack_reverse_state_pass,
+                       (qe, w, kw, lam_k, gam, do), False)
+    launch("chunk gradients", kern.stack_chunk_gradients,
+           (qe, w, kw, uv, lam_k, do, stack, dstack), False)
+  else:
+    qe, kw, uv = kmats
+    cur, end = launch("write pass", kern.write_pass, (kw, uv, gam), True)
+    launch("readout", kern.rescaled_readout, (qe, lam_k, cur, end, intra, own), True, **read)
+    launch("reverse pass", kern.rescaled_reverse_pass, (qe, kw, uv, lam_k, gam, do, cur), False)
+    launch("read gradients", kern.rescaled_read_gradients, (qe, lam_k, do, cur, end), False)
+
+  (fwd, fb), (intra_fwd, intra_fb) = times["op"], times["intra_chunk"]
+  times["glue"] = (fwd - intra_fwd - kfwd, fb - intra_fb - kfwd - kbwd)
+
+  costs = part_costs(b, t, h, d, vd, seg, c, erase=erase, itemsize=jnp.dtype(dtype).itemsize,
+                     block_v=cfg.block_v)
+  floor = lambda fl, by: floor_ms(fl, by, 1)
+  fl, by = costs["intra_chunk"]
+  floors = {"intra_chunk": (floor(fl, by), floor(3 * fl, 2 * by)), "glue": (nan, nan)}
+  launches = PART_ROWS[erase]
+  for name in launches:
+    floors[name] = ((floor(*costs[name]),) * 2 if name in launches[:2]
+                    else (nan, floor(*costs[name])))
+  for part, names in (("kernels fwd", launches[:2]), ("kernels bwd", launches[2:])):
+    fl, by = (sum(costs[k][i] for k in names) for i in (0, 1))
+    floors[part] = (floor(fl, by) if part == "kernels fwd" else nan, floor(fl, by))
+  fl, by = multistate_cost(b, t, h, d, vd, args.R, seg, c, erase=erase, aggregator="vanilla",
+                           itemsize=jnp.dtype(dtype).itemsize)
+  floors["op"] = (floor_ms(fl, by, 1), floor_ms(fl, by, 3))
+  floors["op, grads only"] = (nan, floors["op"][1])
+
+  print(f"\nparts of multistate_attention(impl=\"pallas\", erase={erase}), B={b} T={t} H={h} "
+        f"D={d} V={vd} L={seg} C={c} {jnp.dtype(dtype).name}; {plan}")
+  print(f"intra_chunk compiled: forward {census[0]}; f+b {census[1]}")
+  print("floors: a stage's from part_costs (its launches' operands read once, results written "
+        "once; intra_chunk's f+b 3x FLOPs, 2x bytes), the op's from multistate_cost; indented: "
+        "each launch alone, within the kernels row above it; glue = op - intra_chunk - kernels; every "
+        "f+b but the last row's returns the forward's results too")
+  cols = ["part", "fwd ms", "f+b ms", "floor fwd", "floor f+b", "f+b/floor", "% op fwd",
+          "% op f+b"]
+  widths = [24] + [10] * (len(cols) - 1)
+  line = lambda cells: "| " + " | ".join(f"{x:{'<' if i == 0 else '>'}{w}}"
+                                         for i, (x, w) in enumerate(zip(cells, widths))) + " |"
+  cell = lambda v, spec: "-" if np.isnan(v) else format(v, spec)
+  print(line(cols))
+  print("|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":"
+                       for i, w in enumerate(widths)) + "|")
+  order = ["intra_chunk", "kernels fwd", *launches[:2], "kernels bwd", *launches[2:], "glue", "op",
+           "op, grads only"]
+  for name in order:
+    (fwd, fb), (ffwd, ffb) = times[name], floors[name]
+    fwd, fb = 1e3 * fwd, 1e3 * fb
+    label = ("  - " + name) if name in launches else name
+    print(line([label, cell(fwd, ".3f"), cell(fb, ".3f"), cell(ffwd, ".3g"), cell(ffb, ".3g"),
+                cell(fb / ffb, ".2f"), cell(100 * fwd / (1e3 * times["op"][0]), ".1f"),
+                cell(100 * fb / (1e3 * times["op"][1]), ".1f")]), flush=True)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--T", default="1024,4096", help="comma-separated sequence lengths")
@@ -289,6 +531,11 @@ def main(argv=None):
   ap.add_argument("--repeats", type=int, default=3)
   ap.add_argument("--no-backward", action="store_true", help="forward only")
   ap.add_argument("--no-floors", action="store_true", help="skip the ceilings and floors")
+  ap.add_argument("--parts", action="store_true",
+                  help="only the parts table of the pallas impl: where its time goes")
+  ap.add_argument("--erase", default="on", choices=("on", "off", "both"),
+                  help="the parts table's erase: on (multi-state GDN), off (multi-state Mamba-2) "
+                       "or both")
   args = ap.parse_args(argv)
 
   lengths = [int(t) for t in args.T.split(",")]
@@ -306,6 +553,11 @@ def main(argv=None):
     print(f"ceilings measured now: matmul {peak:.1f} TFLOP/s, memory {hbm:.0f} GB/s; floor = "
           "max(counted FLOPs / matmul ceiling, counted bytes / memory ceiling), f+b = 3x fwd")
     floor_ms = lambda fl, by, mult: 1e3 * max(mult * fl / (peak * 1e12), by / (hbm * 1e9))
+  if args.parts:
+    for t in lengths:
+      for erase in {"on": (True,), "off": (False,), "both": (True, False)}[args.erase]:
+        parts_table(args, t, dtype, erase, floor_ms)
+    return
   if not args.no_op_table:
     op_table(args, lengths, dtype, floor_ms)
   if args.aggregators:

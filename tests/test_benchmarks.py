@@ -3,6 +3,7 @@ block benchmark's parts of the triadic layer compose to the layer's own output."
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from benchmarks import block
@@ -70,6 +71,41 @@ def test_merlin_ops_table_runs(capsys):
   fl, by = merlin_ops.multistate_cost(1, 2048, 16, 128, 128, 128, 256, 64, aggregator="vanilla")
   gfl, gby = merlin_ops.multistate_cost(1, 2048, 16, 128, 128, 128, 2048, 64, aggregator="vanilla")
   assert fl > 2 * gfl and by > gby  # 8 segments: the stack's work dominates
+
+
+def test_merlin_parts_table_runs(capsys):
+  """The pallas op's parts table at a tiny size (interpret-mode kernels): one row per part, every
+  cell a number or "-", and the glue the op less its parts."""
+  from benchmarks import merlin_ops
+  merlin_ops.main(["--parts", "--T", "80", "--H", "1", "--D", "16", "--V", "16", "--R", "8",
+                   "--segment-len", "32", "--chunk", "16", "--repeats", "1"])
+  out = capsys.readouterr().out
+  assert "intra_chunk compiled: forward " in out and "plan: pallas" in out
+  rows = {}
+  for line in out.splitlines():
+    cells = [x.strip() for x in line.strip().strip("|").split("|")]
+    if line.startswith("| ") and cells[0] != "part":
+      rows[cells[0].lstrip("- ")] = [np.nan if x == "-" else float(x) for x in cells[1:]]
+  assert list(rows) == ["intra_chunk", "kernels fwd", "state pass", "readout", "kernels bwd",
+                        "reverse pass", "chunk gradients", "glue", "op", "op, grads only"]
+  assert all(len(r) == 7 for r in rows.values())
+  assert np.isnan(rows["op, grads only"][0]) and rows["op, grads only"][1] > 0
+  for name in ("intra_chunk", "kernels fwd", "op"):
+    fwd, fb, floor_fwd, floor_fb = rows[name][:4]
+    assert fwd > 0 and fb > 0 and floor_fwd > 0 and floor_fb > 0, name
+  assert np.isnan(rows["kernels bwd"][0]) and rows["kernels bwd"][1] > 0
+  parts = sum(rows[k][1] for k in ("intra_chunk", "kernels fwd", "kernels bwd", "glue"))
+  assert abs(parts - rows["op"][1]) < 2e-3 + 1e-2 * rows["op"][1]  # rounded to 3 decimals
+  assert rows["op"][6] == 100.0
+  # the forward stages' FLOPs are the algorithm's, plus the UT inverse's block merges (C = 64:
+  # 16 x 16 blocks into 32 x 32, then into 64 x 64; 2 C s^2 each), per chunk and head
+  for erase in (True, False):
+    costs = merlin_ops.part_costs(1, 2048, 16, 128, 128, 256, 64, erase=erase, itemsize=2)
+    fl, _ = merlin_ops.multistate_cost(1, 2048, 16, 128, 128, 128, 256, 64, erase=erase,
+                                       aggregator="vanilla")
+    fwd = ("intra_chunk", "state pass" if erase else "write pass", "readout")
+    ut = 2 * 64 * (16 ** 2 + 32 ** 2) if erase else 0
+    assert sum(costs[k][0] for k in fwd) == fl + 32 * 16 * ut
 
 
 def test_triton_kernels_of_the_op():

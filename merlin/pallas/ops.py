@@ -66,11 +66,18 @@ def _split(x, b, h):
   return x.reshape(b, h, *x.shape[1:])
 
 
-def _kernel_layout(operands):
+def kernel_layout(operands):
   """(B, H, ...) operands -> the kernels' (B*H, ...) ones: gam (.., NC) -> (.., NC, 1, 1), lam
   (.., NS, NC, C) -> (.., NS, NC, C, 1)."""
   *mats, gam, lam = map(_merge, operands)
   return mats, gam[..., None, None], lam[..., None]
+
+
+def readout_layout(intra, own, width):
+  """The readout's intra (B*H, NC, C, width) and own (B*H, NC, C, 1) from the (B, H, ...) ones.
+  intra arrives with the op's V, so that its pullback (own's sum over V) runs on the real columns
+  only, and is padded to the kernels' V (``width``) here."""
+  return _pad_last(_merge(intra), width), _merge(own)[..., None]
 
 
 def _forward(cps, erase, cfg, scale, *operands):
@@ -82,10 +89,8 @@ def _forward(cps, erase, cfg, scale, *operands):
   (B, H, VIS, D, V); no erase each chunk's current state (B, H, NC, D, V) and each segment's end
   state (B, H, NS, D, V)."""
   b, h = operands[0].shape[:2]
-  mats, gam, lam = _kernel_layout(operands[:-2])
-  # intra arrives with the op's V, so that its pullback (own's sum over V) runs on the real
-  # columns only, and is padded to the kernels' V here
-  intra, own = _pad_last(_merge(operands[-2]), mats[-1].shape[-1]), _merge(operands[-1])[..., None]
+  mats, gam, lam = kernel_layout(operands[:-2])
+  intra, own = readout_layout(*operands[-2:], mats[-1].shape[-1])
   read = {"cps": cps, "scale": scale, "heads": h, "cfg": cfg}
   if erase:
     qe, w, kw, uv = mats
@@ -105,7 +110,7 @@ def _backward(cps, erase, cfg, *args):
   n_states = 1 if erase else 2
   operands, states, do = args[:-n_states - 1], args[-n_states - 1:-1], args[-1]
   b, h, nc = operands[0].shape[:3]
-  mats, gam, lam = _kernel_layout(operands)
+  mats, gam, lam = kernel_layout(operands)
   states = tuple(map(_merge, states))
   do = _merge(do).astype(mats[0].dtype)
   if erase:
@@ -149,6 +154,19 @@ _PARTITIONED = {
     for erase in (True, False)}
 
 
+def kernels_forward(cps, erase, cfg, scale, *operands):
+  """The kernels' forward as the op launches it, per (B, H) shard: ``_forward``'s results (the
+  output, then the stored states) from its operands."""
+  return _PARTITIONED[erase][0](cps, erase, cfg, scale, *operands)
+
+
+def kernels_backward(cps, erase, cfg, *args):
+  """The kernels' backward as the op launches it, per (B, H) shard: ``_backward``'s gradients
+  from its operands (``_forward``'s but intra and own), the stored states and dO (float32,
+  (B, H, NC, C, V) with V padded as the kernels')."""
+  return _PARTITIONED[erase][1](cps, erase, cfg, *args)
+
+
 def _intra_part(intra, own):
   """o_intra = own intra: the intra-chunk output, weighted by each token's own segment's lam."""
   return own[..., None] * intra
@@ -163,12 +181,12 @@ def _unpad(o, t, vd):
 def _attend(cps, erase, cfg, scale, t, *operands):
   """scale (sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i + own_n intra_n) for every chunk n: the op's
   output (B, T, H, V) in qe's dtype; operands as ``_forward``'s."""
-  o = _PARTITIONED[erase][0](cps, erase, cfg, scale, *operands)[0]
+  o = kernels_forward(cps, erase, cfg, scale, *operands)[0]
   return _unpad(o, t, operands[-2].shape[-1])
 
 
 def _attend_fwd(cps, erase, cfg, scale, t, *operands):
-  o, *states = _PARTITIONED[erase][0](cps, erase, cfg, scale, *operands)
+  o, *states = kernels_forward(cps, erase, cfg, scale, *operands)
   return _unpad(o, t, operands[-2].shape[-1]), (operands, tuple(states))
 
 
@@ -185,7 +203,7 @@ def _attend_bwd(cps, erase, cfg, scale, t, saved, dy):
   if nc * c != t:
     dy = jnp.pad(dy, ((0, 0), (0, nc * c - t), (0, 0), (0, 0)))
   do = scale * jnp.moveaxis(dy.reshape(b, nc, c, h, vd), 3, 1)
-  grads = _PARTITIONED[erase][1](cps, erase, cfg, *operands[:-2], *states, _pad_last(do, _pow2(vd)))
+  grads = kernels_backward(cps, erase, cfg, *operands[:-2], *states, _pad_last(do, _pow2(vd)))
   return (*grads, *jax.vjp(_intra_part, *operands[-2:])[1](do))
 
 
@@ -204,6 +222,34 @@ def _finished_decay(gc_end, cps, ns):
   return jnp.where(after, jnp.exp(jnp.where(after, before_n, 0.0)), 1.0)
 
 
+def chunk_inputs(q, k, v, g, beta, lam, *, segment_len: int, chunk_size: int):
+  """The op's inputs in chunks, float32, zero-padded at the end of T: q, k, v, g, beta as
+  ``intra_chunk`` takes them ((B, H, NC, C, ...)) and lam's first NS states (B, H, NC, C, NS)."""
+  c = chunk_size
+  nc = -(-q.shape[1] // c)
+  ns = -(-nc // (segment_len // c))
+  # Padded tokens have q = k = v = beta = lam = 0 and g = 0: no write, no erase, no decay.
+  qc, kc, vc, lamc = (to_chunks(x, nc, c) for x in (q, k, v, lam[..., :ns]))
+  return qc, kc, vc, to_chunks(g, nc, c), to_chunks(beta, nc, c), lamc
+
+
+def kernel_operands(uv, w, qe, kw, gam, intra, gc, lamc, *, cps: int, erase: bool, dtype):
+  """The kernels' operands (``_forward``'s) from ``intra_chunk``'s float32 results, the chunks' g
+  (gc) and lam (lamc, (B, H, NC, C, NS)): qe, [w,] kw, uv padded to ``_pow2`` and cast to
+  ``dtype``; gam; lam (B, H, NS, NC, C), without erase times the finished states' decay; intra;
+  own, each token's lam of its own segment."""
+  nc, ns = lamc.shape[2], lamc.shape[-1]
+  owner = jax.nn.one_hot(segment_ids(nc, cps), ns, dtype=F32)  # (NC, NS)
+  own = jnp.einsum("bhncm,nm->bhnc", lamc, owner)  # each token's lam of its own segment
+  lam_k = jnp.moveaxis(lamc, -1, 2)  # (B, H, NS, NC, C)
+  if not erase:  # a finished state is its end state, decayed: the decay goes into its weight
+    lam_k = lam_k * _finished_decay(jnp.sum(gc, axis=-1), cps, ns)[..., None]
+  dp, vp = _pow2(qe.shape[-1]), _pow2(uv.shape[-1])
+  kernel_op = lambda x, width: _pad_last(x, width).astype(dtype)
+  mats = [kernel_op(qe, dp)] + ([kernel_op(w, dp)] if erase else [])
+  return mats + [kernel_op(kw, dp), kernel_op(uv, vp), gam, lam_k, intra, own]
+
+
 def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, erase: bool,
                       chunk_size: int, config: Config):
   """Chunk-parallel multi-state recurrence with the state stack in Pallas kernels; shapes as
@@ -211,26 +257,14 @@ def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, 
   (``triadic.ops.clamp_log_decay``); ``chunk_size`` must divide ``segment_len`` and be one of
   ``plan.CHUNK_SIZES``; ``scale`` a Python float (a constant of the readout kernel). Returns
   o (B, T, H, V) in q's dtype, written by the readout kernel (a slice of its output where T is
-  not a multiple of the chunk or V not a power of two >= 16: ``_pow2``)."""
-  _, t, _, d = q.shape
-  vd = v.shape[-1]
-  c = chunk_size
-  nc = -(-t // c)
-  cps = segment_len // c
-  ns = -(-nc // cps)
-  dtype = q.dtype
-  # Padded tokens have q = k = v = beta = lam = 0 and g = 0: no write, no erase, no decay.
-  qc, kc, vc, lamc = (to_chunks(x, nc, c) for x in (q, k, v, lam[..., :ns]))
-  gc, betac = to_chunks(g, nc, c), to_chunks(beta, nc, c)
-  uv, w, qe, kw, gam, intra, _, _ = intra_chunk(qc, kc, vc, gc, betac, erase)
-  owner = jax.nn.one_hot(segment_ids(nc, cps), ns, dtype=F32)  # (NC, NS)
-  own = jnp.einsum("bhncm,nm->bhnc", lamc, owner)  # each token's lam of its own segment
-  lam_k = jnp.moveaxis(lamc, -1, 2)  # (B, H, NS, NC, C)
-  if not erase:  # a finished state is its end state, decayed: the decay goes into its weight
-    lam_k = lam_k * _finished_decay(jnp.sum(gc, axis=-1), cps, ns)[..., None]
+  not a multiple of the chunk or V not a power of two >= 16: ``_pow2``).
 
-  dp, vp = _pow2(d), _pow2(vd)
-  kernel_op = lambda x, width: _pad_last(x, width).astype(dtype)
-  mats = [kernel_op(qe, dp)] + ([kernel_op(w, dp)] if erase else [])
-  mats += [kernel_op(kw, dp), kernel_op(uv, vp), gam, lam_k, intra, own]
-  return _attend(cps, erase, config, float(scale), t, *mats)
+  Its stages, each callable alone: ``chunk_inputs`` -> ``intra_chunk`` -> ``kernel_operands``
+  -> ``_attend`` (``kernels_forward``; backward ``kernels_backward``)."""
+  cps = segment_len // chunk_size
+  qc, kc, vc, gc, betac, lamc = chunk_inputs(q, k, v, g, beta, lam, segment_len=segment_len,
+                                             chunk_size=chunk_size)
+  uv, w, qe, kw, gam, intra, _, _ = intra_chunk(qc, kc, vc, gc, betac, erase)
+  mats = kernel_operands(uv, w, qe, kw, gam, intra, gc, lamc, cps=cps, erase=erase,
+                         dtype=q.dtype)
+  return _attend(cps, erase, config, float(scale), q.shape[1], *mats)
