@@ -5,7 +5,8 @@
         --B 1 --H 16 --D 128 --V 128 --R 128 --segment-len 256 --aggregators merlin   # a GPU
 
 Two tables. The op table times ``multistate_attention`` alone (lam fixed, from the MERLIN
-aggregator) forward and forward+backward for each of ``--impls``, the single-state GDN op at the
+aggregator) forward and forward+backward (the gradients and the output, as a training step needs
+them) for each of ``--impls``, the single-state GDN op at the
 same shape (``triadic_gdn`` with E = 1: its Pallas kernels on GPU, chunked elsewhere) and, where
 ``fla`` imports (CUDA torch), FLA's ``chunk_log_linear_attn`` (log-linear Mamba-2, no erase; its
 own level count). Beside every time its floor: ``multistate_cost``'s matmul FLOPs at the matmul
@@ -253,7 +254,7 @@ def measure(fn, args, repeats):
   return float(np.median(times)), (np.nan if temp is None else temp / 2 ** 20), out
 
 
-def fwd_and_fwd_bwd(fn, args, cot, repeats, backward, keep_output=False):
+def fwd_and_fwd_bwd(fn, args, cot, repeats, backward, keep_output=True):
   """(fwd s, f+b s, f+b temp MiB, output) of fn(*args); the f+b is the gradient of sum(cot * o)
   with respect to every array argument and, with ``keep_output``, o too, as a training step needs
   it (without, XLA drops whatever only o needs: the pallas op's readout kernel)."""
@@ -383,8 +384,9 @@ def parts_table(args, t, dtype, erase, floor_ms):
   dO, the autodiff of the plain-JAX steps around the stages). A stage's f+b is its time in the
   op's forward+backward: the kernels' forward runs in both, their backward only in the f+b; the
   intra-chunk part's f+b is ``jax.vjp`` with random cotangents on the results the op uses. The
-  op's f+b returns o with the gradients, as a training step needs it; "op, grads only" is the op
-  table's f+b, the gradients alone, for which XLA drops the readout kernel (and intra's P Uv)."""
+  op's f+b returns o with the gradients, as a training step needs it (so does the op table's);
+  "op, grads only" is the gradients alone, for which XLA drops the readout kernel (and intra's
+  P Uv): what the op table measured before it kept o."""
   b, h, d, vd, seg = args.B, args.H, args.D, args.V, args.segment_len
   plan = merlin_plan.resolve("pallas", d=d, segment_len=seg, chunk_size=args.chunk,
                              documents=False)
@@ -409,8 +411,9 @@ def parts_table(args, t, dtype, erase, floor_ms):
 
   cot = jax.random.normal(jax.random.PRNGKey(1), (b, t, h, vd))
   # the whole op first, while no stage's arrays hold device memory
-  times["op"] = fwd_and_fwd_bwd(op, op_args, cot, repeats, True, keep_output=True)[:2]
-  times["op, grads only"] = (nan, fwd_and_fwd_bwd(op, op_args, cot, repeats, True)[1])
+  times["op"] = fwd_and_fwd_bwd(op, op_args, cot, repeats, True)[:2]
+  times["op, grads only"] = (nan, fwd_and_fwd_bwd(op, op_args, cot, repeats, True,
+                                                  keep_output=False)[1])
   qc, kc, vc, gc, betac, lamc = jax.jit(stage_inputs)(*op_args)
   intra_args = (qc, kc, vc, gc, betac)
   intra_fn = lambda *a: intra_chunk(*a, erase)[:6]  # uv, w, qe, kw, gam, intra: what the op uses
