@@ -249,26 +249,28 @@ def stages(t, e_list, reps, variants=False, tails=False, fields=()):
       gc_col, gc_row, a, p, a_operand = prep[:5]
       plan = pops.explain(d, vd, e, c, jnp.bfloat16, config=cfg)
       saves_x = plan.saves_x(True)
-      state_fwd, state_bwd = pops.state_pass_kernels(cfg, q, v, k2, save_x=saves_x)
+      state_fwd, state_bwd = pops.state_pass_kernels(cfg, q, v, k2, save_x=saves_x,
+                                                     save_drhs=plan.saves_drhs(True))
       fwd = jax.jit(functools.partial(state_fwd, scale=0.1, erase=True))
       fwd_args = (q, k, v, k2, q2, gc_col, beta, a_operand, p, h0)
       o, u, *x, st, ht = fwd(*fwd_args)     # X where the plan saves it (``Plan.saves_x``)
       bst = jax.jit(functools.partial(state_bwd, scale=0.1, erase=True))
       bst_args = (q, k, do, k2, q2, gc_col, beta, a_operand, p, h0)
-      du, dst, _ = bst(*bst_args)
+      du, *rhs_grads, dst, _ = bst(*bst_args)    # A^T dU, dV where ``Plan.saves_drhs``
       kernel = functools.partial(pops.chunk_gradients_kernel(cfg, q, v, k2), scale=0.1,
                                  erase=True)
-      masks = (prep.mq, prep.m) if plan.saves_masks else ()   # as the op (``Plan.saves_masks``)
+      # As the op: M', M kept from the prep (``Plan.saves_masks``), A^T dU and dV from the
+      # reverse pass (``Plan.saves_drhs``), passed by name after the positional operands.
+      extra = dict(zip(("mq", "m"), (prep.mq, prep.m))) if plan.saves_masks else {}
+      extra.update(zip(("drhs", "dv"), rhs_grads))
+      n_pos = 15 + len(x)
 
-      def chunk_backward(*xs):      # the kernel's operands, then M' and M where the plan keeps them
-        if not masks:
-          return kernel(*xs)
-        *xs, mq, m = xs
-        return kernel(*xs, mq=mq, m=m)
+      def chunk_backward(*xs):
+        return kernel(*xs[:n_pos], **dict(zip(extra, xs[n_pos:])))
 
       cbw = jax.jit(chunk_backward)
       cbw_args = (q, k, v, do, u, du, st, dst, k2, rows(k2), q2, gc_col, gc_row, beta, a, *x,
-                  *masks)
+                  *extra.values())
       ms = [timeit(f, xs, reps) for f, xs in ((pre, prep_args), (fwd, fwd_args),
                                               (bst, bst_args), (cbw, cbw_args))]
       label = (f"bv{cfg.block_v} w{cfg.num_warps} s{cfg.num_stages} "
@@ -295,9 +297,10 @@ def stages(t, e_list, reps, variants=False, tails=False, fields=()):
             tail_rows.append(row)
             print("# tail " + row, flush=True)
   if parts:
-    print("\nThe Mosaic chunk backward by part (ms): plain-JAX prologue (A^T dU, factor rows), "
-          "the Mosaic slice kernel, the tail (masks M, M' in plain JAX, the "
-          "E-independent tail kernel, the mask gradients in plain JAX)")
+    print("\nThe Mosaic chunk backward by part (ms): plain-JAX prologue (A^T dU, factor rows; "
+          "the op takes A^T dU from the reverse pass where Plan.saves_drhs), the Mosaic slice "
+          "kernel, the tail (masks M, M' in plain JAX, which the op keeps from the forward where "
+          "Plan.saves_masks, the E-independent tail kernel, the mask gradients in plain JAX)")
     print("| E | slice kernel | prologue | slice kernel | masks | tail kernel "
           "| mask grads |")
     print("|---|---|---|---|---|---|---|")

@@ -130,7 +130,9 @@ def test_one_warpgroup_save_x_matches_recurrent():
 def match_recurrent(built, erase, save_x, kernel_kw):
   """The Mosaic forward (with ``save_x``) and reverse passes with ``kernel_kw`` against
   ``recurrent`` on ``build``'s operands; with save_x, X against X formed from the reference's
-  chunk-start states. Two warpgroups run eagerly (module docstring), one under jit."""
+  chunk-start states, and the reverse pass with ``save_drhs`` (as the op pairs them): A^T dU and
+  dV = beta A^T dU against their definition on the pass's own dU, to bf16 rounding. Two
+  warpgroups run eagerly (module docstring), one under jit."""
   fargs, do, dht = built
   kw = dict(scale=SCALE, erase=erase)
   run = (lambda f: f) if kernel_kw.get("warpgroups", 1) == 2 else jax.jit
@@ -145,7 +147,15 @@ def match_recurrent(built, erase, save_x, kernel_kw):
     assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
   check_close(FORWARD_OUTPUTS, got, want)
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  got = run(functools.partial(mosaic.reverse_state_pass, **mk))(*bargs)
+  got = run(functools.partial(mosaic.reverse_state_pass, save_drhs=save_x, **mk))(*bargs)
+  if save_x:
+    du, drhs, dv, *got = got
+    got = (du, *got)
+    a, beta = fargs[7], fargs[6]
+    want_drhs = mosaic_backward.rhs_gradient(a, du, True)
+    for name, x, want in (("A^T dU", drhs, want_drhs), ("dV", dv, beta * want_drhs)):
+      assert x.shape == du.shape and x.dtype == fargs[0].dtype, name
+      assert rel_rms(x, want) < 4e-3, f"{name}: rel RMS {rel_rms(x, want):.2e}"
   check_close(BACKWARD_OUTPUTS, got, recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw))
 
 
@@ -174,8 +184,11 @@ def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x, bv):
   text = fwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_forward_mgpu" + suffix in text
   assert not transposes_an_argument(text)
-  bwd = jax.jit(functools.partial(mosaic.reverse_state_pass, **kw))
-  text = bwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  # The reverse pass with save_drhs where the op pairs it with save_x (``Plan.saves_drhs``).
+  bwd = jax.jit(functools.partial(mosaic.reverse_state_pass, save_drhs=save_x, **kw))
+  traced = bwd.trace(*args)
+  assert len(traced.out_info) == 3 + 2 * (save_x and erase)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_backward_states_mgpu" + suffix in text
   assert not transposes_an_argument(text)
 
@@ -239,7 +252,8 @@ def test_pieces_without_heads_raise():
 def match_default_with_heads(built, b, h, run, kernel_kw, save_x, pieces=1):
   """Both state passes (``run``: jax.jit or eager) with ``heads=h`` on token-major copies of their
   per-token inputs (q, k, v; q, k, dO) against the default layout on ``build``'s operands: every
-  output bit-equal (rel RMS <= 1e-6), o compared in (B, T, H, V). With ``pieces`` P > 1 both run
+  output bit-equal (rel RMS <= 1e-6), o (and with ``save_x`` the reverse pass's dV: its
+  ``save_drhs``) compared in (B, T, H, V). With ``pieces`` P > 1 both run
   over P pieces: the (BH, NC, ...) operands reshaped to (BH * P, NC / P, ...), each piece started
   from its row's h0 (dht), the token-major copies whole."""
   fargs, do, dht = built
@@ -262,9 +276,12 @@ def match_default_with_heads(built, b, h, run, kernel_kw, save_x, pieces=1):
       *(tok(x) for x in fargs[:3]), *fargs[3:])
   assert len(got) == (5 if save_x else 4)
   check(got, (tok(want[0]), *want[1:]))
+  # The reverse pass with save_drhs where the op pairs it with save_x: dV comes back (B, T, H, V).
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  want = run(functools.partial(mosaic.reverse_state_pass, **plain))(*bargs)
-  check(run(functools.partial(mosaic.reverse_state_pass, heads=h, **mk))(
+  want = run(functools.partial(mosaic.reverse_state_pass, save_drhs=save_x, **plain))(*bargs)
+  if save_x:
+    want = (*want[:2], tok(want[2]), *want[3:])
+  check(run(functools.partial(mosaic.reverse_state_pass, heads=h, save_drhs=save_x, **mk))(
       *(tok(x) for x in bargs[:3]), *bargs[3:]), want)
 
 
@@ -280,8 +297,9 @@ def match_default_with_heads(built, b, h, run, kernel_kw, save_x, pieces=1):
 def test_heads_layout_lowers_for_cuda(d, vdim, e, erase, wgs, save_x, bv):
   """Both state passes with ``heads`` pass the Mosaic GPU lowering: their TMA copies of q, k, v
   (dO) and the stores of o are strided boxes of the (B, T, H, X) arrays (row stride H * X; with
-  two warpgroups, 64 columns of q and k each); o comes back (B, T, H, V), every other output in
-  its (BH, ...) layout, and no input is transposed before the kernel."""
+  two warpgroups, 64 columns of q and k each); o (and the reverse pass's dV, ``save_drhs``) comes
+  back (B, T, H, V), every other output in its (BH, ...) layout, and no input is transposed
+  before the kernel."""
   b, h, nc, c = 2, 2, 4, 64
   bh, t = b * h, nc * c
   args = kernel_arg_specs([(b, t, h, d), (b, t, h, d), (b, t, h, vdim)], bh=bh, nc=nc, c=c, d=d,
@@ -295,9 +313,12 @@ def test_heads_layout_lowers_for_cuda(d, vdim, e, erase, wgs, save_x, bv):
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_forward_mgpu" + suffix in text
   assert not transposes_an_argument(text)
-  traced = jax.jit(functools.partial(mosaic.reverse_state_pass, **kw)).trace(*args)
+  # The reverse pass with save_drhs where the op pairs it with save_x: dV stored (B, T, H, V).
+  traced = jax.jit(functools.partial(mosaic.reverse_state_pass, save_drhs=save_x,
+                                     **kw)).trace(*args)
   shapes = [x.shape for x in jax.tree.leaves(traced.out_info)]
-  assert shapes == [(bh, nc, c, vdim), (bh, nc, e, d, vdim), (bh, e, d, vdim)]
+  rhs = [(bh, nc, c, vdim), (b, t, h, vdim)] if save_x and erase else []
+  assert shapes == [(bh, nc, c, vdim), *rhs, (bh, nc, e, d, vdim), (bh, e, d, vdim)]
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_backward_states_mgpu" + suffix in text
   assert not transposes_an_argument(text)

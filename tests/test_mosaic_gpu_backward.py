@@ -118,10 +118,10 @@ def test_tail_variants_match_triton_structure(e, erase, decay, fused):
 
 def check_outputs(got, want, bounds):
   """Shapes, dtypes, finiteness and relative RMS of every output against ``bounds``. The Hopper
-  path writes dq and dk in the (bf16) inputs' dtype, the Triton structure float32."""
+  path writes dq, dk and dv in the (bf16) inputs' dtype, the Triton structure float32."""
   errs = {}
   for name, x, y in zip(NAMES, got, want, strict=True):
-    dtype = jnp.bfloat16 if name in ("dq", "dk") else y.dtype
+    dtype = jnp.bfloat16 if name in ("dq", "dk", "dv") else y.dtype
     assert x.shape == y.shape and x.dtype == dtype, name
     assert np.all(np.isfinite(np.asarray(x))), name
     errs[name] = rel_rms(x, y)
@@ -195,6 +195,11 @@ def test_supported():
     mosaic_backward.chunk_gradients(x, x, x, x, x, x, jnp.zeros((1, 1, 1, 64, 64)),
                                    jnp.zeros((1, 1, 1, 64, 64)), *(jnp.zeros((1, 1, 64, 1)),) * 5,
                                    jnp.zeros((1, 1, 64, 1)), x, scale=1.0, erase=True)
+  with pytest.raises(ValueError, match="drhs and dv .* come together and only with erase"):
+    x = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
+    mosaic_backward.chunk_gradients(x, x, x, x, x, x, jnp.zeros((1, 1, 1, 64, 64)),
+                                   jnp.zeros((1, 1, 1, 64, 64)), *(jnp.zeros((1, 1, 64, 1)),) * 5,
+                                   jnp.zeros((1, 1, 64, 1)), x, scale=1.0, erase=True, drhs=x)
   with pytest.raises(ValueError, match=r"m \(the mask M\) must be given exactly when mq"):
     x = jnp.zeros((1, 1, 64, 64), jnp.bfloat16)
     mosaic_backward.chunk_gradients(x, x, x, x, x, x, jnp.zeros((1, 1, 1, 64, 64)),
@@ -216,6 +221,11 @@ def test_hopper_op_matches_scan():
   plan = pops.explain(64, 32, 3, 64, jnp.bfloat16, config=cfg)
   assert plan.mosaic_chunk_gradients and plan.saves_x(True) and not plan.saves_x(False)
   assert plan.saves_masks and "kept from the forward" in plan.chunk_gradients.tiles
+  # The reverse pass writes A^T dU and dV for the chunk backward (erase only).
+  assert plan.saves_drhs(True) and not plan.saves_drhs(False)
+  assert "A^T dU and dV" in plan.backward_states.tiles
+  no_drhs = dataclasses.replace(cfg, drhs_in_reverse_pass=False)
+  assert not pops.explain(64, 32, 3, 64, jnp.bfloat16, config=no_drhs).saves_drhs(True)
   # The masks are kept only for the split tail, and only where the prep formed them in plain JAX.
   for e, changes in ((2, {}), (3, {"save_masks": False}), (3, {"masks_in_prep": True})):
     other = pops.explain(64, 32, e, 64, jnp.bfloat16, config=dataclasses.replace(cfg, **changes))
@@ -330,7 +340,7 @@ def test_heads_layout_lowers_for_cuda(e, wgs, fused, erase, saved_x):
                                  slice_warpgroups=wgs, fused_tail=fused, heads=h))
   traced = fn.trace(*args, *x)
   assert [o.shape for o in traced.out_info[:3]] == [(b, t, h, d), (b, t, h, d), (b, t, h, vdim)]
-  assert traced.out_info[0].dtype == jnp.bfloat16 and traced.out_info[2].dtype == jnp.float32
+  assert traced.out_info[0].dtype == jnp.bfloat16 and traced.out_info[2].dtype == jnp.bfloat16
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_chunk_backward_slices" in text
   assert f"triadic_chunk_backward_tail_{'fused' if fused else 'ut'}" in text

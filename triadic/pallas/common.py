@@ -86,6 +86,9 @@ class Config:
   backward's tail would form them again in plain JAX (the split tail, ``Plan.saves_masks``; the
   prep then formed them in plain JAX too, so keeping them moves no extra bytes: they stay
   alive until the backward, 2 C^2 float32 a chunk). False recomputes them.
+  drhs_in_reverse_pass: the Mosaic reverse state pass also writes A^T dU, which it forms for the
+  state gradient anyway, and dV = beta A^T dU, which the Mosaic chunk backward then reads instead
+  of forming them in XLA (erase only; ``Plan.saves_drhs``). False forms them in XLA.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -110,6 +113,7 @@ class Config:
   masks_in_prep: bool = False
   token_major: bool = True
   save_masks: bool = True
+  drhs_in_reverse_pass: bool = True
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -121,7 +125,7 @@ class Config:
     if not isinstance(self.sequence_pieces, int) or self.sequence_pieces < 0:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
-    for name in ("masks_in_prep", "token_major", "save_masks"):
+    for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if not isinstance(self.warmup_chunks, int) or self.warmup_chunks < 1:

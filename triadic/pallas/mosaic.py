@@ -110,9 +110,10 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   ``reverse_state_pass``, T = NC * C; ``_chunk_box``): program i reads chunk n of head h = i % H
   of batch b = i // H as the strided TMA box ``x.at[b, pl.ds(n * C, C), h, cols]`` (row stride
   H * X; cols: the value block of v and dO, a warpgroup's 64 columns of q and k with two
-  warpgroups, else all) and the forward writes o the same way, so the relayout copies of q, k,
-  v, o and dO are not made. Every other operand and output (the row factors, A, P, U, X, dU, the
-  states) keeps its (BH, ...) layout.
+  warpgroups, else all) and the forward writes o the same way (the reverse pass dV, with
+  ``save_drhs``), so the relayout copies of q, k, v, o, dO and dV are not made. Every other
+  operand and output (the row factors, A, P, U, X, dU, A^T dU, the states) keeps its (BH, ...)
+  layout.
 * float32 inputs are not supported (use the Triton path): wgmma on float32 would be TF32.
 """
 
@@ -249,7 +250,8 @@ def smem_bytes_2wg(d: int, c: int, e: int, bv: int, backward: bool) -> int:
     return (common + 2 * c * d * 2            # k, q
             + (3 * e + 1) * c * 4             # factor rows
             + 2 * c * n * 2                   # X, Z
-            + c * bv * (2 + 4))               # dU bf16, dU f32 (also the partial's buffer)
+            + c * bv * (2 + 4)                # dU bf16, dU f32 (also the partial's buffer)
+            + 2 * c * bv * 2)                 # A^T dU and dV (``save_drhs``)
   return (common + 3 * c * d * 2              # q, k (two chunks' buffers)
           + (4 * e + 1) * c * 4               # factor rows (with save_x's c rows)
           + c * n * 2                         # W
@@ -458,6 +460,14 @@ def _e_expand(ops, dst_s, y, f_s, first_row, bv, coef=1.0):
   for e in range(dst_s.shape[1] // bv):
     f = ops.rowvec(f_s, first_row + e, bv)
     dst_s[:, e * bv:(e + 1) * bv] = ((f if coef == 1.0 else coef * f) * y).astype(BF16)
+
+
+def _rhs_gradients(ops, rhs_s, drhs, f_s, beta_row, bv):
+  """Into the (C, BV) buffers ``rhs_s``: A^T dU (``drhs``, float32) and dV = beta A^T dU, each
+  rounded once to its buffer's dtype (the reverse passes' ``save_drhs``)."""
+  drhs_s, dv_s = rhs_s
+  drhs_s[...] = drhs.astype(drhs_s.dtype)
+  dv_s[...] = (ops.rowvec(f_s, beta_row, bv) * drhs).astype(dv_s.dtype)
 
 
 class _Inputs:
@@ -781,18 +791,22 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
 # Backward state pass.
 
 
-def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, dh0_g, bars, *,
-                     scratch, cat, nc, e_dim, bv, scale, erase, interpret, heads=None, pieces=1):
+def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and_bars, scratch,
+                     cat, nc, e_dim, bv, scale, erase, save_drhs, interpret, heads=None,
+                     pieces=1):
+  rhs_g = outs_and_bars[:2 * save_drhs]        # save_drhs: A^T dU and dV = beta A^T dU
+  dst_g, dh0_g, bars = outs_and_bars[2 * save_drhs:]
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
+  rhs_at = _rhs_boxes(rhs_g, heads, i, cols, f_g.shape[-1], pieces, nc)
   srcs = None
   if heads is not None:
     # k, q and dO in (B, T, H, X): chunk n of head h is a strided (C, X) box of TMA.
     at = _chunk_box(heads, i, f_g.shape[-1], pieces, nc)
     srcs = {"k": lambda n: at(k_g, n), "q": lambda n: at(q_g, n),
             "do": lambda n: at(do_g, n, cols)}
-  erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
+  erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
   dstate0 = _load_cat(ops, dht_g.at[i, j], cat, bars.at[CAT_BARRIER])
 
   def copies(k_s, q_s, do_s, a_s, p_s, f_s, lam_s):
@@ -806,7 +820,8 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, d
   at_end = ("q",)                       # read only by the state update at the end, as Q^T
 
   def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, lam_s, state_bf16_s, x_s, z_s, u_bf16_s, u_s,
-            st_s, *interp):
+            st_s, *extra):
+    rhs_s, interp = extra[:2 * save_drhs], extra[2 * save_drhs:]  # interp: interpret mode only
     ins = copies(k_s, q_s, do_s, a_s, p_s, f_s, lam_s)
     # The operands K^T, Q^T, A^T, P^T: views of the copies of K, Q, A, P (interp: their explicit
     # transposes in interpret mode).
@@ -840,8 +855,12 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, d
       ins.wait("a", step)
       drhs = ops.mm(tr(a_s, 2), u_bf16_s)
       _e_expand(ops, z_s, drhs, f_s, erase_rows, bv, -1.0)
+      if save_drhs:
+        _rhs_gradients(ops, rhs_s, drhs, f_s, beta_row, bv)
     plgpu.commit_smem()
     plgpu.copy_smem_to_gmem(du_out_s, du_g.at[i, n, :, cols])
+    for out_s, out_at in zip(rhs_s, rhs_at):
+      plgpu.copy_smem_to_gmem(out_s, out_at(n))
     for name in at_end:
       ins.wait(name, step)
     pairs = [(tr(q_s, 1), x_s)]
@@ -854,10 +873,15 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, d
 
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
-                       block_v=None, warpgroups=1, heads=None, pieces=1, interpret=False):
+                       block_v=None, warpgroups=1, heads=None, pieces=1, save_drhs=False,
+                       interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   in ``common.du_dtype``, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the
-  initial state (BH,E,D,V) float32. ``warpgroups``: as ``state_pass``.
+  initial state (BH,E,D,V) float32. ``warpgroups``: as ``state_pass``. ``save_drhs`` (erase
+  only): also, after dU, A^T dU, which the pass forms for the state gradient anyway, and
+  dV = beta A^T dU (BH,NC,C,V; dV in the caller's (B,T,H,V) with ``heads``) in q's dtype, each
+  rounded once from float32: what the chunk-parallel backward reads
+  (``mosaic_backward.chunk_gradients``' ``drhs``, ``dv``).
 
   ``heads=H``: q, k (B, T, H, D) and do (B, T, H, V) are in the user's layout with T = NC * C,
   read in place by TMA as in ``state_pass``; every output keeps its layout. ``pieces``: as in
@@ -867,9 +891,11 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   shape = q if heads is None else _check_heads(heads, pieces, k2_col, q, k=k, do=do)
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(shape, vd, k2_col, q2_col, gc_col, beta_col,
                                                   block_v, warpgroups)
+  save_drhs = bool(save_drhs and erase)
   if warpgroups == 2:
     return _backward_2wg(q, k, do, a, p, f, lam_cat, dht, e_dim=e_dim, bv=bv, scale=scale,
-                         erase=erase, heads=heads, pieces=pieces, interpret=interpret)
+                         erase=erase, save_drhs=save_drhs, heads=heads, pieces=pieces,
+                         interpret=interpret)
   n_cat = e_dim * bv
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   sw_v = _swizzle(bv)
@@ -887,24 +913,50 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
       _smem((c, bv), BF16, sw_v),         # dU (bf16 operand; the output with erase)
       _smem((c, bv), F32, _swizzle(bv, F32)),             # dU, the output without erase
       _smem((e_dim, d, bv), q.dtype, sw_v),               # chunk-end state gradient
-  ] + ([_smem((d, c), BF16, sw_v), _smem((d, c), BF16, sw_v),   # K^T, Q^T, A^T, P^T
-        _smem((c, c), BF16, sw_v), _smem((c, c), BF16, sw_v)]   # (interpret mode)
-       if interpret else [])
+  ] + _rhs_buffers(c, bv, q.dtype, save_drhs) + (
+      [_smem((d, c), BF16, sw_v), _smem((d, c), BF16, sw_v),    # K^T, Q^T, A^T, P^T
+       _smem((c, c), BF16, sw_v), _smem((c, c), BF16, sw_v)]    # (interpret mode)
+      if interpret else [])
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # dht / dh0 (cat layout)
   kernel = functools.partial(_backward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret),
-                             heads=heads, pieces=pieces)
-  du, dstates, dh0 = plgpu.kernel(
+                             bv=bv, scale=scale, erase=erase, save_drhs=save_drhs,
+                             interpret=bool(interpret), heads=heads, pieces=pieces)
+  du, *outs, dh0 = plgpu.kernel(
       kernel,
-      out_type=[jax.ShapeDtypeStruct((bh, nc, c, vd), du_dtype(q.dtype, erase)),
-                jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
-                jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
+      out_type=_reverse_out_types(bh, nc, c, d, vd, e_dim, bv, q.dtype, erase, save_drhs,
+                                  None if heads is None else q.shape[:3]),
       scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv),
       grid_names=("bh", "v"),
       compiler_params=_compiler_params(),
       interpret=_interpret_params(interpret), kernel_name="triadic_backward_states_mgpu",
   )(*ins)
-  return du, dstates, _from_cat(dh0, e_dim)
+  return (du, *outs, _from_cat(dh0, e_dim))
+
+
+def _rhs_boxes(rhs_g, heads, i, cols, c, pieces, nc):
+  """``save_drhs``' stores: chunk n -> the gmem box of program i's value block ``cols`` of A^T dU
+  (BH, NC, C, V) and of dV, which with ``heads`` is in the caller's (B, T, H, V) layout."""
+  if not rhs_g:
+    return ()
+  drhs_g, dv_g = rhs_g
+  at = _chunk_box(heads, i, c, pieces, nc)
+  return (lambda n: drhs_g.at[i, n, :, cols]), (lambda n: at(dv_g, n, cols))
+
+
+def _rhs_buffers(c, bv, dtype, save_drhs):
+  """The SMEM buffers of ``save_drhs``' per-chunk outputs A^T dU and dV, (C, BV) each."""
+  return [_smem((c, bv), dtype, _swizzle(bv)) for _ in range(2 * save_drhs)]
+
+
+def _reverse_out_types(bh, nc, c, d, vd, e_dim, bv, dtype, erase, save_drhs, token_shape=None):
+  """The reverse passes' outputs: dU, [A^T dU, dV (save_drhs; dV of ``token_shape`` (B, T, H)
+  with heads),] the chunk-end state gradients and dh0 in the cat layout."""
+  per_chunk = jax.ShapeDtypeStruct((bh, nc, c, vd), dtype)
+  dv = per_chunk if token_shape is None else jax.ShapeDtypeStruct((*token_shape, vd), dtype)
+  return ([jax.ShapeDtypeStruct((bh, nc, c, vd), du_dtype(dtype, erase))]
+          + [per_chunk, dv] * save_drhs
+          + [jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), dtype),
+             jax.ShapeDtypeStruct((bh, vd // bv, d, e_dim * bv), F32)])
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1130,15 +1182,18 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
   return (*outs, _from_cat(ht, e_dim))
 
 
-def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_g, dh0_g, bars,
-                         xbar, *, scratch, cat, nc, e_dim, bv, scale, erase, interpret,
+def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and_bars,
+                         scratch, cat, nc, e_dim, bv, scale, erase, save_drhs, interpret,
                          heads=None, pieces=1):
+  rhs_g = outs_and_bars[:2 * save_drhs]        # save_drhs: A^T dU and dV = beta A^T dU
+  dst_g, dh0_g, bars, xbar = outs_and_bars[2 * save_drhs:]
   ops = _Ops(interpret)
   i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
   cols, rows = pl.ds(j * bv, bv), pl.ds(w * HALF, HALF)
+  rhs_at = _rhs_boxes(rhs_g, heads, i, cols, f_g.shape[-1], pieces, nc)
   # k, q, dO: (BH, NC, C, X) boxes, or with heads strided boxes of (B, T, H, X).
   at = _chunk_box(heads, i, f_g.shape[-1], pieces, nc)
-  erase_rows, read_rows, write_rows = 0, e_dim, 2 * e_dim
+  erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
   dstate0 = _load_rows(ops, dht_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
 
   def copies(k_s, q_s, do_s, a_s, p_s, f_s, lam_s):
@@ -1154,7 +1209,8 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_
   first0 = ("f", "lam", "do", "p") + (("a",) if erase else ())
   at_end = ("q",)                       # read only by the state update at the end, as Q^T
 
-  def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, lam_s, s_s, x_s, z_s, u16_s, u_s, *interp):
+  def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, lam_s, s_s, x_s, z_s, u16_s, u_s, *extra):
+    rhs_s, interp = extra[:2 * save_drhs], extra[2 * save_drhs:]  # interp: interpret mode only
     cp = copies(k_s, q_s, do_s, a_s, p_s, f_s, lam_s)
     if interp:                            # this warpgroup's rows of K^T, Q^T
       interp = [interp[0].at[w], interp[1].at[w], *interp[2:]]
@@ -1201,6 +1257,11 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_
         cp.wait("a", step)
         drhs = ops.mm(tr(a_s, 2), u16_s)
         _e_expand(ops, z_s, drhs, f_s, erase_rows, bv, -1.0)
+        if save_drhs:
+          _rhs_gradients(ops, rhs_s, drhs, f_s, beta_row, bv)
+          plgpu.commit_smem()
+          for out_s, out_at in zip(rhs_s, rhs_at):
+            plgpu.copy_smem_to_gmem(out_s, out_at(n))
       # u_s is warpgroup 1's next partial buffer: dU's store must have read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
@@ -1216,8 +1277,8 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, dst_
   _store_rows(dstate, dh0_g.at[i, j, rows], cat, w)
 
 
-def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, heads, pieces,
-                  interpret):
+def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, save_drhs, heads,
+                  pieces, interpret):
   """``reverse_state_pass`` with two warpgroups; sizes and layouts as ``_forward_2wg``'s."""
   bh, nc, _, c = f.shape
   d = q.shape[-1]
@@ -1238,18 +1299,17 @@ def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, h
       _smem((c, bv), BF16, sw_v),                 # dU (bf16 operand; the output with erase)
       # warpgroup 1's partial, then dU without erase
       _smem((c, bv), F32, _swizzle(bv, F32)),
-  ] + ([_smem((2, HALF, c), BF16, sw_v), _smem((2, HALF, c), BF16, sw_v),  # K^T, Q^T, A^T, P^T
-        _smem((c, c), BF16, sw_v), _smem((c, c), BF16, sw_v)]             # (interpret mode)
-       if interpret else [])
+  ] + _rhs_buffers(c, bv, q.dtype, save_drhs) + (
+      [_smem((2, HALF, c), BF16, sw_v), _smem((2, HALF, c), BF16, sw_v),   # K^T, Q^T, A^T, P^T
+       _smem((c, c), BF16, sw_v), _smem((c, c), BF16, sw_v)]              # (interpret mode)
+      if interpret else [])
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # dht / dh0 rows
   kernel = functools.partial(_backward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
-                             bv=bv, scale=scale, erase=erase, interpret=bool(interpret),
-                             heads=heads, pieces=pieces)
+                             bv=bv, scale=scale, erase=erase, save_drhs=save_drhs,
+                             interpret=bool(interpret), heads=heads, pieces=pieces)
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
-  du, dstates, dh0 = _kernel_2wg(
-      kernel, ins,
-      [jax.ShapeDtypeStruct((bh, nc, c, vd), du_dtype(q.dtype, erase)),
-       jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
-       jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
+  du, *outs, dh0 = _kernel_2wg(
+      kernel, ins, _reverse_out_types(bh, nc, c, d, vd, e_dim, bv, q.dtype, erase, save_drhs,
+                                      None if heads is None else q.shape[:3]),
       (bh, vd // bv), "triadic_backward_states_mgpu_wg2", interpret)
-  return du, dstates, _from_cat(dh0, e_dim)
+  return (du, *outs, _from_cat(dh0, e_dim))

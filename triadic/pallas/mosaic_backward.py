@@ -245,7 +245,7 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
                   done, *, scratch, outs, c, d, e_dim, scale, erase, wgs, interpret, heads=None):
   ops = _Ops(interpret)
   i, n = lax.axis_index("bh"), lax.axis_index("n")
-  # q, k, dO: chunk n of row i, or with heads the strided box of the (B, T, H, X) arrays.
+  # q, k, dO, dX: chunk n of row i, or with heads the strided box of the (B, T, H, X) arrays.
   at = _chunk_box(heads, i, c)
   tok_at = lambda x_g, cols: at(x_g, n, cols)
   n_pieces = d // PIECE
@@ -283,7 +283,7 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
       pairs = ([(tok_at(q_g, cols(h)), q_s.at[h]) for h in range(n_pieces)]
                + [(tok_at(k_g, cols(h)), k_s.at[h]) for h in range(n_pieces)]
                + [(f_g.at[i, n], f_s), (tok_at(do_g, slice(None)), do_s), (u_g.at[i, n], u_s)]
-               + ([(dx_g.at[i, n], dx_s)] if erase else []))
+               + ([(tok_at(dx_g, slice(None)), dx_s)] if erase else []))
       _load(pairs, bars)
 
     if wgs == 2:
@@ -384,14 +384,14 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
   (BH,NC,E,D,V) bf16; the factor rows f (BH,NC,3E+1,C) float32 (``factor_rows``). Returns dq, dk
   partials (BH,NC,C,D), the row-sum matrix (BH,NC,C,32) and dlam partials (BH,NC,64,8), float32.
 
-  ``heads=H``: q, k (B,T,H,D) and dO (B,T,H,V) in the caller's layout, T = NC * C, read in place
-  (program (i, n) copies the strided boxes of rows n*C.. of head i % H of batch i // H, q and k in
-  64-column pieces), so that they need no relayout copy; every other operand and the outputs
-  keep their (BH, NC, ...) layout (``common.check_heads``)."""
+  ``heads=H``: q, k (B,T,H,D), dX and dO (B,T,H,V) in the caller's layout, T = NC * C, read in
+  place (program (i, n) copies the strided boxes of rows n*C.. of head i % H of batch i // H, q
+  and k in 64-column pieces), so that they need no relayout copy; every other operand and the
+  outputs keep their (BH, NC, ...) layout (``common.check_heads``)."""
   bh, nc, c = f.shape[0], f.shape[1], f.shape[-1]
   d, vd, e_dim = q.shape[-1], do.shape[-1], (f.shape[2] - 1) // 3
   if heads is not None:
-    check_heads(heads, bh, nc, c, q=q, k=k, do=do)
+    check_heads(heads, bh, nc, c, q=q, k=k, do=do, **({"dx": dx} if erase else {}))
   if warpgroups not in (1, 2) or (warpgroups == 2 and slice_warpgroups_supported(d)):
     raise ValueError(f"warpgroups must be 1, or 2 at D = {2 * PIECE}; got {warpgroups} at D={d}")
   n_pieces = d // PIECE
@@ -647,25 +647,27 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
-                    heads=None, a_operand=None, mq=None, m=None, interpret=False):
+                    heads=None, a_operand=None, mq=None, m=None, drhs=None, dv=None,
+                    interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
-  (dq, dk (BH,NC,C,D) in q's dtype, the rest float32): dv (BH,NC,C,V), dk2 column and row parts
+  but in q's dtype for dq, dk and dv (BH,NC,C,V), the rest float32: dk2 column and row parts
   ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
 
   ``heads=H``: q, k, v, dO in the caller's (B, T, H, X) layout (T = NC * C, B * H = BH;
-  ``common.check_heads``) and dq, dk (in q's dtype), dv (float32) returned in it; the rest as
-  above. The slice and tail kernels read q, k, dO in place and the tail writes dq, dk so; dv is
-  the product beta drhs written token-major by XLA (the slice kernel reads its bf16
-  kernel-layout copy as dX); X, formed from the token-major k, v where not given
-  (``x_from_states``) or V relayouted without erase (``head_major``), is read in the kernel
-  layout, as is a given ``x`` (the Mosaic forward saves it so with ``heads`` too).
+  ``common.check_heads``) and dq, dk, dv returned in it; the rest as above. The slice and tail
+  kernels read q, k, dO in place and the tail writes dq, dk so; dv = beta A^T dU, which the
+  slice kernel reads as dX, is token-major too (written so by the reverse pass or by XLA); X,
+  formed from the token-major k, v where not given (``x_from_states``) or V relayouted without
+  erase (``head_major``), is read in the kernel layout, as is a given ``x`` (the Mosaic forward
+  saves it so with ``heads`` too).
 
   ``a_operand``: A in q's dtype as the prep wrote it (``chunk_prep.Prep``), for A^T dU (else A
   is cast here). ``x`` (erase only): X = V - sum_e diag(c_e) K S_e as the forward saved it
   (without it, ``x_from_states`` forms it in plain JAX). ``mq``, ``m`` (m with erase): M' and M
   as the forward's prep formed them (``Plan.saves_masks``), read by the split tail instead of
-  forming them again. ``slice_warpgroups``: the slice kernel's
-  warpgroups (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
+  forming them again. ``drhs``, ``dv`` (erase only): A^T dU and dV = beta A^T dU in q's dtype
+  as the reverse state pass wrote them (``Plan.saves_drhs``; dv in q's layout), else formed
+  here. ``slice_warpgroups``: the slice kernel's warpgroups (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
   ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret mode for the slice kernel
   and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c = k2_col.shape[:3]
@@ -679,12 +681,18 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
     raise ValueError("m (the mask M) must be given exactly when mq (M') is and erase is on, got "
                      f"mq {'set' if mq is not None else None}, m {'set' if m is not None else None},"
                      f" erase={erase}")
-  beta = beta_col.astype(F32)
-  drhs = rhs_gradient(a if a_operand is None else a_operand, du, erase)
-  dv = beta * drhs
+  if (drhs is None) != (dv is None) or (drhs is not None and not erase):
+    raise ValueError("drhs and dv (A^T dU and beta A^T dU) come together and only with erase, got "
+                     f"drhs {'set' if drhs is not None else None}, dv "
+                     f"{'set' if dv is not None else None}, erase={erase}")
   low = lambda y: y.astype(q.dtype)
+  if drhs is None:
+    drhs = rhs_gradient(a if a_operand is None else a_operand, du, erase)
+    dv = low(beta_col.astype(F32) * drhs)
+    if heads is not None:                 # in the caller's layout, as the slice kernel reads it
+      dv = token_major(dv, bh // heads, heads)
   f = factor_rows(gc_col, k2_col, q2_col, beta_col)
-  dqp, dkp, coef, lam = slices_pass(q, k, low(dv), low(do), low(u), low(states), low(dstates), f,
+  dqp, dkp, coef, lam = slices_pass(q, k, dv, low(do), low(u), low(states), low(dstates), f,
                                     scale=scale, erase=erase, warpgroups=slice_warpgroups,
                                     heads=heads, interpret=interpret)
   if not erase:
@@ -701,6 +709,4 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
       q, k, low(x), do, low(u), low(du), low(drhs), dqp, dkp, dcoef, dqcoef, dkcoef, dlam,
       k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a, scale=scale, erase=erase,
       cfg=tail_config(interpret, fused), fused=fused, heads=heads, mq=mq, m=m)
-  if heads is not None:
-    dv = token_major(dv, bh // heads, heads)
   return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta

@@ -228,12 +228,13 @@ def _plan(cfg, q, v, k2):
                           dtype=q.dtype)
 
 
-def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None):
+def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None, save_drhs=False):
   """The plan's state-passing kernels, as (forward, backward) functions of
   ``recurrent.state_pass``'s operands: ``mosaic`` (Hopper wgmma) or ``recurrent`` (Triton / TPU /
   interpret). ``save_x``: the forward also returns X after U (the Mosaic forward only: pass
-  ``Plan.saves_x``). ``heads``: the Mosaic kernels' per-token operands are token-major
-  (``plan.layout``)."""
+  ``Plan.saves_x``); ``save_drhs``: the backward also returns A^T dU and dV after dU (the Mosaic
+  reverse pass only: pass ``Plan.saves_drhs``). ``heads``: the Mosaic kernels' per-token
+  operands are token-major (``plan.layout``)."""
   if _plan(cfg, q, v, k2).mosaic_state_kernels:
     sizes = dict(d=q.shape[-1], vd=v.shape[-1], c=k2.shape[-2], e=k2.shape[-1])
     tiles = plan_lib.state_tiles(cfg, **sizes)
@@ -243,7 +244,7 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None):
     return (functools.partial(mosaic.state_pass, save_x=save_x,
                               warpgroups=tiles.forward_warpgroups, **kw),
             functools.partial(mosaic.reverse_state_pass, warpgroups=tiles.reverse_warpgroups,
-                              **kw))
+                              save_drhs=save_drhs, **kw))
   return (functools.partial(recurrent.state_pass, cfg=cfg),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))
 
@@ -307,16 +308,21 @@ def _backward(scale, erase, cfg, heads, *, q, k, v, k2, q2, beta, gc_col, gc_row
       _merge, (k2, q2, beta, gc_col, gc_row, a, p, a_operand, u, states))
   do, dht = tok(do), _merge(dht)
   # Only the Mosaic chunk-parallel backward takes X (``Plan.saves_x``), the masks
-  # (``Plan.saves_masks``) and A's operand copy.
+  # (``Plan.saves_masks``), A's operand copy and A^T dU, dV from the reverse pass
+  # (``Plan.saves_drhs``).
   mosaic_only = {name: _merge(y) for name, y in dict(x=x, mq=mq, m=m).items() if y is not None}
-  if _plan(cfg, q, v, k2).mosaic_chunk_gradients:
+  plan = _plan(cfg, q, v, k2)
+  if plan.mosaic_chunk_gradients:
     mosaic_only["a_operand"] = a_operand
-  backward = state_pass_kernels(cfg, q, do, k2, heads=heads)[1]
+  save_drhs = plan.saves_drhs(erase)
+  backward = state_pass_kernels(cfg, q, do, k2, heads=heads, save_drhs=save_drhs)[1]
   g = gc_col - jnp.pad(gc_col[:, :, :-1], ((0, 0), (0, 0), (1, 0), (0, 0)))  # per-token decay
-  du, dstates, dh0 = pieces.reverse_state_pass(
+  du, *rhs_grads, dstates, dh0 = pieces.reverse_state_pass(
       backward, sequence_pieces(cfg, q, do, k2), q=q, k=k, do=do.astype(q.dtype), k2=k2, q2=q2,
       gc=gc_col, beta=beta, a=a_operand, p=p, dht=dht.astype(F32), g=g, scale=scale,
-      erase=erase, heads=heads)
+      erase=erase, heads=heads, token_outputs=(2,) if save_drhs else ())
+  if save_drhs:
+    mosaic_only["drhs"], mosaic_only["dv"] = rhs_grads
   chunk_gradients = chunk_gradients_kernel(cfg, q, v, k2, heads=heads)
   dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = chunk_gradients(
       q=q, k=k, v=v, do=do, u=u, du=du, states=states, dstates=dstates, k2_col=k2,

@@ -160,13 +160,13 @@ def window_starts(pieces: Pieces, *, reverse: bool) -> range:
 
 
 def _over_pieces(fn, pieces: Pieces, ins, boundary, live, bound_inputs, *, reverse, kw,
-                 heads=None, token_outputs=0):
+                 heads=None, token_outputs=()):
   """``fn`` (a state pass whose last result is the state, or gradient, at the far end from
   ``boundary``) over ``pieces``, or over the whole sequence where a window decays too little.
   ``boundary``: h0 (forward) or dht (``reverse``); ``bound_inputs``: (k, k2, g, beta) for
   ``token_log_bound`` (k's squared norms by ``key_norms``). With ``heads`` (``fn`` a Mosaic pass
-  with ``heads``) the first three of ``ins`` and the first ``token_outputs`` results are in the
-  caller's (B, T, H, X) layout: the pieces read them in place (``fn``'s ``pieces``), the warm-ups
+  with ``heads``) the first three of ``ins`` and the results at the indices ``token_outputs`` are
+  in the caller's (B, T, H, X) layout: the pieces read them in place (``fn``'s ``pieces``), the warm-ups
   a relayout of their windows."""
   n, w = pieces.count, pieces.warmup
   if n == 1:
@@ -187,7 +187,7 @@ def _over_pieces(fn, pieces: Pieces, ins, boundary, live, bound_inputs, *, rever
     outs = fn(*ins[:tok], *(_pieces(x, n) for x in ins[tok:]),
               jnp.concatenate(ends, 1).reshape(-1, *shape).astype(boundary.dtype), **piece_kw)
     far = outs[-1].reshape(bh, n, *outs[-1].shape[1:])[:, 0 if reverse else -1]
-    whole = [x if j < token_outputs and heads is not None else _whole(x, n)
+    whole = [x if j in token_outputs and heads is not None else _whole(x, n)
              for j, x in enumerate(outs[:-1])]
     return (*whole, far)
 
@@ -205,15 +205,17 @@ def state_pass(fn, pieces: Pieces, q, k, v, k2, q2, gc, beta, a, p, h0, g, *, sc
   (B, T, H, X) layout (``fn`` takes ``heads`` and ``pieces``: ``mosaic.state_pass``)."""
   return _over_pieces(fn, pieces, (q, k, v, k2, q2, gc, beta, a, p), h0, _live(k2, h0),
                       (k, k2, g, beta), reverse=False, kw=dict(scale=scale, erase=erase),
-                      heads=heads, token_outputs=1)
+                      heads=heads, token_outputs=(0,))
 
 
 def reverse_state_pass(fn, pieces: Pieces, q, k, do, k2, q2, gc, beta, a, p, dht, g, *, scale,
-                       erase, heads=None):
+                       erase, heads=None, token_outputs=()):
   """``fn`` (a reverse state pass) over ``pieces``, each started from the gradient that a pass
   over the ``warmup`` chunks after it brings back from zero, or over the whole sequence where a
-  window decays too little. ``heads``: q, k, dO in the caller's layout, as ``state_pass``."""
+  window decays too little. ``heads``: q, k, dO in the caller's layout, as ``state_pass``, and
+  so are the results at the indices ``token_outputs`` (dV of ``mosaic.reverse_state_pass``'
+  ``save_drhs``)."""
   live = _live(k2, dht) | _live(q2, dht)   # a gradient slice is written through q2 and k2
   return _over_pieces(fn, pieces, (q, k, do, k2, q2, gc, beta, a, p), dht, live,
                       (k, k2, g, beta), reverse=True, kw=dict(scale=scale, erase=erase),
-                      heads=heads)
+                      heads=heads, token_outputs=token_outputs)

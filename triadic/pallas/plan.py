@@ -42,6 +42,7 @@ class Plan:
   chunk_gradients: Stage
   masks_in_prep: bool = False     # the prep kernel forms M, M' itself (``Config.masks_in_prep``)
   saves_masks: bool = False       # the forward keeps M', M for the split tail (``Config.save_masks``)
+  drhs_in_reverse_pass: bool = False   # ``Config.drhs_in_reverse_pass``, read by ``saves_drhs``
 
   @property
   def stages(self) -> tuple[Stage, ...]:
@@ -59,6 +60,12 @@ class Plan:
     """Whether the forward state pass saves X for the backward: the Mosaic chunk backward reads
     it, and the Mosaic forward forms it anyway (erase only; without erase X = V)."""
     return erase and self.mosaic_chunk_gradients and self.mosaic_state_kernels
+
+  def saves_drhs(self, erase: bool) -> bool:
+    """Whether the reverse state pass writes A^T dU and dV = beta A^T dU for the chunk backward:
+    the Mosaic pass forms A^T dU anyway and the Mosaic chunk backward reads both
+    (``Config.drhs_in_reverse_pass``; erase only: without erase A^T dU is dU)."""
+    return self.drhs_in_reverse_pass and self.saves_x(erase)
 
   def __str__(self) -> str:
     rows = [f"triadic_pallas plan ({self.sizes}):"]
@@ -131,10 +138,15 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                       "Config.mosaic_gpu_backward" + tail_reason + wg_reason)
   else:
     chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
+  if state_reason is None and cb_reason is None and cfg.drhs_in_reverse_pass:
+    bwd_states = dataclasses.replace(
+        bwd_states, tiles=bwd_states.tiles + "; with erase also A^T dU and dV",
+        reason=bwd_states.reason + "; the chunk backward reads A^T dU, dV: "
+        "Config.drhs_in_reverse_pass")
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
   saves_masks = (cb_reason is None and not fused and refused is not None and cfg.save_masks)
   plan = Plan(sizes, prep, forward, bwd_states, chunk_bwd, masks_in_prep=refused is None,
-              saves_masks=saves_masks)
+              saves_masks=saves_masks, drhs_in_reverse_pass=cfg.drhs_in_reverse_pass)
   _log_once(plan)
   return plan
 
