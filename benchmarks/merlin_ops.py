@@ -489,8 +489,8 @@ def parts_table(args, t, dtype, erase, floor_ms):
   print(f"intra_chunk compiled: forward {census[0]}; f+b {census[1]}")
   print("floors: a stage's from part_costs (its launches' operands read once, results written "
         "once; intra_chunk's f+b 3x FLOPs, 2x bytes), the op's from multistate_cost; indented: "
-        "each launch alone, within the kernels row above it; glue = op - intra_chunk - kernels; every "
-        "f+b but the last row's returns the forward's results too")
+        "each launch alone, within the kernels row above it; glue = op - intra_chunk - kernels; "
+        "every f+b but the last row's returns the forward's results too")
   cols = ["part", "fwd ms", "f+b ms", "floor fwd", "floor f+b", "f+b/floor", "% op fwd",
           "% op f+b"]
   widths = [24] + [10] * (len(cols) - 1)

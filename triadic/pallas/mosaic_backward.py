@@ -667,9 +667,9 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   as the forward's prep formed them (``Plan.saves_masks``), read by the split tail instead of
   forming them again. ``drhs``, ``dv`` (erase only): A^T dU and dV = beta A^T dU in q's dtype
   as the reverse state pass wrote them (``Plan.saves_drhs``; dv in q's layout), else formed
-  here. ``slice_warpgroups``: the slice kernel's warpgroups (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
-  ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret mode for the slice kernel
-  and Pallas interpret mode for the tail (CPU tests)."""
+  here. ``slice_warpgroups``: the slice kernel's warpgroups (``slices_pass``). ``fused_tail``:
+  the tail as one kernel (None: ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret
+  mode for the slice kernel and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c = k2_col.shape[:3]
   d, vd, e_dim = q.shape[-1], v.shape[-1], k2_col.shape[-1]
   if heads is not None:
@@ -678,13 +678,13 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   if reason:
     raise ValueError(reason)
   if (m is not None) != (mq is not None and erase):
+    given = lambda y: "set" if y is not None else None
     raise ValueError("m (the mask M) must be given exactly when mq (M') is and erase is on, got "
-                     f"mq {'set' if mq is not None else None}, m {'set' if m is not None else None},"
-                     f" erase={erase}")
+                     f"mq {given(mq)}, m {given(m)}, erase={erase}")
   if (drhs is None) != (dv is None) or (drhs is not None and not erase):
+    given = lambda y: "set" if y is not None else None
     raise ValueError("drhs and dv (A^T dU and beta A^T dU) come together and only with erase, got "
-                     f"drhs {'set' if drhs is not None else None}, dv "
-                     f"{'set' if dv is not None else None}, erase={erase}")
+                     f"drhs {given(drhs)}, dv {given(dv)}, erase={erase}")
   low = lambda y: y.astype(q.dtype)
   if drhs is None:
     drhs = rhs_gradient(a if a_operand is None else a_operand, du, erase)

@@ -166,8 +166,8 @@ def _over_pieces(fn, pieces: Pieces, ins, boundary, live, bound_inputs, *, rever
   ``boundary``: h0 (forward) or dht (``reverse``); ``bound_inputs``: (k, k2, g, beta) for
   ``token_log_bound`` (k's squared norms by ``key_norms``). With ``heads`` (``fn`` a Mosaic pass
   with ``heads``) the first three of ``ins`` and the results at the indices ``token_outputs`` are
-  in the caller's (B, T, H, X) layout: the pieces read them in place (``fn``'s ``pieces``), the warm-ups
-  a relayout of their windows."""
+  in the caller's (B, T, H, X) layout: the pieces read and write them in place (``fn``'s
+  ``pieces``), the warm-ups a relayout of their windows."""
   n, w = pieces.count, pieces.warmup
   if n == 1:
     return fn(*ins, boundary, **kw)

@@ -41,8 +41,8 @@ class Plan:
   backward_states: Stage
   chunk_gradients: Stage
   masks_in_prep: bool = False     # the prep kernel forms M, M' itself (``Config.masks_in_prep``)
-  saves_masks: bool = False       # the forward keeps M', M for the split tail (``Config.save_masks``)
-  drhs_in_reverse_pass: bool = False   # ``Config.drhs_in_reverse_pass``, read by ``saves_drhs``
+  saves_masks: bool = False       # the forward keeps M', M for the split tail (Config.save_masks)
+  drhs_in_reverse_pass: bool = False  # Config.drhs_in_reverse_pass, read by ``saves_drhs``
 
   @property
   def stages(self) -> tuple[Stage, ...]:
