@@ -199,9 +199,11 @@ def check(only=None, variants=()):
     want = jax.jit(lambda: grads(ref))()
     for name, fields in [("default", None)] + [(v, variant_fields(v)) for v in variants]:
       if dtype == jnp.bfloat16:  # the bf16 cases run the Hopper kernels: which layout they take
-        layout = pops.explain_layout(b, t, h, d, vd, e, 64, dtype,
-                                     config=pallas_config(e, vd, b * h, **(fields or {})))
-        print(f"# {label}, {name}: {layout}")
+        cfg = pallas_config(e, vd, b * h, **(fields or {}))
+        layout = pops.explain_layout(b, t, h, d, vd, e, 64, dtype, config=cfg)
+        plan = pops.explain(d, vd, e, 64, dtype, config=cfg)
+        print(f"# {label}, {name}: {layout}; M, M' kept from the forward: {plan.saves_masks}; "
+              f"A^T dU and dV from the reverse pass: {plan.saves_drhs(erase)}")
       try:
         got = jax.jit(lambda: grads("pallas", fields))()
       except Exception as err:  # one failing option must not end the table
