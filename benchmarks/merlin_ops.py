@@ -183,11 +183,6 @@ def multistate_cost(b, t, h, d, vd, r, segment_len, c, *, erase=True, aggregator
   return flops, b * t * h * per_token * itemsize
 
 
-def _pow2(n):
-  """The kernels' padded width of a D or V dim (``merlin.pallas.ops``)."""
-  return max(16, 1 << (n - 1).bit_length())
-
-
 def part_costs(b, t, h, d, vd, segment_len, c, *, erase=True, itemsize=4, block_v=32):
   """{stage: (FLOPs, HBM bytes)} of the pallas op's stages as it runs them: "intra_chunk" (its
   forward) and each kernel launch, forward ones first. FLOPs count the matmuls as 2 m n k
@@ -213,8 +208,8 @@ def part_costs(b, t, h, d, vd, segment_len, c, *, erase=True, itemsize=4, block_
   cps = segment_len // c
   ns = -(-nc // cps)
   vis = merlin_kernels.num_visible(nc, cps)
-  dp, vp, it, f = _pow2(d), _pow2(vd), itemsize, 4
-  tok, mm, state = nc * c, 2 * c * d * vd, itemsize * _pow2(d) * _pow2(vd)
+  dp, vp, it, f = merlin_pallas.padded_width(d), merlin_pallas.padded_width(vd), itemsize, 4
+  tok, mm, state = nc * c, 2 * c * d * vd, itemsize * dp * vp
   lam, gam = f * ns * tok, f * nc
   n, size, ut = 1 << (c - 1).bit_length(), min(16, c), 0
   while size < n:

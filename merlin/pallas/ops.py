@@ -14,8 +14,8 @@ number of segment states N is in ``kernels.py``, behind one ``jax.custom_vjp``:
 
 The readout also takes the intra-chunk part, P Uv and each token's lam of its own segment (own),
 and writes the op's output scale (o + own P Uv) itself, in float32 and rounded once to the input
-dtype, into the caller's (B, T, H, V) layout (T padded to whole chunks and V to ``_pow2``: a slice
-after where either is padded). So the stack read o never leaves the kernel: no float32 o is
+dtype, into the caller's (B, T, H, V) layout (T padded to whole chunks and V to ``padded_width``: a
+slice after where either is padded). So the stack read o never leaves the kernel: no float32 o is
 written and read back, and no relayout or cast pass follows. The custom_vjp saves its inputs and
 the states the forward stored (in the input dtype); its backward forms dO = scale dy (float32,
 chunk layout), the cotangent of the kernels and of the intra-chunk part. Kernel operands are the
@@ -43,7 +43,8 @@ from triadic.chunked import to_chunks
 from triadic.pallas.common import F32, Config
 
 
-def _pow2(n: int) -> int:
+def padded_width(n: int) -> int:
+  """The kernels' width of a D or V dim of n: the next power of two, at least 16."""
   return max(16, 1 << (n - 1).bit_length())
 
 
@@ -203,7 +204,8 @@ def _attend_bwd(cps, erase, cfg, scale, t, saved, dy):
   if nc * c != t:
     dy = jnp.pad(dy, ((0, 0), (0, nc * c - t), (0, 0), (0, 0)))
   do = scale * jnp.moveaxis(dy.reshape(b, nc, c, h, vd), 3, 1)
-  grads = kernels_backward(cps, erase, cfg, *operands[:-2], *states, _pad_last(do, _pow2(vd)))
+  grads = kernels_backward(cps, erase, cfg, *operands[:-2], *states,
+                           _pad_last(do, padded_width(vd)))
   return (*grads, *jax.vjp(_intra_part, *operands[-2:])[1](do))
 
 
@@ -235,7 +237,7 @@ def chunk_inputs(q, k, v, g, beta, lam, *, segment_len: int, chunk_size: int):
 
 def kernel_operands(uv, w, qe, kw, gam, intra, gc, lamc, *, cps: int, erase: bool, dtype):
   """The kernels' operands (``_forward``'s) from ``intra_chunk``'s float32 results, the chunks' g
-  (gc) and lam (lamc, (B, H, NC, C, NS)): qe, [w,] kw, uv padded to ``_pow2`` and cast to
+  (gc) and lam (lamc, (B, H, NC, C, NS)): qe, [w,] kw, uv padded to ``padded_width`` and cast to
   ``dtype``; gam; lam (B, H, NS, NC, C), without erase times the finished states' decay; intra;
   own, each token's lam of its own segment."""
   nc, ns = lamc.shape[2], lamc.shape[-1]
@@ -244,7 +246,7 @@ def kernel_operands(uv, w, qe, kw, gam, intra, gc, lamc, *, cps: int, erase: boo
   lam_k = jnp.moveaxis(lamc, -1, 2)  # (B, H, NS, NC, C)
   if not erase:  # a finished state is its end state, decayed: the decay goes into its weight
     lam_k = lam_k * _finished_decay(jnp.sum(gc, axis=-1), cps, ns)[..., None]
-  dp, vp = _pow2(qe.shape[-1]), _pow2(uv.shape[-1])
+  dp, vp = padded_width(qe.shape[-1]), padded_width(uv.shape[-1])
   kernel_op = lambda x, width: _pad_last(x, width).astype(dtype)
   mats = [kernel_op(qe, dp)] + ([kernel_op(w, dp)] if erase else [])
   return mats + [kernel_op(kw, dp), kernel_op(uv, vp), gam, lam_k, intra, own]
@@ -257,7 +259,7 @@ def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, 
   (``triadic.ops.clamp_log_decay``); ``chunk_size`` must divide ``segment_len`` and be one of
   ``plan.CHUNK_SIZES``; ``scale`` a Python float (a constant of the readout kernel). Returns
   o (B, T, H, V) in q's dtype, written by the readout kernel (a slice of its output where T is
-  not a multiple of the chunk or V not a power of two >= 16: ``_pow2``).
+  not a multiple of the chunk or V not a power of two >= 16: ``padded_width``).
 
   Its stages, each callable alone: ``chunk_inputs`` -> ``intra_chunk`` -> ``kernel_operands``
   -> ``_attend`` (``kernels_forward``; backward ``kernels_backward``)."""

@@ -799,11 +799,11 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_an
   ops = _Ops(interpret)
   i, j = lax.axis_index("bh"), lax.axis_index("v")
   cols = pl.ds(j * bv, bv)
-  rhs_at = _rhs_boxes(rhs_g, heads, i, cols, f_g.shape[-1], pieces, nc)
+  # k, q, dO (and dV): chunk n of row i, or with heads a strided (C, X) box of (B, T, H, X).
+  at = _chunk_box(heads, i, f_g.shape[-1], pieces, nc)
+  rhs_at = _rhs_boxes(rhs_g, at, i, cols)
   srcs = None
   if heads is not None:
-    # k, q and dO in (B, T, H, X): chunk n of head h is a strided (C, X) box of TMA.
-    at = _chunk_box(heads, i, f_g.shape[-1], pieces, nc)
     srcs = {"k": lambda n: at(k_g, n), "q": lambda n: at(q_g, n),
             "do": lambda n: at(do_g, n, cols)}
   erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
@@ -933,13 +933,12 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   return (du, *outs, _from_cat(dh0, e_dim))
 
 
-def _rhs_boxes(rhs_g, heads, i, cols, c, pieces, nc):
+def _rhs_boxes(rhs_g, at, i, cols):
   """``save_drhs``' stores: chunk n -> the gmem box of program i's value block ``cols`` of A^T dU
-  (BH, NC, C, V) and of dV, which with ``heads`` is in the caller's (B, T, H, V) layout."""
+  (BH, NC, C, V) and of dV by ``at`` (``_chunk_box``: the caller's (B, T, H, V) with heads)."""
   if not rhs_g:
     return ()
   drhs_g, dv_g = rhs_g
-  at = _chunk_box(heads, i, c, pieces, nc)
   return (lambda n: drhs_g.at[i, n, :, cols]), (lambda n: at(dv_g, n, cols))
 
 
@@ -1190,9 +1189,9 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
   ops = _Ops(interpret)
   i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
   cols, rows = pl.ds(j * bv, bv), pl.ds(w * HALF, HALF)
-  rhs_at = _rhs_boxes(rhs_g, heads, i, cols, f_g.shape[-1], pieces, nc)
-  # k, q, dO: (BH, NC, C, X) boxes, or with heads strided boxes of (B, T, H, X).
+  # k, q, dO (and dV): (BH, NC, C, X) boxes, or with heads strided boxes of (B, T, H, X).
   at = _chunk_box(heads, i, f_g.shape[-1], pieces, nc)
+  rhs_at = _rhs_boxes(rhs_g, at, i, cols)
   erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
   dstate0 = _load_rows(ops, dht_g.at[i, j, rows], cat, bars.at[_ROWS + w], w, xbar)
 

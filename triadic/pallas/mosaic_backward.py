@@ -677,12 +677,11 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   reason = supported(d, vd, c, e_dim, q.dtype, erase, slice_warpgroups)
   if reason:
     raise ValueError(reason)
+  given = lambda y: "set" if y is not None else None
   if (m is not None) != (mq is not None and erase):
-    given = lambda y: "set" if y is not None else None
     raise ValueError("m (the mask M) must be given exactly when mq (M') is and erase is on, got "
                      f"mq {given(mq)}, m {given(m)}, erase={erase}")
   if (drhs is None) != (dv is None) or (drhs is not None and not erase):
-    given = lambda y: "set" if y is not None else None
     raise ValueError("drhs and dv (A^T dU and beta A^T dU) come together and only with erase, got "
                      f"drhs {given(drhs)}, dv {given(dv)}, erase={erase}")
   low = lambda y: y.astype(q.dtype)
