@@ -1,12 +1,16 @@
 """What the benchmark scripts share: the machine line every table starts with, op inputs, a
-median timer and an out-of-memory test."""
+median timer, a per-kernel device profile and an out-of-memory test."""
 
 from __future__ import annotations
 
+import collections
+import glob
 import os
 import platform
 import statistics
+import tempfile
 import time
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -62,6 +66,79 @@ def ceilings(n: int = 8192, dtype=jnp.bfloat16, copy_mib: int = 2048, reps: int 
   x = jnp.ones((copy_mib, 256, 1024), jnp.float32)
   gbs = 2 * x.nbytes / (median_ms(jax.jit(lambda y: y * 1.5), (x,), reps=reps) * 1e-3) / 1e9
   return tflops, gbs
+
+
+class KernelTime(NamedTuple):
+  """One kernel (or XLA fusion) of a profiled call: launches and device ms per call."""
+  name: str
+  launches: float
+  ms: float
+
+
+# Timelines a profiler may derive from the kernels' (per module, op, step): not kernels themselves.
+_DERIVED_LINES = frozenset({"XLA Modules", "XLA Ops", "Async XLA Ops", "XLA TraceMe", "Steps",
+                            "Framework Ops", "Framework Name Scope", "Source code",
+                            "Launch Stats"})
+
+
+def _profiled_events(plane):
+  """(name, duration ns) of the kernels in an XLA profile plane: on a GPU every event of its
+  stream lines (kernels, memcpy), named by kernel (any line but the derived ones where no line
+  is named for a stream); on a CPU the host's thunk events that name an
+  HLO op (``hlo_op`` stat), so the table can be tried without a GPU."""
+  if plane.name.startswith("/device:"):
+    streams = [line for line in plane.lines if line.name.startswith("Stream")]
+    for line in streams or [line for line in plane.lines if line.name not in _DERIVED_LINES]:
+      for event in line.events:
+        yield event.name, event.duration_ns
+  elif plane.name == "/host:CPU":
+    for line in plane.lines:
+      for event in line.events:
+        if any(key == "hlo_op" for key, _ in event.stats):
+          yield event.name, event.duration_ns
+
+
+def kernel_profile(fn, args, *, reps: int = 5) -> tuple[list[KernelTime], float]:
+  """Where a call's device time goes: ``fn(*args)`` run ``reps`` times (after a warm-up call)
+  under ``jax.profiler.trace``, every kernel's launches and device time per call, largest first,
+  and the median wall ms of those calls. Kernels of one name (a Pallas kernel launched several
+  times, or XLA fusions that share a name) are summed. The sum of the rows is the device's busy
+  time; below the wall time by the gaps between launches."""
+  jax.block_until_ready(fn(*args))
+  walls = []
+  with tempfile.TemporaryDirectory() as log_dir:
+    with jax.profiler.trace(log_dir):
+      for _ in range(reps):
+        start = time.perf_counter()
+        jax.block_until_ready(fn(*args))
+        walls.append(time.perf_counter() - start)
+    path = sorted(glob.glob(os.path.join(log_dir, "**", "*.xplane.pb"), recursive=True))[-1]
+    profile = jax.profiler.ProfileData.from_file(path)
+  device = [p for p in profile.planes if p.name.startswith("/device:")][:1]
+  planes = device or [p for p in profile.planes if p.name == "/host:CPU"]
+  launches, ns = collections.Counter(), collections.Counter()
+  for plane in planes:
+    for name, duration in _profiled_events(plane):
+      launches[name] += 1
+      ns[name] += duration
+  rows = [KernelTime(name, launches[name] / reps, ns[name] / reps / 1e6) for name in ns]
+  return sorted(rows, key=lambda r: -r.ms), 1e3 * statistics.median(walls)
+
+
+def profile_table(rows: list[KernelTime], wall_ms: float, *, top: int = 25) -> str:
+  """A markdown table of ``kernel_profile``'s rows (the ``top`` largest, the rest summed in one
+  row), with each kernel's share of the device time, then the device and wall totals."""
+  busy = sum(r.ms for r in rows) or float("nan")
+  lines = ["| kernel | launches | ms | share |", "|---|---|---|---|"]
+  shown, rest = rows[:top], rows[top:]
+  if rest:
+    shown = shown + [KernelTime(f"({len(rest)} others)", sum(r.launches for r in rest),
+                                sum(r.ms for r in rest))]
+  lines += [f"| {r.name[:60]} | {r.launches:g} | {r.ms:.3f} | {100 * r.ms / busy:.1f}% |"
+            for r in shown]
+  lines.append(f"| device busy / wall | {sum(r.launches for r in rows):g} | {busy:.3f} / "
+               f"{wall_ms:.3f} | |")
+  return "\n".join(lines)
 
 
 def is_oom(err: BaseException) -> bool:

@@ -11,12 +11,16 @@ on the E = 1 slice of the same inputs when torch and those packages import (else
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --t 16384 --e 1 8 --no-chunked --no-triton
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --stages --t 16384 --e 1 8   # per kernel
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --layouts --t 16384 --e 1 8  # q, k, v layout
+  PYTHONPATH=. python3 benchmarks/triadic_kernels.py --profile --t 16384 --e 1 8  # the op's kernels
 
 On Hopper, "pallas" runs the Mosaic GPU kernels (the state-passing kernels, ``Config.mosaic_gpu``,
 and the chunk-parallel backward's E-dependent part, ``Config.mosaic_gpu_backward``) and a
 "pallas-triton" column the same op with the Triton kernels only (the path of other GPUs).
 ``--stages`` times each stage alone with this device's matmul and HBM ceilings measured in the
 same run (each stage's achieved TFLOP/s of counted matmuls), and the chunk backward by part.
+``--profile`` runs the whole op's forward+backward as training calls it under the JAX profiler
+and lists every kernel and XLA fusion it launched with its device time: the stages as they run
+inside the op, glue included, with nothing taken out by a harness.
 
 Needs only jax (no grain / ml_collections) for our kernels, so it runs on the bare GPU machine;
 the peers need torch plus flash-linear-attention / flash-qla (``../shared/device/wheels.sh``).
@@ -44,7 +48,7 @@ from triadic import xla_flags  # noqa: E402
 xla_flags.apply_cpu_workaround()
 
 from benchmarks import peers  # noqa: E402
-from benchmarks.common import ceilings, median_ms  # noqa: E402
+from benchmarks.common import ceilings, kernel_profile, median_ms, profile_table  # noqa: E402
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
 from testkit import rel_rms as rel  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
@@ -517,6 +521,9 @@ def main():
                       help="on Hopper, skip the pallas-triton column (Triton kernels only)")
   parser.add_argument("--cases", type=int, nargs="*", help="with --check: which cases (0..7)")
   parser.add_argument("--stages", action="store_true", help="per-kernel times, then exit")
+  parser.add_argument("--profile", action="store_true",
+                      help="the op's forward+backward under the JAX profiler: device ms per "
+                      "kernel and XLA fusion (default and each --op-variants set), then exit")
   parser.add_argument("--layouts", action="store_true",
                       help="Hopper: the one-warpgroup forward state pass on relayouted q, k, v "
                            "(plus the relayout) vs on (B, T, H, X) ones (heads), then exit")
@@ -548,7 +555,27 @@ def main():
   if args.layouts:
     layouts(args.t, args.e, args.reps)
     return
+  if args.profile:
+    profile(args.t[0], args.e, args.reps, args.op_variants)
+    return
   op_table(args)
+
+
+def profile(t, e_list, reps, variants=()):
+  """Per E, the op's forward+backward (bf16, H = 16, D = V = 128, 32768 tokens) under the JAX
+  profiler, default config and each ``variants`` set: a table of every kernel and XLA fusion
+  with its launches and device ms per call (``common.kernel_profile``)."""
+  h, d, vd = 16, 128, 128
+  b = SHAPES.get(t, max(1, 32768 // t))
+  for e in e_list:
+    xs = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
+    for variant in ("", *variants):
+      fields = variant_fields(variant) if variant else {}
+      fwd_bwd = triadic_fns("pallas", **fields)[1]
+      rows, wall = kernel_profile(fwd_bwd, xs, reps=reps)
+      print(f"\n## f+b B={b} T={t} E={e} {variant or 'default'}\n")
+      print(profile_table(rows, wall))
+      sys.stdout.flush()
 
 
 def variant_fields(variant: str) -> dict:

@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from benchmarks import block
-from benchmarks.common import is_oom
+from benchmarks.common import is_oom, kernel_profile, profile_table
 
 
 @pytest.mark.parametrize("e", [1, 3])
@@ -24,6 +24,21 @@ def test_block_table_runs(capsys):
   for row in ("| 32 | attention |", "| 32 | gdn |", "| 32 | hybrid |", "forward+backward ratios"):
     assert row in out
   assert "oom" not in out and "device: " in out and "command: " in out
+
+
+def test_kernel_profile_lists_the_ops_of_a_call():
+  """Every op of a jitted call shows up once per call, whatever the number of calls profiled
+  (on the CPU: the host's thunk events; on a GPU the same code reads the kernels)."""
+  import jax
+  import jax.numpy as jnp
+  f = jax.jit(lambda x: jnp.tanh(x @ x).sum(0) + jnp.exp(x).mean())
+  rows, wall = kernel_profile(f, (jnp.ones((256, 256)),), reps=3)
+  assert rows and wall > 0
+  assert all(r.launches == 1 and r.ms >= 0 for r in rows), rows
+  assert [r.ms for r in rows] == sorted((r.ms for r in rows), reverse=True)
+  table = profile_table(rows, wall, top=1)
+  assert table.count("\n") == len(["head", "rule", "top", "others", "total"]) - 1
+  assert f"({len(rows) - 1} others)" in table
 
 
 def test_is_oom():
