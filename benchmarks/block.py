@@ -11,6 +11,7 @@ all in the time.
   PYTHONPATH=. python benchmarks/block.py --T 16384,32768,65536 --no-parts  # the other
   PYTHONPATH=. python benchmarks/block.py --mixers gdn,triadic8 --T 4096 --parts-T 4096
   PYTHONPATH=. python benchmarks/block.py --tiny                            # CPU smoke test
+  PYTHONPATH=. python benchmarks/block.py --profile --mixers gdn,triadic8 --T 4096  # by kernel
 
 Mixers: ``attention`` (``jax.nn.dot_product_attention``, implementation "cudnn" on GPU, "xla"
 elsewhere), ``gdn`` (triadic E = 1), ``triadicE`` for E = 2, 4, 8 (``triadic2`` ...), and
@@ -48,7 +49,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
-from benchmarks.common import is_oom, machine, median_ms  # noqa: E402
+from benchmarks.common import is_oom, kernel_profile, machine, median_ms, profile_table  # noqa: E402
 from lm.mixers import make_mixer  # noqa: E402
 from lm.model import Group, ModelConfig  # noqa: E402
 from layers.blocks import RMSNorm, causal_conv, l2norm  # noqa: E402
@@ -173,6 +174,19 @@ def run_blocks(args, shape, ts, names):
     del x
     gc.collect()
   return results
+
+
+def profile_blocks(shape, t, names, *, impl, chunk, reps=3):
+  """Per mixer, one block's forward+backward at T = t under the JAX profiler: device ms by
+  kernel and XLA fusion (``common.kernel_profile``), so the glue around each mixer's op shows."""
+  x = _normal(jax.random.PRNGKey(t), (shape["batch"], t, shape["d_model"]), jnp.float32)
+  for n in names:
+    kind, e = mixer_kind(n)
+    fn, params = block_fn(model_config(shape, kind, e, impl=impl, chunk=chunk))
+    fb = fwd_and_fwdbwd(fn)[1]
+    rows, wall = kernel_profile(fb, ((params, x), _cotangent(fn, params, x)), reps=reps)
+    print(f"\n## {n} block f+b, T = {t}, batch {shape['batch']}\n")
+    print(profile_table(rows, wall), flush=True)
 
 
 def summary(results, ts, names):
@@ -306,6 +320,9 @@ def main(argv=None):
   p.add_argument("--parts-T", type=int, default=None, help="T of the breakdown (default 4096)")
   p.add_argument("--parts-E", default="1,8", help="E values of the breakdown")
   p.add_argument("--no-parts", action="store_true", help="skip the breakdown")
+  p.add_argument("--profile", action="store_true",
+                 help="instead of the tables: each mixer's block forward+backward at the first T "
+                 "under the JAX profiler, device ms by kernel and XLA fusion")
   p.add_argument("--tiny", action="store_true",
                  help="d_model 64, 2 heads of 16, MLP 128, batch 1, T 64,128: a CPU check")
   args = p.parse_args(argv)
@@ -325,6 +342,10 @@ def main(argv=None):
         f"SwiGLU {shape['mlp_dim']}, batch {shape['batch']}, bf16 compute, float32 params and "
         f"residual; triadic impl {args.impl}, chunk {args.chunk}; attention "
         f"{'cudnn' if jax.default_backend() == 'gpu' else 'xla'}. Median ms.")
+  if args.profile:
+    profile_blocks(shape, ts[0], [n for n in names if n != "hybrid"], impl=args.impl,
+                   chunk=args.chunk)
+    return
   if "hybrid" in names:
     print(f"hybrid = average per block of 3 x triadic{args.hybrid_e} + 1 x attention, from the "
           f"measured single blocks")
