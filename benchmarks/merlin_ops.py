@@ -28,6 +28,9 @@ T = 2048:
         --erase both --dtype bfloat16 --B $1 --T $2 --H 16 --D 128 --V 128 --R 128 \
         --segment-len 256 --chunk 64 --repeats 10; done
 
+``--profile`` prints instead, per T, each ``--impls`` op's forward+backward by kernel and XLA
+fusion with its device time, from the JAX profiler (the same sizes, ``--impls pallas``).
+
 On a CPU shared with other jobs, XLA's multi-threaded kernels stall under oversubscription (the
 chunked form, which has the larger parallel ops, by up to 100x); pin one core for stable numbers:
 
@@ -54,7 +57,7 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import merlin  # noqa: E402
-from benchmarks.common import ceilings, machine  # noqa: E402
+from benchmarks.common import ceilings, kernel_profile, machine, profile_table  # noqa: E402
 from merlin.chunked import intra_chunk  # noqa: E402
 from merlin.pallas import kernels as merlin_kernels  # noqa: E402
 from merlin.pallas import ops as merlin_pallas  # noqa: E402
@@ -506,6 +509,27 @@ def parts_table(args, t, dtype, erase, floor_ms):
                 cell(100 * fb / (1e3 * times["op"][1]), ".1f")]), flush=True)
 
 
+def profile_ops(args, t, dtype):
+  """Each ``--impls`` op's forward+backward at T = t (the gradient of sum(cot * o) and o, as
+  ``fwd_and_fwd_bwd`` times it) under the JAX profiler: device ms by kernel and XLA fusion
+  (``common.kernel_profile``), glue included."""
+  n = args.max_segments or -(-t // args.segment_len)
+  x = inputs(jax.random.PRNGKey(t), args.B, t, args.H, args.D, args.V, args.R, n, dtype)
+  lam = jax.jit(lambda x: weights("merlin", x, args.segment_len, n, "parallel"))(x)
+  cot = jax.random.normal(jax.random.PRNGKey(1), (args.B, t, args.H, args.V))
+  for impl in args.impls.split(","):
+    fn = attention(impl, args.segment_len, args.chunk)
+
+    def loss(cot, x, lam):
+      o = fn(x, lam)
+      return jnp.sum(cot * o.astype(jnp.float32)), o
+
+    grad = jax.jit(jax.grad(loss, argnums=(1, 2), has_aux=True))
+    rows, wall = kernel_profile(grad, (cot, x, lam), reps=args.repeats)
+    print(f"\n## multistate {impl} f+b (o kept), T = {t}, N = {n}\n")
+    print(profile_table(rows, wall), flush=True)
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--T", default="1024,4096", help="comma-separated sequence lengths")
@@ -531,6 +555,9 @@ def main(argv=None):
   ap.add_argument("--no-floors", action="store_true", help="skip the ceilings and floors")
   ap.add_argument("--parts", action="store_true",
                   help="only the parts table of the pallas impl: where its time goes")
+  ap.add_argument("--profile", action="store_true",
+                  help="only the profile: each --impls op's f+b (o kept) per T under the JAX "
+                       "profiler, device ms by kernel and XLA fusion")
   ap.add_argument("--erase", default="on", choices=("on", "off", "both"),
                   help="the parts table's erase: on (multi-state GDN), off (multi-state Mamba-2) "
                        "or both")
@@ -551,6 +578,10 @@ def main(argv=None):
     print(f"ceilings measured now: matmul {peak:.1f} TFLOP/s, memory {hbm:.0f} GB/s; floor = "
           "max(counted FLOPs / matmul ceiling, counted bytes / memory ceiling), f+b = 3x fwd")
     floor_ms = lambda fl, by, mult: 1e3 * max(mult * fl / (peak * 1e12), by / (hbm * 1e9))
+  if args.profile:
+    for t in lengths:
+      profile_ops(args, t, dtype)
+    return
   if args.parts:
     for t in lengths:
       for erase in {"on": (True,), "off": (False,), "both": (True, False)}[args.erase]:
