@@ -207,7 +207,8 @@ def check(only=None, variants=()):
         layout = pops.explain_layout(b, t, h, d, vd, e, 64, dtype, config=cfg)
         plan = pops.explain(d, vd, e, 64, dtype, config=cfg)
         print(f"# {label}, {name}: {layout}; M, M' kept from the forward: {plan.saves_masks}; "
-              f"A^T dU and dV from the reverse pass: {plan.saves_drhs(erase)}")
+              f"A^T dU and dV from the reverse pass: {plan.saves_drhs(erase)}; dq, dk partials "
+              f"in bf16: {plan.mosaic_chunk_gradients and cfg.partials_in_bf16}")
       try:
         got = jax.jit(lambda: grads("pallas", fields))()
       except Exception as err:  # one failing option must not end the table
@@ -434,7 +435,8 @@ def mosaic_backward_parts(cbw_args, x, reps, cfg):
   def slices(q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
     f = mb.factor_rows(gc_col, k2_col, q2_col, beta_col)
     return mb.slices_pass(q, k, low(beta_col * drhs), low(do), low(u), st, dst, f, scale=0.1,
-                          erase=True, warpgroups=wgs)
+                          erase=True, warpgroups=wgs,
+                          partials_dtype=jnp.bfloat16 if cfg.partials_in_bf16 else jnp.float32)
 
   sk = jax.jit(slices)
   sk_args = (q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)

@@ -101,18 +101,22 @@ def test_matches_triton_structure(b, t, h, vdim, e, erase, decay, d, saved_x):
   check_outputs(got, want, BOUNDS)
 
 
-@pytest.mark.parametrize("e,erase,decay,fused", [
-    (1, True, 1.0, False),   # E = 1 takes the fused tail by default: the split one here
-    (2, False, 20.0, None),  # the default (fused) without erase
-    (4, True, 20.0, True),   # E = 4 takes the split tail by default: the fused one here
-    (3, True, 20.0, False),  # the split tail at an E that is no power of two
+@pytest.mark.parametrize("e,erase,decay,fused,bf16_partials", [
+    (1, True, 1.0, False, False),   # E = 1 takes the fused tail by default: the split one here
+    (2, False, 20.0, None, False),  # the default (fused) without erase
+    (4, True, 20.0, True, False),   # E = 4 takes the split tail by default: the fused one here
+    (3, True, 20.0, False, False),  # the split tail at an E that is no power of two
+    (1, True, 20.0, None, True),    # the slice kernel's dq, dk partials in bf16: fused tail
+    (3, True, 1.0, None, True),     # and split
 ])
-def test_tail_variants_match_triton_structure(e, erase, decay, fused):
-  """Both tails (``fused_tail_kernel``; masks in JAX around ``tail_kernel``), D = 64, V = 32."""
+def test_tail_variants_match_triton_structure(e, erase, decay, fused, bf16_partials):
+  """Both tails (``fused_tail_kernel``; masks in JAX around ``tail_kernel``), D = 64, V = 32,
+  reading the slice kernel's dq, dk partials in float32 or bf16 (``Config.partials_in_bf16``)."""
   args = backward_operands(1, 150, 2, 64, 32, e, erase, decay)
   want = backward.chunk_gradients(*args, scale=SCALE, erase=erase, cfg=CPU)
   got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                  fused_tail=fused, interpret=True))(*args)
+                                  fused_tail=fused, partials_in_bf16=bf16_partials,
+                                  interpret=True))(*args)
   check_outputs(got, want, BOUNDS)
 
 
@@ -156,20 +160,21 @@ def test_slice_kernel_two_warpgroups_match_one(e=5, erase=True):
     assert rel_rms(got, want) < 1e-6
 
 
-@pytest.mark.parametrize("d,vdim,e,erase,wgs", [
-    (128, 128, 8, True, 1),
-    (128, 128, 8, True, 2),   # 214 KiB: the largest the slice kernel takes
-    (128, 64, 4, False, 2),
-    (128, 128, 1, True, 1),
-    (64, 32, 3, False, 1),
-    (128, 64, 2, True, 1),
+@pytest.mark.parametrize("d,vdim,e,erase,wgs,bf16_partials", [
+    (128, 128, 8, True, 1, False),
+    (128, 128, 8, True, 2, True),   # 214 KiB: the largest the slice kernel takes
+    (128, 64, 4, False, 2, False),
+    (128, 128, 1, True, 1, True),
+    (64, 32, 3, False, 1, False),
+    (128, 64, 2, True, 1, False),
 ])
-def test_lowers_for_cuda(d, vdim, e, erase, wgs):
-  """The slice kernel (transpose_ref operands of the staged row pieces; one or two warpgroups)
-  lowers for "cuda" within the SMEM limit, X given; nothing runs."""
+def test_lowers_for_cuda(d, vdim, e, erase, wgs, bf16_partials):
+  """The slice kernel (transpose_ref operands of the staged row pieces; one or two warpgroups;
+  dq, dk partials stored in float32 or bf16) lowers for "cuda" within the SMEM limit, X given;
+  nothing runs."""
   args = _abstract_operands(d, vdim, e) + (jax.ShapeDtypeStruct((2, 4, 64, vdim), jnp.bfloat16),)
   fn = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                 slice_warpgroups=wgs))
+                                 slice_warpgroups=wgs, partials_in_bf16=bf16_partials))
   text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_chunk_backward_slices" in text
   tail = "fused" if mosaic_backward.default_fused_tail(e) else "ut"
@@ -233,6 +238,7 @@ def test_hopper_op_matches_scan():
   fn = pops.chunk_gradients_kernel(cfg, *(jnp.zeros((1, 1, 64, n), dt) for n, dt in (
       (64, jnp.bfloat16), (32, jnp.bfloat16), (4, jnp.float32))))
   assert fn.func is mosaic_backward.chunk_gradients and fn.keywords["slice_warpgroups"] == 1
+  assert fn.keywords["partials_in_bf16"]                  # the default: Config.partials_in_bf16
   # Without the Mosaic forward nothing saves X (the backward forms it).
   alone = dataclasses.replace(cfg, mosaic_gpu=False)
   assert not pops.explain(64, 32, 3, 64, jnp.bfloat16, config=alone).saves_x(True)

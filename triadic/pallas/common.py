@@ -89,6 +89,10 @@ class Config:
   drhs_in_reverse_pass: the Mosaic reverse state pass also writes A^T dU, which it forms for the
   state gradient anyway, and dV = beta A^T dU, which the Mosaic chunk backward then reads instead
   of forming them in XLA (erase only; ``Plan.saves_drhs``). False forms them in XLA.
+  partials_in_bf16: the Mosaic slice kernel hands its dq, dk partials (the state terms, summed
+  in float32) to the tail in bf16, rounded once, instead of float32: half their bytes written and
+  read (the tail adds the UT and mask terms in float32 and rounds dq, dk to bf16 again). False
+  keeps them float32.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -114,6 +118,7 @@ class Config:
   token_major: bool = True
   save_masks: bool = True
   drhs_in_reverse_pass: bool = True
+  partials_in_bf16: bool = True
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -125,7 +130,8 @@ class Config:
     if not isinstance(self.sequence_pieces, int) or self.sequence_pieces < 0:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
-    for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass"):
+    for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass",
+                 "partials_in_bf16"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if not isinstance(self.warmup_chunks, int) or self.warmup_chunks < 1:

@@ -336,8 +336,8 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
 
   def store(dq_s, dk_s, coef_s, lam_s):
     for h, dq, dk in zip(pieces, dqs, dks):
-      dq_s[h] = dq
-      dk_s[h] = dk
+      dq_s[h] = dq.astype(dq_s.dtype)
+      dk_s[h] = dk.astype(dk_s.dtype)
     coef_s.at[w][...] = coef
     lam_s.at[w][...] = lam
     plgpu.commit_smem()
@@ -365,7 +365,7 @@ def slice_warpgroups(requested: int | None, d: int) -> int:
 
 
 def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups=1, heads=None,
-                interpret=False):
+                partials_dtype=F32, interpret=False):
   """The Mosaic GPU slice kernel ``triadic_chunk_backward_slices`` (grid (B*H, NC)). Per chunk it
   streams the state slices in pieces of 64 rows (item (h, e): rows h*64.. of S_e and dS_e, two
   slots, the next item's copies in flight while one is used, piece-major so that only that
@@ -382,7 +382,8 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
   one piece with its own stream and slots (``slice_warpgroups_supported``).
   Operands: q, k (BH,NC,C,D), dX = beta A^T dU, dO, U (BH,NC,C,V), all bf16; the states
   (BH,NC,E,D,V) bf16; the factor rows f (BH,NC,3E+1,C) float32 (``factor_rows``). Returns dq, dk
-  partials (BH,NC,C,D), the row-sum matrix (BH,NC,C,32) and dlam partials (BH,NC,64,8), float32.
+  partials (BH,NC,C,D), summed in float32 and stored in ``partials_dtype`` (float32 or bf16), and,
+  float32, the row-sum matrix (BH,NC,C,32) and dlam partials (BH,NC,64,8).
 
   ``heads=H``: q, k (B,T,H,D), dX and dO (B,T,H,V) in the caller's layout, T = NC * C, read in
   place (program (i, n) copies the strided boxes of rows n*C.. of head i % H of batch i // H, q
@@ -394,9 +395,12 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
     check_heads(heads, bh, nc, c, q=q, k=k, do=do, **({"dx": dx} if erase else {}))
   if warpgroups not in (1, 2) or (warpgroups == 2 and slice_warpgroups_supported(d)):
     raise ValueError(f"warpgroups must be 1, or 2 at D = {2 * PIECE}; got {warpgroups} at D={d}")
+  if partials_dtype not in (F32, BF16):
+    raise ValueError(f"partials_dtype must be float32 or bfloat16, got {partials_dtype}")
   n_pieces = d // PIECE
   sw = _swizzle(min(vd, 64))
   sk = _swizzle(min(d, 64))
+  sp = _swizzle(PIECE, partials_dtype)
   scratch = [
       _smem((n_pieces, c, PIECE), BF16, sk),        # q, by 64-column pieces
       _smem((n_pieces, c, PIECE), BF16, sk),        # k
@@ -409,11 +413,12 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
   ]
   if interpret:                                     # explicit S^T, dS^T (interpreter)
     scratch += [_smem((warpgroups, vd, PIECE), BF16, sw)] * 2
-  outs = [_smem((n_pieces, c, PIECE), F32, _swizzle(PIECE, F32)),     # dq
-          _smem((n_pieces, c, PIECE), F32, _swizzle(PIECE, F32)),     # dk
+  outs = [_smem((n_pieces, c, PIECE), partials_dtype, sp),           # dq
+          _smem((n_pieces, c, PIECE), partials_dtype, sp),           # dk
           _smem((warpgroups, c, COEF_W), F32, _swizzle(COEF_W, F32)),
           _smem((warpgroups, PIECE, LAM_W), F32, _swizzle(LAM_W, F32))]
-  out_type = [jax.ShapeDtypeStruct((bh, nc, c, d), F32), jax.ShapeDtypeStruct((bh, nc, c, d), F32),
+  partial = jax.ShapeDtypeStruct((bh, nc, c, d), partials_dtype)
+  out_type = [partial, partial,
               jax.ShapeDtypeStruct((bh, nc, warpgroups, c, COEF_W), F32),
               jax.ShapeDtypeStruct((bh, nc, warpgroups, PIECE, LAM_W), F32)]
   kernel = functools.partial(_slice_kernel, scratch=scratch, outs=outs, c=c, d=d, e_dim=e_dim,
@@ -488,7 +493,8 @@ def _tail_ut_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_ref,
   dmq_ref[...] = dmq
   if erase:
     dm_ref[...] = dm
-  dq, dk, dbeta = ut_after(q, k, dqp_ref[...], dkp_ref[...], dbeta, dp, dl, dlkk, mq_ref[...],
+  partials = (dqp_ref[...].astype(F32), dkp_ref[...].astype(F32))    # float32 or bf16 in HBM
+  dq, dk, dbeta = ut_after(q, k, *partials, dbeta, dp, dl, dlkk, mq_ref[...],
                            m_ref[...] if erase else None, beta, erase=erase, dtype=dtype)
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
@@ -505,9 +511,10 @@ def _fused_tail_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_r
                                   scale=scale, erase=erase, dtype=dtype)
   coefs = lambda e: (col(dcoef_ref, e), col(dqcoef_ref, e), col(dkcoef_ref, e),
                      dlam_ref[:, pl.ds(e, 1)])
-  chunk_local(q, k, lambda: (dqp_ref[...], dkp_ref[...]), dp, da if erase else None, dbeta,
-              coefs, k2_col, k2_row, q2_col, gc_col, gc_row, beta, a_ref[...], outs, c=c,
-              e_dim=e_dim, erase=erase, dtype=dtype, precision=precision, loop=True)
+  partials = lambda: (dqp_ref[...].astype(F32), dkp_ref[...].astype(F32))  # f32 or bf16 in HBM
+  chunk_local(q, k, partials, dp, da if erase else None, dbeta, coefs, k2_col, k2_row, q2_col,
+              gc_col, gc_row, beta, a_ref[...], outs, c=c, e_dim=e_dim, erase=erase, dtype=dtype,
+              precision=precision, loop=True)
 
 
 def _tail_blocks(bh, nc, vd, cfg):
@@ -648,7 +655,7 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
                     heads=None, a_operand=None, mq=None, m=None, drhs=None, dv=None,
-                    interpret=False):
+                    partials_in_bf16=False, interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   but in q's dtype for dq, dk and dv (BH,NC,C,V), the rest float32: dk2 column and row parts
   ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
@@ -667,7 +674,9 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   as the forward's prep formed them (``Plan.saves_masks``), read by the split tail instead of
   forming them again. ``drhs``, ``dv`` (erase only): A^T dU and dV = beta A^T dU in q's dtype
   as the reverse state pass wrote them (``Plan.saves_drhs``; dv in q's layout), else formed
-  here. ``slice_warpgroups``: the slice kernel's warpgroups (``slices_pass``). ``fused_tail``:
+  here. ``slice_warpgroups``: the slice kernel's warpgroups (``slices_pass``).
+  ``partials_in_bf16``: the slice kernel hands its dq, dk partials to the tail in bf16
+  (``Config.partials_in_bf16``), else float32. ``fused_tail``:
   the tail as one kernel (None: ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret
   mode for the slice kernel and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c = k2_col.shape[:3]
@@ -693,7 +702,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   f = factor_rows(gc_col, k2_col, q2_col, beta_col)
   dqp, dkp, coef, lam = slices_pass(q, k, dv, low(do), low(u), low(states), low(dstates), f,
                                     scale=scale, erase=erase, warpgroups=slice_warpgroups,
-                                    heads=heads, interpret=interpret)
+                                    heads=heads, partials_dtype=BF16 if partials_in_bf16 else F32,
+                                    interpret=interpret)
   if not erase:
     x = v if heads is None else head_major(v, c)
   elif x is None:
