@@ -570,6 +570,10 @@ def main(argv=None):
   print(f"B={args.B} H={args.H} D={args.D} V={args.V} R={args.R} L={args.segment_len} "
         f"N={n} (pipeline) C={args.chunk} {dtype.name}; times in ms (median of {args.repeats}), temp = XLA "
         "temporary MiB of the f+b")
+  if args.profile:
+    for t in lengths:
+      profile_ops(args, t, dtype)
+    return
   floor_ms = lambda fl, by, mult: np.nan
   if not args.no_floors:
     gpu = jax.default_backend() == "gpu"
@@ -578,10 +582,6 @@ def main(argv=None):
     print(f"ceilings measured now: matmul {peak:.1f} TFLOP/s, memory {hbm:.0f} GB/s; floor = "
           "max(counted FLOPs / matmul ceiling, counted bytes / memory ceiling), f+b = 3x fwd")
     floor_ms = lambda fl, by, mult: 1e3 * max(mult * fl / (peak * 1e12), by / (hbm * 1e9))
-  if args.profile:
-    for t in lengths:
-      profile_ops(args, t, dtype)
-    return
   if args.parts:
     for t in lengths:
       for erase in {"on": (True,), "off": (False,), "both": (True, False)}[args.erase]:
