@@ -134,7 +134,8 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                  "; one warpgroup: " + str(mosaic_backward.slice_warpgroups_supported(d)))
     chunk_bwd = Stage("chunk_gradients", "mosaic_gpu" + interp + " + triton tail",
                       f"slice kernel: {e} slice(s) in 64-row pieces, two slots, {slice_wgs} "
-                      f"warpgroup(s), {tail}",
+                      f"warpgroup(s), dq, dk partials in "
+                      f"{'bf16' if cfg.partials_in_bf16 else 'float32'}, {tail}",
                       "Config.mosaic_gpu_backward" + tail_reason + wg_reason)
   else:
     chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
