@@ -252,6 +252,18 @@ def measure(fn, args, repeats):
   return float(np.median(times)), (np.nan if temp is None else temp / 2 ** 20), out
 
 
+def training_grad(fn, n_args):
+  """(cot, *args) -> (gradients of sum(cot * o) with respect to the ``n_args`` array arguments,
+  o), o = fn(*args): the backward a training step runs, o kept as the step needs it. cot is an
+  argument, not a closure: a captured array would be a constant of the program, which XLA then
+  folds at compile time."""
+  def loss(cot, *a):
+    o = fn(*a)
+    return jnp.sum(cot * o.astype(jnp.float32)), o
+
+  return jax.grad(loss, argnums=tuple(range(1, n_args + 1)), has_aux=True)
+
+
 def fwd_and_fwd_bwd(fn, args, cot, repeats, backward, keep_output=True):
   """(fwd s, f+b s, f+b temp MiB, output) of fn(*args); the f+b is the gradient of sum(cot * o)
   with respect to every array argument and, with ``keep_output``, o too, as a training step needs
@@ -259,13 +271,7 @@ def fwd_and_fwd_bwd(fn, args, cot, repeats, backward, keep_output=True):
   fwd, _, out = measure(fn, args, repeats)
   if not backward:
     return fwd, np.nan, np.nan, out
-  # cot is an argument, not a closure: a captured array would be a constant of the program,
-  # which XLA then folds at compile time.
-  def loss(cot, *a):
-    o = fn(*a)
-    return jnp.sum(cot * o.astype(jnp.float32)), o
-
-  grad = jax.grad(loss, argnums=tuple(range(1, len(args) + 1)), has_aux=True)
+  grad = training_grad(fn, len(args))
   fb, mem, _ = measure(grad if keep_output else lambda *a: grad(*a)[0], (cot, *args), repeats)
   return fwd, fb, mem, out
 
@@ -510,21 +516,15 @@ def parts_table(args, t, dtype, erase, floor_ms):
 
 
 def profile_ops(args, t, dtype):
-  """Each ``--impls`` op's forward+backward at T = t (the gradient of sum(cot * o) and o, as
-  ``fwd_and_fwd_bwd`` times it) under the JAX profiler: device ms by kernel and XLA fusion
+  """Each ``--impls`` op's forward+backward at T = t (``training_grad``, as ``fwd_and_fwd_bwd``
+  times it) under the JAX profiler: device ms by kernel and XLA fusion
   (``common.kernel_profile``), glue included."""
   n = args.max_segments or -(-t // args.segment_len)
   x = inputs(jax.random.PRNGKey(t), args.B, t, args.H, args.D, args.V, args.R, n, dtype)
   lam = jax.jit(lambda x: weights("merlin", x, args.segment_len, n, "parallel"))(x)
   cot = jax.random.normal(jax.random.PRNGKey(1), (args.B, t, args.H, args.V))
   for impl in args.impls.split(","):
-    fn = attention(impl, args.segment_len, args.chunk)
-
-    def loss(cot, x, lam):
-      o = fn(x, lam)
-      return jnp.sum(cot * o.astype(jnp.float32)), o
-
-    grad = jax.jit(jax.grad(loss, argnums=(1, 2), has_aux=True))
+    grad = jax.jit(training_grad(attention(impl, args.segment_len, args.chunk), 2))
     rows, wall = kernel_profile(grad, (cot, x, lam), reps=args.repeats)
     print(f"\n## multistate {impl} f+b (o kept), T = {t}, N = {n}\n")
     print(profile_table(rows, wall), flush=True)

@@ -365,7 +365,7 @@ def slice_warpgroups(requested: int | None, d: int) -> int:
 
 
 def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups=1, heads=None,
-                partials_dtype=F32, interpret=False):
+                partials_in_bf16=False, interpret=False):
   """The Mosaic GPU slice kernel ``triadic_chunk_backward_slices`` (grid (B*H, NC)). Per chunk it
   streams the state slices in pieces of 64 rows (item (h, e): rows h*64.. of S_e and dS_e, two
   slots, the next item's copies in flight while one is used, piece-major so that only that
@@ -382,8 +382,9 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
   one piece with its own stream and slots (``slice_warpgroups_supported``).
   Operands: q, k (BH,NC,C,D), dX = beta A^T dU, dO, U (BH,NC,C,V), all bf16; the states
   (BH,NC,E,D,V) bf16; the factor rows f (BH,NC,3E+1,C) float32 (``factor_rows``). Returns dq, dk
-  partials (BH,NC,C,D), summed in float32 and stored in ``partials_dtype`` (float32 or bf16), and,
-  float32, the row-sum matrix (BH,NC,C,32) and dlam partials (BH,NC,64,8).
+  partials (BH,NC,C,D), summed in float32 and stored in bf16 with ``partials_in_bf16``
+  (``Config.partials_in_bf16``), else float32, and, float32, the row-sum matrix (BH,NC,C,32) and
+  dlam partials (BH,NC,64,8).
 
   ``heads=H``: q, k (B,T,H,D), dX and dO (B,T,H,V) in the caller's layout, T = NC * C, read in
   place (program (i, n) copies the strided boxes of rows n*C.. of head i % H of batch i // H, q
@@ -395,8 +396,7 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
     check_heads(heads, bh, nc, c, q=q, k=k, do=do, **({"dx": dx} if erase else {}))
   if warpgroups not in (1, 2) or (warpgroups == 2 and slice_warpgroups_supported(d)):
     raise ValueError(f"warpgroups must be 1, or 2 at D = {2 * PIECE}; got {warpgroups} at D={d}")
-  if partials_dtype not in (F32, BF16):
-    raise ValueError(f"partials_dtype must be float32 or bfloat16, got {partials_dtype}")
+  partials_dtype = BF16 if partials_in_bf16 else F32
   n_pieces = d // PIECE
   sw = _swizzle(min(vd, 64))
   sk = _swizzle(min(d, 64))
@@ -674,11 +674,10 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   as the forward's prep formed them (``Plan.saves_masks``), read by the split tail instead of
   forming them again. ``drhs``, ``dv`` (erase only): A^T dU and dV = beta A^T dU in q's dtype
   as the reverse state pass wrote them (``Plan.saves_drhs``; dv in q's layout), else formed
-  here. ``slice_warpgroups``: the slice kernel's warpgroups (``slices_pass``).
-  ``partials_in_bf16``: the slice kernel hands its dq, dk partials to the tail in bf16
-  (``Config.partials_in_bf16``), else float32. ``fused_tail``:
-  the tail as one kernel (None: ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret
-  mode for the slice kernel and Pallas interpret mode for the tail (CPU tests)."""
+  here. ``slice_warpgroups``, ``partials_in_bf16``: the slice kernel's warpgroups and the dtype
+  of the dq, dk partials it hands the tail (``slices_pass``). ``fused_tail``: the tail as one
+  kernel (None: ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret mode for the
+  slice kernel and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c = k2_col.shape[:3]
   d, vd, e_dim = q.shape[-1], v.shape[-1], k2_col.shape[-1]
   if heads is not None:
@@ -702,7 +701,7 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   f = factor_rows(gc_col, k2_col, q2_col, beta_col)
   dqp, dkp, coef, lam = slices_pass(q, k, dv, low(do), low(u), low(states), low(dstates), f,
                                     scale=scale, erase=erase, warpgroups=slice_warpgroups,
-                                    heads=heads, partials_dtype=BF16 if partials_in_bf16 else F32,
+                                    heads=heads, partials_in_bf16=partials_in_bf16,
                                     interpret=interpret)
   if not erase:
     x = v if heads is None else head_major(v, c)

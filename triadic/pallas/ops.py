@@ -259,8 +259,7 @@ def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
 def chunk_gradients_kernel(cfg, q, v, k2, heads=None):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel with
   ``cfg.slice_warpgroups``, ``cfg.fused_tail``, ``cfg.partials_in_bf16``; ``heads``: token-major
-  per-token operands) or
-  ``backward.chunk_gradients``."""
+  per-token operands) or ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
     return functools.partial(
