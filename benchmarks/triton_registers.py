@@ -1,4 +1,4 @@
-"""Registers, spills and shared memory of the ops' Pallas-Triton kernels, without a GPU.
+"""Registers, spills and shared memory of the ops' Pallas kernels, without a GPU.
 
     PYTHONPATH=. python benchmarks/triton_registers.py                          # triadic, E = 1 2 4 8
     PYTHONPATH=. python benchmarks/triton_registers.py --e 1 2 --op-variants masks_in_prep
@@ -6,14 +6,21 @@
 
 Lowers the op's forward and backward for CUDA on this machine (the triadic op with the Hopper
 defaults, ``ops.default_config(hopper=True)``, and each ``--op-variants`` Config; the MERLIN op
-with its GPU config), takes each Triton kernel's module as JAX emits it (TTIR) with the
-num_warps / num_stages it asks for, and compiles it with the ``triton`` package for sm_90a. The
-table gives per kernel: warps, stages, shared memory, registers a thread and ptxas' spill stores
-and loads a thread. No GPU is needed: ``pip install triton`` brings the compiler and ptxas.
+with its GPU config) and prints two tables.
 
-The device compiles these modules with the Triton that XLA bundles, not this package, so its
-allocation can differ by some registers: compare variants with each other in one run. The Mosaic
-GPU kernels are not Triton and are not listed (``MOSAIC_GPU_DUMP_PTXAS=1`` on a GPU shows theirs).
+The Mosaic GPU kernels, at the shape given (``--b``, ``--t``, ``--h`` set the grids): grid,
+threads, the dynamic shared memory Mosaic asks for, how many blocks of it a Hopper
+multiprocessor holds (228 KiB, 1 KiB reserved a block) and how many waves the grid takes on
+``--sms`` multiprocessors. A state pass is a chain of dependent chunks per program: a second wave
+runs after the first, where a second resident block would have hidden the first's latency.
+Their registers are not listed (``MOSAIC_GPU_DUMP_PTXAS=1`` on a GPU shows them).
+
+The Pallas-Triton kernels (needs ``pip install triton``, which brings the compiler and ptxas):
+each kernel's module as JAX emits it (TTIR), compiled with the num_warps / num_stages it asks for
+by the ``triton`` package for sm_90a: warps, stages, shared memory, registers a thread and
+ptxas' spill stores and loads a thread. The device compiles these modules with the Triton that
+XLA bundles, not this package, so its allocation can differ by some registers: compare variants
+with each other in one run.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import inspect
+import math
 import os
 import re
 import subprocess
@@ -38,6 +47,8 @@ from merlin.ops import multistate_attention  # noqa: E402
 from triadic.pallas import ops as pops  # noqa: E402
 
 SM = 90     # the compute capability compiled for (Hopper)
+SMEM_PER_SM = 228 * 1024    # Hopper's shared memory a multiprocessor ...
+SMEM_RESERVED = 1024        # ... of which the driver reserves this much per resident block
 
 
 class TritonKernel(NamedTuple):
@@ -88,7 +99,14 @@ def triton_kernels(fn, args) -> list[TritonKernel]:
   """The Triton kernels of ``jax.jit(fn)`` lowered for CUDA on the list ``args`` (arrays or shape
   specs), each once, in lowering order: name, TTIR and the num_warps / num_stages of its custom
   call."""
-  with _recorded_modules() as modules:
+  return lowered_kernels(fn, args)[0]
+
+
+def lowered_kernels(fn, args) -> tuple[list[TritonKernel], list[MosaicKernel]]:
+  """The Triton and the Mosaic GPU kernels of one lowering of ``jax.jit(fn)`` for CUDA on ``args``
+  (one lowering for both: JAX caches a function's lowering, so a second one would not reach the
+  kernels' lowering rules)."""
+  with _recorded_modules() as modules, _recorded_mosaic() as mosaic:
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   launch = {name: (int(warps), int(stages)) for name, stages, warps in _LAUNCH.findall(text)}
   kernels = {}
@@ -96,7 +114,52 @@ def triton_kernels(fn, args) -> list[TritonKernel]:
     if name not in launch:
       raise RuntimeError(f"kernel {name} is in no custom call of the lowering")
     kernels.setdefault(name, TritonKernel(name, ttir, *launch[name]))
-  return list(kernels.values())
+  return list(kernels.values()), list({k.name: k for k in reversed(mosaic)}.values())[::-1]
+
+
+class MosaicKernel(NamedTuple):
+  """One Mosaic GPU kernel of a lowering: its name, grid, threads a block and dynamic SMEM bytes."""
+  name: str
+  grid: tuple[int, int, int]
+  threads: int
+  smem: int
+
+  @property
+  def blocks_per_sm(self) -> int:
+    """Resident blocks a multiprocessor holds by shared memory alone."""
+    return SMEM_PER_SM // (self.smem + SMEM_RESERVED)
+
+  def waves(self, sms: int) -> float:
+    return math.prod(self.grid) / (sms * max(1, self.blocks_per_sm))
+
+
+_SMEM = re.compile(r"dynamic_shared_memory_size %c(\d+)")
+
+
+@contextlib.contextmanager
+def _recorded_mosaic():
+  """Within the context, every Mosaic GPU kernel lowered is appended to the yielded list. It wraps
+  Mosaic GPU's private ``_lower_as_gpu_kernel``, which sees the launch (grid, block) and builds
+  the module that states the shared memory; tests/test_benchmarks.py fails if JAX moves it."""
+  from jax.experimental.mosaic.gpu import core
+  lower = core._lower_as_gpu_kernel
+  signature = inspect.signature(lower)
+  kernels = []
+
+  def recording(*args, **kwargs):
+    result = lower(*args, **kwargs)
+    launch = signature.bind(*args, **kwargs).arguments
+    module = result[0] if isinstance(result, tuple) else result
+    smem = _SMEM.search(str(module))
+    kernels.append(MosaicKernel(launch["kernel_name"], tuple(launch["grid"]),
+                                math.prod(launch["block"]), int(smem.group(1)) if smem else 0))
+    return result
+
+  core._lower_as_gpu_kernel = recording
+  try:
+    yield kernels
+  finally:
+    core._lower_as_gpu_kernel = lower
 
 
 _USED = re.compile(r"Used (\d+) registers")
@@ -170,6 +233,12 @@ def rows(label: str, kernels: list[TritonKernel]):
            f"{use.shared // 1024} | {use.registers} | {use.spill_stores} | {use.spill_loads} |")
 
 
+def mosaic_rows(label: str, kernels: list[MosaicKernel], sms: int):
+  for k in kernels:
+    yield (f"| {label} | {k.name} | {'x'.join(map(str, k.grid))} | {k.threads} | "
+           f"{k.smem / 1024:.1f} | {k.blocks_per_sm} | {k.waves(sms):.2f} |")
+
+
 def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -177,37 +246,51 @@ def main(argv=None):
   ap.add_argument("--op-variants", nargs="*", default=[],
                   help="Config variants of the triadic op (benchmarks/triadic_kernels.py syntax)")
   ap.add_argument("--b", type=int, default=2)
-  ap.add_argument("--t", type=int, default=1024, help="tokens (registers do not depend on it)")
+  ap.add_argument("--t", type=int, default=16384,
+                  help="tokens (registers do not depend on it; the Mosaic grids do)")
   ap.add_argument("--h", type=int, default=16)
   ap.add_argument("--d", type=int, default=128)
   ap.add_argument("--v", type=int, default=128)
+  ap.add_argument("--sms", type=int, default=132, help="multiprocessors for the waves column")
   ap.add_argument("--no-erase", action="store_true")
   ap.add_argument("--no-triadic", action="store_true")
   ap.add_argument("--merlin", action="store_true", help="also the MERLIN op's kernels")
   ap.add_argument("--segment-len", type=int, default=256)
   args = ap.parse_args(argv)
-  try:
-    import triton
-  except ImportError:
-    sys.exit("needs the triton package (pip install triton; no GPU needed)")
   erase = not args.no_erase
-  print(f"# Pallas-Triton kernels compiled for sm_{SM}a by triton {triton.__version__}, JAX "
-        f"{jax.__version__}; B={args.b} T={args.t} H={args.h} D={args.d} V={args.v}, bf16, "
-        f"erase={erase}; registers and spill bytes per thread, shared KiB per block")
-  print("| op | kernel | warps | stages | shared KiB | registers | spill stores | spill loads |")
-  print("|---|---|---|---|---|---|---|---|")
+  lowerings = []          # (label, fn, specs)
   if not args.no_triadic:
     for e in args.e:
       base = pops.default_config("gpu", pops.pow2(e), args.v, bh=args.b * args.h, hopper=True)
       for variant in ["", *args.op_variants]:
         cfg = dataclasses.replace(base, **(variant_fields(variant) if variant else {}))
-        fn, specs = triadic_grad(args.b, args.t, args.h, args.d, args.v, e, erase, cfg)
         label = f"triadic E={e}" + (f" {variant}" if variant else "")
-        for line in rows(label, triton_kernels(fn, specs)):
-          print(line, flush=True)
+        lowerings.append((label, *triadic_grad(args.b, args.t, args.h, args.d, args.v, e, erase,
+                                               cfg)))
   if args.merlin:
-    fn, specs = merlin_grad(args.b, args.t, args.h, args.d, args.v, args.segment_len, erase)
-    for line in rows(f"MERLIN segment {args.segment_len}", triton_kernels(fn, specs)):
+    lowerings.append((f"MERLIN segment {args.segment_len}",
+                      *merlin_grad(args.b, args.t, args.h, args.d, args.v, args.segment_len,
+                                   erase)))
+  shape = (f"B={args.b} T={args.t} H={args.h} D={args.d} V={args.v}, bf16, erase={erase}")
+  print(f"# Mosaic GPU kernels, JAX {jax.__version__}; {shape}; shared memory KiB a block, "
+        f"blocks a multiprocessor by it, waves on {args.sms} multiprocessors")
+  print("| op | kernel | grid | threads | shared KiB | blocks / SM | waves |")
+  print("|---|---|---|---|---|---|---|")
+  kernels = [(label, *lowered_kernels(fn, specs)) for label, fn, specs in lowerings]
+  for label, _, mosaic in kernels:
+    for line in mosaic_rows(label, mosaic, args.sms):
+      print(line, flush=True)
+  try:
+    import triton
+  except ImportError:
+    print("\n(no triton package: pip install triton for the Triton kernels' registers)")
+    return
+  print(f"\n# Pallas-Triton kernels compiled for sm_{SM}a by triton {triton.__version__}; "
+        f"{shape}; registers and spill bytes per thread, shared KiB per block")
+  print("| op | kernel | warps | stages | shared KiB | registers | spill stores | spill loads |")
+  print("|---|---|---|---|---|---|---|---|")
+  for label, triton_list, _ in kernels:
+    for line in rows(label, triton_list):
       print(line, flush=True)
 
 

@@ -123,16 +123,17 @@ def test_merlin_parts_table_runs(capsys):
     assert sum(costs[k][0] for k in fwd) == fl + 32 * 16 * ut
 
 
-def test_triton_kernels_of_the_op():
-  """The register report's kernels: every Pallas-Triton kernel of the op's Hopper lowering, once
-  each, with its TTIR and the num_warps / num_stages its custom call asks for."""
+def test_kernels_of_the_op():
+  """The resource report's kernels, from one lowering of the op's Hopper backward: every
+  Pallas-Triton kernel once, with its TTIR and the num_warps / num_stages its custom call asks
+  for; every Mosaic GPU kernel once, with its launch grid, threads and shared memory."""
   from benchmarks import triton_registers
-  from triadic.pallas import mosaic_backward
+  from triadic.pallas import mosaic, mosaic_backward
   from triadic.pallas import ops as pops
   for e, tail in ((1, "triadic_chunk_backward_tail_fused"), (4, "triadic_chunk_backward_tail_ut")):
     cfg = pops.default_config("gpu", e, 64, bh=2, hopper=True)
     assert cfg.mosaic_gpu and cfg.mosaic_gpu_backward
-    kernels = triton_registers.triton_kernels(
+    kernels, mosaic_kernels = triton_registers.lowered_kernels(
         *triton_registers.triadic_grad(1, 128, 2, 64, 64, e, True, cfg))
     by_name = {k.name: k for k in kernels}
     assert len(by_name) == len(kernels)
@@ -143,6 +144,18 @@ def test_triton_kernels_of_the_op():
     assert (by_name[tail].num_warps, by_name[tail].num_stages) == (
         tiles["bwd_num_warps"], tiles["num_stages"])
     assert by_name["triadic_ut_inverse"].num_warps == 1
+
+    mosaic_by_name = {k.name: k for k in mosaic_kernels}
+    assert len(mosaic_by_name) == len(mosaic_kernels)
+    assert {"triadic_forward_mgpu", "triadic_backward_states_mgpu",
+            "triadic_chunk_backward_slices"} <= {n.removesuffix("_wg2") for n in mosaic_by_name}
+    forward = next(k for k in mosaic_kernels if k.name.startswith("triadic_forward_mgpu"))
+    bv = 64 // forward.grid[0]                 # grid (V / block_v, B * H, 1): value blocks fastest
+    assert forward.grid == (64 // bv, 2, 1) and forward.threads in (128, 256)
+    # The forward's SMEM holds at least its bf16 state operand, D x E * block_v.
+    assert mosaic.SMEM_LIMIT >= forward.smem >= 64 * e * bv * 2
+    assert forward.blocks_per_sm == 233472 // (forward.smem + 1024) >= 1
+    assert forward.waves(132) == pytest.approx(2 * 64 / bv / (132 * forward.blocks_per_sm))
 
 
 def test_parse_ptxas():
