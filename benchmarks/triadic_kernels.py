@@ -435,7 +435,8 @@ def mosaic_backward_parts(cbw_args, x, reps, cfg):
   def slices(q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col):
     f = mb.factor_rows(gc_col, k2_col, q2_col, beta_col)
     return mb.slices_pass(q, k, low(beta_col * drhs), low(do), low(u), st, dst, f, scale=0.1,
-                          erase=True, warpgroups=wgs, partials_in_bf16=cfg.partials_in_bf16)
+                          erase=True, warpgroups=wgs, partials_in_bf16=cfg.partials_in_bf16,
+                          unroll_max_e=cfg.slice_unroll_max_e)
 
   sk = jax.jit(slices)
   sk_args = (q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)

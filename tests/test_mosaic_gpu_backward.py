@@ -101,6 +101,17 @@ def test_matches_triton_structure(b, t, h, vdim, e, erase, decay, d, saved_x):
   check_outputs(got, want, BOUNDS)
 
 
+def test_unrolled_items_match_loop():
+  """The slice kernel's items unrolled (``slice_unroll_max_e`` >= E) and as a loop per piece
+  (below E) compute the same sums in the same order."""
+  args = backward_operands(1, 150, 2, 64, 32, 3, True, 1.0)
+  run = lambda unroll: jax.jit(functools.partial(
+      mosaic_backward.chunk_gradients, scale=SCALE, erase=True, slice_unroll_max_e=unroll,
+      interpret=True))(*args)
+  for got, want, name in zip(run(0), run(3), NAMES):
+    assert rel_rms(got, want) < 1e-6, name
+
+
 @pytest.mark.parametrize("e,erase,decay,fused,bf16_partials", [
     (1, True, 1.0, False, False),   # E = 1 takes the fused tail by default: the split one here
     (2, False, 20.0, None, False),  # the default (fused) without erase

@@ -93,6 +93,9 @@ class Config:
   in float32) to the tail in bf16, rounded once, instead of float32: half their bytes written and
   read (the tail adds the UT and mask terms in float32 and rounds dq, dk to bf16 again). False
   keeps them float32.
+  slice_unroll_max_e: up to this E the Mosaic slice kernel's state items (a slice's 64-row piece
+  of S_e and dS_e) are unrolled; above it they run as a loop per piece, which keeps the compiler
+  from holding several items' values in registers at once (None: ``mosaic_backward.UNROLL_MAX_E``).
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -119,6 +122,7 @@ class Config:
   save_masks: bool = True
   drhs_in_reverse_pass: bool = True
   partials_in_bf16: bool = True
+  slice_unroll_max_e: int | None = None
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -134,6 +138,10 @@ class Config:
                  "partials_in_bf16"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
+    if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)
+                                                or self.slice_unroll_max_e < 0):
+      raise ValueError("slice_unroll_max_e must be None (mosaic_backward.UNROLL_MAX_E) or an int "
+                       f">= 0, got {self.slice_unroll_max_e!r}")
     if not isinstance(self.warmup_chunks, int) or self.warmup_chunks < 1:
       raise ValueError(f"warmup_chunks must be an int >= 1, got {self.warmup_chunks!r}")
     if self.platform == "cpu" and not self.interpret:

@@ -819,8 +819,8 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_an
   first = ("k", "do", "p", "lam", "f") + (("a",) if erase else ())
   at_end = ("q",)                       # read only by the state update at the end, as Q^T
 
-  def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, lam_s, state_bf16_s, x_s, z_s, u_bf16_s, u_s,
-            st_s, *extra):
+  def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, lam_s, state_bf16_s, x_s, z_s, du_s, st_s,
+            *extra):
     rhs_s, interp = extra[:2 * save_drhs], extra[2 * save_drhs:]  # interp: interpret mode only
     ins = copies(k_s, q_s, do_s, a_s, p_s, f_s, lam_s)
     # The operands K^T, Q^T, A^T, P^T: views of the copies of K, Q, A, P (interp: their explicit
@@ -845,20 +845,18 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_an
     du = scale * ops.mm(tr(p_s, 3), do_s)
     ins.wait("f", step)
     du = du + _e_reduce(ops, r, f_s, write_rows, bv)
-    # dU leaves in bf16 with erase (its every later use is a bf16 operand), else in float32.
-    du_out_s = u_bf16_s if erase else u_s
-    du_out_s[...] = du.astype(du_out_s.dtype)
+    du_s[...] = du.astype(du_s.dtype)       # the output, and with erase A^T dU's operand
     do = ops.acc(do_s[...].astype(F32))
     _e_expand(ops, x_s, do, f_s, read_rows, bv, scale)
     if erase:
       plgpu.commit_smem()
       ins.wait("a", step)
-      drhs = ops.mm(tr(a_s, 2), u_bf16_s)
+      drhs = ops.mm(tr(a_s, 2), du_s)
       _e_expand(ops, z_s, drhs, f_s, erase_rows, bv, -1.0)
       if save_drhs:
         _rhs_gradients(ops, rhs_s, drhs, f_s, beta_row, bv)
     plgpu.commit_smem()
-    plgpu.copy_smem_to_gmem(du_out_s, du_g.at[i, n, :, cols])
+    plgpu.copy_smem_to_gmem(du_s, du_g.at[i, n, :, cols])
     for out_s, out_at in zip(rhs_s, rhs_at):
       plgpu.copy_smem_to_gmem(out_s, out_at(n))
     for name in at_end:
@@ -899,6 +897,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   n_cat = e_dim * bv
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   sw_v = _swizzle(bv)
+  du_type = du_dtype(q.dtype, erase)
   scratch = [
       _smem((c, d), BF16, sw_v),          # k
       _smem((c, d), BF16, sw_v),          # q
@@ -910,8 +909,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
       _smem((d, n_cat), BF16, sw_v),      # dS_cat (bf16 operand)
       _smem((c, n_cat), BF16, sw_v),      # X = [scale diag(fq_e) dO]_e
       _smem((c, n_cat), BF16, sw_v),      # Z = [-diag(fe_e) A^T dU]_e
-      _smem((c, bv), BF16, sw_v),         # dU (bf16 operand; the output with erase)
-      _smem((c, bv), F32, _swizzle(bv, F32)),             # dU, the output without erase
+      _smem((c, bv), du_type, _swizzle(bv, du_type)),     # dU (``du_dtype``)
       _smem((e_dim, d, bv), q.dtype, sw_v),               # chunk-end state gradient
   ] + _rhs_buffers(c, bv, q.dtype, save_drhs) + (
       [_smem((d, c), BF16, sw_v), _smem((d, c), BF16, sw_v),    # K^T, Q^T, A^T, P^T

@@ -138,8 +138,8 @@ def rhs_gradient(a, du, erase):
 
 PIECE = 64                    # state rows (D) per stream item: the C x PIECE accumulators
 # Up to this E the slice kernel's items are unrolled; above it they are a loop per piece (unrolled,
-# the compiler holds several items' values at once and spills).
-UNROLL_MAX_E = 4
+# the compiler holds several items' values at once and spills: 876 bytes a thread at E = 4).
+UNROLL_MAX_E = 2
 
 
 def _onehot_add(ops, acc, vec, column):
@@ -242,7 +242,8 @@ def _launch(kernel, operands, out_type, *, grid, n_pieces, warpgroups, interpret
 
 
 def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g, lam_g, bars,
-                  done, *, scratch, outs, c, d, e_dim, scale, erase, wgs, interpret, heads=None):
+                  done, *, scratch, outs, c, d, e_dim, scale, erase, wgs, interpret, heads=None,
+                  unroll_max_e=UNROLL_MAX_E):
   ops = _Ops(interpret)
   i, n = lax.axis_index("bh"), lax.axis_index("n")
   # q, k, dO, dX: chunk n of row i, or with heads the strided box of the (B, T, H, X) arrays.
@@ -255,10 +256,10 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
   pieces = [w] if wgs == 2 else list(range(n_pieces))
   # The stream of a warpgroup: item j = rows of piece pieces[j // E] of S_e and dS_e, e = j % E,
   # piece-major, so that only that piece's dq, dk columns are live; slot = j % 2. Up to
-  # UNROLL_MAX_E slices the items are unrolled; above it they are a loop per piece, which
+  # unroll_max_e slices the items are unrolled; above it they are a loop per piece, which
   # keeps the compiler from holding several items' values (registers) at once.
   n_items = len(pieces) * e_dim
-  loop = e_dim > UNROLL_MAX_E
+  loop = e_dim > unroll_max_e
   # Barriers: 0 .. 2P + 3 the P pieces of q and of k, the factors, dO, U, dX (copied by
   # warpgroup 0, waited by all); then per warpgroup 2 slot: S rows, 2 slot + 1: dS rows.
   firsts = 2 * n_pieces + 4
@@ -365,7 +366,7 @@ def slice_warpgroups(requested: int | None, d: int) -> int:
 
 
 def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups=1, heads=None,
-                partials_in_bf16=False, interpret=False):
+                partials_in_bf16=False, unroll_max_e=None, interpret=False):
   """The Mosaic GPU slice kernel ``triadic_chunk_backward_slices`` (grid (B*H, NC)). Per chunk it
   streams the state slices in pieces of 64 rows (item (h, e): rows h*64.. of S_e and dS_e, two
   slots, the next item's copies in flight while one is used, piece-major so that only that
@@ -379,7 +380,8 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
   dlam_e += the trace of S_e[rows] dS_e[rows]^T (its diagonal, summed over the item's rows). The
   states are wgmma operands straight from their copies (no register pass), each byte read once;
   X is not formed here (the forward saves it). ``warpgroups``: 1, or 2 at D = 128, each owning
-  one piece with its own stream and slots (``slice_warpgroups_supported``).
+  one piece with its own stream and slots (``slice_warpgroups_supported``). ``unroll_max_e``:
+  up to this E the items are unrolled, above it a loop per piece (None: ``UNROLL_MAX_E``).
   Operands: q, k (BH,NC,C,D), dX = beta A^T dU, dO, U (BH,NC,C,V), all bf16; the states
   (BH,NC,E,D,V) bf16; the factor rows f (BH,NC,3E+1,C) float32 (``factor_rows``). Returns dq, dk
   partials (BH,NC,C,D), summed in float32 and stored in bf16 with ``partials_in_bf16``
@@ -423,7 +425,8 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
               jax.ShapeDtypeStruct((bh, nc, warpgroups, PIECE, LAM_W), F32)]
   kernel = functools.partial(_slice_kernel, scratch=scratch, outs=outs, c=c, d=d, e_dim=e_dim,
                              scale=scale, erase=erase, wgs=warpgroups, interpret=bool(interpret),
-                             heads=heads)
+                             heads=heads, unroll_max_e=UNROLL_MAX_E if unroll_max_e is None
+                             else unroll_max_e)
   dqp, dkp, coef, lam = _launch(kernel, (q, k, dx, do, u, states, dstates, f), out_type,
                                 grid=(bh, nc), n_pieces=n_pieces, warpgroups=warpgroups,
                                 interpret=interpret)
@@ -655,7 +658,7 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
                     heads=None, a_operand=None, mq=None, m=None, drhs=None, dv=None,
-                    partials_in_bf16=False, interpret=False):
+                    partials_in_bf16=False, slice_unroll_max_e=None, interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   but in q's dtype for dq, dk and dv (BH,NC,C,V), the rest float32: dk2 column and row parts
   ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
@@ -674,8 +677,9 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   as the forward's prep formed them (``Plan.saves_masks``), read by the split tail instead of
   forming them again. ``drhs``, ``dv`` (erase only): A^T dU and dV = beta A^T dU in q's dtype
   as the reverse state pass wrote them (``Plan.saves_drhs``; dv in q's layout), else formed
-  here. ``slice_warpgroups``, ``partials_in_bf16``: the slice kernel's warpgroups and the dtype
-  of the dq, dk partials it hands the tail (``slices_pass``). ``fused_tail``: the tail as one
+  here. ``slice_warpgroups``, ``partials_in_bf16``, ``slice_unroll_max_e``: the slice kernel's
+  warpgroups, the dtype of the dq, dk partials it hands the tail and up to which E its items are
+  unrolled (``slices_pass``). ``fused_tail``: the tail as one
   kernel (None: ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret mode for the
   slice kernel and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c = k2_col.shape[:3]
@@ -702,7 +706,7 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   dqp, dkp, coef, lam = slices_pass(q, k, dv, low(do), low(u), low(states), low(dstates), f,
                                     scale=scale, erase=erase, warpgroups=slice_warpgroups,
                                     heads=heads, partials_in_bf16=partials_in_bf16,
-                                    interpret=interpret)
+                                    unroll_max_e=slice_unroll_max_e, interpret=interpret)
   if not erase:
     x = v if heads is None else head_major(v, c)
   elif x is None:

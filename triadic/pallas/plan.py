@@ -127,14 +127,17 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
   slice_wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
+  unroll_max_e = (mosaic_backward.UNROLL_MAX_E if cfg.slice_unroll_max_e is None
+                  else cfg.slice_unroll_max_e)
+  items = "unrolled" if e <= unroll_max_e else "a loop per piece"
   cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, warpgroups=slice_wgs)
                if cfg.mosaic_gpu_backward else "Config.mosaic_gpu_backward off")
   if cb_reason is None:
     wg_reason = ("" if slice_wgs == (cfg.slice_warpgroups or 2) else
                  "; one warpgroup: " + str(mosaic_backward.slice_warpgroups_supported(d)))
     chunk_bwd = Stage("chunk_gradients", "mosaic_gpu" + interp + " + triton tail",
-                      f"slice kernel: {e} slice(s) in 64-row pieces, two slots, {slice_wgs} "
-                      f"warpgroup(s), dq, dk partials in "
+                      f"slice kernel: {e} slice(s) in 64-row pieces ({items}), two slots, "
+                      f"{slice_wgs} warpgroup(s), dq, dk partials in "
                       f"{'bf16' if cfg.partials_in_bf16 else 'float32'}, {tail}",
                       "Config.mosaic_gpu_backward" + tail_reason + wg_reason)
   else:
