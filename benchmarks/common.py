@@ -7,6 +7,7 @@ import collections
 import glob
 import os
 import platform
+import re
 import statistics
 import tempfile
 import time
@@ -69,10 +70,12 @@ def ceilings(n: int = 8192, dtype=jnp.bfloat16, copy_mib: int = 2048, reps: int 
 
 
 class KernelTime(NamedTuple):
-  """One kernel (or XLA fusion) of a profiled call: launches and device ms per call."""
+  """One kernel (or XLA fusion) of a profiled call: launches and device ms per call, and for an
+  XLA op its output shape and the JAX op it came from (``hlo_sources``)."""
   name: str
   launches: float
   ms: float
+  source: str = ""
 
 
 # Timelines a profiler may derive from the kernels' (per module, op, step): not kernels themselves.
@@ -98,12 +101,55 @@ def _profiled_events(plane):
           yield event.name, event.duration_ns
 
 
+# An HLO module's text: a computation's header, and an instruction (name, output shape, a tuple's
+# with its spaces, the rest of the line).
+_HLO_COMPUTATION = re.compile(r"^(?:ENTRY )?%([\w.\-]+) .*\{$")
+_HLO_OP = re.compile(r"^\s*(ROOT )?%([\w.\-]+) = (\([^)]*\)|\S+) (.*)$")
+_OP_NAME = re.compile(r'metadata=\{op_name="([^"]*)"')
+_CALLS = re.compile(r"calls=%([\w.\-]+)")
+
+
+def hlo_sources(fn, args) -> dict[str, str]:
+  """For a jitted ``fn``, each instruction of its compiled program (an XLA fusion's name is its
+  kernel's; also keyed as the GPU names it) -> "shape  op_name": the output shape without layout
+  and the JAX op it came from (the name stack: ``transpose(jvp(...))`` for the backward, Flax
+  module paths). An instruction without metadata of its own (most fusions) takes that of the
+  computation it calls: its root's, else its first instruction's that has one. Empty when
+  ``fn`` has no ``lower`` (not jitted)."""
+  if not hasattr(fn, "lower"):
+    return {}
+  ops, computation_names, current = [], {}, None
+  for line in fn.lower(*args).compile().as_text().splitlines():
+    header = _HLO_COMPUTATION.match(line)
+    if header:
+      current = header.group(1)
+      continue
+    match = _HLO_OP.match(line)
+    if not match:
+      continue
+    root, name, shape, rest = match.groups()
+    op_name = _OP_NAME.search(rest)
+    calls = _CALLS.search(rest)
+    ops.append((name, re.sub(r"\{[^}]*\}", "", shape), op_name and op_name.group(1),
+                calls and calls.group(1)))
+    if op_name and current and (root or current not in computation_names):
+      computation_names[current] = op_name.group(1)
+  sources = {}
+  for name, shape, op_name, calls in ops:
+    source = f"{shape}  {op_name or computation_names.get(calls, '')}".rstrip()
+    sources[name] = source
+    # The GPU backend names a fusion's kernel after the instruction with '.' and '-' made '_'.
+    sources.setdefault(re.sub(r"[.\-]", "_", name), source)
+  return sources
+
+
 def kernel_profile(fn, args, *, reps: int = 5) -> tuple[list[KernelTime], float]:
   """Where a call's device time goes: ``fn(*args)`` run ``reps`` times (after a warm-up call)
   under ``jax.profiler.trace``, every kernel's launches and device time per call, largest first,
   and the median wall ms of those calls. Kernels of one name (a Pallas kernel launched several
   times, or XLA fusions that share a name) are summed. The sum of the rows is the device's busy
-  time; below the wall time by the gaps between launches."""
+  time; below the wall time by the gaps between launches. An XLA fusion's row names its output
+  shape and the JAX op it came from (``hlo_sources``), so that glue can be traced to its code."""
   jax.block_until_ready(fn(*args))
   walls = []
   with tempfile.TemporaryDirectory() as log_dir:
@@ -121,23 +167,33 @@ def kernel_profile(fn, args, *, reps: int = 5) -> tuple[list[KernelTime], float]
     for name, duration in _profiled_events(plane):
       launches[name] += 1
       ns[name] += duration
-  rows = [KernelTime(name, launches[name] / reps, ns[name] / reps / 1e6) for name in ns]
+  sources = hlo_sources(fn, args)
+  rows = [KernelTime(name, launches[name] / reps, ns[name] / reps / 1e6, sources.get(name, ""))
+          for name in ns]
   return sorted(rows, key=lambda r: -r.ms), 1e3 * statistics.median(walls)
 
 
-def profile_table(rows: list[KernelTime], wall_ms: float, *, top: int = 25) -> str:
+def profile_table(rows: list[KernelTime], wall_ms: float, *, top: int = 25,
+                  source_width: int = 90) -> str:
   """A markdown table of ``kernel_profile``'s rows (the ``top`` largest, the rest summed in one
-  row), with each kernel's share of the device time, then the device and wall totals."""
+  row), with each kernel's share of the device time and, for XLA ops, their source (shape and
+  the tail of the JAX op name, ``source_width`` characters), then the device and wall totals."""
   busy = sum(r.ms for r in rows) or float("nan")
-  lines = ["| kernel | launches | ms | share |", "|---|---|---|---|"]
+  lines = ["| kernel | launches | ms | share | source |", "|---|---|---|---|---|"]
   shown, rest = rows[:top], rows[top:]
   if rest:
     shown = shown + [KernelTime(f"({len(rest)} others)", sum(r.launches for r in rest),
                                 sum(r.ms for r in rest))]
-  lines += [f"| {r.name[:60]} | {r.launches:g} | {r.ms:.3f} | {100 * r.ms / busy:.1f}% |"
-            for r in shown]
+
+  def source(r):
+    shape, _, op_name = r.source.partition("  ")
+    room = max(0, source_width - len(shape) - 1)
+    return f"{shape} {'...' + op_name[-room:] if len(op_name) > room else op_name}".strip()
+
+  lines += [f"| {r.name[:60]} | {r.launches:g} | {r.ms:.3f} | {100 * r.ms / busy:.1f}% | "
+            f"{source(r)} |" for r in shown]
   lines.append(f"| device busy / wall | {sum(r.launches for r in rows):g} | {busy:.3f} / "
-               f"{wall_ms:.3f} | |")
+               f"{wall_ms:.3f} | | |")
   return "\n".join(lines)
 
 

@@ -39,6 +39,26 @@ def test_kernel_profile_lists_the_ops_of_a_call():
   table = profile_table(rows, wall, top=1)
   assert table.count("\n") == len(["head", "rule", "top", "others", "total"]) - 1
   assert f"({len(rows) - 1} others)" in table
+  # Each op names its source: its output shape and the JAX op of its name stack.
+  sources = {r.name: r.source for r in rows}
+  assert any("jit(<lambda>)/" in s for s in sources.values()), sources
+  assert all(s.split()[0].startswith("f32[") for s in sources.values() if s), sources
+
+
+def test_hlo_sources_name_the_ops():
+  """Fusions without metadata of their own take their computation's; names are also keyed with
+  '.' and '-' made '_', as the GPU names kernels."""
+  import jax
+  import jax.numpy as jnp
+  from benchmarks.common import hlo_sources
+  f = jax.jit(lambda x, y: jnp.sin(x * 2.0 + y).sum(1))
+  sources = hlo_sources(f, (jnp.ones((8, 16)), jnp.ones((8, 16))))
+  assert sources and all(isinstance(v, str) for v in sources.values())
+  assert any("reduce_sum" in v for v in sources.values()), sources
+  assert any(v.startswith("f32[8]") for v in sources.values()), sources
+  dotted = [name for name in sources if "." in name]
+  assert all(sources[name.replace(".", "_")] == sources[name] for name in dotted)
+  assert hlo_sources(lambda x: x, (1.0,)) == {}
 
 
 def test_is_oom():
