@@ -147,7 +147,6 @@ def _factor_grads(dcoef, dqcoef, dkcoef, dlam, k2_col, q2_col, gc_col, *, erase)
   return dk2, dq2, dgc.at[..., c - 1, :].add(dgl)
 
 
-
 # Triton warps of the kernels: at C = 64, E = 8 ptxas gives ``triadic_mask_grads`` 128 registers a
 # thread at 16 warps (one block, 16 warps a multiprocessor), 215 at 8 and 245 at 4 (8 warps a
 # multiprocessor either way); none spills (benchmarks/triton_registers.py).

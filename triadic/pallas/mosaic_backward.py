@@ -688,8 +688,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   warpgroups, the dtype of the dq, dk partials it hands the tail and up to which E its items are
   unrolled (``slices_pass``). ``mask_kernels``: the split tail's masks (where not given) and
   mask gradients by ``masks``' Triton kernels instead of plain JAX (``tail``). ``fused_tail``:
-  the tail as one kernel (None: ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret mode for the
-  slice kernel and Pallas interpret mode for the tail (CPU tests)."""
+  the tail as one kernel (None: ``default_fused_tail``). ``interpret=True``: Mosaic GPU
+  interpret mode for the slice kernel and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c = k2_col.shape[:3]
   d, vd, e_dim = q.shape[-1], v.shape[-1], k2_col.shape[-1]
   if heads is not None:
