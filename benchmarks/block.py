@@ -12,6 +12,7 @@ all in the time.
   PYTHONPATH=. python benchmarks/block.py --mixers gdn,triadic8 --T 4096 --parts-T 4096
   PYTHONPATH=. python benchmarks/block.py --tiny                            # CPU smoke test
   PYTHONPATH=. python benchmarks/block.py --profile --mixers gdn,triadic8 --T 4096  # by kernel
+  PYTHONPATH=. python benchmarks/block.py --conv --T 4096,16384       # the short convolution alone
 
 Mixers: ``attention`` (``jax.nn.dot_product_attention``, implementation "cudnn" on GPU, "xla"
 elsewhere), ``gdn`` (triadic E = 1), ``triadicE`` for E = 2, 4, 8 (``triadic2`` ...), and
@@ -189,6 +190,44 @@ def profile_blocks(shape, t, names, *, impl, chunk, reps=3):
     print(profile_table(rows, wall), flush=True)
 
 
+def depthwise_conv(x, kernel):
+  """``layers.blocks.causal_conv`` without a cache or documents, as one depthwise
+  ``lax.conv_general_dilated`` (cuDNN on a GPU): x (B, T, C), kernel (width, C)."""
+  width, channels = kernel.shape
+  return jax.lax.conv_general_dilated(
+      x, kernel.astype(x.dtype)[:, None, :], window_strides=(1,), padding=[(width - 1, 0)],
+      dimension_numbers=("NWC", "WIO", "NWC"), feature_group_count=channels)
+
+
+def run_conv(shape, ts, budget_s):
+  """The GDN layer's short convolution alone (q, k, v: 3 x H x D channels, width 4, bf16),
+  forward and forward+backward (gradients of x and the kernel), as the layer computes it
+  (``causal_conv``: shifted slices, XLA's autodiff) and as one depthwise convolution
+  (``depthwise_conv``), on the same inputs, with the largest relative difference of their
+  outputs and gradients."""
+  channels = 3 * shape["num_heads"] * shape["head_dim"]
+  print(f"\nshort convolution, {channels} channels, width 4, batch {shape['batch']}, bf16; "
+        f"f+b: the gradients of x and the kernel")
+  print("| T | formulation | fwd ms | f+b ms | max rel diff |\n|---|---|---|---|---|")
+  forms = {"shifted slices (causal_conv)": lambda x, w: causal_conv(x, w)[0],
+           "depthwise lax.conv": depthwise_conv}
+  for t in ts:
+    x = _normal(jax.random.PRNGKey(t), (shape["batch"], t, channels), jnp.bfloat16)
+    w = _normal(jax.random.PRNGKey(1), (4, channels), jnp.float32)
+    ct = _normal(jax.random.PRNGKey(2), x.shape, jnp.bfloat16)
+    outs = {}
+    for name, fn in forms.items():
+      fwd, fb = fwd_and_fwdbwd(fn)
+      outs[name] = (fwd(x, w), *fb((x, w), ct))
+      times = (median_ms(fwd, (x, w), budget_s=budget_s),
+               median_ms(fb, ((x, w), ct), budget_s=budget_s))
+      ref = outs[next(iter(forms))]
+      diff = max(float(jnp.max(jnp.abs(a.astype(jnp.float32) - b.astype(jnp.float32)))
+                       / (jnp.max(jnp.abs(b.astype(jnp.float32))) + 1e-30))
+                 for a, b in zip(outs[name], ref))
+      print(f"| {t} | {name} | {fmt(times[0])} | {fmt(times[1])} | {diff:.1e} |", flush=True)
+
+
 def summary(results, ts, names):
   """f+b ratios pivoted: rows T, columns mixer / gdn and attention / mixer."""
   others = [n for n in names if n != "gdn"]
@@ -323,6 +362,9 @@ def main(argv=None):
   p.add_argument("--profile", action="store_true",
                  help="instead of the tables: each mixer's block forward+backward at the first T "
                  "under the JAX profiler, device ms by kernel and XLA fusion")
+  p.add_argument("--conv", action="store_true",
+                 help="instead of the tables: the GDN layer's short convolution alone at each T, "
+                 "as the layer computes it and as one depthwise lax.conv")
   p.add_argument("--tiny", action="store_true",
                  help="d_model 64, 2 heads of 16, MLP 128, batch 1, T 64,128: a CPU check")
   args = p.parse_args(argv)
@@ -342,6 +384,9 @@ def main(argv=None):
         f"SwiGLU {shape['mlp_dim']}, batch {shape['batch']}, bf16 compute, float32 params and "
         f"residual; triadic impl {args.impl}, chunk {args.chunk}; attention "
         f"{'cudnn' if jax.default_backend() == 'gpu' else 'xla'}. Median ms.")
+  if args.conv:
+    run_conv(shape, ts, args.budget_s)
+    return
   if args.profile:
     profile_blocks(shape, ts[0], [n for n in names if n != "hybrid"], impl=args.impl,
                    chunk=args.chunk)

@@ -26,6 +26,21 @@ def test_block_table_runs(capsys):
   assert "oom" not in out and "device: " in out and "command: " in out
 
 
+def test_block_conv_formulations_agree(capsys):
+  """``block.py --conv``: the layer's short convolution and the depthwise lax.conv give the same
+  output and gradients (to bf16 rounding), one row each."""
+  import jax
+  import jax.numpy as jnp
+  from layers.blocks import causal_conv
+  x = jax.random.normal(jax.random.PRNGKey(0), (2, 40, 12))
+  w = jax.random.normal(jax.random.PRNGKey(1), (4, 12))
+  np.testing.assert_allclose(block.depthwise_conv(x, w), causal_conv(x, w)[0], rtol=1e-5,
+                             atol=1e-5)
+  block.main(["--tiny", "--conv", "--T", "32", "--budget-s", "0"])
+  rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 32 |")]
+  assert len(rows) == 2 and all(float(r.split("|")[-2]) < 3e-2 for r in rows), rows
+
+
 def test_kernel_profile_lists_the_ops_of_a_call():
   """Every op of a jitted call shows up once per call, whatever the number of calls profiled
   (on the CPU: the host's thunk events; on a GPU the same code reads the kernels)."""
