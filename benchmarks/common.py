@@ -112,10 +112,10 @@ _CALLS = re.compile(r"calls=%([\w.\-]+)")
 def hlo_sources(fn, args) -> dict[str, str]:
   """For a jitted ``fn``, each instruction of its compiled program (an XLA fusion's name is its
   kernel's; also keyed as the GPU names it) -> "shape  op_name": the output shape without layout
-  and the JAX op it came from (the name stack: ``transpose(jvp(...))`` for the backward, Flax
-  module paths). An instruction without metadata of its own (most fusions) takes that of the
-  computation it calls: its root's, else its first instruction's that has one. Empty when
-  ``fn`` has no ``lower`` (not jitted)."""
+  (a tuple's as its number of values) and the JAX op it came from (the name stack:
+  ``transpose(jvp(...))`` for the backward, Flax module paths). An instruction without metadata
+  of its own (most fusions) takes that of the computation it calls: its root's, else its first
+  instruction's that has one. Empty when ``fn`` has no ``lower`` (not jitted)."""
   if not hasattr(fn, "lower"):
     return {}
   ops, computation_names, current = [], {}, None
@@ -130,8 +130,10 @@ def hlo_sources(fn, args) -> dict[str, str]:
     root, name, shape, rest = match.groups()
     op_name = _OP_NAME.search(rest)
     calls = _CALLS.search(rest)
-    ops.append((name, re.sub(r"\{[^}]*\}", "", shape), op_name and op_name.group(1),
-                calls and calls.group(1)))
+    shape = re.sub(r"\{[^}]*\}", "", shape)
+    if shape.startswith("("):                     # a tuple: its size, not its members
+      shape = f"({shape.count('[')} values)"
+    ops.append((name, shape, op_name and op_name.group(1), calls and calls.group(1)))
     if op_name and current and (root or current not in computation_names):
       computation_names[current] = op_name.group(1)
   sources = {}
@@ -143,13 +145,16 @@ def hlo_sources(fn, args) -> dict[str, str]:
   return sources
 
 
-def kernel_profile(fn, args, *, reps: int = 5) -> tuple[list[KernelTime], float]:
+def kernel_profile(fn, args, *, reps: int = 5, sources: dict[str, str] | None = None
+                   ) -> tuple[list[KernelTime], float]:
   """Where a call's device time goes: ``fn(*args)`` run ``reps`` times (after a warm-up call)
   under ``jax.profiler.trace``, every kernel's launches and device time per call, largest first,
   and the median wall ms of those calls. Kernels of one name (a Pallas kernel launched several
   times, or XLA fusions that share a name) are summed. The sum of the rows is the device's busy
   time; below the wall time by the gaps between launches. An XLA fusion's row names its output
-  shape and the JAX op it came from (``hlo_sources``), so that glue can be traced to its code."""
+  shape and the JAX op it came from (``hlo_sources(fn, args)``, or ``sources`` where ``fn`` is
+  a closure around the jitted function, e.g. one that threads donated state), so that glue can
+  be traced to its code."""
   jax.block_until_ready(fn(*args))
   walls = []
   with tempfile.TemporaryDirectory() as log_dir:
@@ -167,7 +172,7 @@ def kernel_profile(fn, args, *, reps: int = 5) -> tuple[list[KernelTime], float]
     for name, duration in _profiled_events(plane):
       launches[name] += 1
       ns[name] += duration
-  sources = hlo_sources(fn, args)
+  sources = hlo_sources(fn, args) if sources is None else sources
   rows = [KernelTime(name, launches[name] / reps, ns[name] / reps / 1e6, sources.get(name, ""))
           for name in ns]
   return sorted(rows, key=lambda r: -r.ms), 1e3 * statistics.median(walls)

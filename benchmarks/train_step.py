@@ -5,6 +5,7 @@ per mixer, and FLA's ``GatedDeltaNetForCausalLM`` at the same shape in the same 
   PYTHONPATH=. python benchmarks/train_step.py --mixers gdn,fla --remat none
   PYTHONPATH=. python benchmarks/train_step.py --config configs/lm_1p3b.py:mqar --batch 8 --seq 4096 --mixers gdn,triadic8,attention,merlin
   PYTHONPATH=. python benchmarks/train_step.py --tiny --mixers gdn,attention      # CPU smoke test
+  PYTHONPATH=. python benchmarks/train_step.py --mixers gdn,triadic8 --profile    # by kernel
 
 Each model runs in its own subprocess (so every peak-memory figure is that model's alone, and JAX
 and PyTorch never share the device): build the config (``--config``, the model's mixer, ``--batch``,
@@ -13,7 +14,9 @@ jit_train_step`` (the step ``train.py`` runs: loss, gradients, clipping, AdamW, 
 one fixed synthetic batch of random tokens (every position weighted). ``--warmup`` steps (the first
 compiles), then ``--steps`` timed steps, each waited for; the median step time gives tokens/s.
 Peak memory is ``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` (PyTorch:
-``torch.cuda.max_memory_allocated``); none on a CPU.
+``torch.cuda.max_memory_allocated``); none on a CPU. ``--profile`` (our models): after the timed
+steps, a few more under the JAX profiler, and each model's step by kernel and XLA fusion
+(``common.kernel_profile``, with each fusion's source) below the table.
 
 Mixers: ``gdn``, ``triadicE`` (Triadic GDN, E = 2, 4, 8, ...), ``attention`` (cuDNN on GPU),
 ``merlin`` (multi-state GDN with the MERLIN aggregator, segments of 256), and ``fla``: FLA's Gated
@@ -174,7 +177,14 @@ def run_ours(job: dict) -> dict:
   first, times = timed_steps(run, job["warmup"], job["steps"])
   metrics = carry["metrics"]
   counts = costs.count_params(cfg)
-  return dict(step_s=statistics.median(times), first_step_s=first,
+  profile = None
+  if job.get("profile"):
+    from benchmarks.common import hlo_sources, kernel_profile, profile_table
+    # The step donates its state: profile a closure that threads it, with the step's sources.
+    sources = hlo_sources(step, (carry["state"], batch))
+    rows, wall = kernel_profile(run, (), reps=3, sources=sources)
+    profile = profile_table(rows, wall)
+  return dict(step_s=statistics.median(times), first_step_s=first, profile=profile,
               peak_bytes=_peak_bytes(jax.devices()[0]), loss=float(metrics["loss"]),
               params=counts["total"], non_embedding=counts["non_embedding"],
               mixers=",".join(sorted(set(cfg.layers()))), remat=cfg.remat_name(),
@@ -290,6 +300,8 @@ def main(argv=None):
   p.add_argument("--in-process", action="store_true",
                  help="run every model in this process (peak memory is then cumulative)")
   p.add_argument("--timeout", type=int, default=480, help="seconds per model")
+  p.add_argument("--profile", action="store_true",
+                 help="also each of our models' step by kernel and XLA fusion (JAX profiler)")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
@@ -302,7 +314,8 @@ def main(argv=None):
   print(f"command: {' '.join(['python'] + sys.argv)}")
   for spec in args.config.split(","):
     base = dict(config=spec, batch=batch, seq=seq, steps=steps, warmup=args.warmup,
-                remat=args.remat, fla_remat=args.fla_remat, set=args.set, tiny=args.tiny)
+                remat=args.remat, fla_remat=args.fla_remat, set=args.set, tiny=args.tiny,
+                profile=args.profile)
     shape = model_shape(dict(base, mixer="gdn"))
     print(f"\n{spec}: {shape}; batch {batch} x {seq} tokens; {steps} timed steps after "
           f"{args.warmup}")
@@ -322,6 +335,9 @@ def main(argv=None):
       print(f"| {m} | {r['remat']} | {r['params'] / 1e6:.1f}M | {r['non_embedding'] / 1e6:.1f}M | "
             f"{1e3 * r['step_s']:.1f} | {tps / 1e3:.1f}k | {vs} | {_gib(r['peak_bytes'])} | "
             f"{r['first_step_s']:.1f} | {r['loss']:.3f} |", flush=True)
+    for m, r in results.items():
+      if r.get("profile"):
+        print(f"\n## {m}: one training step by kernel\n\n{r['profile']}", flush=True)
     devices = {r["device"] for r in results.values() if "device" in r}
     print(f"device: {', '.join(sorted(devices))}" + "".join(
         f"; {r['versions']}" for r in results.values() if "versions" in r))

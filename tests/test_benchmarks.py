@@ -85,9 +85,10 @@ def test_is_oom():
 def test_train_step_table_runs(capsys):
   from benchmarks import train_step
   train_step.main(["--tiny", "--mixers", "fla,gdn", "--steps", "1", "--warmup", "1",
-                   "--remat", "save_mixer_op", "--in-process"])
+                   "--remat", "save_mixer_op", "--in-process", "--profile"])
   out = capsys.readouterr().out
   assert "| gdn | save_mixer_op |" in out and "tokens/s" in out
+  assert "## gdn: one training step by kernel" in out and "jit(traced)" in out
   assert "| fla |" in out  # a measured row, or skipped with the reason when torch / fla are absent
 
 
