@@ -105,7 +105,8 @@ def triton_kernels(fn, args) -> list[TritonKernel]:
 def lowered_kernels(fn, args) -> tuple[list[TritonKernel], list[MosaicKernel]]:
   """The Triton and the Mosaic GPU kernels of one lowering of ``jax.jit(fn)`` for CUDA on ``args``
   (one lowering for both: JAX caches a function's lowering, so a second one would not reach the
-  kernels' lowering rules)."""
+  kernels' lowering rules), in lowering order: each Triton kernel once, each Mosaic kernel once
+  per distinct launch (a kernel over pieces of the sequence has a second grid)."""
   with _recorded_modules() as modules, _recorded_mosaic() as mosaic:
     text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
   launch = {name: (int(warps), int(stages)) for name, stages, warps in _LAUNCH.findall(text)}
@@ -114,7 +115,7 @@ def lowered_kernels(fn, args) -> tuple[list[TritonKernel], list[MosaicKernel]]:
     if name not in launch:
       raise RuntimeError(f"kernel {name} is in no custom call of the lowering")
     kernels.setdefault(name, TritonKernel(name, ttir, *launch[name]))
-  return list(kernels.values()), list({k.name: k for k in reversed(mosaic)}.values())[::-1]
+  return list(kernels.values()), list(dict.fromkeys(mosaic))
 
 
 class MosaicKernel(NamedTuple):
