@@ -443,10 +443,7 @@ def mosaic_backward_parts(cbw_args, x, reps, cfg):
   sk_args = (q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)
   dqp, dkp, coef, _ = sk(*sk_args)
   triton = mb.tail_config(False, fused=False)
-  decay_masks, mask_grads = masks.decay_masks, masks.mask_grads
-  if cfg.mask_kernels:
-    decay_masks = functools.partial(masks.decay_masks_kernel, cfg=triton)
-    mask_grads = functools.partial(masks.mask_grads_kernel, cfg=triton)
+  decay_masks, mask_grads = masks.functions(cfg.mask_kernels, triton)
   msk = jax.jit(functools.partial(decay_masks, erase=True))
   msk_args = (k2_col, k2_row, q2_col, gc_col, gc_row)
   m, mq = msk(*msk_args)

@@ -12,8 +12,6 @@ masks and gradients are checked both in plain JAX and by the Pallas kernels (``m
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -70,11 +68,7 @@ def test_masks_and_gradients_match_float64_oracle(decay, erase, kernel):
   Pallas kernels, in interpret mode here) instead of plain JAX."""
   (k2, q2, gc), cots = operands(decay)
   rows = lambda x: jnp.swapaxes(x, -1, -2)
-  decay_masks, grads = masks.decay_masks, masks.mask_grads
-  if kernel:
-    cfg = Config("cpu", block_v=16, bwd_block_v=16)
-    decay_masks = functools.partial(masks.decay_masks_kernel, cfg=cfg)
-    grads = functools.partial(masks.mask_grads_kernel, cfg=cfg)
+  decay_masks, grads = masks.functions(kernel, Config("cpu", block_v=16, bwd_block_v=16))
   m, mq = decay_masks(k2, rows(k2), q2, gc, rows(gc), erase=erase)
   with jax.enable_x64(True):
     want_m, want_mq = chunk_masks(*(jnp.asarray(x, jnp.float64) for x in (gc, k2, q2)))

@@ -211,8 +211,7 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
     operands = (k2_col, k2_row, q2_col, gc_col, gc_row)
     op_specs = [spec(c, e_dim), spec(e_dim, c), spec(c, e_dim), spec(c, e_dim), spec(e_dim, c)]
   else:
-    decay_masks = (functools.partial(masks.decay_masks_kernel, cfg=cfg) if mask_kernels
-                   else masks.decay_masks)
+    decay_masks, _ = masks.functions(mask_kernels, cfg)
     m, mq = decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
     kernel = functools.partial(_prep_kernel, c=c, erase=erase, dtype=q.dtype)
     operands = (mq, m) if erase else (mq,)

@@ -166,6 +166,15 @@ def kernels_supported(c: int, e: int, cfg) -> str | None:
   return None
 
 
+def functions(kernels: bool, cfg):
+  """(decay_masks, mask_grads) as one calls them: the plain-JAX functions, or with ``kernels``
+  the Pallas kernels under ``cfg`` (``Plan.mask_kernels``)."""
+  if not kernels:
+    return decay_masks, mask_grads
+  return (functools.partial(decay_masks_kernel, cfg=cfg),
+          functools.partial(mask_grads_kernel, cfg=cfg))
+
+
 def _chunk_specs(c, e):
   """Per-chunk BlockSpecs of grid (BH, NC): C x C, (C, E) columns, (E, C) rows, a (1, E) row."""
   spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))

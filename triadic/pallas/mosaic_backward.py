@@ -648,10 +648,7 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
     return tuple(fused_tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef,
                                    dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
                                    scale=scale, erase=erase, cfg=cfg, heads=heads))
-  decay_masks, mask_grads = masks.decay_masks, masks.mask_grads
-  if mask_kernels:
-    decay_masks = functools.partial(masks.decay_masks_kernel, cfg=cfg)
-    mask_grads = functools.partial(masks.mask_grads_kernel, cfg=cfg)
+  decay_masks, mask_grads = masks.functions(mask_kernels, cfg)
   if mq is None:
     m, mq = decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   dq, dk, dbeta, dmq, dm = tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a,
