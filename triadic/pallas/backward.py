@@ -170,6 +170,14 @@ def decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, *, c, e_dim, erase, loop=
   return add_group(0, e_dim, sums)
 
 
+def coef_columns(dcoef_ref, dqcoef_ref, dkcoef_ref, dlam_ref):
+  """``coefs`` for ``slice_mask_grads`` from refs of the row coefficients, (C, E) each, and
+  dlam (1, E): e -> slice e's dcoef, dqcoef, dkcoef (C, 1) columns and dlam (1, 1); e may be
+  traced."""
+  return lambda e: (col(dcoef_ref, e), col(dqcoef_ref, e), col(dkcoef_ref, e),
+                    dlam_ref[:, pl.ds(e, 1)])
+
+
 def slice_mask_grads(dmq, dm, coefs, k2_col, k2_row, q2_col, gc_col, gc_row, outs, *, c, e_dim,
                      erase, loop=False):
   """The per-slice gradients of the masks, one loop over e (``masks.mask_grads``' formulas, its

@@ -48,8 +48,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from triadic.pallas.backward import decay_sums, slice_mask_grads
-from triadic.pallas.common import F32, call, col
+from triadic.pallas.backward import coef_columns, decay_sums, slice_mask_grads
+from triadic.pallas.common import F32, call
 
 
 def _cols(x):
@@ -214,10 +214,9 @@ def decay_masks_kernel(k2_col, k2_row, q2_col, gc_col, gc_row, *, erase, cfg):
 def _mask_grads_kernel(dmq_ref, *refs, c, e_dim, erase):
   dm_ref, refs = (refs[0], refs[1:]) if erase else (None, refs)
   dcoef_ref, dqcoef_ref, dkcoef_ref, dlam_ref, k2_col, k2_row, q2_col, gc_col, gc_row = refs[:9]
-  coefs = lambda e: (col(dcoef_ref, e), col(dqcoef_ref, e), col(dkcoef_ref, e),
-                     dlam_ref[:, pl.ds(e, 1)])
-  slice_mask_grads(dmq_ref[...], dm_ref[...] if erase else None, coefs, k2_col, k2_row, q2_col,
-                   gc_col, gc_row, refs[9:], c=c, e_dim=e_dim, erase=erase, loop=True)
+  slice_mask_grads(dmq_ref[...], dm_ref[...] if erase else None,
+                   coef_columns(dcoef_ref, dqcoef_ref, dkcoef_ref, dlam_ref), k2_col, k2_row,
+                   q2_col, gc_col, gc_row, refs[9:], c=c, e_dim=e_dim, erase=erase, loop=True)
 
 
 def mask_grads_kernel(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row,

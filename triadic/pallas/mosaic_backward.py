@@ -101,8 +101,8 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from triadic.pallas import masks
-from triadic.pallas.backward import chunk_local, ut_after, ut_before
-from triadic.pallas.common import (F32, Config, call, check_heads, col, head_major, mm,
+from triadic.pallas.backward import chunk_local, coef_columns, ut_after, ut_before
+from triadic.pallas.common import (F32, Config, call, check_heads, head_major, mm,
                                    over_value_blocks, rowsum, token_block, token_major)
 from triadic.pallas.mosaic import (SMEM_LIMIT, _chunk_box, _Ops, _interpret_params, _load, _smem,
                                    _swizzle, _wait)
@@ -513,8 +513,7 @@ def _fused_tail_kernel(q_ref, k_ref, x_ref, do_ref, u_ref, du_ref, dr_ref, dqp_r
   beta = beta_ref[...].astype(F32)
   dbeta, dp, da = _value_products(x_ref, do_ref, u_ref, du_ref, dr_ref, beta, c=c, vd=vd, bv=bv,
                                   scale=scale, erase=erase, dtype=dtype)
-  coefs = lambda e: (col(dcoef_ref, e), col(dqcoef_ref, e), col(dkcoef_ref, e),
-                     dlam_ref[:, pl.ds(e, 1)])
+  coefs = coef_columns(dcoef_ref, dqcoef_ref, dkcoef_ref, dlam_ref)
   partials = lambda: (dqp_ref[...].astype(F32), dkp_ref[...].astype(F32))  # f32 or bf16 in HBM
   chunk_local(q, k, partials, dp, da if erase else None, dbeta, coefs, k2_col, k2_row, q2_col,
               gc_col, gc_row, beta, a_ref[...], outs, c=c, e_dim=e_dim, erase=erase, dtype=dtype,
