@@ -243,8 +243,8 @@ def _launch(kernel, operands, out_type, *, grid, n_pieces, warpgroups, interpret
 
 
 def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g, lam_g, bars,
-                  done, *, scratch, outs, c, d, e_dim, scale, erase, wgs, interpret, heads=None,
-                  unroll_max_e=UNROLL_MAX_E):
+                  done, *, scratch, outs, c, d, e_dim, scale, erase, wgs, interpret, unroll,
+                  heads=None):
   ops = _Ops(interpret)
   i, n = lax.axis_index("bh"), lax.axis_index("n")
   # q, k, dO, dX: chunk n of row i, or with heads the strided box of the (B, T, H, X) arrays.
@@ -256,11 +256,10 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
   w = lax.axis_index("wg") if wgs == 2 else 0
   pieces = [w] if wgs == 2 else list(range(n_pieces))
   # The stream of a warpgroup: item j = rows of piece pieces[j // E] of S_e and dS_e, e = j % E,
-  # piece-major, so that only that piece's dq, dk columns are live; slot = j % 2. Up to
-  # unroll_max_e slices the items are unrolled; above it they are a loop per piece, which
-  # keeps the compiler from holding several items' values (registers) at once.
+  # piece-major, so that only that piece's dq, dk columns are live; slot = j % 2. Unrolled
+  # (``unroll``, ``unrolls_items``) or a loop per piece, which keeps the compiler from holding
+  # several items' values (registers) at once.
   n_items = len(pieces) * e_dim
-  loop = e_dim > unroll_max_e
   # Barriers: 0 .. 2P + 3 the P pieces of q and of k, the factors, dO, U, dX (copied by
   # warpgroup 0, waited by all); then per warpgroup 2 slot: S rows, 2 slot + 1: dS rows.
   firsts = 2 * n_pieces + 4
@@ -321,11 +320,11 @@ def _slice_kernel(q_g, k_g, dx_g, do_g, u_g, s_g, ds_g, f_g, dq_g, dk_g, coef_g,
     for h in pieces:
       carry = (ops.acc(jnp.zeros((c, PIECE), F32)), ops.acc(jnp.zeros((c, PIECE), F32)), coef,
                lam)
-      if loop:
-        carry = lax.fori_loop(0, e_dim, functools.partial(item, h), carry)
-      else:
+      if unroll:
         for e in range(e_dim):
           carry = item(h, e, carry)
+      else:
+        carry = lax.fori_loop(0, e_dim, functools.partial(item, h), carry)
       dq, dk, coef, lam = carry
       dqs.append(dq)
       dks.append(dk)
@@ -366,6 +365,12 @@ def slice_warpgroups(requested: int | None, d: int) -> int:
   return 2 if requested in (None, 2) and slice_warpgroups_supported(d) is None else 1
 
 
+def unrolls_items(requested: int | None, e: int) -> bool:
+  """Whether the slice kernel unrolls its items at ``e`` slices: up to ``requested``
+  (``Config.slice_unroll_max_e``; None: ``UNROLL_MAX_E``), else a loop per piece."""
+  return e <= (UNROLL_MAX_E if requested is None else requested)
+
+
 def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups=1, heads=None,
                 partials_in_bf16=False, unroll_max_e=None, interpret=False):
   """The Mosaic GPU slice kernel ``triadic_chunk_backward_slices`` (grid (B*H, NC)). Per chunk it
@@ -382,7 +387,7 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
   states are wgmma operands straight from their copies (no register pass), each byte read once;
   X is not formed here (the forward saves it). ``warpgroups``: 1, or 2 at D = 128, each owning
   one piece with its own stream and slots (``slice_warpgroups_supported``). ``unroll_max_e``:
-  up to this E the items are unrolled, above it a loop per piece (None: ``UNROLL_MAX_E``).
+  up to this E the items are unrolled, above it a loop per piece (``unrolls_items``).
   Operands: q, k (BH,NC,C,D), dX = beta A^T dU, dO, U (BH,NC,C,V), all bf16; the states
   (BH,NC,E,D,V) bf16; the factor rows f (BH,NC,3E+1,C) float32 (``factor_rows``). Returns dq, dk
   partials (BH,NC,C,D), summed in float32 and stored in bf16 with ``partials_in_bf16``
@@ -426,8 +431,7 @@ def slices_pass(q, k, dx, do, u, states, dstates, f, *, scale, erase, warpgroups
               jax.ShapeDtypeStruct((bh, nc, warpgroups, PIECE, LAM_W), F32)]
   kernel = functools.partial(_slice_kernel, scratch=scratch, outs=outs, c=c, d=d, e_dim=e_dim,
                              scale=scale, erase=erase, wgs=warpgroups, interpret=bool(interpret),
-                             heads=heads, unroll_max_e=UNROLL_MAX_E if unroll_max_e is None
-                             else unroll_max_e)
+                             heads=heads, unroll=unrolls_items(unroll_max_e, e_dim))
   dqp, dkp, coef, lam = _launch(kernel, (q, k, dx, do, u, states, dstates, f), out_type,
                                 grid=(bh, nc), n_pieces=n_pieces, warpgroups=warpgroups,
                                 interpret=interpret)

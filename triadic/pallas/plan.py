@@ -136,9 +136,8 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
   slice_wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
-  unroll_max_e = (mosaic_backward.UNROLL_MAX_E if cfg.slice_unroll_max_e is None
-                  else cfg.slice_unroll_max_e)
-  items = "unrolled" if e <= unroll_max_e else "a loop per piece"
+  items = ("unrolled" if mosaic_backward.unrolls_items(cfg.slice_unroll_max_e, e)
+           else "a loop per piece")
   cb_reason = (mosaic_backward.supported(d, vd, c, e, dtype, warpgroups=slice_wgs)
                if cfg.mosaic_gpu_backward else "Config.mosaic_gpu_backward off")
   if cb_reason is None:
