@@ -24,7 +24,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from triadic.pallas.common import (F32, call, col, colsum, decay_mask, last, masks, mm,
+from triadic.pallas.common import (F32, call, chunk_block, col, colsum, decay_mask, last, masks, mm,
                                    over_value_blocks, row, rowsum, total)
 
 
@@ -273,7 +273,7 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   bh, nc, c, d = q.shape
   vd, e_dim = v.shape[-1], k2_col.shape[-1]
   bv = min(cfg.bwd_block_v, vd)
-  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
+  spec = chunk_block
   shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
   kernel = functools.partial(_chunk_backward_kernel, c=c, e_dim=e_dim, vd=vd, bv=bv, scale=scale,
                              erase=erase, dtype=q.dtype, precision=cfg.f32_precision,

@@ -40,7 +40,7 @@ from jax.experimental import pallas as pl
 from triadic.chunked import unit_lower_inverse
 from triadic.pallas import masks
 from triadic.pallas.backward import decay_sums
-from triadic.pallas.common import F32, call, check_heads, mm, token_block
+from triadic.pallas.common import F32, call, check_heads, chunk_block, mm, token_block
 from triadic.pallas.common import masks as causal_masks
 
 SUB = 16  # rows per diagonal block of ``unit_lower_inverse_kernel``
@@ -149,7 +149,7 @@ def unit_lower_inverse_kernel(lower, *, cfg, num_warps=UT_NUM_WARPS, low_dtype=N
   reason = ut_kernel_supported(c, cfg)
   if reason:
     raise ValueError(reason)
-  spec = pl.BlockSpec((None, None, c, c), lambda i, j: (i, j, 0, 0))
+  spec = chunk_block(c, c)
   kernel = functools.partial(_inverse_kernel, c=c, precision=cfg.f32_precision)
   out_shape = [jax.ShapeDtypeStruct(lower.shape, F32)]
   if low_dtype is not None:
@@ -197,14 +197,14 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
     if reason:
       raise ValueError(reason)
   if heads is None:
-    qk_spec = pl.BlockSpec((None, None, c, d), lambda i, j: (i, j, 0, 0))
+    qk_spec = chunk_block(c, d)
   else:
     check_heads(heads, bh, nc, c, q=q, k=k)
     qk_spec = token_block(c, d, heads)
   gc_col = masks.chunk_cumsum(g_col)
   gc_row = jnp.swapaxes(gc_col, -1, -2)
   k2_row = jnp.swapaxes(k2_col, -1, -2).astype(F32)
-  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))
+  spec = chunk_block
   m = mq = None
   if masks_in_kernel:
     kernel = functools.partial(_prep_masks_kernel, c=c, e_dim=e_dim, erase=erase, dtype=q.dtype)

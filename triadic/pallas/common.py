@@ -211,6 +211,12 @@ def check_heads(heads: int, bh: int, nc: int, c: int, **arrays) -> None:
                        f"operands' (BH, NC * C) = ({bh}, {nc * c})")
 
 
+def chunk_block(*shape: int):
+  """The BlockSpec of program (i, j)'s ``shape`` block of a (B*H, NC, *shape) array, for a
+  (B*H, NC) grid: row i, chunk j, the two squeezed."""
+  return pl.BlockSpec((None, None, *shape), lambda i, j: (i, j) + (0,) * len(shape))
+
+
 def token_block(c: int, x: int, heads: int):
   """The BlockSpec of chunk j's (C, X) block of head i % H, batch i // H of a caller-layout
   (B, T, H, X) array, for a (B*H, NC) grid (i, j): the head dim squeezed, a strided block."""

@@ -46,10 +46,9 @@ import functools
 
 import jax
 import jax.numpy as jnp
-from jax.experimental import pallas as pl
 
 from triadic.pallas.backward import coef_columns, decay_sums, slice_mask_grads
-from triadic.pallas.common import F32, call
+from triadic.pallas.common import F32, call, chunk_block
 
 
 def _cols(x):
@@ -177,8 +176,7 @@ def functions(kernels: bool, cfg):
 
 def _chunk_specs(c, e):
   """Per-chunk BlockSpecs of grid (BH, NC): C x C, (C, E) columns, (E, C) rows, a (1, E) row."""
-  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j, 0, 0))
-  return spec(c, c), spec(c, e), spec(e, c), spec(1, e)
+  return chunk_block(c, c), chunk_block(c, e), chunk_block(e, c), chunk_block(1, e)
 
 
 def _check(c, e, cfg):

@@ -102,7 +102,7 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from triadic.pallas import masks
 from triadic.pallas.backward import chunk_local, coef_columns, ut_after, ut_before
-from triadic.pallas.common import (F32, Config, call, check_heads, head_major, mm,
+from triadic.pallas.common import (F32, Config, call, check_heads, chunk_block, head_major, mm,
                                    over_value_blocks, rowsum, token_block, token_major)
 from triadic.pallas.mosaic import (SMEM_LIMIT, _chunk_box, _Ops, _interpret_params, _load, _smem,
                                    _swizzle, _wait)
@@ -530,9 +530,8 @@ def _tail_blocks(bh, nc, vd, cfg):
   bv = min(cfg.bwd_block_v, vd)
   if vd % bv:
     raise ValueError(f"the tail's bwd_block_v must divide V = {vd}, got {bv}")
-  spec = lambda *s: pl.BlockSpec((None, None, *s), lambda i, j: (i, j) + (0,) * len(s))
   shape = lambda *s, dt=F32: jax.ShapeDtypeStruct((bh, nc, *s), dt)
-  return bv, spec, shape
+  return bv, chunk_block, shape
 
 
 def _token_blocks(bh, nc, c, heads, spec, shape):
