@@ -58,6 +58,7 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       conv_width=4, impl="auto", chunk_size=64, attention_impl="",
       dtype="float32",  # compute dtype; params stay float32
       remat="none",  # none | full | save_mixer_op | dots | dots_no_batch | save_mixer_op_and_dots
+      scan_unroll=1,  # layer groups per iteration of the loop over depth (>= the groups: unrolled)
       tie_embeddings=False,  # the output head is the input embedding's transpose
       loss_chunk=1024,  # training loss: logits of this many tokens per row at a time (0: all)
   ))

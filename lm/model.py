@@ -5,7 +5,11 @@ The mixer of each layer comes from ``ModelConfig.layers()``: ``mixer`` for every
 ``layer_pattern`` repeated over the depth (e.g. three triadic layers then one attention layer).
 One repetition of the pattern is a ``Group``; the groups are stacked with ``nn.scan`` (parameters
 get a leading ``layers`` axis), so compile time does not grow with depth and ``remat`` bounds the
-activation memory.
+activation memory. ``scan_unroll`` groups run per iteration of that loop; at the number of groups
+the loop is unrolled: the backward's saved residuals are then each its own buffer instead of a
+slice of one array stacked over the groups, which XLA on a GPU copies out of and back into the
+stack around every custom kernel (Pallas, cuBLAS) that writes or reads them. Compile time grows
+with it; the parameters are the same either way.
 
 ``remat`` names what the backward pass may keep from the forward (``REMAT_POLICIES``): "none"
 (no rematerialisation: everything is kept), "full" (only each group's input is kept; the whole
@@ -77,6 +81,7 @@ class ModelConfig:
   attention_impl: str | None = None
   dtype: str = "float32"
   remat: bool | str = "none"  # a key of REMAT_POLICIES (True / False: "full" / "none")
+  scan_unroll: int = 1  # layer groups per iteration of the scan over depth (module docstring)
   tie_embeddings: bool = False  # logits from the input embedding (no separate head)
   loss_chunk: int = 1024  # training loss over chunks of this many tokens per row (0: all at once)
 
@@ -93,7 +98,7 @@ class ModelConfig:
   def __post_init__(self):
     for name in ("vocab_size", "num_layers", "d_model", "num_heads", "head_dim", "mlp_dim",
                  "expand_e", "segment_len", "max_segments", "d_r", "state_dim", "conv_width",
-                 "chunk_size"):
+                 "chunk_size", "scan_unroll"):
       value = getattr(self, name)
       if not isinstance(value, int) or value < 1:
         raise ValueError(f"model.{name} must be a positive int, got {value!r}")
@@ -271,6 +276,7 @@ class LM(nn.Module):
                                                     policy=REMAT_POLICIES[remat])
     stack = nn.scan(group, variable_axes={"params": 0}, split_rngs={"params": True},
                     in_axes=(0, nn.broadcast), length=cfg.num_layers // len(cfg.pattern()),
+                    unroll=min(cfg.scan_unroll, cfg.num_layers // len(cfg.pattern())),
                     metadata_params={nn.PARTITION_NAME: "layers"})
     x, cache = stack(cfg, name="layers")(x, cache, segment_ids)
     x = RMSNorm(dtype=cfg.compute_dtype, name="final_norm")(x)

@@ -9,6 +9,7 @@ import pytest
 from lm import costs, init_from, mixers, sharding
 from lm.config import base_config, validate
 from lm.model import LM, ModelConfig
+from testkit import rel_rms
 
 
 def small(**kw):
@@ -57,6 +58,25 @@ def test_hybrid_pattern_stacks_groups_with_a_layers_axis():
   assert "decay" in params["layers"]["block0"]["mixer"]
 
 
+def test_unrolled_depth_gives_the_same_model_without_stacked_residuals():
+  """``scan_unroll``: the same parameters and gradients unrolled or not; fully unrolled, the
+  compiled backward has no dynamic-update-slice into an array stacked over the 3 layers."""
+  import re
+  tokens = jax.random.randint(jax.random.key(1), (2, 16), 0, 64)
+  grads, stacked = {}, {}
+  for unroll in (1, 3):
+    model = LM(small(mixer="gdn", impl="chunked", num_layers=3, remat="save_mixer_op_and_dots",
+                     scan_unroll=unroll))
+    params = jax.jit(model.init)(jax.random.key(0), tokens)
+    grad = jax.jit(jax.grad(lambda p: jnp.mean(model.apply(p, tokens) ** 2)))
+    grads[unroll] = grad(params)
+    hlo = grad.lower(params).compile().as_text()
+    stacked[unroll] = len(re.findall(r"= \w+\[3,[^=]*dynamic-update-slice\(", hlo))
+  for a, b in zip(jax.tree.leaves(grads[3]), jax.tree.leaves(grads[1])):
+    assert rel_rms(a, b) < 1e-4    # float32 rounding: XLA fuses the unrolled body differently
+  assert stacked[1] > 0 and stacked[3] == 0, stacked
+
+
 def test_params_carry_logical_axis_names():
   import flax.linen as nn
   cfg = small(mixer="triadic_gdn", expand_e=4)
@@ -75,6 +95,7 @@ def test_params_carry_logical_axis_names():
     (dict(dtype="float8"), "model.dtype must be one of"),
     (dict(mixer="attention", num_kv_heads=3), "num_kv_heads (3) must divide"),
     (dict(gate_rank=-1), "model.gate_rank must be a non-negative int"),
+    (dict(scan_unroll=0), "model.scan_unroll must be a positive int"),
     (dict(mixer="gdn", num_v_heads=6), "model.num_v_heads (6) must be a multiple of model.num_heads (4)"),
     (dict(mixer="gdn", value_dim=-1), "model.value_dim must be a non-negative int"),
     (dict(mixer="attention", value_dim=8), "model.value_dim is set but mixer(s)"),
