@@ -419,8 +419,7 @@ def prep_parts(prep_args, reps):
 def mosaic_backward_parts(cbw_args, x, reps, cfg):
   """Table cells: the times of the parts of ``mosaic_backward.chunk_gradients`` (erase=True,
   scale 0.1) under ``cfg`` (``x``: X as the forward saved it, or None; the masks and their
-  gradients in plain JAX, or in kernels with ``cfg.mask_kernels``; the masks are not the op's
-  backward's where ``Plan.saves_masks``)."""
+  gradients in plain JAX; the masks are not the op's backward's where ``Plan.saves_masks``)."""
   from triadic.pallas import masks
   from triadic.pallas import mosaic_backward as mb
   q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args
@@ -442,16 +441,15 @@ def mosaic_backward_parts(cbw_args, x, reps, cfg):
   sk = jax.jit(slices)
   sk_args = (q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)
   dqp, dkp, coef, _ = sk(*sk_args)
-  triton = mb.tail_config(False, fused=False)
-  decay_masks, mask_grads = masks.functions(cfg.mask_kernels, triton)
-  msk = jax.jit(functools.partial(decay_masks, erase=True))
+  msk = jax.jit(functools.partial(masks.decay_masks, erase=True))
   msk_args = (k2_col, k2_row, q2_col, gc_col, gc_row)
   m, mq = msk(*msk_args)
-  tk = jax.jit(functools.partial(mb.tail_kernel, scale=0.1, erase=True, cfg=triton))
+  tk = jax.jit(functools.partial(mb.tail_kernel, scale=0.1, erase=True,
+                                 cfg=mb.tail_config(False, fused=False)))
   tk_args = (q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a)
   _, _, _, dmq, dm = tk(*tk_args)
   cols = coef[..., :e_dim]
-  mg = jax.jit(functools.partial(mask_grads, erase=True))
+  mg = jax.jit(functools.partial(masks.mask_grads, erase=True))
   mg_args = (dmq, dm, cols, cols, cols, jnp.zeros_like(k2_col[..., 0, :]), k2_col, k2_row, q2_col,
              gc_col, gc_row)
   times = [timeit(fn, xs, reps) for fn, xs in ((pro, (a, du, gc_col, k2_col, q2_col, beta_col)),

@@ -263,20 +263,6 @@ def test_hopper_op_matches_scan():
   check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 1.0, jnp.bfloat16, config=cfg)
 
 
-def test_op_with_mask_kernels_matches_scan():
-  """``Config.mask_kernels``: the masks and the split tail's mask gradients by ``masks``' kernels
-  (the plan says so for both, the chunk backward gets it), the op against the scan."""
-  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
-               mask_kernels=True)
-  plan = pops.explain(64, 32, 3, 64, jnp.bfloat16, config=cfg)
-  assert plan.mask_kernels and "kernel of their own" in plan.prep.reason
-  assert "mask gradients in a kernel" in plan.chunk_gradients.tiles
-  fn = pops.chunk_gradients_kernel(cfg, *(jnp.zeros((1, 1, 64, n), dt) for n, dt in (
-      (64, jnp.bfloat16), (32, jnp.bfloat16), (4, jnp.float32))))
-  assert fn.keywords["mask_kernels"]
-  check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 20.0, jnp.bfloat16, config=cfg)
-
-
 @pytest.mark.parametrize("d,e,state_wgs,fwd_wgs,rev_wgs", [
     (64, 4, None, 1, 1),      # D = 64: one warpgroup
     (128, 8, None, 1, 2),     # the default at E = 8: block_v 16, two warpgroups in reverse only

@@ -172,14 +172,14 @@ class Prep(NamedTuple):
 
 
 def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
-               masks_in_kernel=False, mask_kernels=False):
+               masks_in_kernel=False):
   """gc, its transpose, A and P for every chunk. Inputs in the kernels' (BH, NC, C, X) layout;
   with ``heads=H`` q and k are in the caller's (B, T, H, D) layout instead (T = NC * C), read in
   place by the kernel's blocks (program (i, n) reads tokens n*C.. of batch i // H, head i % H).
   ``masks_in_kernel``: the kernel forms the masks M, M' itself (``_prep_masks_kernel``; the plan's
   ``masks_in_prep``, ``Config.masks_in_prep``; a ValueError where ``masks_in_prep_supported``
-  refuses) instead of reading those of ``masks.decay_masks`` (``mask_kernels``: of
-  ``masks.decay_masks_kernel``); the same values up to the order of float32 sums.
+  refuses) instead of reading those of ``masks.decay_masks``; the same values up to the order of
+  float32 sums.
 
   Returns a ``Prep``: gc (BH, NC, C, E), gc transposed (BH, NC, E, C), float32, A (BH, NC, C, C)
   float32, P (BH, NC, C, C) in q's dtype and A again in q's dtype. P's every use (the state
@@ -211,8 +211,7 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
     operands = (k2_col, k2_row, q2_col, gc_col, gc_row)
     op_specs = [spec(c, e_dim), spec(e_dim, c), spec(c, e_dim), spec(c, e_dim), spec(e_dim, c)]
   else:
-    decay_masks, _ = masks.functions(mask_kernels, cfg)
-    m, mq = decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
+    m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
     kernel = functools.partial(_prep_kernel, c=c, erase=erase, dtype=q.dtype)
     operands = (mq, m) if erase else (mq,)
     op_specs = [spec(c, c)] * len(operands)

@@ -96,11 +96,6 @@ class Config:
   slice_unroll_max_e: up to this E the Mosaic slice kernel's state items (a slice's 64-row piece
   of S_e and dS_e) are unrolled; above it they run as a loop per piece, which keeps the compiler
   from holding several items' values in registers at once (None: ``mosaic_backward.UNROLL_MAX_E``).
-  mask_kernels: the decay masks M, M' where the prep kernel does not form them itself, and the
-  Hopper split tail's mask gradients (dk2, dq2, d gc from dM', dM), in Triton kernels
-  (``masks.decay_masks_kernel``, ``masks.mask_grads_kernel``: each slice's decay mask formed
-  once per chunk, a loop over the slices) instead of plain JAX (whose fusions form it once per
-  reduction). GPU structure only (``Plan.mask_kernels`` says where it applies).
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -128,7 +123,6 @@ class Config:
   drhs_in_reverse_pass: bool = True
   partials_in_bf16: bool = True
   slice_unroll_max_e: int | None = None
-  mask_kernels: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -141,7 +135,7 @@ class Config:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
     for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass",
-                 "partials_in_bf16", "mask_kernels"):
+                 "partials_in_bf16"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)

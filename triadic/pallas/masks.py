@@ -29,26 +29,11 @@ Layout: as the kernels, (BH, NC, C, E) columns and (BH, NC, E, C) rows. M and M'
 sum over e of elementwise (BH, NC, C, C) terms (one loop fusion, no reduction); each per-slice sum
 is over the minor axis of a (BH, NC, E, C, C) broadcast expression with its own decay mask, so
 that each reduction fuses its exponentials instead of reading one materialised E x C x C mask.
-
-The same two as Pallas kernels (``decay_masks_kernel`` ``triadic_decay_masks``,
-``mask_grads_kernel`` ``triadic_mask_grads``; GPU structure: Triton on the GPU, interpret mode on
-the CPU; ``Config.mask_kernels``): grid (BH, NC), one chunk per program, running the fused tail's
-per-slice code (``backward.decay_sums``, ``backward.slice_mask_grads``) as loops over the slices,
-so that one slice's C x C terms are live at a time. Each slice's decay mask is formed once per
-chunk and gives every term (XLA forms it again per reduction), with Triton's exponential; dM'
-and dM cross HBM once. Outputs, shapes, dtypes and formulas are the plain-JAX functions'; only
-the order of the float32 sums differs.
 """
 
 from __future__ import annotations
 
-import functools
-
-import jax
 import jax.numpy as jnp
-
-from triadic.pallas.backward import coef_columns, decay_sums, slice_mask_grads
-from triadic.pallas.common import F32, call, chunk_block
 
 
 def _cols(x):
@@ -145,95 +130,3 @@ def _factor_grads(dcoef, dqcoef, dkcoef, dlam, k2_col, q2_col, gc_col, *, erase)
   dgl = jnp.sum(dkcoef * k2_col * b, axis=-2) + dlam * jnp.exp(gl[..., 0, :])   # (BH, NC, E)
   return dk2, dq2, dgc.at[..., c - 1, :].add(dgl)
 
-
-# Triton warps of the kernels: at C = 64, E = 8 ptxas gives ``triadic_mask_grads`` 128 registers a
-# thread at 16 warps (one block, 16 warps a multiprocessor), 215 at 8 and 245 at 4 (8 warps a
-# multiprocessor either way); none spills (benchmarks/triton_registers.py).
-KERNEL_WARPS = 16
-
-
-def kernels_supported(c: int, e: int, cfg) -> str | None:
-  """Why the mask kernels cannot take chunk size ``c`` and ``e`` slices under ``cfg`` (None: they
-  can): they have the GPU structure ((C, 1) column blocks, one chunk per program), and their
-  C x C and (C, E) blocks are Triton tensors (powers of two; the op pads E on the GPU)."""
-  if cfg.chunk_grid:
-    return "the mask kernels have the GPU structure only"
-  if c < 16 or c > 128 or c & (c - 1):
-    return f"the mask kernels need the chunk size to be a power of two in [16, 128], got {c}"
-  if cfg.platform == "gpu" and e & (e - 1):
-    return f"the mask kernels need E to be a power of two on the GPU (pad it), got {e}"
-  return None
-
-
-def functions(kernels: bool, cfg):
-  """(decay_masks, mask_grads) as one calls them: the plain-JAX functions, or with ``kernels``
-  the Pallas kernels under ``cfg`` (``Plan.mask_kernels``)."""
-  if not kernels:
-    return decay_masks, mask_grads
-  return (functools.partial(decay_masks_kernel, cfg=cfg),
-          functools.partial(mask_grads_kernel, cfg=cfg))
-
-
-def _chunk_specs(c, e):
-  """Per-chunk BlockSpecs of grid (BH, NC): C x C, (C, E) columns, (E, C) rows, a (1, E) row."""
-  return chunk_block(c, c), chunk_block(c, e), chunk_block(e, c), chunk_block(1, e)
-
-
-def _check(c, e, cfg):
-  reason = kernels_supported(c, e, cfg)
-  if reason:
-    raise ValueError(reason)
-
-
-def _decay_masks_kernel(k2_col, k2_row, q2_col, gc_col, gc_row, *outs, c, e_dim, erase):
-  mq, m = decay_sums(k2_col, k2_row, q2_col, gc_col, gc_row, c=c, e_dim=e_dim, erase=erase,
-                     loop=True)
-  outs[0][...] = mq
-  if erase:
-    outs[1][...] = m
-
-
-def decay_masks_kernel(k2_col, k2_row, q2_col, gc_col, gc_row, *, erase, cfg):
-  """``decay_masks`` as the Pallas kernel ``triadic_decay_masks`` (module docstring): the same
-  operands and outputs, M (None without erase) and M' (BH, NC, C, C) float32. ``cfg``: a
-  ``Config`` of the GPU structure (its platform: Triton or interpret mode)."""
-  bh, nc, c, e_dim = gc_col.shape
-  _check(c, e_dim, cfg)
-  mat, cols, rows, _ = _chunk_specs(c, e_dim)
-  n_out = 2 if erase else 1
-  res = call(functools.partial(_decay_masks_kernel, c=c, e_dim=e_dim, erase=erase), cfg=cfg,
-             grid=(bh, nc), in_specs=[cols, rows, cols, cols, rows], out_specs=[mat] * n_out,
-             out_shape=[jax.ShapeDtypeStruct((bh, nc, c, c), F32)] * n_out,
-             semantics=("parallel", "parallel"), name="triadic_decay_masks",
-             num_warps=KERNEL_WARPS)(k2_col, k2_row, q2_col, gc_col, gc_row)
-  return (res[1] if erase else None), res[0]
-
-
-def _mask_grads_kernel(dmq_ref, *refs, c, e_dim, erase):
-  dm_ref, refs = (refs[0], refs[1:]) if erase else (None, refs)
-  dcoef_ref, dqcoef_ref, dkcoef_ref, dlam_ref, k2_col, k2_row, q2_col, gc_col, gc_row = refs[:9]
-  slice_mask_grads(dmq_ref[...], dm_ref[...] if erase else None,
-                   coef_columns(dcoef_ref, dqcoef_ref, dkcoef_ref, dlam_ref), k2_col, k2_row,
-                   q2_col, gc_col, gc_row, refs[9:], c=c, e_dim=e_dim, erase=erase, loop=True)
-
-
-def mask_grads_kernel(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row,
-                      *, erase, cfg):
-  """``mask_grads`` as the Pallas kernel ``triadic_mask_grads`` (module docstring): dM' (and dM)
-  read once per chunk, all four reductions from each slice's decay mask. The same operands
-  (dcoef unused without erase) and outputs as ``mask_grads``. ``cfg``: as
-  ``decay_masks_kernel``."""
-  bh, nc, c, e_dim = gc_col.shape
-  _check(c, e_dim, cfg)
-  mat, cols, rows, one = _chunk_specs(c, e_dim)
-  shape = lambda *s: jax.ShapeDtypeStruct((bh, nc, *s), F32)
-  return tuple(call(
-      functools.partial(_mask_grads_kernel, c=c, e_dim=e_dim, erase=erase), cfg=cfg,
-      grid=(bh, nc), in_specs=[mat] * (2 if erase else 1) + [cols] * 3
-                              + [one, cols, rows, cols, cols, rows],
-      out_specs=[cols, rows, cols, cols, rows],
-      out_shape=[shape(c, e_dim), shape(e_dim, c), shape(c, e_dim), shape(c, e_dim),
-                 shape(e_dim, c)],
-      semantics=("parallel", "parallel"), name="triadic_mask_grads", num_warps=KERNEL_WARPS,
-  )(dmq, *((dm,) if erase else ()), dcoef, dqcoef, dkcoef, dlam[:, :, None, :], k2_col, k2_row,
-    q2_col, gc_col, gc_row))

@@ -27,8 +27,7 @@ the row sums from the same three C x D products). What runs where:
   ``triadic_chunk_backward_tail_fused`` that also does the mask work below.
 * plain JAX around the tail (``masks.py``): M and M' before, and the per-slice elementwise
   gradients (dk2, dq2, d gc through exp(gc_t - gc_s)) after, over all chunks at once, which XLA
-  fuses into its reductions; or, with ``mask_kernels`` (``Config.mask_kernels``), ``masks.py``'s
-  kernels ``triadic_decay_masks`` and ``triadic_mask_grads``, one program per chunk.
+  fuses into its reductions.
 
 Layout: every operand is in the kernel layout (BH, NC, C, X) of ``ops.kernel_layout``, or, with
 ``heads=H`` (``chunk_gradients``, ``slices_pass``, ``tail`` and the tail kernels), q, k, v, dO
@@ -635,11 +634,10 @@ def default_fused_tail(e: int) -> bool:
 
 
 def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
-         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, heads=None, mq=None, m=None,
-         mask_kernels=False):
-  """Everything after the slice kernel. ``fused``: ``fused_tail_kernel``; else the masks M, M',
-  the E-independent tail kernel, and the per-slice mask gradients (``masks.py``: plain JAX, or
-  with ``mask_kernels`` its Triton kernels).
+         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, heads=None, mq=None, m=None):
+  """Everything after the slice kernel. ``fused``: ``fused_tail_kernel``; else the masks M, M'
+  (plain JAX), the E-independent tail kernel, and the per-slice mask gradients (plain JAX,
+  ``masks.py``).
   ``dcoef``, ``dqcoef``, ``dkcoef`` (BH,NC,C,E) and ``dlam`` (BH,NC,E) are the slice kernel's row
   sums. Returns dq, dk (BH,NC,C,D) in q's dtype and, float32, dk2 column (C,E) and row (E,C)
   parts, dq2 (C,E), d gc column and row parts and dbeta (C,1). ``heads=H``: q, k, dO in and dq,
@@ -650,12 +648,11 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
     return tuple(fused_tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef,
                                    dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
                                    scale=scale, erase=erase, cfg=cfg, heads=heads))
-  decay_masks, mask_grads = masks.functions(mask_kernels, cfg)
   if mq is None:
-    m, mq = decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
+    m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   dq, dk, dbeta, dmq, dm = tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a,
                                        scale=scale, erase=erase, cfg=cfg, heads=heads)
-  dk2_col, dk2_row, dq2_col, dgc_col, dgc_row = mask_grads(
+  dk2_col, dk2_row, dq2_col, dgc_col, dgc_row = masks.mask_grads(
       dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   return dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta
 
@@ -663,8 +660,7 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
                     heads=None, a_operand=None, mq=None, m=None, drhs=None, dv=None,
-                    partials_in_bf16=False, slice_unroll_max_e=None, mask_kernels=False,
-                    interpret=False):
+                    partials_in_bf16=False, slice_unroll_max_e=None, interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   but in q's dtype for dq, dk and dv (BH,NC,C,V), the rest float32: dk2 column and row parts
   ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
@@ -685,10 +681,9 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   as the reverse state pass wrote them (``Plan.saves_drhs``; dv in q's layout), else formed
   here. ``slice_warpgroups``, ``partials_in_bf16``, ``slice_unroll_max_e``: the slice kernel's
   warpgroups, the dtype of the dq, dk partials it hands the tail and up to which E its items are
-  unrolled (``slices_pass``). ``mask_kernels``: the split tail's masks (where not given) and
-  mask gradients by ``masks``' Triton kernels instead of plain JAX (``tail``). ``fused_tail``:
-  the tail as one kernel (None: ``default_fused_tail``). ``interpret=True``: Mosaic GPU
-  interpret mode for the slice kernel and Pallas interpret mode for the tail (CPU tests)."""
+  unrolled (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
+  ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret mode for the slice kernel
+  and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c = k2_col.shape[:3]
   d, vd, e_dim = q.shape[-1], v.shape[-1], k2_col.shape[-1]
   if heads is not None:
@@ -727,6 +722,5 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta = tail(
       q, k, low(x), do, low(u), low(du), low(drhs), dqp, dkp, dcoef, dqcoef, dkcoef, dlam,
       k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a, scale=scale, erase=erase,
-      cfg=tail_config(interpret, fused), fused=fused, heads=heads, mq=mq, m=m,
-      mask_kernels=mask_kernels)
+      cfg=tail_config(interpret, fused), fused=fused, heads=heads, mq=mq, m=m)
   return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta

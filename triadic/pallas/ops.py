@@ -259,15 +259,15 @@ def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
 def chunk_gradients_kernel(cfg, q, v, k2, heads=None):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel with
   ``cfg.slice_warpgroups``, ``cfg.fused_tail``, ``cfg.partials_in_bf16``,
-  ``cfg.slice_unroll_max_e``, ``plan.mask_kernels``; ``heads``: token-major
-  per-token operands) or ``backward.chunk_gradients``."""
+  ``cfg.slice_unroll_max_e``; ``heads``: token-major per-token operands) or
+  ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
     return functools.partial(
         mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
         slice_warpgroups=mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, q.shape[-1]),
         fused_tail=cfg.fused_tail, partials_in_bf16=cfg.partials_in_bf16,
-        slice_unroll_max_e=cfg.slice_unroll_max_e, mask_kernels=plan.mask_kernels,
+        slice_unroll_max_e=cfg.slice_unroll_max_e,
         **({} if heads is None else {"heads": heads}))
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
@@ -281,10 +281,8 @@ def _forward(scale, erase, cfg, heads, *, saved, q, k, v, k2, q2, g, beta, h0):
   b, h = k2.shape[:2]
   tok = _merge if heads is None else (lambda x: x)      # the per-token operands' layout
   q, k, v, k2, q2, g, beta, h0 = (tok(q), tok(k), tok(v), *map(_merge, (k2, q2, g, beta, h0)))
-  plan = _plan(cfg, q, v, k2)
   prep = chunk_prep(q, k, k2_col=k2, q2_col=q2, g_col=g, beta_col=beta, erase=erase, cfg=cfg,
-                    heads=heads, masks_in_kernel=plan.masks_in_prep,
-                    mask_kernels=plan.mask_kernels)
+                    heads=heads, masks_in_kernel=_plan(cfg, q, v, k2).masks_in_prep)
   forward = state_pass_kernels(cfg, q, v, k2, save_x="x" in saved, heads=heads)[0]
   o, u, *x, states, ht = pieces.state_pass(
       forward, sequence_pieces(cfg, q, v, k2), q=q, k=k, v=v, k2=k2, q2=q2, gc=prep.gc_col,

@@ -16,7 +16,7 @@ import logging
 
 import jax.numpy as jnp
 
-from triadic.pallas import chunk_prep, masks, mosaic, mosaic_backward, pieces
+from triadic.pallas import chunk_prep, mosaic, mosaic_backward, pieces
 from triadic.pallas.common import Config
 
 log = logging.getLogger("triadic.pallas")
@@ -41,7 +41,6 @@ class Plan:
   backward_states: Stage
   chunk_gradients: Stage
   masks_in_prep: bool = False     # the prep kernel forms M, M' itself (``Config.masks_in_prep``)
-  mask_kernels: bool = False      # M, M' and their gradients in kernels (Config.mask_kernels)
   saves_masks: bool = False       # the forward keeps M', M for the split tail (Config.save_masks)
   drhs_in_reverse_pass: bool = False  # Config.drhs_in_reverse_pass, read by ``saves_drhs``
 
@@ -93,12 +92,6 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
     masks_by = "masks M, M' in the kernel, a slice at a time (Config.masks_in_prep)"
   elif cfg.masks_in_prep:
     masks_by += f" ({refused})"
-  mask_kernels_refused = (masks.kernels_supported(c, e, cfg) if cfg.mask_kernels
-                          else "Config.mask_kernels off")
-  if refused is not None and mask_kernels_refused is None:
-    masks_by = "masks M, M' in a kernel of their own, a slice at a time (Config.mask_kernels)"
-  elif cfg.mask_kernels and mask_kernels_refused:
-    masks_by += f" ({mask_kernels_refused})"
   kernel = "" if refused is None else " (E-independent kernel)"
   prep = Stage("prep", base, "one program per chunk", f"{masks_by}{kernel}; {inverse}")
 
@@ -130,9 +123,8 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
     keep = "M, M' kept from the forward: Config.save_masks"
   else:
     keep = "M, M' formed again: Config.save_masks off"
-  grads = ("mask gradients in a kernel: Config.mask_kernels" if mask_kernels_refused is None
-           else "mask gradients in plain JAX")
-  tail = "fused tail" if fused else f"split tail between the mask work ({keep}; {grads})"
+  tail = ("fused tail" if fused else
+          f"split tail between the mask work ({keep}; mask gradients in plain JAX)")
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
   slice_wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
@@ -158,8 +150,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
   saves_masks = (cb_reason is None and not fused and refused is not None and cfg.save_masks)
   plan = Plan(sizes, prep, forward, bwd_states, chunk_bwd, masks_in_prep=refused is None,
-              saves_masks=saves_masks, drhs_in_reverse_pass=cfg.drhs_in_reverse_pass,
-              mask_kernels=mask_kernels_refused is None)
+              saves_masks=saves_masks, drhs_in_reverse_pass=cfg.drhs_in_reverse_pass)
   _log_once(plan)
   return plan
 
