@@ -54,6 +54,7 @@ from benchmarks.common import is_oom, kernel_profile, machine, median_ms, profil
 from lm.mixers import make_mixer  # noqa: E402
 from lm.model import Group, ModelConfig  # noqa: E402
 from layers.blocks import RMSNorm, causal_conv, l2norm  # noqa: E402
+from layers.conv_kernel import causal_conv_pallas  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
 
 PAPER = dict(d_model=2048, num_heads=16, head_dim=128, mlp_dim=5504, batch=4)
@@ -201,16 +202,18 @@ def depthwise_conv(x, kernel):
 
 def run_conv(shape, ts, budget_s):
   """The GDN layer's short convolution alone (q, k, v: 3 x H x D channels, width 4, bf16),
-  forward and forward+backward (gradients of x and the kernel), as the layer computes it
-  (``causal_conv``: shifted slices, XLA's autodiff) and as one depthwise convolution
-  (``depthwise_conv``), on the same inputs, with the largest relative difference of their
-  outputs and gradients."""
+  forward and forward+backward (gradients of x and the kernel), as XLA's shifted slices
+  (``causal_conv(impl="xla")``, XLA's autodiff; the reference row), as one depthwise convolution
+  (``depthwise_conv``) and as the Pallas kernels (``layers.conv_kernel``: Triton on a GPU,
+  interpret mode elsewhere), on the same inputs, with the largest relative difference of their
+  outputs and gradients from the reference's."""
   channels = 3 * shape["num_heads"] * shape["head_dim"]
   print(f"\nshort convolution, {channels} channels, width 4, batch {shape['batch']}, bf16; "
         f"f+b: the gradients of x and the kernel")
   print("| T | formulation | fwd ms | f+b ms | max rel diff |\n|---|---|---|---|---|")
-  forms = {"shifted slices (causal_conv)": lambda x, w: causal_conv(x, w)[0],
-           "depthwise lax.conv": depthwise_conv}
+  forms = {"shifted slices (causal_conv)": lambda x, w: causal_conv(x, w, impl="xla")[0],
+           "depthwise lax.conv": depthwise_conv,
+           "pallas kernel": causal_conv_pallas}
   for t in ts:
     x = _normal(jax.random.PRNGKey(t), (shape["batch"], t, channels), jnp.bfloat16)
     w = _normal(jax.random.PRNGKey(1), (4, channels), jnp.float32)
@@ -364,7 +367,7 @@ def main(argv=None):
                  "under the JAX profiler, device ms by kernel and XLA fusion")
   p.add_argument("--conv", action="store_true",
                  help="instead of the tables: the GDN layer's short convolution alone at each T, "
-                 "as the layer computes it and as one depthwise lax.conv")
+                 "as XLA's shifted slices, one depthwise lax.conv and the Pallas kernels")
   p.add_argument("--tiny", action="store_true",
                  help="d_model 64, 2 heads of 16, MLP 128, batch 1, T 64,128: a CPU check")
   args = p.parse_args(argv)

@@ -3,10 +3,13 @@
     PYTHONPATH=. python benchmarks/triton_registers.py                          # triadic, E = 1 2 4 8
     PYTHONPATH=. python benchmarks/triton_registers.py --e 1 2 --op-variants masks_in_prep
     PYTHONPATH=. python benchmarks/triton_registers.py --merlin --no-triadic    # the MERLIN kernels
+    PYTHONPATH=. python benchmarks/triton_registers.py --conv --no-triadic --b 4 --t 4096
 
 Lowers the op's forward and backward for CUDA on this machine (the triadic op with the Hopper
 defaults, ``ops.default_config(hopper=True)``, and each ``--op-variants`` Config; the MERLIN op
-with its GPU config) and prints two tables.
+with its GPU config; with ``--conv`` the short convolution's kernels, ``layers.conv_kernel``, over
+the GDN layer's q, k, v channels, 3 H D, with and without packed documents) and prints two
+tables.
 
 The Mosaic GPU kernels, at the shape given (``--b``, ``--t``, ``--h`` set the grids): grid,
 threads, the dynamic shared memory Mosaic asks for, how many blocks of it a Hopper
@@ -43,6 +46,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from benchmarks.triadic_kernels import variant_fields  # noqa: E402
+from layers.conv_kernel import causal_conv_pallas  # noqa: E402
 from merlin.ops import multistate_attention  # noqa: E402
 from triadic.pallas import ops as pops  # noqa: E402
 
@@ -227,6 +231,20 @@ def merlin_grad(b, t, h, d, vd, segment_len, erase):
   return jax.grad(loss, argnums=tuple(range(6))), args
 
 
+def conv_grad(b, t, c, width, documents):
+  """(fn, specs): the short convolution's kernels (value and gradients in x and the kernel, so
+  that the forward is not dead code), bf16 x (B, T, C), float32 kernel (width, C)."""
+  args = [spec(b, t, c), spec(width, c, dtype=jnp.float32)]
+  if documents:
+    args.append(spec(b, t, dtype=jnp.int32))
+
+  def loss(x, kernel, *segment_ids):
+    y = causal_conv_pallas(x, kernel, *segment_ids, platform="gpu")
+    return jnp.sum(jnp.square(y.astype(jnp.float32)))
+
+  return jax.value_and_grad(loss, argnums=(0, 1)), args
+
+
 def rows(label: str, kernels: list[TritonKernel]):
   for kernel in kernels:
     use = usage(kernel)
@@ -257,6 +275,8 @@ def main(argv=None):
   ap.add_argument("--no-triadic", action="store_true")
   ap.add_argument("--merlin", action="store_true", help="also the MERLIN op's kernels")
   ap.add_argument("--segment-len", type=int, default=256)
+  ap.add_argument("--conv", action="store_true",
+                  help="also the short convolution's kernels (C = 3 H D, width 4)")
   args = ap.parse_args(argv)
   erase = not args.no_erase
   lowerings = []          # (label, fn, specs)
@@ -272,6 +292,11 @@ def main(argv=None):
     lowerings.append((f"MERLIN segment {args.segment_len}",
                       *merlin_grad(args.b, args.t, args.h, args.d, args.v, args.segment_len,
                                    erase)))
+  if args.conv:
+    c = 3 * args.h * args.d
+    for documents in (False, True):
+      label = f"conv C={c}" + (" documents" if documents else "")
+      lowerings.append((label, *conv_grad(args.b, args.t, c, 4, documents)))
   shape = (f"B={args.b} T={args.t} H={args.h} D={args.d} V={args.v}, bf16, erase={erase}")
   print(f"# Mosaic GPU kernels, JAX {jax.__version__}; {shape}; shared memory KiB a block, "
         f"blocks a multiprocessor by it, waves on {args.sms} multiprocessors")

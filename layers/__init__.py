@@ -5,6 +5,9 @@ depthwise convolution; ``causal_conv`` its pure function), ``Param`` (one named 
 projections fused at call time), ``l2norm``, ``softplus_inverse``. ``layers.gdn``: the decay gate and the
 Gated-DeltaNet input / output projections (``gdn_inputs``, ``gdn_output``, ``gdn_cache``).
 ``layers.remat``: ``saved_op``, which names a mixing op's forward for ``jax.checkpoint`` policies.
+``layers.conv_kernel``: ``causal_conv``'s Pallas kernels and ``choose_impl``, which decides
+between them and XLA. ``layers.partition``: ``batch_head_partitioned``, which runs a Pallas kernel
+per (batch, head) shard under jit (custom_partitioning).
 """
 
 from layers.blocks import Param, RMSNorm, ShortConv, causal_conv, dense, l2norm, softplus_inverse

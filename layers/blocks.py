@@ -15,6 +15,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
+from layers import conv_kernel
+
 Dtype = Any
 
 
@@ -102,23 +104,33 @@ def short_conv_init(width: int):
 
 
 def causal_conv(x: jax.Array, kernel: jax.Array, cache: jax.Array | None = None,
-                segment_ids: jax.Array | None = None):
+                segment_ids: jax.Array | None = None, impl: str = "auto"):
   """Causal depthwise convolution over time, ``y_t = sum_w kernel[w] * x_{t - width + 1 + w}``.
 
   x (B, T, *channels), kernel (width, *channels): one filter per channel, so the convolution of a
-  concatenation of streams along the channels is the concatenation of their convolutions. Computed
-  in x's dtype. Returns ``(y, new_cache)``: without ``cache`` the input is causally zero-padded and
+  concatenation of streams along the channels is the concatenation of their convolutions. Returns
+  ``(y, new_cache)``, y in x's dtype: without ``cache`` the input is causally zero-padded and
   new_cache is None; with ``cache`` (B, width - 1, *channels), the inputs before x, the convolution
   continues from there (zeros = a fresh start) and new_cache is x's last width - 1 inputs.
   ``segment_ids`` (B, T) (packed documents, training only): an input of another document counts
   as the causal padding's zero, so no output reads the previous document.
+
+  ``impl``: "xla" shifted slices computed in x's dtype (the kernel rounded to it; the
+  reference), "pallas" the kernels of ``layers.conv_kernel`` (float32 inside, y rounded once;
+  Triton on a GPU, interpret mode elsewhere), "auto" the kernels on a GPU without a cache, else
+  XLA. A cache always runs XLA. ``layers.conv_kernel.choose_impl`` decides, with the reason.
   """
+  choice, _ = conv_kernel.choose_impl(impl, cache=cache is not None, dtype=x.dtype)
+  if cache is not None and segment_ids is not None:
+    raise ValueError("segment_ids applies to the training forward; a cache continues one document")
+  if choice == "pallas":
+    flat = lambda a, lead: a.reshape(a.shape[:lead] + (-1,))
+    y = conv_kernel.causal_conv_pallas(flat(x, 2), flat(kernel, 1), segment_ids)
+    return y.reshape(x.shape), None
   width, t, channel_dims = kernel.shape[0], x.shape[1], x.ndim - 2
   kernel = kernel.astype(x.dtype)
   if cache is None:
     padded = jnp.pad(x, [(0, 0), (width - 1, 0)] + [(0, 0)] * channel_dims)
-  elif segment_ids is not None:
-    raise ValueError("segment_ids applies to the training forward; a cache continues one document")
   else:
     padded = jnp.concatenate([cache.astype(x.dtype), x], axis=1)
   if segment_ids is None:
@@ -136,13 +148,15 @@ class ShortConv(nn.Module):
   """``causal_conv`` with its kernel (width, *channels) as the parameter ``kernel``.
 
   Input (B, T, *channels); one filter per channel, so a convolution over a concatenation of
-  streams is the same as one convolution per stream.
+  streams is the same as one convolution per stream. ``impl``: ``causal_conv``'s ("auto", "xla",
+  "pallas"); it changes no parameter.
   """
 
   width: int = 4
   names: Sequence[str] = ("heads", "head_dim")
   dtype: Dtype = jnp.float32
   param_dtype: Dtype = jnp.float32
+  impl: str = "auto"
 
   @nn.compact
   def __call__(self, x: jax.Array, cache: jax.Array | None = None, segment_ids=None):
@@ -151,7 +165,7 @@ class ShortConv(nn.Module):
     kernel = self.param("kernel", nn.with_logical_partitioning(short_conv_init(self.width),
                                                                ("conv",) + tuple(self.names)),
                         (self.width,) + tuple(x.shape[2:]), self.param_dtype)
-    return causal_conv(x.astype(self.dtype), kernel, cache, segment_ids)
+    return causal_conv(x.astype(self.dtype), kernel, cache, segment_ids, self.impl)
 
 
 def _same_document(segment_ids: jax.Array, lag: int, channel_dims: int, dtype) -> jax.Array:

@@ -104,7 +104,7 @@ def check_value_heads(num_heads: int, num_v_heads: int | None) -> int:
 
 def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4, *,
                a_min=A_MIN, dtype=jnp.float32, param_dtype=jnp.float32, conv_cache=None,
-               segment_ids=None, num_v_heads=None):
+               segment_ids=None, num_v_heads=None, conv_impl="auto"):
   """The input side of ``TriadicGDN``: (q, k, v, k2, q2, g, beta) from x (B, T, d_model).
 
   Call it inside a compact method: its parameters (q_proj, q_conv, ..., decay, beta_proj) belong to
@@ -121,7 +121,8 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   Returns ``(inputs, new_conv_cache)``. With ``conv_cache`` ({stream: last conv_width - 1 inputs},
   see ``gdn_cache``) the convolutions continue from it (decoding); without it (training) they start
   from zeros and new_conv_cache is None. ``segment_ids`` (B, T) (training): packed documents; no
-  convolution reads across a document start.
+  convolution reads across a document start. ``conv_impl``: the convolution's implementation
+  (``causal_conv``'s impl: "auto" the Pallas kernels on a GPU without a cache, else XLA).
 
   ``num_v_heads`` (None: ``num_heads``): grouped value heads (FLA's GVA), a multiple G of
   ``num_heads``. v, the decay and beta have ``num_v_heads`` heads; q, k (and k2, q2) are
@@ -145,7 +146,7 @@ def gdn_inputs(x, num_heads, head_dim, value_dim=None, expand_e=1, conv_width=4,
   cache_in = None
   if conv_cache is not None:
     cache_in = jnp.concatenate([flat(conv_cache[s], 2) for s, _, _ in streams], axis=-1)
-  y, cache_out = causal_conv(z, w_conv, cache_in, segment_ids)
+  y, cache_out = causal_conv(z, w_conv, cache_in, segment_ids, conv_impl)
   split = lambda z: {s: part.reshape(z.shape[:-1] + shape) for (s, shape, _), part in
                      zip(streams, jnp.split(z, np.cumsum(sizes)[:-1], axis=-1))}
   y = split(y)

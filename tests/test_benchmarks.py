@@ -27,10 +27,9 @@ def test_block_table_runs(capsys):
 
 
 def test_block_conv_formulations_agree(capsys):
-  """``block.py --conv``: the layer's short convolution and the depthwise lax.conv give the same
-  output and gradients (to bf16 rounding), one row each."""
+  """``block.py --conv``: XLA's shifted slices, the depthwise lax.conv and the Pallas kernels
+  (interpret mode) give the same output and gradients (to bf16 rounding), one row each."""
   import jax
-  import jax.numpy as jnp
   from layers.blocks import causal_conv
   x = jax.random.normal(jax.random.PRNGKey(0), (2, 40, 12))
   w = jax.random.normal(jax.random.PRNGKey(1), (4, 12))
@@ -38,7 +37,8 @@ def test_block_conv_formulations_agree(capsys):
                              atol=1e-5)
   block.main(["--tiny", "--conv", "--T", "32", "--budget-s", "0"])
   rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 32 |")]
-  assert len(rows) == 2 and all(float(r.split("|")[-2]) < 3e-2 for r in rows), rows
+  assert len(rows) == 3 and all(float(r.split("|")[-2]) < 3e-2 for r in rows), rows
+  assert "| pallas kernel |" in rows[2]
 
 
 def test_kernel_profile_lists_the_ops_of_a_call():
@@ -192,6 +192,19 @@ def test_kernels_of_the_op():
     assert mosaic.SMEM_LIMIT >= forward.smem >= 64 * e * bv * 2
     assert forward.blocks_per_sm == 233472 // (forward.smem + 1024) >= 1
     assert forward.waves(132) == pytest.approx(2 * 64 / bv / (132 * forward.blocks_per_sm))
+
+
+def test_kernels_of_the_conv():
+  """``triton_registers --conv``: the short convolution's two Triton kernels, each once, with the
+  warps their custom calls ask for."""
+  from benchmarks import triton_registers
+  from layers.conv_kernel import Tiles
+  for documents in (False, True):
+    kernels, mosaic_kernels = triton_registers.lowered_kernels(
+        *triton_registers.conv_grad(1, 64, 48, 4, documents))
+    assert not mosaic_kernels
+    assert {k.name: k.num_warps for k in kernels} == {
+        "causal_conv_forward": Tiles().num_warps, "causal_conv_backward": Tiles().bwd_num_warps}
 
 
 def test_parse_ptxas():

@@ -448,7 +448,7 @@ PARTITION_SCRIPT = textwrap.dedent("""
     import json, re
     import jax, jax.numpy as jnp, numpy as np
     from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
-    from triadic.pallas import partition
+    from layers import partition
 
     def fun(scale, x, y):
       # per (b, h): x (B, T, H, D) token-major, y (B, H, N) head-major

@@ -24,7 +24,7 @@ gradients of Qe, W, Kw, Uv in that dtype too, rounded once from their float32 su
 cotangents of operands in that dtype, so a float32 copy would only be cast. dgamma, dlam and the
 no-erase partial dKw (summed over value blocks here) stay float32.
 Under jit with B and/or H sharded, the forward and the backward each run per (B, H) shard
-(``triadic.pallas.partition.batch_head_partitioned``; every operand and result keeps (B, H) as
+(``layers.partition.batch_head_partitioned``; every operand and result keeps (B, H) as
 its dims, leading but for the output's (B, T, H, V), merged to B*H only inside).
 """
 
@@ -35,9 +35,9 @@ import functools
 import jax
 import jax.numpy as jnp
 
+from layers import partition
 from merlin.chunked import intra_chunk
 from merlin.pallas import kernels
-from triadic.pallas import partition
 from merlin.segments import segment_ids
 from triadic.chunked import to_chunks
 from triadic.pallas.common import F32, Config

@@ -56,8 +56,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from layers import partition
 from triadic.pallas import backward as bwd_kernels
-from triadic.pallas import mosaic, mosaic_backward, partition, pieces, recurrent
+from triadic.pallas import mosaic, mosaic_backward, pieces, recurrent
 from triadic.pallas import plan as plan_lib
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import F32, PLATFORMS, Config
