@@ -63,24 +63,33 @@ DEFAULT_T = "2048,4096,8192,16384,32768,65536"
 DEFAULT_MIXERS = "attention,gdn,triadic2,triadic4,triadic8,hybrid"
 
 
-def mixer_kind(name: str) -> tuple[str, int]:
-  """Benchmark mixer name -> (lm mixer, E)."""
-  if name == "attention":
-    return "attention", 1
-  if name == "gdn":
-    return "gdn", 1
-  if name.startswith("triadic") and name[len("triadic"):].isdigit():
-    return "triadic_gdn", int(name[len("triadic"):])
+XLA_CONV = "-xlaconv"  # mixer-name suffix: the short convolutions as XLA's shifted slices
+
+
+def mixer_kind(name: str) -> tuple[str, int, str]:
+  """Benchmark mixer name -> (lm mixer, E, model.conv_impl): a name ending in ``XLA_CONV``
+  (e.g. gdn-xlaconv) runs the layer's short convolutions in XLA, else "auto" (the Pallas
+  kernels on a GPU), so the two time side by side in one table."""
+  conv = "xla" if name.endswith(XLA_CONV) else "auto"
+  base = name[:-len(XLA_CONV)] if conv == "xla" else name
+  if base == "attention" and conv == "auto":
+    return "attention", 1, conv
+  if base == "gdn":
+    return "gdn", 1, conv
+  if base.startswith("triadic") and base[len("triadic"):].isdigit():
+    return "triadic_gdn", int(base[len("triadic"):]), conv
   raise ValueError(f"--mixers: unknown mixer {name!r}; use attention, gdn, triadicE (E an int) "
-                   f"or hybrid")
+                   f"or hybrid, the recurrent ones optionally ending in {XLA_CONV}")
 
 
-def model_config(shape: dict, mixer: str, e: int, *, impl: str, chunk: int) -> ModelConfig:
+def model_config(shape: dict, mixer: str, e: int, *, impl: str, chunk: int,
+                 conv_impl: str = "auto") -> ModelConfig:
   attention_impl = "cudnn" if jax.default_backend() == "gpu" else "xla"
   return ModelConfig(vocab_size=256, num_layers=1, d_model=shape["d_model"],
                      num_heads=shape["num_heads"], head_dim=shape["head_dim"],
                      mlp_dim=shape["mlp_dim"], mixer=mixer, expand_e=e, impl=impl,
-                     chunk_size=chunk, attention_impl=attention_impl, dtype="bfloat16")
+                     chunk_size=chunk, attention_impl=attention_impl, dtype="bfloat16",
+                     conv_impl=conv_impl)
 
 
 def _normal(key, shape, dtype):
@@ -150,8 +159,9 @@ def run_blocks(args, shape, ts, names):
         singles.append(n)
   built = {}
   for n in singles:
-    kind, e = mixer_kind(n)
-    built[n] = block_fn(model_config(shape, kind, e, impl=args.impl, chunk=args.chunk))
+    kind, e, conv = mixer_kind(n)
+    built[n] = block_fn(model_config(shape, kind, e, impl=args.impl, chunk=args.chunk,
+                                     conv_impl=conv))
   b, d = shape["batch"], shape["d_model"]
   results = {}
   print("\n| T | mixer | fwd ms | f+b ms | f+b / gdn | f+b / attention |")
@@ -183,8 +193,8 @@ def profile_blocks(shape, t, names, *, impl, chunk, reps=3):
   kernel and XLA fusion (``common.kernel_profile``), so the glue around each mixer's op shows."""
   x = _normal(jax.random.PRNGKey(t), (shape["batch"], t, shape["d_model"]), jnp.float32)
   for n in names:
-    kind, e = mixer_kind(n)
-    fn, params = block_fn(model_config(shape, kind, e, impl=impl, chunk=chunk))
+    kind, e, conv = mixer_kind(n)
+    fn, params = block_fn(model_config(shape, kind, e, impl=impl, chunk=chunk, conv_impl=conv))
     fb = fwd_and_fwdbwd(fn)[1]
     rows, wall = kernel_profile(fb, ((params, x), _cotangent(fn, params, x)), reps=reps)
     print(f"\n## {n} block f+b, T = {t}, batch {shape['batch']}\n")

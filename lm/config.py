@@ -56,6 +56,7 @@ def base_config(data_name: str) -> ml_collections.ConfigDict:
       gate_rank=128,  # GDN-style mixers' output gate x -> gate_rank -> H x V (0: full rank)
       a_min=1e-6,  # GDN-style mixers' decay at init: A ~ U(a_min, 16) (1.0: Mamba-2's U(1, 16))
       conv_width=4, impl="auto", chunk_size=64, attention_impl="",
+      conv_impl="auto",  # short convolutions: "xla", "pallas" or "auto" (the kernels on a GPU)
       dtype="float32",  # compute dtype; params stay float32
       remat="none",  # none | full | save_mixer_op | dots | dots_no_batch | save_mixer_op_and_dots
       scan_unroll=1,  # layer groups per iteration of the loop over depth (>= the groups: unrolled)

@@ -25,7 +25,7 @@ from merlin import Mamba2, MultiStateGDN, MultiStateMamba2
 from triadic import TriadicGDN
 
 # The fields every recurrent mixer reads besides num_heads and head_dim (GDN-style ones also gate_rank).
-_OPS = ("conv_width", "impl", "chunk_size")
+_OPS = ("conv_width", "conv_impl", "impl", "chunk_size")
 _GDN = ("gate_rank", "a_min")  # the GDN-style mixers' output gate and decay initialisation
 _MULTISTATE = ("aggregator", "segment_len", "max_segments", "d_r")
 
@@ -97,7 +97,8 @@ def _recurrent(build, fields, *, state_shape, state_heads=lambda cfg: cfg.num_he
 
 
 def _ops(cfg) -> dict:
-  return dict(conv_width=cfg.conv_width, impl=cfg.impl, chunk_size=cfg.chunk_size)
+  return dict(conv_width=cfg.conv_width, conv_impl=cfg.conv_impl, impl=cfg.impl,
+              chunk_size=cfg.chunk_size)
 
 
 def _multistate(cfg) -> dict:

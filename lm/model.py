@@ -30,6 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from layers.blocks import Param, RMSNorm, dense, dense_kernel_init
+from layers.conv_kernel import IMPLS as CONV_IMPLS
 from layers.remat import MIXER_OP
 from lm import mixers
 
@@ -77,6 +78,7 @@ class ModelConfig:
   gate_rank: int = 128  # GDN-style mixers' output gate: x -> rank -> H x V (0: full rank)
   a_min: float = 1e-6  # GDN-style mixers' decay at init: A ~ U(a_min, 16)
   impl: str = "auto"
+  conv_impl: str = "auto"  # the short convolutions: layers.blocks.causal_conv's impl
   chunk_size: int = 64
   attention_impl: str | None = None
   dtype: str = "float32"
@@ -117,6 +119,8 @@ class ModelConfig:
     if self.remat_name() not in REMAT_POLICIES:
       raise ValueError(f"model.remat must be one of {tuple(REMAT_POLICIES)} (or a bool), got "
                        f"{self.remat!r}")
+    if self.conv_impl not in CONV_IMPLS:
+      raise ValueError(f"model.conv_impl must be one of {CONV_IMPLS}, got {self.conv_impl!r}")
     if self.dtype not in DTYPES:
       raise ValueError(f"model.dtype must be one of {tuple(DTYPES)}, got {self.dtype!r}")
     pattern = self.pattern()

@@ -71,6 +71,7 @@ class MultiStateGDN(nn.Module):
   d_r: int = 128
   erase: bool = True
   conv_width: int = 4
+  conv_impl: str = "auto"
   gate_rank: int = 128
   a_min: float = A_MIN
   impl: str = "auto"
@@ -93,7 +94,8 @@ class MultiStateGDN(nn.Module):
     kw = dict(dtype=self.dtype, param_dtype=self.param_dtype)
     (q, k, v, _, _, g, beta), conv = gdn_inputs(
         x, self.num_heads, self.head_dim, self.value_dim, 1, self.conv_width, a_min=self.a_min,
-        conv_cache=None if cache is None else cache["conv"], segment_ids=segment_ids, **kw)
+        conv_cache=None if cache is None else cache["conv"], segment_ids=segment_ids,
+        conv_impl=self.conv_impl, **kw)
     aggregator = _aggregator(self, groups=self.num_heads, impl=self.impl, name="aggregator", **kw)
     lam, moments = aggregator(x, *_moments_and_length(cache), segment_ids=segment_ids)
     if cache is None:

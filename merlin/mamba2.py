@@ -30,6 +30,7 @@ class Mamba2(nn.Module):
   head_dim: int
   state_dim: int = 64
   conv_width: int = 4
+  conv_impl: str = "auto"
   impl: str = "auto"
   chunk_size: int = 64
   dtype: Any = jnp.float32
@@ -49,7 +50,7 @@ class Mamba2(nn.Module):
 
     def stream(features, names, name):
       z = dense(features, ("embed",) + names, name=f"{name}_proj", **kw)(x)
-      y, cache = ShortConv(self.conv_width, names, name=f"{name}_conv", **kw)(
+      y, cache = ShortConv(self.conv_width, names, name=f"{name}_conv", impl=self.conv_impl, **kw)(
           z, None if conv_cache is None else conv_cache[name], segment_ids=segment_ids)
       if conv_cache is not None:
         new_cache[name] = cache

@@ -49,6 +49,7 @@ class TriadicGDN(nn.Module):
   expand_e: int = 1
   erase: bool = True
   conv_width: int = 4
+  conv_impl: str = "auto"
   gate_rank: int = 128
   a_min: float = A_MIN
   impl: str = "auto"
@@ -72,7 +73,7 @@ class TriadicGDN(nn.Module):
     (q, k, v, k2, q2, g, beta), conv = gdn_inputs(
         x, self.num_heads, self.head_dim, self.value_dim, self.expand_e, self.conv_width,
         a_min=self.a_min, conv_cache=None if cache is None else cache["conv"],
-        segment_ids=segment_ids, num_v_heads=self.num_v_heads, **kw)
+        segment_ids=segment_ids, num_v_heads=self.num_v_heads, conv_impl=self.conv_impl, **kw)
     ops = dict(erase=self.erase, impl=self.impl, chunk_size=self.chunk_size)
     if cache is None:
       op = lambda *z: triadic_gdn(*z[:-1], segment_ids=z[-1], **ops)[0]
