@@ -43,9 +43,10 @@ class ModelChangeError(ValueError):
   """The config asks for another model than the checkpoint was trained as."""
 
 
-# Model keys that select an implementation of the same function; every other model key changes it.
-# conv_impl: a deleted option (the short convolutions' kernel) that old runs' config.json still has.
-MODEL_KEYS_SAME_MATH = ("impl", "chunk_size", "attention_impl", "remat", "conv_impl")
+# Model keys that select an implementation of the same function (kernels, tiles, what the backward
+# keeps, how the loop over depth is compiled); every other model key changes it.
+MODEL_KEYS_SAME_MATH = ("impl", "chunk_size", "attention_impl", "remat", "conv_impl",
+                        "scan_unroll")
 
 
 def config_variant(config, workdir: str, *, allow_model_change: bool = False) -> str | None:

@@ -288,15 +288,15 @@ def test_eval_refuses_a_model_change_and_separates_other_configs(baseline, tmp_p
   fewer = eval_loop.load_config(workdir)
   fewer.data.num_eval_examples = 4
   fewer.model.impl = "scan"  # the same maths: allowed
-  # A run saved before model.conv_impl was deleted has the key; a config without it is allowed.
+  # A run saved before model.scan_unroll existed lacks the key; a config with it is allowed.
   with open(os.path.join(workdir, "config.json")) as f:
     saved = json.load(f)
-  saved["model"]["conv_impl"] = "xla"
+  del saved["model"]["scan_unroll"]
   with open(os.path.join(workdir, "config.json"), "w") as f:
     json.dump(saved, f)
   result = eval_loop.evaluate(fewer, workdir)
   variant = os.path.join(workdir, "variants",
-                         "data.num_eval_examples=4,model.conv_impl=absent,model.impl=scan")
+                         "data.num_eval_examples=4,model.impl=scan,model.scan_unroll=1")
   assert all(f.startswith(variant) for f in result["files"])
   with open(os.path.join(workdir, "eval", "mqar_step8.json")) as f:
     assert json.load(f)["data_config"]["num_eval_examples"] == 8  # not overwritten
