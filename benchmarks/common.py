@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import collections
 import glob
+import math
 import os
 import platform
 import re
@@ -143,6 +144,80 @@ def hlo_sources(fn, args) -> dict[str, str]:
     # The GPU backend names a fusion's kernel after the instruction with '.' and '-' made '_'.
     sources.setdefault(re.sub(r"[.\-]", "_", name), source)
   return sources
+
+
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "bf16": 2, "f16": 2, "s16": 2, "u16": 2, "f32": 4,
+                "s32": 4, "u32": 4, "f64": 8, "s64": 8, "u64": 8}
+_ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
+_OPCODE = re.compile(r"^([\w\-]+)\(")
+_TARGET = re.compile(r'custom_call_target="([^"]+)"')
+_BODY = re.compile(r"body=%([\w.\-]+)")
+MOVES = ("copy", "copy-start", "dynamic-slice", "dynamic-update-slice")
+
+
+def _shape_bytes(shape: str) -> int:
+  return sum(_DTYPE_BYTES.get(dt, 4) * math.prod(int(n) for n in dims.split(",") if n)
+             for dt, dims in _ARRAY.findall(shape))
+
+
+def hlo_moves(text: str) -> list[tuple[str, str, int, float]]:
+  """Where a compiled program (``compiled.as_text()``) moves data rather than computes: rows
+  (what, where, count, MB of outputs), largest first, of the instructions outside fusions whose
+  opcode is in ``MOVES``, the fusions whose root is one (an in-place dynamic-update-slice, a
+  copy), the custom calls by target, and the instructions XLA's rematerialization cloned
+  (``*.remat*`` names: computed twice to save memory). ``where`` is "loop" inside a while loop's
+  body (once per iteration), else "once". A dynamic-update-slice's MB is its whole output array
+  (updated in place when XLA can), so its count says more than its MB."""
+  computations, current = {}, None
+  for line in text.splitlines():
+    header = _HLO_COMPUTATION.match(line)
+    if header:
+      current = computations.setdefault(header.group(1), [])
+      continue
+    match = _HLO_OP.match(line)
+    if match and current is not None:
+      current.append(match.groups())
+  fused, bodies, roots = set(), set(), {}
+  for name, ops in computations.items():
+    for root, _, _, rest in ops:
+      opcode = _OPCODE.match(rest)
+      if root and opcode:
+        roots[name] = opcode.group(1)
+      calls, body = _CALLS.search(rest), _BODY.search(rest)
+      if calls and rest.startswith("fusion("):
+        fused.add(calls.group(1))
+      if body:
+        bodies.add(body.group(1))
+  rows = collections.defaultdict(lambda: [0, 0])
+  for comp, ops in computations.items():
+    if comp in fused:
+      continue
+    where = "loop" if comp in bodies else "once"
+    for _, name, shape, rest in ops:
+      opcode = _OPCODE.match(rest)
+      opcode = opcode.group(1) if opcode else ""
+      calls = _CALLS.search(rest)
+      keys = []
+      if opcode in MOVES:
+        keys.append(opcode)
+      elif opcode == "fusion" and calls and roots.get(calls.group(1)) in MOVES:
+        keys.append(f"fusion rooted in {roots[calls.group(1)]}")
+      elif opcode == "custom-call":
+        target = _TARGET.search(rest)
+        keys.append(f"custom-call {target.group(1) if target else '?'}")
+      if ".remat" in name:
+        keys.append(f"rematerialized {opcode}")
+      for key in keys:
+        rows[key, where][0] += 1
+        rows[key, where][1] += _shape_bytes(re.sub(r"\{[^}]*\}", "", shape))
+  return sorted(((k, w, n, b / 2**20) for (k, w), (n, b) in rows.items()), key=lambda r: -r[3])
+
+
+def hlo_moves_table(rows) -> str:
+  """``hlo_moves``' rows as a markdown table."""
+  lines = ["| instruction | where | count | MB out |", "|---|---|---|---|"]
+  lines += [f"| {k} | {w} | {n} | {mb:.1f} |" for k, w, n, mb in rows]
+  return "\n".join(lines)
 
 
 def kernel_profile(fn, args, *, reps: int = 5, sources: dict[str, str] | None = None

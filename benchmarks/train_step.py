@@ -6,6 +6,7 @@ per mixer, and FLA's ``GatedDeltaNetForCausalLM`` at the same shape in the same 
   PYTHONPATH=. python benchmarks/train_step.py --config configs/lm_1p3b.py:mqar --batch 8 --seq 4096 --mixers gdn,triadic8,attention,merlin
   PYTHONPATH=. python benchmarks/train_step.py --tiny --mixers gdn,attention      # CPU smoke test
   PYTHONPATH=. python benchmarks/train_step.py --mixers gdn,triadic8 --profile    # by kernel
+  PYTHONPATH=. python benchmarks/train_step.py --mixers gdn --hlo                 # copies etc.
 
 Each model runs in its own subprocess (so every peak-memory figure is that model's alone, and JAX
 and PyTorch never share the device): build the config (``--config``, the model's mixer, ``--batch``,
@@ -16,7 +17,10 @@ compiles), then ``--steps`` timed steps, each waited for; the median step time g
 Peak memory is ``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` (PyTorch:
 ``torch.cuda.max_memory_allocated``); none on a CPU. ``--profile`` (our models): after the timed
 steps, a few more under the JAX profiler, and each model's step by kernel and XLA fusion
-(``common.kernel_profile``, with each fusion's source) below the table.
+(``common.kernel_profile``, with each fusion's source) below the table. ``--hlo`` (our models):
+where the compiled step moves data instead of computing (``common.hlo_moves``: copies, dynamic
+slices and updates, custom calls, instructions XLA rematerialized), inside the loop over layers
+or once.
 
 Mixers: ``gdn``, ``triadicE`` (Triadic GDN, E = 2, 4, 8, ...), ``attention`` (cuDNN on GPU),
 ``merlin`` (multi-state GDN with the MERLIN aggregator, segments of 256), and ``fla``: FLA's Gated
@@ -184,7 +188,11 @@ def run_ours(job: dict) -> dict:
     sources = hlo_sources(step, (carry["state"], batch))
     rows, wall = kernel_profile(run, (), reps=3, sources=sources)
     profile = profile_table(rows, wall)
-  return dict(step_s=statistics.median(times), first_step_s=first, profile=profile,
+  moves = None
+  if job.get("hlo"):
+    from benchmarks.common import hlo_moves, hlo_moves_table
+    moves = hlo_moves_table(hlo_moves(step.lower(carry["state"], batch).compile().as_text()))
+  return dict(step_s=statistics.median(times), first_step_s=first, profile=profile, hlo=moves,
               peak_bytes=_peak_bytes(jax.devices()[0]), loss=float(metrics["loss"]),
               params=counts["total"], non_embedding=counts["non_embedding"],
               mixers=",".join(sorted(set(cfg.layers()))), remat=cfg.remat_name(),
@@ -302,6 +310,9 @@ def main(argv=None):
   p.add_argument("--timeout", type=int, default=480, help="seconds per model")
   p.add_argument("--profile", action="store_true",
                  help="also each of our models' step by kernel and XLA fusion (JAX profiler)")
+  p.add_argument("--hlo", action="store_true",
+                 help="also each of our models' compiled step's data movement: copies, "
+                      "dynamic (update) slices, custom calls, rematerialized instructions")
   p.add_argument("--child", default=None, help=argparse.SUPPRESS)
   args = p.parse_args(argv)
   if args.child:
@@ -315,7 +326,7 @@ def main(argv=None):
   for spec in args.config.split(","):
     base = dict(config=spec, batch=batch, seq=seq, steps=steps, warmup=args.warmup,
                 remat=args.remat, fla_remat=args.fla_remat, set=args.set, tiny=args.tiny,
-                profile=args.profile)
+                profile=args.profile, hlo=args.hlo)
     shape = model_shape(dict(base, mixer="gdn"))
     print(f"\n{spec}: {shape}; batch {batch} x {seq} tokens; {steps} timed steps after "
           f"{args.warmup}")
@@ -338,6 +349,8 @@ def main(argv=None):
     for m, r in results.items():
       if r.get("profile"):
         print(f"\n## {m}: one training step by kernel\n\n{r['profile']}", flush=True)
+      if r.get("hlo"):
+        print(f"\n## {m}: the compiled step's data movement\n\n{r['hlo']}", flush=True)
     devices = {r["device"] for r in results.values() if "device" in r}
     print(f"device: {', '.join(sorted(devices))}" + "".join(
         f"; {r['versions']}" for r in results.values() if "versions" in r))

@@ -76,6 +76,42 @@ def test_hlo_sources_name_the_ops():
   assert hlo_sources(lambda x: x, (1.0,)) == {}
 
 
+def test_hlo_moves_counts_copies_slices_custom_calls_and_remat_clones():
+  """A hand-written module: a while body with a dynamic-update-slice fusion and a custom call, an
+  entry copy and a rematerialized clone; and a compiled scan, whose stacked outputs are updated
+  in its loop."""
+  import jax
+  import jax.numpy as jnp
+  from benchmarks.common import hlo_moves, hlo_moves_table
+  text = """HloModule m
+%fused_dus (p0: bf16[4,8], p1: bf16[1,8], p2: s32[]) -> bf16[4,8] {
+  ROOT %dus = bf16[4,8]{1,0} dynamic-update-slice(%p0, %p1, %p2, %p2)
+}
+%body (arg: (s32[], bf16[4,8])) -> (s32[], bf16[4,8]) {
+  %k = bf16[1,8]{1,0} custom-call(%x), custom_call_target="mosaic_gpu_v2"
+  %f = bf16[4,8]{1,0} fusion(%s, %k, %i), kind=kLoop, calls=%fused_dus
+  ROOT %t = (s32[], bf16[4,8]{1,0}) tuple(%i, %f)
+}
+ENTRY %main (a: f32[16,16]) -> f32[16,16] {
+  %w = (s32[], bf16[4,8]{1,0}) while(%init), condition=%cond, body=%body
+  %c = f32[16,16]{1,0} copy(%a)
+  ROOT %e.remat = f32[16,16]{1,0} exponential(%c)
+}
+"""
+  rows = {(k, w): (n, mb) for k, w, n, mb in hlo_moves(text)}
+  assert rows[("fusion rooted in dynamic-update-slice", "loop")][0] == 1
+  assert rows[("custom-call mosaic_gpu_v2", "loop")] == (1, 16 / 2**20)
+  assert rows[("copy", "once")] == (1, 1024 / 2**20)
+  assert rows[("rematerialized exponential", "once")][0] == 1
+  assert ("dynamic-update-slice", "once") not in rows      # inside a fusion: not its own row
+  assert "| custom-call mosaic_gpu_v2 | loop | 1 |" in hlo_moves_table(hlo_moves(text))
+
+  def f(x):
+    return jax.lax.scan(lambda c, _: (jnp.sin(c), jnp.cos(c)), x, None, length=5)[1].sum()
+  compiled = jax.jit(jax.grad(f)).lower(jnp.ones((64,))).compile().as_text()
+  assert any(w == "loop" and "dynamic-update-slice" in k for k, w, _, _ in hlo_moves(compiled))
+
+
 def test_is_oom():
   assert is_oom(RuntimeError("RESOURCE_EXHAUSTED: Out of memory while trying to allocate"))
   assert not is_oom(ValueError("bad shape"))
@@ -85,10 +121,11 @@ def test_is_oom():
 def test_train_step_table_runs(capsys):
   from benchmarks import train_step
   train_step.main(["--tiny", "--mixers", "fla,gdn", "--steps", "1", "--warmup", "1",
-                   "--remat", "save_mixer_op", "--in-process", "--profile"])
+                   "--remat", "save_mixer_op", "--in-process", "--profile", "--hlo"])
   out = capsys.readouterr().out
   assert "| gdn | save_mixer_op |" in out and "tokens/s" in out
   assert "## gdn: one training step by kernel" in out and "jit(traced)" in out
+  assert "## gdn: the compiled step's data movement" in out and "| copy |" in out
   assert "| fla |" in out  # a measured row, or skipped with the reason when torch / fla are absent
 
 
