@@ -110,33 +110,44 @@ _OP_NAME = re.compile(r'metadata=\{op_name="([^"]*)"')
 _CALLS = re.compile(r"calls=%([\w.\-]+)")
 
 
-def hlo_sources(fn, args) -> dict[str, str]:
+def hlo_computations(text: str) -> dict[str, list[tuple[str | None, str, str, str]]]:
+  """A compiled program's text (``compiled.as_text()``) as {computation: its instructions in
+  order, each (``"ROOT "`` or None, name, output shape without layout, the rest of the line)}."""
+  computations, current = {}, None
+  for line in text.splitlines():
+    header = _HLO_COMPUTATION.match(line)
+    if header:
+      current = computations.setdefault(header.group(1), [])
+      continue
+    match = _HLO_OP.match(line)
+    if match and current is not None:
+      root, name, shape, rest = match.groups()
+      current.append((root, name, re.sub(r"\{[^}]*\}", "", shape), rest))
+  return computations
+
+
+def hlo_sources(fn, args, text: str | None = None) -> dict[str, str]:
   """For a jitted ``fn``, each instruction of its compiled program (an XLA fusion's name is its
   kernel's; also keyed as the GPU names it) -> "shape  op_name": the output shape without layout
   (a tuple's as its number of values) and the JAX op it came from (the name stack:
   ``transpose(jvp(...))`` for the backward, Flax module paths). An instruction without metadata
   of its own (most fusions) takes that of the computation it calls: its root's, else its first
-  instruction's that has one. Empty when ``fn`` has no ``lower`` (not jitted)."""
-  if not hasattr(fn, "lower"):
-    return {}
-  ops, computation_names, current = [], {}, None
-  for line in fn.lower(*args).compile().as_text().splitlines():
-    header = _HLO_COMPUTATION.match(line)
-    if header:
-      current = header.group(1)
-      continue
-    match = _HLO_OP.match(line)
-    if not match:
-      continue
-    root, name, shape, rest = match.groups()
-    op_name = _OP_NAME.search(rest)
-    calls = _CALLS.search(rest)
-    shape = re.sub(r"\{[^}]*\}", "", shape)
-    if shape.startswith("("):                     # a tuple: its size, not its members
-      shape = f"({shape.count('[')} values)"
-    ops.append((name, shape, op_name and op_name.group(1), calls and calls.group(1)))
-    if op_name and current and (root or current not in computation_names):
-      computation_names[current] = op_name.group(1)
+  instruction's that has one. ``text``: the compiled program's text where the caller has it
+  (else ``fn`` is compiled here). Empty when ``fn`` has no ``lower`` (not jitted)."""
+  if text is None:
+    if not hasattr(fn, "lower"):
+      return {}
+    text = fn.lower(*args).compile().as_text()
+  ops, computation_names = [], {}
+  for computation, instructions in hlo_computations(text).items():
+    for root, name, shape, rest in instructions:
+      op_name = _OP_NAME.search(rest)
+      calls = _CALLS.search(rest)
+      if shape.startswith("("):                   # a tuple: its size, not its members
+        shape = f"({shape.count('[')} values)"
+      ops.append((name, shape, op_name and op_name.group(1), calls and calls.group(1)))
+      if op_name and (root or computation not in computation_names):
+        computation_names[computation] = op_name.group(1)
   sources = {}
   for name, shape, op_name, calls in ops:
     source = f"{shape}  {op_name or computation_names.get(calls, '')}".rstrip()
@@ -168,15 +179,7 @@ def hlo_moves(text: str) -> list[tuple[str, str, int, float]]:
   (``*.remat*`` names: computed twice to save memory). ``where`` is "loop" inside a while loop's
   body (once per iteration), else "once". A dynamic-update-slice's MB is its whole output array
   (updated in place when XLA can), so its count says more than its MB."""
-  computations, current = {}, None
-  for line in text.splitlines():
-    header = _HLO_COMPUTATION.match(line)
-    if header:
-      current = computations.setdefault(header.group(1), [])
-      continue
-    match = _HLO_OP.match(line)
-    if match and current is not None:
-      current.append(match.groups())
+  computations = hlo_computations(text)
   fused, bodies, roots = set(), set(), {}
   for name, ops in computations.items():
     for root, _, _, rest in ops:
@@ -209,7 +212,7 @@ def hlo_moves(text: str) -> list[tuple[str, str, int, float]]:
         keys.append(f"rematerialized {opcode}")
       for key in keys:
         rows[key, where][0] += 1
-        rows[key, where][1] += _shape_bytes(re.sub(r"\{[^}]*\}", "", shape))
+        rows[key, where][1] += _shape_bytes(shape)
   return sorted(((k, w, n, b / 2**20) for (k, w), (n, b) in rows.items()), key=lambda r: -r[3])
 
 

@@ -181,17 +181,17 @@ def run_ours(job: dict) -> dict:
   first, times = timed_steps(run, job["warmup"], job["steps"])
   metrics = carry["metrics"]
   counts = costs.count_params(cfg)
-  profile = None
+  profile = moves = None
+  if job.get("profile") or job.get("hlo"):
+    from benchmarks.common import (hlo_moves, hlo_moves_table, hlo_sources, kernel_profile,
+                                   profile_table)
+    text = step.lower(carry["state"], batch).compile().as_text()   # compiled once for both
   if job.get("profile"):
-    from benchmarks.common import hlo_sources, kernel_profile, profile_table
     # The step donates its state: profile a closure that threads it, with the step's sources.
-    sources = hlo_sources(step, (carry["state"], batch))
-    rows, wall = kernel_profile(run, (), reps=3, sources=sources)
+    rows, wall = kernel_profile(run, (), reps=3, sources=hlo_sources(step, (), text))
     profile = profile_table(rows, wall)
-  moves = None
   if job.get("hlo"):
-    from benchmarks.common import hlo_moves, hlo_moves_table
-    moves = hlo_moves_table(hlo_moves(step.lower(carry["state"], batch).compile().as_text()))
+    moves = hlo_moves_table(hlo_moves(text))
   return dict(step_s=statistics.median(times), first_step_s=first, profile=profile, hlo=moves,
               peak_bytes=_peak_bytes(jax.devices()[0]), loss=float(metrics["loss"]),
               params=counts["total"], non_embedding=counts["non_embedding"],
