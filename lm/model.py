@@ -7,9 +7,13 @@ One repetition of the pattern is a ``Group``; the groups are stacked with ``nn.s
 get a leading ``layers`` axis), so compile time does not grow with depth and ``remat`` bounds the
 activation memory. ``scan_unroll`` groups run per iteration of that loop; at the number of groups
 the loop is unrolled: the backward's saved residuals are then each its own buffer instead of a
-slice of one array stacked over the groups, which XLA on a GPU copies out of and back into the
-stack around every custom kernel (Pallas, cuBLAS) that writes or reads them. Compile time grows
-with it; the parameters are the same either way.
+slice of one array stacked over the groups, which XLA on a GPU copies into the stack after every
+custom kernel (Pallas, cuBLAS) that writes one. Unrolled, XLA also schedules the whole depth at
+once, which holds more memory; where the saved residuals (``remat``) no longer fit beside that,
+XLA's own rematerialisation has to search the unrolled graph and compiles take many minutes, so
+unroll where the residuals take well under the device's memory (benchmarks/train_step.py
+``--set model.scan_unroll=N`` shows both). Compile time grows with it; the parameters are the same
+either way.
 
 ``remat`` names what the backward pass may keep from the forward (``REMAT_POLICIES``): "none"
 (no rematerialisation: everything is kept), "full" (only each group's input is kept; the whole
