@@ -3,6 +3,8 @@ block benchmark's parts of the triadic layer compose to the layer's own output."
 
 from __future__ import annotations
 
+import functools
+
 import numpy as np
 import pytest
 
@@ -229,6 +231,26 @@ def test_kernels_of_the_op():
     assert mosaic.SMEM_LIMIT >= forward.smem >= 64 * e * bv * 2
     assert forward.blocks_per_sm == 233472 // (forward.smem + 1024) >= 1
     assert forward.waves(132) == pytest.approx(2 * 64 / bv / (132 * forward.blocks_per_sm))
+
+
+def test_smem_count_of_the_two_warpgroup_passes():
+  """``mosaic.smem_bytes_2wg`` is the shared memory the lowering asks for (``triton_registers``
+  reads it from the Mosaic GPU module): the two-warpgroup state passes with erase and their
+  saved extras (save_x, save_drhs), at E = 8 block_v 16 (the default reverse pass there), E = 8
+  block_v 32 and E = 4 block_v 32."""
+  from benchmarks import triton_registers
+  from tests.test_mosaic_gpu import kernel_arg_specs
+  from triadic.pallas import mosaic
+  bh, nc, c, d, vd = 2, 2, 64, 128, 128
+  for e, bv in ((8, 16), (8, 32), (4, 32)):
+    args = kernel_arg_specs([(bh, nc, c, d)] * 2 + [(bh, nc, c, vd)], bh=bh, nc=nc, c=c, d=d,
+                            vdim=vd, e=e)
+    kw = dict(scale=1.0, erase=True, warpgroups=2, block_v=bv)
+    for backward, fn in ((False, functools.partial(mosaic.state_pass, save_x=True, **kw)),
+                         (True, functools.partial(mosaic.reverse_state_pass, save_drhs=True,
+                                                  **kw))):
+      _, (kernel,) = triton_registers.lowered_kernels(fn, args)
+      assert kernel.smem == mosaic.smem_bytes_2wg(d, c, e, bv, backward), (e, bv, kernel.name)
 
 
 def test_kernels_of_the_conv():

@@ -138,6 +138,8 @@ STATE_BUDGET = 128 * 128    # D * E * BV: hard limit, the state alone at 128 reg
 CAT_BARRIER = 9             # barriers 0..8: the chunk inputs (the factors take two); 9: h0 / dht
 HALF = 64                   # two warpgroups: state rows (D) per warpgroup
 SMEM_LIMIT = 220 * 1024     # of the 227 KiB a block may have (reduction scratch etc.)
+SMEM_ALIGN = 1024           # Mosaic GPU starts every SMEM scratch buffer at a multiple of this
+BARRIER_BYTES = 8           # SMEM of one mbarrier
 
 
 def _interpret_params(interpret):
@@ -239,24 +241,28 @@ def default_state_tiles(d: int, vd: int, c: int, e: int, block_v: int | None = N
 
 
 def smem_bytes_2wg(d: int, c: int, e: int, bv: int, backward: bool) -> int:
-  """SMEM of a two-warpgroup kernel's chunk loop on hardware (erase, and the forward with save_x:
-  the most)."""
+  """SMEM of a two-warpgroup kernel's chunk loop on hardware (erase, and the forward with save_x,
+  the reverse with save_drhs: the most), as the lowering allocates it: each scratch buffer
+  rounded up to SMEM_ALIGN, then the barriers (``_N_BARRIERS_2WG`` and the meeting's)."""
   n = e * bv
-  common = (2 * c * c * 2                     # A, P
-            + n * 4                           # lam_cat
-            + d * n * 2                       # S_cat pieces (E, 64, BV) per warpgroup
-            + c * bv * 2)                     # v / dO block
+  bufs = [c * c * 2, c * c * 2,               # A, P
+          n * 4,                              # lam_cat
+          d * n * 2,                          # S_cat pieces (2, E, 64, BV)
+          c * bv * 2]                         # v / dO block
   if backward:
-    return (common + 2 * c * d * 2            # k, q
-            + (3 * e + 1) * c * 4             # factor rows
-            + 2 * c * n * 2                   # X, Z
-            + c * bv * (2 + 4)                # dU bf16, dU f32 (also the partial's buffer)
-            + 2 * c * bv * 2)                 # A^T dU and dV (``save_drhs``)
-  return (common + 3 * c * d * 2              # q, k (two chunks' buffers)
-          + (4 * e + 1) * c * 4               # factor rows (with save_x's c rows)
-          + c * n * 2                         # W
-          + c * bv * (2 + 2 + 2 + 2)          # rhs, U, o, X
-          + 2 * c * bv * 4)                   # the second warpgroup's R and Y partials
+    bufs += [c * d * 2, c * d * 2,            # k, q (2, C, 64) each
+             (3 * e + 1) * c * 4,             # factor rows
+             c * n * 2, c * n * 2,            # X, Z
+             c * bv * 2, c * bv * 4,          # dU bf16, dU f32 (also the partial's buffer)
+             c * bv * 2, c * bv * 2]          # A^T dU and dV (``save_drhs``)
+  else:
+    bufs += [c * d * 2, 2 * c * d * 2,        # q, k (two chunks' buffers)
+             (4 * e + 1) * c * 4,             # factor rows (with save_x's c rows)
+             c * n * 2,                       # W
+             c * bv * 2, c * bv * 2, c * bv * 2, c * bv * 2,   # rhs, U, o, X
+             c * bv * 4, c * bv * 4]          # the second warpgroup's R and Y partials
+  return (sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in bufs)
+          + (_N_BARRIERS_2WG + 1) * BARRIER_BYTES)
 
 
 def warpgroups_supported(d: int, vd: int, c: int, e: int, block_v: int | None = None
