@@ -31,6 +31,10 @@ T = 2048:
 ``--profile`` prints instead, per T, each ``--impls`` op's forward+backward by kernel and XLA
 fusion with its device time, from the JAX profiler (the same sizes, ``--impls pallas``).
 
+``--tiles block_v=32,num_warps=4`` runs every table's pallas impl with those fields of the plan's
+``default_config`` replaced (the state passes' value block and warps, ``bwd_block_v``, ...), so a
+tile choice is timed against the default by running the same command with and without it.
+
 On a CPU shared with other jobs, XLA's multi-threaded kernels stall under oversubscription (the
 chunked form, which has the larger parallel ops, by up to 100x); pin one core for stable numbers:
 
@@ -40,6 +44,7 @@ chunked form, which has the larger parallel ops, by up to 100x); pin one core fo
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import os
 import re
@@ -100,18 +105,29 @@ def weights(aggregator, x, segment_len, n, moments):
   return merlin.merlin_weights(x["qr"], x["kr"], x["gamma"], x["tau_mu"], x["tau_sigma"], **kw)
 
 
-def attention(impl, segment_len, chunk):
-  """(x, lam) -> o: multi-state attention of ``impl``."""
+def attention(impl, segment_len, chunk, config=None):
+  """(x, lam) -> o: multi-state attention of ``impl`` (the pallas kernels with ``config``, None:
+  the plan's default)."""
   def run(x, lam):
     return merlin.multistate_attention(x["q"], x["k"], x["v"], x["g"], x["beta"], lam,
                                        segment_len=segment_len, impl=impl,
-                                       chunk_size=None if impl == "scan" else chunk)
+                                       chunk_size=None if impl == "scan" else chunk,
+                                       config=config if impl != "scan" else None)
   return run
 
 
-def pipeline(aggregator, impl, segment_len, n, chunk):
+def tiles_config(tiles):
+  """The pallas Config of ``--tiles`` ("block_v=32,num_warps=4": fields of the platform's default
+  ``merlin.pallas.plan.default_config`` replaced), or None for the default itself."""
+  if not tiles:
+    return None
+  fields = {k: int(v) for k, v in (kv.split("=") for kv in tiles.split(","))}
+  return dataclasses.replace(merlin_plan.default_config(merlin_plan.default_platform()), **fields)
+
+
+def pipeline(aggregator, impl, segment_len, n, chunk, config=None):
   """x (dict of arrays) -> o: the aggregator's lam, then multi-state attention."""
-  op = attention(impl, segment_len, chunk)
+  op = attention(impl, segment_len, chunk, config)
   return lambda x: op(x, weights(aggregator, x, segment_len, n, moments_impl(impl)))
 
 
@@ -202,8 +218,8 @@ def part_costs(b, t, h, d, vd, segment_len, c, *, erase=True, itemsize=4, block_
     readout                 (lam Qe) S per visible pair
     reverse pass            erase: Kw dS, W^T (Kw dS), (lam Qe)^T dO per visible pair; no erase:
                             (lam Qe)^T dO per visible pair, Kw dS and Uv dS^T per chunk
-    chunk gradients         dO S^T, Qe S, W S, (W S) dS^T, Kw dS, (Kw dS) S^T per visible pair,
-                            Uv dS^T per chunk
+    chunk gradients         dO S^T, Qe S and the (D, V) x (V, D) dS S^T per visible pair;
+                            Kw G, W G^T (G the (D, D) sum of dS S^T) and Uv dS^T per chunk
     read gradients          dO S^T, Qe S per visible pair
 
   ``block_v``: the no-erase reverse pass stores its partial dKw and dgamma per value block."""
@@ -225,8 +241,9 @@ def part_costs(b, t, h, d, vd, segment_len, c, *, erase=True, itemsize=4, block_
     costs["readout"] = (vis * mm, it * tok * (dp + vp) + lam + vis * state + f * tok * (vp + 1))
     costs["reverse pass"] = (vis * 3 * mm,
                              it * tok * (3 * dp + 2 * vp) + lam + gam + vis * state)
-    costs["chunk gradients"] = (vis * 6 * mm + nc * mm, it * tok * (6 * dp + 2 * vp) + 2 * lam
-                                + gam + 2 * vis * state)
+    gram = 2 * d * d * vd   # dS S^T, (D, V) x (V, D)
+    costs["chunk gradients"] = (vis * (2 * mm + gram) + nc * (4 * c * d * d + mm),
+                                it * tok * (6 * dp + 2 * vp) + 2 * lam + gam + 2 * vis * state)
   else:
     nv = vp // min(block_v, vp)
     ends = (nc + ns) * state
@@ -294,6 +311,9 @@ def op_table(args, lengths, dtype, floor_ms):
   ``--max-segments`` or, per T, just the segments T needs."""
   gpu = jax.default_backend() == "gpu"
   print(merlin_plan.explain(args.D, args.segment_len, chunk_size=args.chunk))
+  config = tiles_config(args.tiles)
+  if config is not None:
+    print(merlin_plan.Plan("pallas", args.chunk, f"--tiles {args.tiles}", config))
   cols = ["op", "T", "fwd", "f+b", "floor fwd", "floor f+b", "f+b/floor", "f+b/GDN", "rel err"]
   print(" | ".join(f"{c:>{20 if i == 0 else 12}}" for i, c in enumerate(cols)))
   backward = not args.no_backward
@@ -311,7 +331,7 @@ def op_table(args, lengths, dtype, floor_ms):
     rows = [("gdn E=1 " + ("pallas" if gpu else "chunked"), gdn, gdn_cost)]
     ref = None
     for impl in args.impls.split(","):
-      res = fwd_and_fwd_bwd(attention(impl, args.segment_len, args.chunk), (x, lam), cot,
+      res = fwd_and_fwd_bwd(attention(impl, args.segment_len, args.chunk, config), (x, lam), cot,
                             args.repeats, backward)
       ref = res[3] if ref is None else ref
       rows.append((f"multistate {impl}", res, cost))
@@ -340,8 +360,9 @@ def pipeline_table(args, lengths, n, dtype, floor_ms):
     for agg in args.aggregators.split(","):
       vals, outs = [agg, t], []
       for impl in impls:
-        fwd, fb, mem, out = fwd_and_fwd_bwd(pipeline(agg, impl, args.segment_len, n, args.chunk),
-                                            (x,), cot, args.repeats, not args.no_backward)
+        fwd, fb, mem, out = fwd_and_fwd_bwd(
+            pipeline(agg, impl, args.segment_len, n, args.chunk, tiles_config(args.tiles)), (x,),
+            cot, args.repeats, not args.no_backward)
         vals += [1e3 * fwd, 1e3 * fb, mem]
         outs.append(out)
       vals += [rel_err(o, outs[0]) for o in outs[1:]]
@@ -393,7 +414,7 @@ def parts_table(args, t, dtype, erase, floor_ms):
   P Uv): what the op table measured before it kept o."""
   b, h, d, vd, seg = args.B, args.H, args.D, args.V, args.segment_len
   plan = merlin_plan.resolve("pallas", d=d, segment_len=seg, chunk_size=args.chunk,
-                             documents=False)
+                             documents=False, config=tiles_config(args.tiles))
   c, cfg, scale = plan.chunk_size, plan.config, float(d ** -0.5)
   cps, n, nan = seg // c, -(-t // seg), float("nan")
   x = inputs(jax.random.PRNGKey(t), b, t, h, d, vd, args.R, n, dtype)
@@ -406,7 +427,7 @@ def parts_table(args, t, dtype, erase, floor_ms):
 
   def op(q, k, v, g, beta, lam):
     return merlin.multistate_attention(q, k, v, g, beta, lam, segment_len=seg, erase=erase,
-                                       impl="pallas", chunk_size=c)
+                                       impl="pallas", chunk_size=c, config=cfg)
 
   def stage_inputs(q, k, v, g, beta, lam):  # as multistate_attention hands them on
     lam = jnp.where(visible(t, seg, n)[:, None, :], lam.astype(jnp.float32), 0.0)
@@ -524,7 +545,8 @@ def profile_ops(args, t, dtype):
   lam = jax.jit(lambda x: weights("merlin", x, args.segment_len, n, "parallel"))(x)
   cot = jax.random.normal(jax.random.PRNGKey(1), (args.B, t, args.H, args.V))
   for impl in args.impls.split(","):
-    grad = jax.jit(training_grad(attention(impl, args.segment_len, args.chunk), 2))
+    grad = jax.jit(training_grad(attention(impl, args.segment_len, args.chunk,
+                                           tiles_config(args.tiles)), 2))
     rows, wall = kernel_profile(grad, (cot, x, lam), reps=args.repeats)
     print(f"\n## multistate {impl} f+b (o kept), T = {t}, N = {n}\n")
     print(profile_table(rows, wall), flush=True)
@@ -561,6 +583,9 @@ def main(argv=None):
   ap.add_argument("--erase", default="on", choices=("on", "off", "both"),
                   help="the parts table's erase: on (multi-state GDN), off (multi-state Mamba-2) "
                        "or both")
+  ap.add_argument("--tiles", default="",
+                  help="the pallas impl's Config fields replaced in the plan's default, e.g. "
+                       "block_v=32,num_warps=4 (every table; default: the plan's)")
   args = ap.parse_args(argv)
 
   lengths = [int(t) for t in args.T.split(",")]

@@ -43,7 +43,7 @@ def validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size):
 
 def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool = True,
                          scale: float | None = None, impl: str = "auto", chunk_size: int | None = None,
-                         segment_ids=None, platform: str | None = None):
+                         segment_ids=None, platform: str | None = None, config=None):
   """Multi-state gated linear attention (docs/spec.md section 2).
 
   Segment i = t // segment_len owns state S^i; every state decays (and is erased, if ``erase``)
@@ -72,13 +72,15 @@ def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool
       i is relative to that document. Runs in the chunked form under "auto".
     platform: the kernels' platform for impl="pallas" ("gpu" Triton, "cpu" interpret mode);
       default from ``jax.default_backend()``.
+    config: the kernels' launch ``triadic.pallas.common.Config`` (tiles, warps) where the plan
+      runs them; default ``merlin.pallas.plan.default_config`` for the platform.
 
   Returns:
     o (B, T, H, V) in q's dtype.
   """
   b, t, _, d, _, n = validate(q, k, v, g, beta, lam, segment_len, impl, chunk_size)
   plan = plan_lib.resolve(impl, d=d, segment_len=segment_len, chunk_size=chunk_size,
-                          documents=segment_ids is not None, platform=platform)
+                          documents=segment_ids is not None, platform=platform, config=config)
   scale = d ** -0.5 if scale is None else scale
   if segment_ids is None:
     mask = visible(t, segment_len, n)[:, None, :]

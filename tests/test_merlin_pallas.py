@@ -3,7 +3,8 @@
 Every case checks the output and the gradients of all six inputs (q, k, v, g, beta, lam) through
 loss = sum(o * do) with a random do, with lam drawn from one of the four aggregators or random
 with NaN in the entries of segments not yet started (which must be ignored). T = 150 is not a
-multiple of the chunk and crosses several segments; D, V of 24 are padded to 32 inside.
+multiple of the chunk and crosses several segments; D, V of 24 are padded to 32 inside; T = 420
+runs 14 segments, so the chunk gradients sum up to 14 stored states a chunk, over 4 value blocks.
 Error bounds (relative RMS, ||a - b|| / ||b||):
   float32: 1e-5 for the output and every gradient (float32 matmuls in the kernels).
   bfloat16 inputs (the scan runs on the same bf16-rounded values in float32): output 1.5e-2 (o is
@@ -100,6 +101,8 @@ CASES = [
                  id="erase-bf16-vanilla-C32"),
     pytest.param(1, 150, 2, 16, 32, 32, 16, False, "weak", "random", jnp.bfloat16,
                  id="noerase-bf16-random"),
+    pytest.param(1, 420, 2, 32, 64, 32, 16, True, "strong", "merlin", jnp.bfloat16,
+                 id="erase-bf16-strong-merlin-V64"),
 ]
 
 

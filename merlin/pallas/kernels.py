@@ -26,12 +26,14 @@ state leaving chunk n:
     dS_n^i  = gamma_n dS^i_{n+1} - W_n^T (Kw_n dS^i_{n+1}) + (lam_n,i Qe_n)^T dO_n
     dUv_n   = Kw_n dS^{s(n)}_{n+1}
     dQe_n   = sum_i lam_n,i (dO_n S_n^iT)          dlam_n,i = rowsum(dO_n * (Qe_n S_n^i))
-    dKw_n   = Uv_n dS^{s(n)T}_{n+1} - sum_i (W_n S_n^i) dS^{iT}_{n+1}
-    dW_n    = -sum_i (Kw_n dS^i_{n+1}) S_n^iT      dgamma_n = sum_i <dS^i_{n+1}, S_n^i>
+    dKw_n   = Uv_n dS^{s(n)T}_{n+1} - W_n G_n^T     dW_n = -Kw_n G_n     dgamma_n = trace(G_n)
+    G_n     = sum_i dS^i_{n+1} S_n^iT   (D, D)
 
+(W_n and Kw_n are the same for every state i, so the erase terms' sums over i collapse into G_n.)
 The reverse state pass (same grid as the forward) stores dS^i_{n+1} at ``index(i, n)`` and dUv;
-the chunk-gradients kernel, one program per (batch*head, chunk, gradient part), sums the stack's
-terms over i and the value axis, so no two programs write one output (no atomics). dUv, dQe, dW
+the chunk-gradients kernel, one program per (batch*head, chunk), reads each visible S_n^i and
+dS^i_{n+1} once and sums dQe, dlam and G_n over i and the value axis, so no two programs write one
+output (no atomics). dUv, dQe, dW
 and dKw are summed in float32 and stored in the input dtype: they leave the op as the cotangents of
 operands in that dtype, so a float32 store would only be cast after (dgamma, dlam stay float32, as
 their operands are).
@@ -161,45 +163,44 @@ def _stack_reverse_kernel(qe_ref, w_ref, kw_ref, lam_ref, gam_ref, do_ref, dstat
 def _stack_gradients_kernel(qe_ref, w_ref, kw_ref, uv_ref, lam_ref, do_ref, states_ref,
                             dstates_ref, dqe_ref, dw_ref, dkw_ref, dgam_ref, dlam_ref, *, nc, cps,
                             vd, bv, dtype):
-  """Program (bh, chunk n, part): part 0 dQe and dlam (from dO and the states), part 1 dKw, dW and
-  dgamma (from the states and their gradients), each summed over the visible states i <= s(n) and
-  the value blocks. The parts need disjoint products (dO S^T, Qe S; W S, X dS^T, Kw dS, Y S^T), so
-  splitting them costs one more read of the stored states and halves the float32 (C, D)
-  accumulators a program holds."""
-  n, part = pl.program_id(1), pl.program_id(2)
+  """Program (bh, chunk n): one walk over the visible states i <= s(n) and the value blocks,
+  each state S_n^i and its gradient dS^i_{n+1} read once, accumulating
+
+      dQe = sum_i (lam_i dO) S_i^T,   dlam_i = rowsum(dO * (Qe S_i)),   G = sum_i dS_i S_i^T.
+
+  The three erase-term gradients share the chunk's Kw and W across the states, so they follow
+  from the (D, D) sum G alone: dW = -Kw G, dKw = -W G^T (+ Uv dS_{s(n)}^T, the write into the
+  current state), dgamma = trace(G). Per state and value column that is one D x D product
+  instead of the four C x D ones of forming W S and Kw dS per state."""
+  n = _heaviest_first(nc)(pl.program_id(1))
   cur = n // cps
   c, d = qe_ref.shape
+  qe = qe_ref[...]
   tile = lambda ref, i, cols: ref[index(i, n, nc, cps), :, cols]
 
-  @pl.when(part == 0)
-  def _():
-    dqe = _read_gradients(qe_ref[...], lam_ref, do_ref, dlam_ref,
-                          functools.partial(tile, states_ref),
-                          functools.partial(tile, states_ref, cur), cur, vd, bv, dtype)
-    dqe_ref[...] = dqe.astype(dqe_ref.dtype)
+  def state(i, carry):
+    def block(cols, carry):
+      dqe, dlam, g = carry
+      s, ds, do = tile(states_ref, i, cols), tile(dstates_ref, i, cols), do_ref[:, cols]
+      return (dqe + mm(lam_ref[i] * do.astype(F32), s, dtype, tb=True),
+              dlam + rowsum(do.astype(F32) * mm(qe, s, dtype)),
+              g + mm(ds, s, dtype, tb=True))
 
-  @pl.when(part == 1)
-  def _():
-    w, kw = w_ref[...], kw_ref[...]
-    zero = jnp.zeros((c, d), F32)
+    dqe, g = carry
+    dqe, dlam, g = over_value_blocks(vd, bv, block, (dqe, jnp.zeros((c, 1), F32), g))
+    dlam_ref[i] = dlam
+    return dqe, g
 
-    def state(i, carry):
-      def block(cols, carry):
-        dkw, dw, dgam = carry
-        s, ds = tile(states_ref, i, cols), tile(dstates_ref, i, cols)
-        return (dkw - mm(mm(w, s, dtype), ds, dtype, tb=True),
-                dw - mm(mm(kw, ds, dtype), s, dtype, tb=True),
-                dgam + total(ds.astype(F32) * s.astype(F32)))
-
-      return over_value_blocks(vd, bv, block, carry)
-
-    dkw, dw, dgam = jax.lax.fori_loop(0, cur + 1, state, (zero, zero, jnp.zeros((1, 1), F32)))
-    dkw = over_value_blocks(   # the write Kw^T Uv into the current state
-        vd, bv, lambda cols, dkw: dkw + mm(uv_ref[:, cols], tile(dstates_ref, cur, cols), dtype,
-                                           tb=True), dkw)
-    dkw_ref[...] = dkw.astype(dkw_ref.dtype)
-    dw_ref[...] = dw.astype(dw_ref.dtype)
-    dgam_ref[...] = dgam
+  dqe, g = jax.lax.fori_loop(0, cur + 1, state, (jnp.zeros((c, d), F32), jnp.zeros((d, d), F32)))
+  dqe_ref[...] = dqe.astype(dqe_ref.dtype)
+  diagonal = (jax.lax.broadcasted_iota(jnp.int32, (d, d), 0)
+              == jax.lax.broadcasted_iota(jnp.int32, (d, d), 1))
+  dgam_ref[...] = total(jnp.where(diagonal, g, 0.0))
+  dw_ref[...] = (-mm(kw_ref[...], g, dtype)).astype(dw_ref.dtype)
+  dkw = over_value_blocks(   # the write Kw^T Uv into the current state
+      vd, bv, lambda cols, dkw: dkw + mm(uv_ref[:, cols], tile(dstates_ref, cur, cols), dtype,
+                                         tb=True), -mm(w_ref[...], g, dtype, tb=True))
+  dkw_ref[...] = dkw.astype(dkw_ref.dtype)
 
 
 # ---- no erase: rescaled states ----
@@ -260,14 +261,21 @@ def _vblock(*shape):
   return pl.BlockSpec((None, *shape), lambda b, j, i: (b,) + (0,) * (len(shape) - 1) + (j,))
 
 
-def _chunk_spec(*shape):
-  """One chunk's block on a (BH, NC, ...) grid."""
-  return pl.BlockSpec((None, None, *shape), lambda b, n, *_: (b, n) + (0,) * len(shape))
+def _heaviest_first(nc):
+  """Program index -> chunk for a (BH, NC) grid: the last chunk first. Chunk n's gradients walk
+  s(n) + 1 states, so the longest programs start first and the short ones fill the last wave
+  (the launch runs the BH programs of a grid row together, rows in order)."""
+  return lambda p: nc - 1 - p
 
 
-def _lam_of_chunk(ns, c):
+def _chunk_spec(*shape, chunk=lambda p: p):
+  """One chunk's block on a (BH, NC, ...) grid; ``chunk`` maps the program index to the chunk."""
+  return pl.BlockSpec((None, None, *shape), lambda b, p, *_: (b, chunk(p)) + (0,) * len(shape))
+
+
+def _lam_of_chunk(ns, c, chunk=lambda p: p):
   """lam (BH, NS, NC, C, 1): every segment's weights of the program's chunk, (NS, C, 1)."""
-  return pl.BlockSpec((None, ns, None, c, 1), lambda b, n, *_: (b, 0, n, 0, 0))
+  return pl.BlockSpec((None, ns, None, c, 1), lambda b, p, *_: (b, 0, chunk(p), 0, 0))
 
 
 def _lam_of_segment(nc, c):
@@ -343,18 +351,21 @@ def stack_reverse_state_pass(qe, w, kw, lam, gam, do, *, cps, cfg):
 def stack_chunk_gradients(qe, w, kw, uv, lam, do, states, dstates, *, cps, cfg):
   """Erase: dQe, dW, dKw (BH, NC, C, D) in qe's dtype (the op's cotangents of those operands, which
   have it: summed in float32, rounded once at the store), dgamma (BH, NC, 1, 1) and dlam
-  (BH, NC, NS, C, 1; entries i > s(n) unwritten) float32. Grid (BH, NC, 2 parts)."""
+  (BH, NC, NS, C, 1; entries i > s(n) unwritten) float32. Grid (BH, NC), the last chunk first
+  (``_heaviest_first``)."""
   bh, nc, c, d = qe.shape
   vis, vd = states.shape[1], states.shape[-1]
   ns = lam.shape[1]
-  stack = pl.BlockSpec((None, vis, d, vd), lambda b, n, p: (b, 0, 0, 0))
+  order = _heaviest_first(nc)
+  per_chunk = lambda *s: _chunk_spec(*s, chunk=order)
+  stack = pl.BlockSpec((None, vis, d, vd), lambda b, p: (b, 0, 0, 0))
   shape = lambda *s, dtype=F32: jax.ShapeDtypeStruct((bh, nc, *s), dtype)
   kernel = functools.partial(_stack_gradients_kernel, nc=nc, cps=cps, vd=vd,
                              bv=min(cfg.bwd_block_v, vd), dtype=qe.dtype)
-  return call(kernel, cfg=cfg, grid=(bh, nc, 2),
-              in_specs=[_chunk_spec(c, d)] * 3 + [_chunk_spec(c, vd), _lam_of_chunk(ns, c),
-                                                  _chunk_spec(c, vd), stack, stack],
-              out_specs=[_chunk_spec(c, d)] * 3 + [_chunk_spec(1, 1), _chunk_spec(ns, c, 1)],
+  return call(kernel, cfg=cfg, grid=(bh, nc),
+              in_specs=[per_chunk(c, d)] * 3 + [per_chunk(c, vd), _lam_of_chunk(ns, c, order),
+                                                per_chunk(c, vd), stack, stack],
+              out_specs=[per_chunk(c, d)] * 3 + [per_chunk(1, 1), per_chunk(ns, c, 1)],
               out_shape=[shape(c, d, dtype=qe.dtype)] * 3 + [shape(1, 1), shape(ns, c, 1)],
               semantics=None, name="merlin_chunk_gradients",
               num_warps=cfg.bwd_num_warps)(qe, w, kw, uv, lam, do, states, dstates)

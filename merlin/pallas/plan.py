@@ -29,8 +29,9 @@ MAX_D = 256
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """impl ("scan", "chunked" or "pallas"), chunk_size (None for the scan), the kernels' launch
-  ``config`` (pallas only: block_v the state passes' value columns per program, bwd_block_v the
-  readout's and the chunk-gradients' value block) and why this impl runs."""
+  ``config`` (pallas only: block_v the state passes' value columns per program, num_warps theirs
+  and the readout's, bwd_block_v the readout's and the chunk-gradients' value block,
+  bwd_num_warps the gradient kernels') and why this impl runs."""
   impl: str
   chunk_size: int | None
   reason: str
@@ -39,8 +40,9 @@ class Plan:
   def __str__(self) -> str:
     tiles = ""
     if self.config is not None:
-      tiles = (f", {self.config.platform} block_v {self.config.block_v}, "
-               f"bwd_block_v {self.config.bwd_block_v}")
+      cfg = self.config
+      tiles = (f", {cfg.platform} block_v {cfg.block_v} at {cfg.num_warps} warps, "
+               f"bwd_block_v {cfg.bwd_block_v} at {cfg.bwd_num_warps} warps")
     return f"multistate_attention plan: {self.impl} (chunk {self.chunk_size}{tiles}): {self.reason}"
 
 
@@ -50,11 +52,15 @@ def default_platform() -> str:
 
 
 def default_config(platform: str) -> Config:
-  """GPU: block_v 32 (a (D, 32) float32 state in registers per program, 16 KiB at D = 128) and
-  64-column readout / gradient blocks. CPU (interpret): 16, so small test shapes still run several
-  value blocks."""
+  """GPU: the state passes' programs own 64 value columns (a (D, 64) float32 state, 32 KiB at
+  D = 128) at 8 warps (num_warps: the state passes and the readout). Each program re-reads its
+  chunk's Qe, W, Kw (3 C D in the input dtype) at every chunk step, for every segment and value
+  block, so that L2 -> SM traffic scales with V / block_v; 64 columns halve it against 32 at
+  4 warps, with the same warps a multiprocessor and no spills (benchmarks/triton_registers.py).
+  64-column readout / gradient blocks (bwd_block_v, the chunk-gradients kernel at bwd_num_warps
+  8). CPU (interpret): 16, so small test shapes still run several value blocks."""
   if platform == "gpu":
-    return Config("gpu", block_v=32, bwd_block_v=64)
+    return Config("gpu", block_v=64, bwd_block_v=64, num_warps=8)
   return Config("cpu", block_v=16, bwd_block_v=16)
 
 
