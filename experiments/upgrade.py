@@ -3,7 +3,9 @@
 triadic: the E = 1 MQAR models of experiment 1 continue as E = 8 (``init_from``: the forget gate
 is copied into every slice, the second key/query projections start fresh) for ``--cont_steps``,
 against the same E = 1 models continued as E = 1 for as long. merlin: experiment 2's single-state
-GDN continues as multi-state merlin, against it continued single-state.
+GDN continues as multi-state merlin, against it continued single-state; with ``--curriculum``
+both needle models train through its stages first, as in experiment 2, and the continued runs
+train on the final task.
 
   python -m experiments.upgrade --workdir runs/papers --parallel 8 --seeds 2
 
@@ -56,8 +58,7 @@ def quads() -> dict[str, list[dict[str, sweep.Run]]]:
                                 _cont("config.model.expand_e=8", f"config.seed={s}"),
                                 after=small.name)})
     if "merlin" in PARTS.value:
-      small = niah_aggregators._run("single", seed=s)
-      big = niah_aggregators._run("merlin", seed=s)
+      small, big = (needle_chain(agg, s)[-1] for agg in ("single", "merlin"))
       out.setdefault("merlin", []).append({
           "small": small, "big": big,
           "continued": sweep.Run(f"up_niah_single_cont_seed{s}", niah_aggregators.CONFIG.value,
@@ -67,6 +68,26 @@ def quads() -> dict[str, list[dict[str, sweep.Run]]]:
                                 _cont(*niah_aggregators.items("merlin", seed=s)),
                                 after=small.name)})
   return out
+
+
+def needle_chain(agg: str, seed: int) -> list[sweep.Run]:
+  """Experiment 2's needle model ``agg`` ("single" or an aggregator) of ``seed`` as that sweep
+  trains it: through the ``--curriculum`` stages, the last run the model an upgrade compares or
+  starts from (just that run without stages)."""
+  return niah_aggregators.curriculum(niah_aggregators._run(agg, seed=seed))
+
+
+def runs(parts: dict) -> list[sweep.Run]:
+  """Every run of the quads, after the curriculum stages that their needle models train through
+  first; each once."""
+  out = {}
+  for part, per_seed in parts.items():
+    for q in per_seed:
+      for role, r in q.items():
+        if part == "merlin" and role in ("small", "big"):
+          out.update((x.name, x) for x in needle_chain(r.group["agg"], r.group["seed"])[:-1])
+        out[r.name] = r
+  return list(out.values())
 
 
 def _accuracy(res: dict) -> float:
@@ -114,8 +135,7 @@ def report(results: dict[str, dict | None], parts: dict) -> str:
 def main(argv):
   del argv
   parts = quads()
-  all_runs = list({q[k].name: q[k] for per in parts.values() for q in per for k in q}.values())
-  print(report(common.run(all_runs), parts))
+  print(report(common.run(runs(parts)), parts))
 
 
 if __name__ == "__main__":

@@ -204,6 +204,22 @@ def test_first_seed_shifts_every_experiments_seeds(parsed_flags):
   assert [r.group["seed"] for r in mqar_capacity.runs()] == [1, 2, 3]
 
 
+def test_upgrade_needle_models_train_through_the_curriculum(parsed_flags):
+  """With --curriculum the merlin upgrade's small and big models are experiment 2's models after
+  its stages (the same runs that sweep trains), the continued and upgraded runs start from the
+  small one's last stage, and ``runs`` schedules every stage once, before what follows it."""
+  _parse(parsed_flags, "--seeds=1", "--parts=merlin", "--curriculum=n4_len128")
+  (quad,) = upgrade.quads()["merlin"]
+  needle = {r.name for r in niah_aggregators.runs()}
+  assert quad["small"].name == "niah_single_seed0_after_n4_len128" in needle
+  assert quad["big"].name in needle and quad["big"].name.endswith("_after_n4_len128")
+  assert quad["continued"].after == quad["upgraded"].after == quad["small"].name
+  order = [r.name for r in upgrade.runs(upgrade.quads())]
+  assert len(order) == len(set(order)) == 6            # two stages each for small and big, 2 more
+  for r in upgrade.runs(upgrade.quads()):
+    assert r.after is None or order.index(r.after) < order.index(r.name), r.name
+
+
 class _Finished:
   """A process that has exited 0 (sweep.run_sweep only polls it)."""
   returncode = 0
