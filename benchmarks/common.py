@@ -163,6 +163,7 @@ _ARRAY = re.compile(r"(\w+)\[([\d,]*)\]")
 _OPCODE = re.compile(r"^([\w\-]+)\(")
 _TARGET = re.compile(r'custom_call_target="([^"]+)"')
 _BODY = re.compile(r"body=%([\w.\-]+)")
+_REFERENCE = re.compile(r"%([\w.\-]+)")   # an operand or a called computation
 MOVES = ("copy", "copy-start", "dynamic-slice", "dynamic-update-slice")
 
 
@@ -177,10 +178,11 @@ def hlo_moves(text: str) -> list[tuple[str, str, int, float]]:
   opcode is in ``MOVES``, the fusions whose root is one (an in-place dynamic-update-slice, a
   copy), the custom calls by target, and the instructions XLA's rematerialization cloned
   (``*.remat*`` names: computed twice to save memory). ``where`` is "loop" inside a while loop's
-  body (once per iteration), else "once". A dynamic-update-slice's MB is its whole output array
-  (updated in place when XLA can), so its count says more than its MB."""
+  body or a computation it calls (a GPU command buffer, a call: once per iteration), else
+  "once". A dynamic-update-slice's MB is its whole output array (updated in place when XLA can),
+  so its count says more than its MB."""
   computations = hlo_computations(text)
-  fused, bodies, roots = set(), set(), {}
+  fused, bodies, roots, callees = set(), set(), {}, collections.defaultdict(set)
   for name, ops in computations.items():
     for root, _, _, rest in ops:
       opcode = _OPCODE.match(rest)
@@ -191,11 +193,18 @@ def hlo_moves(text: str) -> list[tuple[str, str, int, float]]:
         fused.add(calls.group(1))
       if body:
         bodies.add(body.group(1))
+      callees[name].update(c for c in _REFERENCE.findall(rest) if c in computations)
+  in_loop, todo = set(), list(bodies)
+  while todo:                      # the bodies and everything they call, transitively
+    comp = todo.pop()
+    if comp not in in_loop:
+      in_loop.add(comp)
+      todo.extend(callees[comp])
   rows = collections.defaultdict(lambda: [0, 0])
   for comp, ops in computations.items():
     if comp in fused:
       continue
-    where = "loop" if comp in bodies else "once"
+    where = "loop" if comp in in_loop else "once"
     for _, name, shape, rest in ops:
       opcode = _OPCODE.match(rest)
       opcode = opcode.group(1) if opcode else ""

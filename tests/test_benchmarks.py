@@ -79,9 +79,9 @@ def test_hlo_sources_name_the_ops():
 
 
 def test_hlo_moves_counts_copies_slices_custom_calls_and_remat_clones():
-  """A hand-written module: a while body with a dynamic-update-slice fusion and a custom call, an
-  entry copy and a rematerialized clone; and a compiled scan, whose stacked outputs are updated
-  in its loop."""
+  """A hand-written module: a while body with a dynamic-update-slice fusion and a custom call, and
+  a dynamic-update-slice in a command buffer the body calls; an entry copy and a rematerialized
+  clone; and a compiled scan, whose stacked outputs are updated in its loop."""
   import jax
   import jax.numpy as jnp
   from benchmarks.common import hlo_moves, hlo_moves_table
@@ -89,10 +89,14 @@ def test_hlo_moves_counts_copies_slices_custom_calls_and_remat_clones():
 %fused_dus (p0: bf16[4,8], p1: bf16[1,8], p2: s32[]) -> bf16[4,8] {
   ROOT %dus = bf16[4,8]{1,0} dynamic-update-slice(%p0, %p1, %p2, %p2)
 }
+%command_buffer (q0: bf16[4,8], q1: bf16[1,8], q2: s32[]) -> bf16[4,8] {
+  ROOT %dus.1 = bf16[4,8]{1,0} dynamic-update-slice(%q0, %q1, %q2, %q2)
+}
 %body (arg: (s32[], bf16[4,8])) -> (s32[], bf16[4,8]) {
   %k = bf16[1,8]{1,0} custom-call(%x), custom_call_target="mosaic_gpu_v2"
   %f = bf16[4,8]{1,0} fusion(%s, %k, %i), kind=kLoop, calls=%fused_dus
-  ROOT %t = (s32[], bf16[4,8]{1,0}) tuple(%i, %f)
+  %g = bf16[4,8]{1,0} call(%f, %k, %i), to_apply=%command_buffer
+  ROOT %t = (s32[], bf16[4,8]{1,0}) tuple(%i, %g)
 }
 ENTRY %main (a: f32[16,16]) -> f32[16,16] {
   %w = (s32[], bf16[4,8]{1,0}) while(%init), condition=%cond, body=%body
@@ -106,6 +110,7 @@ ENTRY %main (a: f32[16,16]) -> f32[16,16] {
   assert rows[("copy", "once")] == (1, 1024 / 2**20)
   assert rows[("rematerialized exponential", "once")][0] == 1
   assert ("dynamic-update-slice", "once") not in rows      # inside a fusion: not its own row
+  assert rows[("dynamic-update-slice", "loop")] == (1, 64 / 2**20)   # in the command buffer
   assert "| custom-call mosaic_gpu_v2 | loop | 1 |" in hlo_moves_table(hlo_moves(text))
 
   def f(x):
