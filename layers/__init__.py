@@ -7,7 +7,8 @@ Gated-DeltaNet input / output projections (``gdn_inputs``, ``gdn_output``, ``gdn
 ``layers.remat``: ``saved_op``, which names a mixing op's forward for ``jax.checkpoint`` policies.
 ``layers.conv_kernel``: ``causal_conv``'s Pallas kernels and ``choose_impl``, which decides
 between them and XLA. ``layers.partition``: ``batch_head_partitioned``, which runs a Pallas kernel
-per (batch, head) shard under jit (custom_partitioning).
+per (batch, head) shard under jit (custom_partitioning). ``layers.platform``: ``default_platform``,
+the platform every op's Pallas kernels are built for.
 """
 
 from layers.blocks import Param, RMSNorm, ShortConv, causal_conv, dense, l2norm, softplus_inverse

@@ -61,17 +61,11 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plt
 
 from layers import partition
+from layers.platform import default_platform
 
 F32 = jnp.float32
 IMPLS = ("auto", "xla", "pallas")
 DTYPES = (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
-
-
-def default_platform() -> str:
-  """"gpu" where the default backend is a GPU (the kernels compile with Triton), else the
-  backend's name (the kernels run in interpret mode)."""
-  backend = jax.default_backend()
-  return "gpu" if backend in ("gpu", "cuda", "rocm") else backend
 
 
 def choose_impl(impl: str, *, cache: bool, dtype, platform: str | None = None) -> tuple[str, str]:

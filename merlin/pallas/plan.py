@@ -16,8 +16,7 @@ import functools
 import logging
 import math
 
-import jax
-
+from layers.platform import default_platform
 from triadic.pallas.common import Config
 
 log = logging.getLogger("merlin.pallas")
@@ -44,11 +43,6 @@ class Plan:
       tiles = (f", {cfg.platform} block_v {cfg.block_v} at {cfg.num_warps} warps, "
                f"bwd_block_v {cfg.bwd_block_v} at {cfg.bwd_num_warps} warps")
     return f"multistate_attention plan: {self.impl} (chunk {self.chunk_size}{tiles}): {self.reason}"
-
-
-def default_platform() -> str:
-  backend = jax.default_backend()
-  return "gpu" if backend in ("gpu", "cuda", "rocm") else ("tpu" if backend == "tpu" else "cpu")
 
 
 def default_config(platform: str) -> Config:

@@ -57,6 +57,7 @@ import jax
 import jax.numpy as jnp
 
 from layers import partition
+from layers.platform import default_platform
 from triadic.pallas import backward as bwd_kernels
 from triadic.pallas import mosaic, mosaic_backward, pieces, recurrent
 from triadic.pallas import plan as plan_lib
@@ -76,11 +77,6 @@ def unsupported(d: int, vd: int, chunk_size: int) -> str | None:
   if vd % 16:
     return f"v last dim V must be a multiple of 16 for impl='pallas', got {vd}"
   return None
-
-
-def default_platform() -> str:
-  backend = jax.default_backend()
-  return "gpu" if backend in ("gpu", "cuda", "rocm") else ("tpu" if backend == "tpu" else "cpu")
 
 
 def is_hopper() -> bool:
