@@ -194,12 +194,12 @@ def hlo_moves(text: str) -> list[tuple[str, str, int, float]]:
       if body:
         bodies.add(body.group(1))
       callees[name].update(c for c in _REFERENCE.findall(rest) if c in computations)
-  in_loop, todo = set(), list(bodies)
-  while todo:                      # the bodies and everything they call, transitively
-    comp = todo.pop()
+  in_loop, reached = set(), list(bodies)
+  while reached:                   # the bodies and everything they call, transitively
+    comp = reached.pop()
     if comp not in in_loop:
       in_loop.add(comp)
-      todo.extend(callees[comp])
+      reached.extend(callees[comp])
   rows = collections.defaultdict(lambda: [0, 0])
   for comp, ops in computations.items():
     if comp in fused:

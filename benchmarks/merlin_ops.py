@@ -311,7 +311,7 @@ def op_table(args, lengths, dtype, floor_ms):
   ``--max-segments`` or, per T, just the segments T needs."""
   gpu = jax.default_backend() == "gpu"
   print(merlin_plan.explain(args.D, args.segment_len, chunk_size=args.chunk))
-  config = tiles_config(args.tiles)
+  config = args.config
   if config is not None:
     print(merlin_plan.Plan("pallas", args.chunk, f"--tiles {args.tiles}", config))
   cols = ["op", "T", "fwd", "f+b", "floor fwd", "floor f+b", "f+b/floor", "f+b/GDN", "rel err"]
@@ -361,7 +361,7 @@ def pipeline_table(args, lengths, n, dtype, floor_ms):
       vals, outs = [agg, t], []
       for impl in impls:
         fwd, fb, mem, out = fwd_and_fwd_bwd(
-            pipeline(agg, impl, args.segment_len, n, args.chunk, tiles_config(args.tiles)), (x,),
+            pipeline(agg, impl, args.segment_len, n, args.chunk, args.config), (x,),
             cot, args.repeats, not args.no_backward)
         vals += [1e3 * fwd, 1e3 * fb, mem]
         outs.append(out)
@@ -414,7 +414,7 @@ def parts_table(args, t, dtype, erase, floor_ms):
   P Uv): what the op table measured before it kept o."""
   b, h, d, vd, seg = args.B, args.H, args.D, args.V, args.segment_len
   plan = merlin_plan.resolve("pallas", d=d, segment_len=seg, chunk_size=args.chunk,
-                             documents=False, config=tiles_config(args.tiles))
+                             documents=False, config=args.config)
   c, cfg, scale = plan.chunk_size, plan.config, float(d ** -0.5)
   cps, n, nan = seg // c, -(-t // seg), float("nan")
   x = inputs(jax.random.PRNGKey(t), b, t, h, d, vd, args.R, n, dtype)
@@ -545,8 +545,7 @@ def profile_ops(args, t, dtype):
   lam = jax.jit(lambda x: weights("merlin", x, args.segment_len, n, "parallel"))(x)
   cot = jax.random.normal(jax.random.PRNGKey(1), (args.B, t, args.H, args.V))
   for impl in args.impls.split(","):
-    grad = jax.jit(training_grad(attention(impl, args.segment_len, args.chunk,
-                                           tiles_config(args.tiles)), 2))
+    grad = jax.jit(training_grad(attention(impl, args.segment_len, args.chunk, args.config), 2))
     rows, wall = kernel_profile(grad, (cot, x, lam), reps=args.repeats)
     print(f"\n## multistate {impl} f+b (o kept), T = {t}, N = {n}\n")
     print(profile_table(rows, wall), flush=True)
@@ -587,6 +586,7 @@ def main(argv=None):
                   help="the pallas impl's Config fields replaced in the plan's default, e.g. "
                        "block_v=32,num_warps=4 (every table; default: the plan's)")
   args = ap.parse_args(argv)
+  args.config = tiles_config(args.tiles)   # the pallas impl's Config in every table
 
   lengths = [int(t) for t in args.T.split(",")]
   n = args.max_segments or -(-max(lengths) // args.segment_len)
