@@ -30,7 +30,7 @@ state leaving chunk n:
     G_n     = sum_i dS^i_{n+1} S_n^iT   (D, D)
 
 (W_n and Kw_n are the same for every state i, so the erase terms' sums over i collapse into G_n.)
-The reverse state pass (same grid as the forward) stores dS^i_{n+1} at ``index(i, n)`` and dUv;
+The reverse state pass (the forward's grid, at the backward's tiles) stores dS^i_{n+1} at ``index(i, n)`` and dUv;
 the chunk-gradients kernel, one program per (batch*head, chunk), reads each visible S_n^i and
 dS^i_{n+1} once and sums dQe, dlam and G_n over i and the value axis, so no two programs write one
 output (no atomics). dUv, dQe, dW
@@ -333,10 +333,10 @@ def stack_readout(qe, lam, states, intra, own, *, cps, scale, heads, cfg):
 def stack_reverse_state_pass(qe, w, kw, lam, gam, do, *, cps, cfg):
   """Erase reverse state pass: dS^i_{n+1} at ``index(i, n)`` (BH, VIS, D, V) and dUv
   (BH, NC, C, V), both in qe's dtype (dUv's one use is the op's cotangent of Uv, which has that
-  dtype). Grid (BH, V / block_v, NS); do (BH, NC, C, V) in qe's dtype."""
+  dtype). Grid (BH, V / bwd_block_v, NS) at bwd_num_warps; do (BH, NC, C, V) in qe's dtype."""
   bh, nc, c, d = qe.shape
   vd = do.shape[-1]
-  bv = min(cfg.block_v, vd)
+  bv = min(cfg.bwd_block_v, vd)
   vis = num_visible(nc, cps)
   kernel = functools.partial(_stack_reverse_kernel, nc=nc, cps=cps, dtype=qe.dtype)
   return call(kernel, cfg=cfg, grid=(bh, vd // bv, lam.shape[1]),
@@ -345,7 +345,8 @@ def stack_reverse_state_pass(qe, w, kw, lam, gam, do, *, cps, cfg):
               out_specs=[_vblock(vis, d, bv), _vblock(nc, c, bv)],
               out_shape=[jax.ShapeDtypeStruct((bh, vis, d, vd), qe.dtype),
                          jax.ShapeDtypeStruct((bh, nc, c, vd), qe.dtype)],
-              semantics=None, name="merlin_reverse_state_pass")(qe, w, kw, lam, gam, do)
+              semantics=None, name="merlin_reverse_state_pass",
+              num_warps=cfg.bwd_num_warps)(qe, w, kw, lam, gam, do)
 
 
 def stack_chunk_gradients(qe, w, kw, uv, lam, do, states, dstates, *, cps, cfg):
@@ -401,12 +402,12 @@ def rescaled_readout(qe, lam, cur, end, intra, own, *, cps, scale, heads, cfg):
 
 def rescaled_reverse_pass(qe, kw, uv, lam, gam, do, cur, *, cps, cfg):
   """No-erase reverse pass: dUv (BH, NC, C, V) in qe's dtype (the op's cotangent of Uv, which has
-  it), and per value block of ``block_v`` columns the partial dKw (BH, V / block_v, NC, C, D) and
-  dgamma (BH, V / block_v, NC, 1, 1), float32 (summed over the blocks after). Grid
-  (BH, V / block_v, NS)."""
+  it), and per value block of ``bwd_block_v`` columns the partial dKw (BH, V / bwd_block_v, NC, C,
+  D) and dgamma (BH, V / bwd_block_v, NC, 1, 1), float32 (summed over the blocks after). Grid
+  (BH, V / bwd_block_v, NS) at bwd_num_warps."""
   bh, nc, c, d = qe.shape
   vd = uv.shape[-1]
-  bv = min(cfg.block_v, vd)
+  bv = min(cfg.bwd_block_v, vd)
   nv = vd // bv
   per_block = lambda *s: pl.BlockSpec((None, None, nc, *s), lambda b, j, i: (b, j) + (0,) * (
       len(s) + 1))
@@ -419,7 +420,8 @@ def rescaled_reverse_pass(qe, kw, uv, lam, gam, do, cur, *, cps, cfg):
               out_shape=[jax.ShapeDtypeStruct((bh, nc, c, vd), qe.dtype),
                          jax.ShapeDtypeStruct((bh, nv, nc, c, d), F32),
                          jax.ShapeDtypeStruct((bh, nv, nc, 1, 1), F32)],
-              semantics=None, name="merlin_reverse_write_pass")(qe, kw, uv, lam, gam, do, cur)
+              semantics=None, name="merlin_reverse_write_pass",
+              num_warps=cfg.bwd_num_warps)(qe, kw, uv, lam, gam, do, cur)
 
 
 def rescaled_read_gradients(qe, lam, do, cur, end, *, cps, cfg):

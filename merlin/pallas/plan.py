@@ -28,9 +28,10 @@ MAX_D = 256
 @dataclasses.dataclass(frozen=True)
 class Plan:
   """impl ("scan", "chunked" or "pallas"), chunk_size (None for the scan), the kernels' launch
-  ``config`` (pallas only: block_v the state passes' value columns per program, num_warps theirs
-  and the readout's, bwd_block_v the readout's and the chunk-gradients' value block,
-  bwd_num_warps the gradient kernels') and why this impl runs."""
+  ``config`` (pallas only: block_v the forward state pass's value columns per program, num_warps
+  its and the readout's warps, bwd_block_v the value columns of the readout and of the backward's
+  kernels (reverse state pass, chunk gradients), bwd_num_warps the backward kernels' warps) and
+  why this impl runs."""
   impl: str
   chunk_size: int | None
   reason: str
@@ -46,15 +47,16 @@ class Plan:
 
 
 def default_config(platform: str) -> Config:
-  """GPU: the state passes' programs own 64 value columns (a (D, 64) float32 state, 32 KiB at
-  D = 128) at 8 warps (num_warps: the state passes and the readout). Each program re-reads its
-  chunk's Qe, W, Kw (3 C D in the input dtype) at every chunk step, for every segment and value
-  block, so that L2 -> SM traffic scales with V / block_v; 64 columns halve it against 32 at
-  4 warps, with the same warps a multiprocessor and no spills (benchmarks/triton_registers.py).
-  64-column readout / gradient blocks (bwd_block_v, the chunk-gradients kernel at bwd_num_warps
-  8). CPU (interpret): 16, so small test shapes still run several value blocks."""
+  """GPU: the forward state pass at 32 value columns a program (a (D, 32) float32 state, 16 KiB at
+  D = 128) and 4 warps, the readout at 64 columns and 4 warps; the backward's kernels (reverse
+  state pass, chunk gradients) at 64 columns and 8 warps. Each state-pass program re-reads its
+  chunk's Qe, W, Kw at every chunk step, so wider value blocks halve that traffic; the profile
+  (benchmarks/RESULTS.md) finds the wider blocks faster for the reverse pass, which carries more
+  per-step work, and slower for the forward pass and the readout. No kernel spills at these
+  tiles (benchmarks/triton_registers.py --merlin). CPU (interpret): 16 columns, so small test
+  shapes still run several value blocks."""
   if platform == "gpu":
-    return Config("gpu", block_v=64, bwd_block_v=64, num_warps=8)
+    return Config("gpu", block_v=32, num_warps=4, bwd_block_v=64, bwd_num_warps=8)
   return Config("cpu", block_v=16, bwd_block_v=16)
 
 
