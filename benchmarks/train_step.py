@@ -12,8 +12,12 @@ Each model runs in its own subprocess (so every peak-memory figure is that model
 and PyTorch never share the device): build the config (``--config``, the model's mixer, ``--batch``,
 ``--seq``, ``--remat``, ``--set key=value``), then ``lm.state.create`` and ``lm.train_step.
 jit_train_step`` (the step ``train.py`` runs: loss, gradients, clipping, AdamW, donated state) on
-one fixed synthetic batch of random tokens (every position weighted). ``--warmup`` steps (the first
-compiles), then ``--steps`` timed steps, each waited for; the median step time gives tokens/s.
+one fixed synthetic batch of random tokens (every position weighted). The step is lowered and
+compiled ahead of time (both timed: the "first step" column is their sum and the first step's
+run; PyTorch's first step includes its kernels' compiles), then ``--warmup`` untimed steps and
+``--steps`` timed steps, each waited for; the median step time gives tokens/s. A child reports
+its phases on stderr, so a row that timed out says which it had reached (lowering, XLA's compile,
+running).
 Peak memory is ``jax.devices()[0].memory_stats()["peak_bytes_in_use"]`` (PyTorch:
 ``torch.cuda.max_memory_allocated``); none on a CPU. ``--profile`` (our models): after the timed
 steps, a few more under the JAX profiler, and each model's step by kernel and XLA fusion
@@ -55,6 +59,7 @@ from triadic.xla_flags import apply_cpu_workaround  # noqa: E402
 apply_cpu_workaround()  # before the CPU backend starts
 
 RESULT = "RESULT "
+PROGRESS = "PROGRESS "
 TINY_MODEL = dict(num_layers=2, d_model=64, num_heads=2, head_dim=16, mlp_dim=128)
 MERLIN_SEGMENT = 256
 
@@ -153,6 +158,11 @@ def timed_steps(run, warmup: int, steps: int):
   return first, times
 
 
+def progress(message: str) -> None:
+  """A child's phase, on stderr: a timed-out child's row says the last one it reached."""
+  print(PROGRESS + message, file=sys.stderr, flush=True)
+
+
 def run_ours(job: dict) -> dict:
   import jax
   import numpy as np
@@ -173,26 +183,37 @@ def run_ours(job: dict) -> dict:
   batch = sharding.global_batch({"inputs": tokens[:, :-1], "targets": tokens[:, 1:],
                                  "weights": np.ones((job["batch"], job["seq"]), np.float32)}, mesh)
   carry = {"state": state}
+  progress("state initialised; lowering the step")
+  start = time.perf_counter()
+  lowered = step.lower(state, batch)
+  lower_s = time.perf_counter() - start
+  progress(f"lowered in {lower_s:.1f} s; XLA compiling")
+  start = time.perf_counter()
+  compiled = lowered.compile()
+  compile_s = time.perf_counter() - start
+  progress(f"lowered in {lower_s:.1f} s, compiled in {compile_s:.1f} s; running")
 
   def run():
-    carry["state"], carry["metrics"] = step(carry["state"], batch)
+    carry["state"], carry["metrics"] = compiled(carry["state"], batch)
     jax.block_until_ready(carry["metrics"])
 
   first, times = timed_steps(run, job["warmup"], job["steps"])
+  first += lower_s + compile_s
   metrics = carry["metrics"]
   counts = costs.count_params(cfg)
   profile = moves = None
   if job.get("profile") or job.get("hlo"):
     from benchmarks.common import (hlo_moves, hlo_moves_table, hlo_sources, kernel_profile,
                                    profile_table)
-    text = step.lower(carry["state"], batch).compile().as_text()   # compiled once for both
+    text = compiled.as_text()
   if job.get("profile"):
     # The step donates its state: profile a closure that threads it, with the step's sources.
     rows, wall = kernel_profile(run, (), reps=3, sources=hlo_sources(step, (), text))
     profile = profile_table(rows, wall)
   if job.get("hlo"):
     moves = hlo_moves_table(hlo_moves(text))
-  return dict(step_s=statistics.median(times), first_step_s=first, profile=profile, hlo=moves,
+  return dict(step_s=statistics.median(times), first_step_s=first, lower_s=lower_s,
+              compile_s=compile_s, profile=profile, hlo=moves,
               peak_bytes=_peak_bytes(jax.devices()[0]), loss=float(metrics["loss"]),
               params=counts["total"], non_embedding=counts["non_embedding"],
               mixers=",".join(sorted(set(cfg.layers()))), remat=cfg.remat_name(),
@@ -278,12 +299,26 @@ def run_job(job: dict, in_process: bool, timeout: int) -> dict:
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")])))
     try:
       proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, env=env, cwd=ROOT)
-    except subprocess.TimeoutExpired:
-      return dict(error=f"timed out after {timeout} s")
+    except subprocess.TimeoutExpired as err:
+      return dict(error=f"timed out after {timeout} s{_last_progress(err.stderr)}")
     lines = proc.stdout.splitlines()
     if not any(line.startswith(RESULT) for line in lines):
       return dict(error=f"exit {proc.returncode}: {proc.stderr[-1500:]}")
   return json.loads([line for line in lines if line.startswith(RESULT)][-1][len(RESULT):])
+
+
+def _last_progress(stderr) -> str:
+  """' (last: <the child's last phase>)', or '' if it reported none."""
+  if isinstance(stderr, bytes):
+    stderr = stderr.decode(errors="replace")
+  phases = [line[len(PROGRESS):] for line in (stderr or "").splitlines() if line.startswith(PROGRESS)]
+  return f" (last: {phases[-1]})" if phases else ""
+
+
+def _first_step(r: dict) -> str:
+  """Seconds to the first step's end; for our models with JAX's lowering and XLA's compile."""
+  split = f" ({r['lower_s']:.1f} + {r['compile_s']:.1f})" if "compile_s" in r else ""
+  return f"{r['first_step_s']:.1f}{split}"
 
 
 def _gib(x):
@@ -331,7 +366,7 @@ def main(argv=None):
     print(f"\n{spec}: {shape}; batch {batch} x {seq} tokens; {steps} timed steps after "
           f"{args.warmup}")
     print("| model | remat | params | non-emb. | step ms | tokens/s | vs fla | peak GiB | "
-          "first step s | loss |")
+          "first step s (lower + compile) | loss |")
     print("|---|---|---|---|---|---|---|---|---|---|", flush=True)
     results = {}
     for m in (["fla"] if "fla" in mixers else []) + [m for m in mixers if m != "fla"]:
@@ -345,7 +380,7 @@ def main(argv=None):
       vs = f"{tps / (batch * seq / fla['step_s']):.2f}x" if "step_s" in fla else "-"
       print(f"| {m} | {r['remat']} | {r['params'] / 1e6:.1f}M | {r['non_embedding'] / 1e6:.1f}M | "
             f"{1e3 * r['step_s']:.1f} | {tps / 1e3:.1f}k | {vs} | {_gib(r['peak_bytes'])} | "
-            f"{r['first_step_s']:.1f} | {r['loss']:.3f} |", flush=True)
+            f"{_first_step(r)} | {r['loss']:.3f} |", flush=True)
     for m, r in results.items():
       if r.get("profile"):
         print(f"\n## {m}: one training step by kernel\n\n{r['profile']}", flush=True)

@@ -4,6 +4,7 @@ block benchmark's parts of the triadic layer compose to the layer's own output."
 from __future__ import annotations
 
 import functools
+import re
 
 import numpy as np
 import pytest
@@ -134,6 +135,16 @@ def test_train_step_table_runs(capsys):
   assert "## gdn: one training step by kernel" in out and "jit(traced)" in out
   assert "## gdn: the compiled step's data movement" in out and "| copy |" in out
   assert "| fla |" in out  # a measured row, or skipped with the reason when torch / fla are absent
+  row = next(line for line in out.splitlines() if line.startswith("| gdn |"))
+  assert re.search(r"\| [0-9.]+ \([0-9.]+ \+ [0-9.]+\) \|", row)  # first step (lower + compile)
+
+
+def test_train_step_timeout_names_the_last_phase():
+  from benchmarks import train_step
+  stderr = "noise\nPROGRESS state initialised; lowering the step\nPROGRESS lowered in 2.5 s; XLA compiling\n"
+  assert train_step._last_progress(stderr) == " (last: lowered in 2.5 s; XLA compiling)"
+  assert train_step._last_progress(stderr.encode()) == " (last: lowered in 2.5 s; XLA compiling)"
+  assert train_step._last_progress(None) == ""
 
 
 def test_train_step_config_overrides():
