@@ -12,8 +12,10 @@ custom kernel (Pallas, cuBLAS) that writes one. Unrolled, XLA also schedules the
 once, which holds more memory; where the saved residuals (``remat``) no longer fit beside that,
 XLA's own rematerialisation has to search the unrolled graph and compiles take many minutes, so
 unroll where the residuals take well under the device's memory (benchmarks/train_step.py
-``--set model.scan_unroll=N`` shows both). Compile time grows with it; the parameters are the same
-either way.
+``--set model.scan_unroll=N`` shows both). Compile time grows with it, and an unrolled compile
+near the memory limit is not predictable: the same step has compiled in under a minute on one
+machine and not within minutes on another (benchmarks/RESULTS.md), so the default is the loop.
+The parameters are the same either way.
 
 ``remat`` names what the backward pass may keep from the forward (``REMAT_POLICIES``): "none"
 (no rematerialisation: everything is kept), "full" (only each group's input is kept; the whole
