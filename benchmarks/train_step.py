@@ -311,7 +311,8 @@ def _last_progress(stderr) -> str:
   """' (last: <the child's last phase>)', or '' if it reported none."""
   if isinstance(stderr, bytes):
     stderr = stderr.decode(errors="replace")
-  phases = [line[len(PROGRESS):] for line in (stderr or "").splitlines() if line.startswith(PROGRESS)]
+  phases = [line[len(PROGRESS):] for line in (stderr or "").splitlines()
+            if line.startswith(PROGRESS)]
   return f" (last: {phases[-1]})" if phases else ""
 
 

@@ -141,7 +141,8 @@ def test_train_step_table_runs(capsys):
 
 def test_train_step_timeout_names_the_last_phase():
   from benchmarks import train_step
-  stderr = "noise\nPROGRESS state initialised; lowering the step\nPROGRESS lowered in 2.5 s; XLA compiling\n"
+  stderr = ("noise\nPROGRESS state initialised; lowering the step\n"
+            "PROGRESS lowered in 2.5 s; XLA compiling\n")
   assert train_step._last_progress(stderr) == " (last: lowered in 2.5 s; XLA compiling)"
   assert train_step._last_progress(stderr.encode()) == " (last: lowered in 2.5 s; XLA compiling)"
   assert train_step._last_progress(None) == ""

@@ -30,13 +30,12 @@ state leaving chunk n:
     G_n     = sum_i dS^i_{n+1} S_n^iT   (D, D)
 
 (W_n and Kw_n are the same for every state i, so the erase terms' sums over i collapse into G_n.)
-The reverse state pass (the forward's grid, at the backward's tiles) stores dS^i_{n+1} at ``index(i, n)`` and dUv;
-the chunk-gradients kernel, one program per (batch*head, chunk), reads each visible S_n^i and
-dS^i_{n+1} once and sums dQe, dlam and G_n over i and the value axis, so no two programs write one
-output (no atomics). dUv, dQe, dW
-and dKw are summed in float32 and stored in the input dtype: they leave the op as the cotangents of
-operands in that dtype, so a float32 store would only be cast after (dgamma, dlam stay float32, as
-their operands are).
+The reverse state pass (the forward's grid, at the backward's tiles) stores dS^i_{n+1} at
+``index(i, n)`` and dUv; the chunk-gradients kernel, one program per (batch*head, chunk), reads
+each visible S_n^i and dS^i_{n+1} once and sums dQe, dlam and G_n over i and the value axis, so no
+two programs write one output (no atomics). dUv, dQe, dW and dKw are summed in float32 and stored
+in the input dtype: they leave the op as the cotangents of operands in that dtype, so a float32
+store would only be cast after (dgamma, dlam stay float32, as their operands are).
 
 No erase (rescaled states): a finished state only decays, S_n^i = F_n,i S_end^i with
 F_n,i = prod_{e_i <= m < n} gamma_m, so its contribution to every later token is a read of the one
