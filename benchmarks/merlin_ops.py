@@ -63,6 +63,7 @@ import numpy as np  # noqa: E402
 
 import merlin  # noqa: E402
 from benchmarks.common import ceilings, kernel_profile, machine, profile_table  # noqa: E402
+from layers.platform import default_platform  # noqa: E402
 from merlin.chunked import intra_chunk  # noqa: E402
 from merlin.pallas import kernels as merlin_kernels  # noqa: E402
 from merlin.pallas import ops as merlin_pallas  # noqa: E402
@@ -122,7 +123,7 @@ def tiles_config(tiles):
   if not tiles:
     return None
   fields = {k: int(v) for k, v in (kv.split("=") for kv in tiles.split(","))}
-  return dataclasses.replace(merlin_plan.default_config(merlin_plan.default_platform()), **fields)
+  return dataclasses.replace(merlin_plan.default_config(default_platform()), **fields)
 
 
 def pipeline(aggregator, impl, segment_len, n, chunk, config=None):
