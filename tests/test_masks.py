@@ -7,7 +7,7 @@ dqcoef q2 a, dkcoef k2 b, dlam exp(gc_C); a = exp(gc), b = exp(gc_C - gc)), diff
 JAX in float64 with respect to k2, q2 and gc. Inputs: C = 64, E = 3 (not a power of two; one
 case at E = 8), strong decay (g down to -30 per token, where only masking before exp keeps the
 upper triangle finite and the sub-chunk factors underflow) and weak, with and without erase; by
-sub-chunks of 16 (the default), 8 and 32 and elementwise (``subchunk=0``). Bound: relative RMS
+sub-chunks of 16, 8 and 32 and elementwise (``subchunk=0``, the default). Bound: relative RMS
 1e-5 (float32 against float64).
 """
 

@@ -81,7 +81,8 @@ class Config:
   take C (C / S + 1) E exponentials a chunk and float32 matmuls over tokens (C^2 (C / S) E
   multiply-adds each), and only the diagonal blocks keep one exponential per element (C S E),
   instead of C^2 E per mask and per reduction, which is what bounds those fusions. 0 (or >= C):
-  the elementwise form. A power of two, so that it divides every chunk size below it.
+  the elementwise form, the default: it is the form timed on a GPU (benchmarks/RESULTS.md).
+  A power of two, so that it divides every chunk size below it.
   token_major: keep the op's per-token operands q, k, v and o (and dO, dq, dk, dv) in the
   caller's (B, T, H, X) layout: the kernels read and write them in place (strided TMA boxes,
   block index maps) instead of the op relayouting them to (B*H, NC, C, X) and back. Taken where
@@ -125,7 +126,7 @@ class Config:
   warmup_chunks: int = 16
   ut_kernel: bool = False
   masks_in_prep: bool = False
-  mask_subchunk: int = 16
+  mask_subchunk: int = 0
   token_major: bool = True
   save_masks: bool = True
   drhs_in_reverse_pass: bool = True

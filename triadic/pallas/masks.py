@@ -173,7 +173,7 @@ def _place_diag(blocks, c):
                           for j in range(ns)], axis=-2)
 
 
-def decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, *, erase, subchunk=16):
+def decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, *, erase, subchunk=0):
   """M and M' of every chunk, (BH, NC, C, C) float32 each (M is None without erase). ``subchunk``:
   by sub-chunks of that many tokens (``sub_chunk``; the module docstring), 0 elementwise (one
   unrolled sum over the slices each)."""
@@ -207,7 +207,7 @@ def decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, *, erase, subchunk=16):
 
 
 def mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, *,
-               erase, subchunk=16):
+               erase, subchunk=0):
   """The per-slice gradients of the masks (``backward.chunk_local``'s loop over e), for all
   chunks at once.
 

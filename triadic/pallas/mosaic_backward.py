@@ -635,7 +635,7 @@ def default_fused_tail(e: int) -> bool:
 
 def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
          gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, heads=None, mq=None, m=None,
-         mask_subchunk=16):
+         mask_subchunk=0):
   """Everything after the slice kernel. ``fused``: ``fused_tail_kernel``; else the masks M, M'
   (plain JAX), the E-independent tail kernel, and the per-slice mask gradients (plain JAX,
   ``masks.py``).
@@ -664,7 +664,7 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
                     heads=None, a_operand=None, mq=None, m=None, drhs=None, dv=None,
-                    partials_in_bf16=False, slice_unroll_max_e=None, mask_subchunk=16,
+                    partials_in_bf16=False, slice_unroll_max_e=None, mask_subchunk=0,
                     interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   but in q's dtype for dq, dk and dv (BH,NC,C,V), the rest float32: dk2 column and row parts
