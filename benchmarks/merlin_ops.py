@@ -34,6 +34,8 @@ fusion with its device time, from the JAX profiler (the same sizes, ``--impls pa
 ``--tiles block_v=32,num_warps=4`` runs every table's pallas impl with those fields of the plan's
 ``default_config`` replaced (the state passes' value block and warps, ``bwd_block_v``, ...), so a
 tile choice is timed against the default by running the same command with and without it.
+``--tiles query_walk=True --no-backward`` times the erase forward by the query walk (which runs
+only where no gradient is taken; a backward would time the stack forward).
 
 On a CPU shared with other jobs, XLA's multi-threaded kernels stall under oversubscription (the
 chunked form, which has the larger parallel ops, by up to 100x); pin one core for stable numbers:
@@ -117,12 +119,18 @@ def attention(impl, segment_len, chunk, config=None):
   return run
 
 
+def tile_value(v):
+  """One ``--tiles`` value: True or False as a bool (``query_walk=True``), else an int."""
+  return {"True": True, "False": False}[v] if v in ("True", "False") else int(v)
+
+
 def tiles_config(tiles):
-  """The pallas Config of ``--tiles`` ("block_v=32,num_warps=4": fields of the platform's default
-  ``merlin.pallas.plan.default_config`` replaced), or None for the default itself."""
+  """The pallas Config of ``--tiles`` ("block_v=32,num_warps=4", "query_walk=True": fields of the
+  platform's default ``merlin.pallas.plan.default_config`` replaced), or None for the default
+  itself."""
   if not tiles:
     return None
-  fields = {k: int(v) for k, v in (kv.split("=") for kv in tiles.split(","))}
+  fields = {k: tile_value(v) for k, v in (kv.split("=") for kv in tiles.split(","))}
   return dataclasses.replace(merlin_plan.default_config(default_platform()), **fields)
 
 
@@ -585,7 +593,8 @@ def main(argv=None):
                        "or both")
   ap.add_argument("--tiles", default="",
                   help="the pallas impl's Config fields replaced in the plan's default, e.g. "
-                       "block_v=32,num_warps=4 (every table; default: the plan's)")
+                       "block_v=32,num_warps=4 or query_walk=True (every table; default: the "
+                       "plan's)")
   args = ap.parse_args(argv)
   args.config = tiles_config(args.tiles)   # the pallas impl's Config in every table
 

@@ -180,6 +180,21 @@ def test_merlin_ops_table_runs(capsys):
   assert fl > 2 * gfl and by > gby  # 8 segments: the stack's work dominates
 
 
+def test_merlin_ops_query_walk_tiles(capsys):
+  """``--tiles query_walk=True --no-backward`` times the erase forward by the query walk: the
+  flag parses as a bool and the printed plan says the walk is on."""
+  from benchmarks import merlin_ops
+  assert merlin_ops.tiles_config("query_walk=True,block_v=16").query_walk is True
+  assert merlin_ops.tiles_config("query_walk=False").query_walk is False
+  merlin_ops.main(["--T", "80", "--H", "1", "--D", "16", "--V", "16", "--R", "8",
+                   "--segment-len", "32", "--chunk", "16", "--impls", "pallas",
+                   "--aggregators", "merlin", "--repeats", "1", "--no-floors", "--no-backward",
+                   "--tiles", "query_walk=True"])
+  out = capsys.readouterr().out
+  assert "query walk): --tiles query_walk=True" in out
+  assert "multistate pallas |" in out
+
+
 def test_merlin_parts_table_runs(capsys):
   """The pallas op's parts table at a tiny size (interpret-mode kernels): one row per part, every
   cell a number or "-", and the glue the op less its parts."""

@@ -9,6 +9,11 @@ Error bounds (relative RMS, ||a - b|| / ||b||):
   float32: 1e-5 for the output and every gradient (float32 matmuls in the kernels).
   bfloat16 inputs (the scan runs on the same bf16-rounded values in float32): output 1.5e-2 (o is
   returned in bf16), gradients 2e-2 (bf16 tensor-core operands, chunk-start states kept in bf16).
+The erase forward's query walk (``Config.query_walk``, taken only where no gradient is) is checked
+against the scan with the same output bounds and against the stack forward (float32 1e-5, bf16
+the output bound), over five or more segments with a last partial one, every aggregator's lam and
+both decays; under ``jax.grad`` the op keeps the stack forward, with gradients identical to the
+bit to those without the walk.
 The plan (which impl "auto" picks, and why), the bad-input errors, the Triton lowering of the
 forward and backward for CUDA, what each kernel stores (dtypes; the readout the op's output itself,
 in the caller's layout) and the per-(B, H)-shard run under jit (a subprocess with 4 fake CPU
@@ -17,6 +22,7 @@ devices) are checked too.
 
 from __future__ import annotations
 
+import dataclasses
 import textwrap
 
 import jax
@@ -149,6 +155,74 @@ def test_forward_and_backward_tiles_differ(erase):
     assert rel_rms(gx, gw) < grad_bound, f"d{name}: rel RMS {rel_rms(gx, gw):.2e}"
 
 
+WALK_CASES = [
+    # b, t, h, d, v, segment_len, chunk, decay, lam, dtype: NC = ceil(T / C) chunks, NS segments
+    pytest.param(2, 150, 2, 16, 32, 32, 16, "weak", "random", jnp.float32,
+                 id="random-NS5"),
+    pytest.param(1, 300, 2, 24, 24, 64, 16, "strong", "merlin", jnp.float32,
+                 id="strong-merlin-D24-NS5-partial"),  # 19 chunks: the last segment has 3 of 4
+    pytest.param(1, 300, 2, 16, 16, 64, 16, "weak", "meanpool", jnp.float32,
+                 id="meanpool-NS5-partial"),
+    pytest.param(1, 150, 2, 32, 16, 32, 16, "strong", "position", jnp.float32,
+                 id="strong-position-NS5"),
+    pytest.param(1, 300, 2, 32, 32, 64, 32, "weak", "vanilla", jnp.bfloat16,
+                 id="bf16-vanilla-C32-NS5"),
+    pytest.param(1, 420, 2, 32, 64, 32, 16, "weak", "merlin", jnp.bfloat16,
+                 id="bf16-merlin-V64-NS14"),
+    pytest.param(2, 150, 2, 16, 32, 32, 16, "strong", "random", jnp.bfloat16,
+                 id="bf16-strong-random"),
+]
+
+
+def walk_config(query_walk):
+  return Config("cpu", block_v=16, bwd_block_v=16, query_walk=query_walk)
+
+
+@pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,decay,lam_kind,dtype", WALK_CASES)
+def test_query_walk_matches_scan_and_stack(b, t, h, d, vd, segment_len, chunk, decay, lam_kind,
+                                           dtype):
+  """The erase forward by the query walk (no gradient taken) against the scan, within the output
+  bound, and against the stack forward (float32 1e-5; bf16 the output bound, the two rounding
+  differently); its kernels are the erase write pass and the walk's readout, no state pass."""
+  n = -(-t // segment_len) + 1
+  args, _ = make_inputs(0, b, t, h, d, vd, n, segment_len, decay, lam_kind, dtype)
+  kw = dict(segment_len=segment_len, erase=True, chunk_size=chunk)
+  op = lambda walk: jax.jit(lambda *a: multistate_attention(
+      *a, impl="pallas", config=walk_config(walk), **kw))
+  walk, stack = op(True)(*args), op(False)(*args)
+  want = multistate_attention(*(x.astype(jnp.float32) for x in args), impl="scan", **kw)
+  out_bound = BOUNDS[dtype][0]
+  assert walk.dtype == dtype and walk.shape == (b, t, h, vd)
+  assert rel_rms(walk, want) < out_bound, rel_rms(walk, want)
+  assert rel_rms(walk, stack) < (1e-5 if dtype == jnp.float32 else out_bound), rel_rms(walk, stack)
+  found = kernel_outputs(jax.make_jaxpr(op(True))(*args).jaxpr)
+  assert set(found) == {"merlin_write_pass", "merlin_walk_readout"}, set(found)
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_query_walk_leaves_the_gradients(dtype):
+  """Under ``jax.grad`` the op runs the stack forward with or without ``query_walk`` (the custom
+  VJP's forward, not its primal): the output and all six gradients are identical to the bit, and
+  no walk kernel is traced."""
+  b, t, h, d, vd, segment_len, chunk = 1, 150, 2, 16, 32, 32, 16
+  n = -(-t // segment_len) + 1
+  args, do = make_inputs(2, b, t, h, d, vd, n, segment_len, "weak", "merlin", dtype)
+  kw = dict(segment_len=segment_len, erase=True, chunk_size=chunk)
+  (got, o), (want, o_ref) = (grads("pallas", args, do, config=walk_config(walk), **kw)
+                             for walk in (True, False))
+  assert np.array_equal(np.asarray(o, np.float32), np.asarray(o_ref, np.float32))
+  for name, gx, gw in zip(NAMES, got, want):
+    gx, gw = np.asarray(gx, np.float32), np.asarray(gw, np.float32)
+    assert np.array_equal(gx, gw, equal_nan=True), name
+
+  def loss(*a):
+    o = multistate_attention(*a, impl="pallas", config=walk_config(True), **kw)
+    return jnp.sum(o.astype(jnp.float32) * do)
+
+  found = kernel_outputs(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(6))))(*args).jaxpr)
+  assert set(found) == set(KERNELS[True]), set(found)
+
+
 def test_plan():
   """"auto" picks the kernels on GPU only, and says why it does not elsewhere."""
   explain = plan_lib.explain
@@ -164,6 +238,10 @@ def test_plan():
   assert small.impl == "chunked" and "chunk_size" not in small.reason and "gcd" in small.reason
   assert explain(128, 256, impl="pallas", platform="cpu").config.interpret
   assert explain(128, 256, impl="scan").impl == "scan"
+  walk = plan_lib.resolve("pallas", d=128, segment_len=256, chunk_size=None, documents=False,
+                          platform="gpu",
+                          config=dataclasses.replace(gpu.config, query_walk=True))
+  assert "query walk" in str(walk) and "query walk" not in str(gpu)
 
 
 def test_bad_input_raises():
@@ -226,6 +304,23 @@ def test_kernels_lower_for_cuda(erase):
     assert kernel in text, kernel
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_query_walk_lowers_for_cuda(dtype):
+  """The query-walk forward lowers to Triton for CUDA on this CPU machine (padded D and V, a last
+  partial segment), its kernels storing the current and end states and the output in the inputs'
+  dtype, and no stack."""
+  b, t, h, d, vd, segment_len, n = 1, 300, 2, 48, 80, 128, 3
+  config = dataclasses.replace(plan_lib.default_config("gpu"), query_walk=True)
+  op = pallas_op(True, segment_len, config=config)
+  args = op_specs(b, t, h, d, vd, n, dtype)
+  text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "merlin_walk_readout" in text and "merlin_state_pass" not in text
+  found = kernel_outputs(jax.make_jaxpr(op)(*args).jaxpr)
+  x = jnp.dtype(dtype)
+  assert found == {"merlin_write_pass": [((b * h, 5, 64, 128), x), ((b * h, 3, 64, 128), x)],
+                   "merlin_walk_readout": [((b, 320, h, 128), x)]}, found
+
+
 # Each kernel's outputs: "x" in the inputs' dtype, "f" float32. The states, the op's output (the
 # readout adds the intra-chunk part and rounds once) and the gradients of the input-dtype operands
 # (Qe, W, Kw, Uv) are stored in that dtype, each use of them being a matmul operand or the op's
@@ -285,7 +380,9 @@ SHARDED_SCRIPT = textwrap.dedent("""
     jax.config.update("jax_default_matmul_precision", "highest")
     sys.path.insert(0, "tests")
     from test_merlin_pallas import NAMES, compiled_grads, grads, make_inputs
+    from merlin import multistate_attention
     from testkit import rel_rms
+    from triadic.pallas.common import Config
 
     b, t, h, d, vd, segment_len, n = 2, 70, 2, 16, 16, 32, 3
     args, do = make_inputs(0, b, t, h, d, vd, n, segment_len, "weak", "random", jnp.float32)
@@ -302,6 +399,16 @@ SHARDED_SCRIPT = textwrap.dedent("""
         f = compiled_grads("pallas", sharded, put(do), **kw)  # the values come from this HLO
         got, o = f(*sharded)
         hlo = f.as_text()
+        if erase:  # the forward alone by the query walk, per shard too
+          walk = jax.jit(lambda *a: multistate_attention(
+              *a, impl="pallas", config=Config("cpu", block_v=16, bwd_block_v=16,
+                                               query_walk=True), **kw)).lower(*sharded).compile()
+          walk_hlo = walk.as_text()
+          report[f"{partitioner} query walk"] = dict(
+              errors={"o": rel_rms(walk(*sharded), o_ref)},
+              local_kernel_shape=bool(re.search(r"\\[1,1,5,16,", walk_hlo)),
+              global_kernel_shape=bool(re.search(r"\\[2,2,5,16,", walk_hlo)),
+              all_gathers=len(re.findall(r"all-gather", walk_hlo)))
         report[f"{partitioner} erase={erase}"] = dict(
             errors={"o": rel_rms(o, o_ref),
                     **{"d" + m: rel_rms(clean(x), clean(y)) for m, x, y in zip(NAMES, got, ref)}},
@@ -315,7 +422,7 @@ SHARDED_SCRIPT = textwrap.dedent("""
 
 def test_pallas_runs_per_shard_under_jit():
   """Batch over "data" and heads over "tensor" on 4 fake CPU devices, under Shardy and GSPMD,
-  both erase modes:
+  both erase modes and the erase forward by the query walk:
   values and gradients match the unsharded scan, and every device runs the kernels on its own
   (B/2, H/2) slice (no all-gather, no array of the global kernel layout)."""
   report = run_on_four_devices(SHARDED_SCRIPT, timeout=600)

@@ -37,6 +37,19 @@ two programs write one output (no atomics). dUv, dQe, dW and dKw are summed in f
 in the input dtype: they leave the op as the cotangents of operands in that dtype, so a float32
 store would only be cast after (dgamma, dlam stay float32, as their operands are).
 
+Erase, forward only (the query walk, ``Config.query_walk``): every finished state moves under the
+same chunk map, S_{m+1}^i = T_m S_m^i with T_m = gamma_m I - Kw_m^T W_m (D, D), so
+S_n^i = T_{n-1} ... T_{e_i} S_end^i and the read can move the query instead of the states:
+
+    p = Qe_n T_{n-1} ... T_{n_s}            (p <- gamma_m p - (p Kw_m^T) W_m, chunk n in segment s)
+    o_n = (lam_n,s Qe_n) S_n^s + sum_{j < s} (lam_n,j p_j) S_end^j,   p_{j-1} = p_j U_j
+
+with U_j = T_{e_j - 1} ... T_{n_j} the product of segment j's chunk maps (formed once per segment,
+plain JAX) and lam a row scale, which commutes with the right products. ``write_pass`` with W
+gives each chunk's current state and each segment's end state, as in the no-erase case; no
+(VIS, D, V) stack is stored. The backward pairs every state with its own gradient (G_n above),
+so a differentiated call runs the stack forward instead.
+
 No erase (rescaled states): a finished state only decays, S_n^i = F_n,i S_end^i with
 F_n,i = prod_{e_i <= m < n} gamma_m, so its contribution to every later token is a read of the one
 end state S_end^i with the weight lam_n,i F_n,i, which ``ops.py`` folds into lam (plain JAX, so
@@ -204,13 +217,22 @@ def _stack_gradients_kernel(qe_ref, w_ref, kw_ref, uv_ref, lam_ref, do_ref, stat
 
 # ---- no erase: rescaled states ----
 
-def _write_kernel(kw_ref, uv_ref, gam_ref, cur_ref, end_ref, *, nc, cps, dtype):
+def _write_kernel(*refs, nc, cps, erase, dtype):
+  """Segment i's write phase from a zero state: each chunk's start state into ``cur_ref`` and the
+  segment's end state into ``end_ref[i]``; with ``erase`` (a W operand first) the erase update,
+  by the same operations as ``_stack_kernel``'s, else gamma S + Kw^T Uv."""
+  w_ref = refs[0] if erase else None
+  kw_ref, uv_ref, gam_ref, cur_ref, end_ref = refs[erase:]
   i = pl.program_id(2)
   start, end = _segment_bounds(nc, cps)
 
   def chunk(n, s):
     cur_ref[n] = s.astype(cur_ref.dtype)
-    return gam_ref[n] * s + mm(kw_ref[n], uv_ref[n], dtype, ta=True)
+    if not erase:
+      return gam_ref[n] * s + mm(kw_ref[n], uv_ref[n], dtype, ta=True)
+    kw = kw_ref[n]
+    new = gam_ref[n] * s - mm(kw, mm(w_ref[n], s, dtype), dtype, ta=True)
+    return new + mm(kw, uv_ref[n], dtype, ta=True)
 
   d, bv = cur_ref.shape[-2:]
   s = jax.lax.fori_loop(start, end, chunk, jnp.zeros((d, bv), F32))
@@ -246,6 +268,42 @@ def _rescaled_gradients_kernel(qe_ref, lam_ref, do_ref, end_ref, cur_ref, dqe_re
   dqe = _read_gradients(qe_ref[...], lam_ref, do_ref, dlam_ref, lambda i, cols: end_ref[i, :, cols],
                         lambda cols: cur_ref[:, cols], cur, vd, bv, dtype)
   dqe_ref[...] = dqe.astype(dqe_ref.dtype)
+
+
+# ---- erase, forward only: the query walk ----
+
+def _walk_kernel(qe_ref, lam_ref, w_ref, kw_ref, gam_ref, cur_ref, end_ref, u_ref, intra_ref,
+                 own_ref, o_ref, *, nc, cps, scale, dtype):
+  """Program (bh, chunk n), the last chunk first (``_heaviest_first``), over the whole V: the
+  query p = Qe_n walks back through the chunk maps T_m = gamma_m I - Kw_m^T W_m of its own
+  segment (p <- gamma_m p - (p Kw_m^T) W_m, m = n - 1 down to n_s), then reads each earlier
+  segment's end state and crosses that segment by its composite U_j:
+
+      o_n = (lam_s Qe_n) S_n + sum_{j < s} (lam_j p_j) S_end^j,   p_{j-1} = p_j U_j
+
+  (S_n the current segment's state at the chunk's start). p and o stay float32; each product
+  takes its operands in the input dtype, as the state passes do. The last segment crossed needs
+  no composite: the walk multiplies by U_j only for j >= 1, and segment 0's read is weighted
+  by zero where the chunk lies in segment 0 itself (its state is then S_n)."""
+  n = _heaviest_first(nc)(pl.program_id(1))
+  s = n // cps
+  qe = qe_ref[...].astype(F32)
+  o = mm(lam_ref[s] * qe, cur_ref[...], dtype)
+
+  def own_chunk(k, p):  # m = n - 1 - k, down to the segment's first chunk
+    m = n - 1 - k
+    return gam_ref[m] * p - mm(mm(p, kw_ref[m], dtype, tb=True), w_ref[m], dtype)
+
+  p = jax.lax.fori_loop(0, n - s * cps, own_chunk, qe)
+
+  def segment(k, carry):  # j = s - 1 - k, down to 1
+    o, p = carry
+    j = s - 1 - k
+    return o + mm(lam_ref[j] * p, end_ref[j], dtype), mm(p, u_ref[j], dtype)
+
+  o, p = jax.lax.fori_loop(0, jnp.maximum(s - 1, 0), segment, (o, p))
+  o = o + mm(jnp.where(s > 0, lam_ref[0], 0.0) * p, end_ref[0], dtype)
+  _store_output(o_ref, o, intra_ref, own_ref, scale)
 
 
 # ---- launchers ----
@@ -297,22 +355,25 @@ def stack_state_pass(w, kw, uv, gam, *, cps, cfg):
               semantics=None, name="merlin_state_pass")(w, kw, uv, gam)
 
 
-def _readout_call(kernel, qe, lam, state_specs, states, intra, own, heads, cfg):
-  """The readout launch: program (bh, n, j) reads chunk n's Qe, lam, own and value block j of
-  intra and of the states, and writes the output's (C, bwd_block_v) tile in qe's dtype into the
-  caller's (B, NC * C, H, V) layout: row bh is batch bh // H, head bh % H (the head dim squeezed,
-  a strided block), so the output needs no relayout after."""
+def _readout_call(kernel, qe, lam, state_specs, states, intra, own, heads, cfg, *, bv=None,
+                  chunk=lambda p: p, name="merlin_readout"):
+  """The readout launch: program (bh, p, j) reads chunk n = chunk(p)'s Qe, lam, own and value
+  block j (``bv`` columns, default bwd_block_v) of intra and of the states, and writes the
+  output's (C, bv) tile in qe's dtype into the caller's (B, NC * C, H, V) layout: row bh is batch
+  bh // H, head bh % H (the head dim squeezed, a strided block), so the output needs no relayout
+  after."""
   bh, nc, c, d = qe.shape
   vd = intra.shape[-1]
-  bv = min(cfg.bwd_block_v, vd)
+  bv = min(bv or cfg.bwd_block_v, vd)
   return call(kernel, cfg=cfg, grid=(bh, nc, vd // bv),
-              in_specs=[_chunk_spec(c, d), _lam_of_chunk(lam.shape[1], c)] + state_specs
-                       + [pl.BlockSpec((None, None, c, bv), lambda b, n, j: (b, n, 0, j)),
-                          _chunk_spec(c, 1)],
+              in_specs=[_chunk_spec(c, d, chunk=chunk), _lam_of_chunk(lam.shape[1], c, chunk)]
+                       + state_specs
+                       + [pl.BlockSpec((None, None, c, bv), lambda b, p, j: (b, chunk(p), 0, j)),
+                          _chunk_spec(c, 1, chunk=chunk)],
               out_specs=pl.BlockSpec((None, c, None, bv),
-                                     lambda b, n, j: (b // heads, n, b % heads, j)),
+                                     lambda b, p, j: (b // heads, chunk(p), b % heads, j)),
               out_shape=jax.ShapeDtypeStruct((bh // heads, nc * c, heads, vd), qe.dtype),
-              semantics=None, name="merlin_readout")(qe, lam, *states, intra, own)
+              semantics=None, name=name)(qe, lam, *states, intra, own)
 
 
 def stack_readout(qe, lam, states, intra, own, *, cps, scale, heads, cfg):
@@ -371,20 +432,23 @@ def stack_chunk_gradients(qe, w, kw, uv, lam, do, states, dstates, *, cps, cfg):
               num_warps=cfg.bwd_num_warps)(qe, w, kw, uv, lam, do, states, dstates)
 
 
-def write_pass(kw, uv, gam, *, cps, cfg):
-  """No-erase forward: each chunk's current-segment chunk-start state (BH, NC, D, V) and each
-  segment's end state (BH, NS, D, V), in kw's dtype. Grid (BH, V / block_v, NS)."""
+def write_pass(kw, uv, gam, *, cps, cfg, w=None):
+  """Each chunk's current-segment chunk-start state (BH, NC, D, V) and each segment's end state
+  (BH, NS, D, V), in kw's dtype, every segment written from a zero state: the no-erase forward's
+  states, or with the erase operand ``w`` those of the update gamma S - Kw^T (W S) + Kw^T Uv (the
+  forward-only query walk's, ``walk_readout``). Grid (BH, V / block_v, NS)."""
   bh, nc, c, d = kw.shape
   vd = uv.shape[-1]
   bv = min(cfg.block_v, vd)
   ns = -(-nc // cps)
-  kernel = functools.partial(_write_kernel, nc=nc, cps=cps, dtype=kw.dtype)
+  erase = w is not None
+  kernel = functools.partial(_write_kernel, nc=nc, cps=cps, erase=erase, dtype=kw.dtype)
   return call(kernel, cfg=cfg, grid=(bh, vd // bv, ns),
-              in_specs=[_whole(nc, c, d), _vblock(nc, c, bv), _whole(nc, 1, 1)],
+              in_specs=[_whole(nc, c, d)] * (1 + erase) + [_vblock(nc, c, bv), _whole(nc, 1, 1)],
               out_specs=[_vblock(nc, d, bv), _vblock(ns, d, bv)],
               out_shape=[jax.ShapeDtypeStruct((bh, nc, d, vd), kw.dtype),
                          jax.ShapeDtypeStruct((bh, ns, d, vd), kw.dtype)],
-              semantics=None, name="merlin_write_pass")(kw, uv, gam)
+              semantics=None, name="merlin_write_pass")(*([w] if erase else []), kw, uv, gam)
 
 
 def rescaled_readout(qe, lam, cur, end, intra, own, *, cps, scale, heads, cfg):
@@ -397,6 +461,27 @@ def rescaled_readout(qe, lam, cur, end, intra, own, *, cps, scale, heads, cfg):
   specs = [pl.BlockSpec((None, ns, d, bv), lambda b, n, j: (b, 0, 0, j)),
            pl.BlockSpec((None, None, d, bv), lambda b, n, j: (b, n, 0, j))]
   return _readout_call(kernel, qe, lam, specs, [end, cur], intra, own, heads, cfg)
+
+
+def walk_readout(qe, lam, w, kw, gam, cur, end, composites, intra, own, *, cps, scale, heads,
+                 cfg):
+  """The erase output without a stack of states (forward only): scale (o_n + own_n intra_n),
+  o_n = sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i formed by walking the query back through the chunk
+  maps (``_walk_kernel``) from each chunk's current state ``cur`` (BH, NC, D, V), the segments'
+  end states ``end`` (BH, NS, D, V) (both ``write_pass`` with W) and the segments' composite maps
+  ``composites`` U_j = T_{e_j - 1} ... T_{n_j} (BH, NS, D, D), all in qe's dtype; stored as
+  ``stack_readout``'s: (B, NC * C, H, V) in qe's dtype. Grid (BH, NC), the last chunk first, one
+  program over the whole V: the walk of p (C, D) does not depend on the value columns, so value
+  blocks would repeat it."""
+  nc, c, d = qe.shape[1:]
+  ns, vd = end.shape[1], end.shape[-1]
+  order = _heaviest_first(nc)
+  kernel = functools.partial(_walk_kernel, nc=nc, cps=cps, scale=scale, dtype=qe.dtype)
+  whole = lambda *shape: pl.BlockSpec((None, *shape), lambda b, p, j: (b,) + (0,) * len(shape))
+  specs = [whole(nc, c, d), whole(nc, c, d), whole(nc, 1, 1), _chunk_spec(d, vd, chunk=order),
+           whole(ns, d, vd), whole(ns, d, d)]
+  return _readout_call(kernel, qe, lam, specs, [w, kw, gam, cur, end, composites], intra, own,
+                       heads, cfg, bv=vd, chunk=order, name="merlin_walk_readout")
 
 
 def rescaled_reverse_pass(qe, kw, uv, lam, gam, do, cur, *, cps, cfg):

@@ -11,6 +11,9 @@ number of segment states N is in ``kernels.py``, behind one ``jax.custom_vjp``:
   no erase  forward: write pass (each chunk's current state, each segment's end state) ->
             readout, with a finished state's decay folded into lam here; backward: reverse
             write pass (dUv, dKw, dgamma) and the read's gradients (dQe, dlam)
+  erase, no gradient taken, ``Config.query_walk``: write pass with W (each chunk's current
+            state, each segment's end state) and the segments' composite chunk maps (plain
+            JAX) -> the query-walk readout; no stack of states is formed
 
 The readout also takes the intra-chunk part, P Uv and each token's lam of its own segment (own),
 and writes the op's output scale (o + own P Uv) itself, in float32 and rounded once to the input
@@ -104,6 +107,39 @@ def _forward(cps, erase, cfg, scale, *operands):
   return (o, *(_split(x, b, h) for x in states))
 
 
+def composites(w, kw, gam, cps):
+  """U_j = T_{e_j - 1} ... T_{n_j} (BH, NS, D, D) in kw's dtype: the product of segment j's chunk
+  maps T_m = gamma_m I - Kw_m^T W_m, formed in float32 at full precision from the kernel operands
+  w, kw (BH, NC, C, D) and gam (BH, NC, 1, 1) and rounded once. A last partial segment's missing
+  chunks count as the identity (gamma 1, no erase); the walk never reads its composite."""
+  bh, nc, c, d = kw.shape
+  ns = -(-nc // cps)
+  pad = ns * cps - nc
+  by_segment = lambda x, fill: jnp.pad(x.astype(F32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
+                                       constant_values=fill).reshape(bh, ns, cps, *x.shape[2:])
+  w, kw, gam = by_segment(w, 0.0), by_segment(kw, 0.0), by_segment(gam, 1.0)
+  eye = jnp.eye(d, dtype=F32)
+  u = jnp.broadcast_to(eye, (bh, ns, d, d))
+  for m in range(cps):  # U <- T_m U, chunk m of every segment
+    t_m = gam[:, :, m] * eye - jnp.einsum("bscd,bsce->bsde", kw[:, :, m], w[:, :, m],
+                                           precision=jax.lax.Precision.HIGHEST)
+    u = jnp.einsum("bsde,bsef->bsdf", t_m, u, precision=jax.lax.Precision.HIGHEST)
+  return u.astype(kw.dtype)
+
+
+def _walk_forward(cps, cfg, scale, *operands):
+  """The erase output by the query walk, forward only (``kernels.walk_readout``): ``_forward``'s
+  erase operands in, its output alone out, (B, NC * C, H, V) in qe's dtype. The states it reads
+  are each chunk's current state and each segment's end state (``kernels.write_pass`` with W) and
+  the segments' composite maps (``composites``); none is kept."""
+  h = operands[0].shape[1]
+  (qe, w, kw, uv), gam, lam = kernel_layout(operands[:-2])
+  intra, own = readout_layout(*operands[-2:], uv.shape[-1])
+  cur, end = kernels.write_pass(kw, uv, gam, cps=cps, cfg=cfg, w=w)
+  return kernels.walk_readout(qe, lam, w, kw, gam, cur, end, composites(w, kw, gam, cps), intra,
+                              own, cps=cps, scale=scale, heads=h, cfg=cfg)
+
+
 def _backward(cps, erase, cfg, *args):
   """The gradients of ``_forward``'s kernel operands, all but intra and own (lam's zero for
   i > s(n)), from those operands, the states it stored and the stack read's cotangent do, all
@@ -155,6 +191,18 @@ _PARTITIONED = {
     for erase in (True, False)}
 
 
+_WALK_RULE = _rules(True)[0].removesuffix(", b h i d v")  # the erase forward's, its output only
+_WALK = partition.batch_head_partitioned(
+    _walk_forward, n_static=3, rule=_WALK_RULE,
+    replicated=tuple(f for f in _REPLICATED if f in _WALK_RULE.split()))
+
+
+def kernels_walk(cps, cfg, scale, *operands):
+  """The erase output by the query walk as the op launches it, per (B, H) shard
+  (``_walk_forward``)."""
+  return _WALK(cps, cfg, scale, *operands)
+
+
 def kernels_forward(cps, erase, cfg, scale, *operands):
   """The kernels' forward as the op launches it, per (B, H) shard: ``_forward``'s results (the
   output, then the stored states) from its operands."""
@@ -181,8 +229,13 @@ def _unpad(o, t, vd):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
 def _attend(cps, erase, cfg, scale, t, *operands):
   """scale (sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i + own_n intra_n) for every chunk n: the op's
-  output (B, T, H, V) in qe's dtype; operands as ``_forward``'s."""
-  o = kernels_forward(cps, erase, cfg, scale, *operands)[0]
+  output (B, T, H, V) in qe's dtype; operands as ``_forward``'s. This primal runs only where no
+  gradient is taken (``_attend_fwd`` otherwise): there the erase path may read by the query walk
+  (``Config.query_walk``), which keeps no states for a backward."""
+  if erase and cfg.query_walk:
+    o = kernels_walk(cps, cfg, scale, *operands)
+  else:
+    o = kernels_forward(cps, erase, cfg, scale, *operands)[0]
   return _unpad(o, t, operands[-2].shape[-1])
 
 

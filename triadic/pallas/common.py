@@ -104,6 +104,12 @@ class Config:
   slice_unroll_max_e: up to this E the Mosaic slice kernel's state items (a slice's 64-row piece
   of S_e and dS_e) are unrolled; above it they run as a loop per piece, which keeps the compiler
   from holding several items' values in registers at once (None: ``mosaic_backward.UNROLL_MAX_E``).
+  query_walk: MERLIN's forward-only readout in the erase mode (``merlin.pallas.kernels``,
+  ``walk_readout``): where no gradient is taken, each chunk's query walks back through the chunk
+  maps and reads only the segments' end states, so the forward stores each chunk's current state,
+  each segment's end state and composite map instead of every visible chunk-start state (the
+  (B*H, VIS, D, V) stack). A differentiated call runs the stack forward regardless, as the
+  backward needs the states. Off by default until timed on a GPU.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -132,6 +138,7 @@ class Config:
   drhs_in_reverse_pass: bool = True
   partials_in_bf16: bool = True
   slice_unroll_max_e: int | None = None
+  query_walk: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -144,7 +151,7 @@ class Config:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
     for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass",
-                 "partials_in_bf16"):
+                 "partials_in_bf16", "query_walk"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)
