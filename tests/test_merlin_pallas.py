@@ -11,9 +11,10 @@ Error bounds (relative RMS, ||a - b|| / ||b||):
   returned in bf16), gradients 2e-2 (bf16 tensor-core operands, chunk-start states kept in bf16).
 The erase forward's query walk (``Config.query_walk``, taken only where no gradient is) is checked
 against the scan with the same output bounds and against the stack forward (float32 1e-5, bf16
-the output bound), over five or more segments with a last partial one, every aggregator's lam and
-both decays; under ``jax.grad`` the op keeps the stack forward, with gradients identical to the
-bit to those without the walk.
+the output bound), over five or more segments with a last partial one (and over one segment
+alone), every aggregator's lam, weak and strong decay and weak decay with four tokens at -30
+(strong decay everywhere leaves the finished states nothing to add); under ``jax.grad`` the op
+keeps the stack forward, with gradients identical to the bit to those without the walk.
 The plan (which impl "auto" picks, and why), the bad-input errors, the Triton lowering of the
 forward and backward for CUDA, what each kernel stores (dtypes; the readout the op's output itself,
 in the caller's layout) and the per-(B, H)-shard run under jit (a subprocess with 4 fake CPU
@@ -171,6 +172,12 @@ WALK_CASES = [
                  id="bf16-merlin-V64-NS14"),
     pytest.param(2, 150, 2, 16, 32, 32, 16, "strong", "random", jnp.bfloat16,
                  id="bf16-strong-random"),
+    pytest.param(1, 300, 2, 16, 32, 32, 16, "mixed", "merlin", jnp.float32,
+                 id="mixed-NS10"),
+    pytest.param(1, 300, 2, 32, 32, 64, 16, "mixed", "position", jnp.bfloat16,
+                 id="bf16-mixed-position-NS5-partial"),
+    pytest.param(1, 20, 2, 16, 16, 32, 16, "weak", "random", jnp.float32,
+                 id="one-segment"),
 ]
 
 
@@ -185,7 +192,11 @@ def test_query_walk_matches_scan_and_stack(b, t, h, d, vd, segment_len, chunk, d
   bound, and against the stack forward (float32 1e-5; bf16 the output bound, the two rounding
   differently); its kernels are the erase write pass and the walk's readout, no state pass."""
   n = -(-t // segment_len) + 1
-  args, _ = make_inputs(0, b, t, h, d, vd, n, segment_len, decay, lam_kind, dtype)
+  args, _ = make_inputs(0, b, t, h, d, vd, n, segment_len, "weak" if decay == "mixed" else decay,
+                        lam_kind, dtype)
+  if decay == "mixed":  # weak, but -30 a token for four tokens of the second segment: the later
+    # segments' finished states still reach the last chunks (strong decay everywhere erases them)
+    args = (*args[:3], args[3].at[:, segment_len + 8:segment_len + 12].set(-30.0), *args[4:])
   kw = dict(segment_len=segment_len, erase=True, chunk_size=chunk)
   op = lambda walk: jax.jit(lambda *a: multistate_attention(
       *a, impl="pallas", config=walk_config(walk), **kw))
