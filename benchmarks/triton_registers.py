@@ -48,6 +48,7 @@ import jax.numpy as jnp  # noqa: E402
 from benchmarks.triadic_kernels import variant_fields  # noqa: E402
 from layers.conv_kernel import causal_conv_pallas  # noqa: E402
 from merlin.ops import multistate_attention  # noqa: E402
+from merlin.pallas import plan as merlin_plan  # noqa: E402
 from triadic.pallas import ops as pops  # noqa: E402
 
 SM = 90     # the compute capability compiled for (Hopper)
@@ -231,6 +232,22 @@ def merlin_grad(b, t, h, d, vd, segment_len, erase):
   return jax.grad(loss, argnums=tuple(range(6))), args
 
 
+def merlin_walk(b, t, h, d, vd, segment_len):
+  """(fn, specs): the MERLIN erase op's forward alone by the query walk (``Config.query_walk``;
+  the GPU's default tiles)."""
+  n = -(-t // segment_len)
+  f32 = jnp.float32
+  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, dtype=f32),
+          spec(b, t, h, dtype=f32), spec(b, t, h, n, dtype=f32)]
+  cfg = dataclasses.replace(merlin_plan.default_config("gpu"), query_walk=True)
+
+  def forward(*a):
+    return multistate_attention(*a, segment_len=segment_len, erase=True, impl="pallas",
+                                platform="gpu", config=cfg)
+
+  return forward, args
+
+
 def conv_grad(b, t, c, width, documents):
   """(fn, specs): the short convolution's kernels (value and gradients in x and the kernel, so
   that the forward is not dead code), bf16 x (B, T, C), float32 kernel (width, C)."""
@@ -292,6 +309,9 @@ def main(argv=None):
     lowerings.append((f"MERLIN segment {args.segment_len}",
                       *merlin_grad(args.b, args.t, args.h, args.d, args.v, args.segment_len,
                                    erase)))
+    if erase:
+      lowerings.append(("MERLIN query walk",
+                        *merlin_walk(args.b, args.t, args.h, args.d, args.v, args.segment_len)))
   if args.conv:
     c = 3 * args.h * args.d
     for documents in (False, True):

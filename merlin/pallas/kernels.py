@@ -356,7 +356,7 @@ def stack_state_pass(w, kw, uv, gam, *, cps, cfg):
 
 
 def _readout_call(kernel, qe, lam, state_specs, states, intra, own, heads, cfg, *, bv=None,
-                  chunk=lambda p: p, name="merlin_readout"):
+                  chunk=lambda p: p, name="merlin_readout", num_warps=None):
   """The readout launch: program (bh, p, j) reads chunk n = chunk(p)'s Qe, lam, own and value
   block j (``bv`` columns, default bwd_block_v) of intra and of the states, and writes the
   output's (C, bv) tile in qe's dtype into the caller's (B, NC * C, H, V) layout: row bh is batch
@@ -373,7 +373,7 @@ def _readout_call(kernel, qe, lam, state_specs, states, intra, own, heads, cfg, 
               out_specs=pl.BlockSpec((None, c, None, bv),
                                      lambda b, p, j: (b // heads, chunk(p), b % heads, j)),
               out_shape=jax.ShapeDtypeStruct((bh // heads, nc * c, heads, vd), qe.dtype),
-              semantics=None, name=name)(qe, lam, *states, intra, own)
+              semantics=None, name=name, num_warps=num_warps)(qe, lam, *states, intra, own)
 
 
 def stack_readout(qe, lam, states, intra, own, *, cps, scale, heads, cfg):
@@ -472,7 +472,9 @@ def walk_readout(qe, lam, w, kw, gam, cur, end, composites, intra, own, *, cps, 
   ``composites`` U_j = T_{e_j - 1} ... T_{n_j} (BH, NS, D, D), all in qe's dtype; stored as
   ``stack_readout``'s: (B, NC * C, H, V) in qe's dtype. Grid (BH, NC), the last chunk first, one
   program over the whole V: the walk of p (C, D) does not depend on the value columns, so value
-  blocks would repeat it."""
+  blocks would repeat it. At ``bwd_num_warps``: p and o, two float32 (C, D) and (C, V) arrays,
+  spill at 4 warps at C = 64, D = V = 128 (192 bytes a thread, benchmarks/triton_registers.py
+  --merlin) and fit at 8."""
   nc, c, d = qe.shape[1:]
   ns, vd = end.shape[1], end.shape[-1]
   order = _heaviest_first(nc)
@@ -481,7 +483,8 @@ def walk_readout(qe, lam, w, kw, gam, cur, end, composites, intra, own, *, cps, 
   specs = [whole(nc, c, d), whole(nc, c, d), whole(nc, 1, 1), _chunk_spec(d, vd, chunk=order),
            whole(ns, d, vd), whole(ns, d, d)]
   return _readout_call(kernel, qe, lam, specs, [w, kw, gam, cur, end, composites], intra, own,
-                       heads, cfg, bv=vd, chunk=order, name="merlin_walk_readout")
+                       heads, cfg, bv=vd, chunk=order, name="merlin_walk_readout",
+                       num_warps=cfg.bwd_num_warps)
 
 
 def rescaled_reverse_pass(qe, kw, uv, lam, gam, do, cur, *, cps, cfg):
