@@ -163,7 +163,10 @@ def attention_fns():
 def check(only=None, variants=()):
   """Relative RMS error of pallas (the device's default kernels: Mosaic GPU on Hopper for bf16)
   and of each of ``variants`` (``--op-variants``' sets: ``Config`` fields over the default)
-  against scan (float32) and chunked (bf16) on this machine; the reference once per case."""
+  against scan (float32) and chunked (bf16) on this machine; the reference once per case. A
+  variant with ``lean_primal`` also gets a "primal" row: o and the final state of the op called
+  without a gradient (``_core``'s primal, the lean forward state pass), against the same
+  reference."""
   names = "o state dq dk dv dk2 dq2 dg dbeta dh0".split()
   print("| case | config | " + " | ".join(names) + " |")
   print("|" + "---|" * (len(names) + 2))
@@ -200,6 +203,11 @@ def check(only=None, variants=()):
       (o, s), pull = jax.vjp(f, *args, h0)
       return [o, s] + list(pull((do, dh)))
 
+    def primal(fields):
+      cfg = pallas_config(e, vd, b * h, **fields)
+      return list(pops.triadic_pallas(*args, scale=d ** -0.5, initial_state=h0, erase=erase,
+                                      chunk_size=64, config=cfg))
+
     want = jax.jit(lambda: grads(ref))()
     for name, fields in [("default", None)] + [(v, variant_fields(v)) for v in variants]:
       if dtype == jnp.bfloat16:  # the bf16 cases run the Hopper kernels: which layout they take
@@ -216,6 +224,15 @@ def check(only=None, variants=()):
       else:
         print(f"| {label} | {name} | "
               + " | ".join(f"{rel(x, y):.1e}" for x, y in zip(got, want)) + " |")
+      if fields and fields.get("lean_primal"):    # the primal's lean forward: o, state only
+        try:
+          got = jax.jit(lambda: primal(fields))()
+        except Exception as err:
+          print(f"| {label} | {name} primal | failed: {type(err).__name__}: {err}"[:300] + " |")
+        else:
+          print(f"| {label} | {name} primal | "
+                + " | ".join(f"{rel(x, y):.1e}" for x, y in zip(got, want[:2]))
+                + " |" + " - |" * (len(names) - 2))
       sys.stdout.flush()
 
 
@@ -296,6 +313,11 @@ def stages(t, e_list, reps, variants=False, tails=False, fields=()):
       print(f"# roofline, E = {e} (counted bytes, floor, measured / floor): prep | forward | "
             "backward states | chunk backward | total: " + " | ".join(roof), flush=True)
       print(f"# prep by part, E = {e}: " + prep_parts(prep_args, reps, cfg), flush=True)
+      if cfg.lean_primal:   # the forward column is the training forward; the primal's is leaner
+        lean = jax.jit(functools.partial(
+            pops.state_pass_kernels(cfg, q, v, k2, residuals=False)[0], scale=0.1, erase=True))
+        print(f"# lean forward state pass (o and the final state only, Config.lean_primal), "
+              f"E = {e}: {timeit(lean, fwd_args, reps):.2f} ms", flush=True)
       if cfg.mosaic_gpu_backward:  # each row also printed as it comes (a run cut short keeps it)
         parts.append((e, mosaic_backward_parts(cbw_args[:15], x[0] if x else None, reps, cfg)))
         print(f"# chunk backward by part, E = {e}: " + " | ".join(parts[-1][1]), flush=True)
@@ -539,7 +561,8 @@ def main():
                            "default (which depends on B*H), one comma-joined set per pair of "
                            "columns: a name alone is True, name=N an int, e.g. ut_kernel "
                            "sequence_pieces=1,state_block_v=32 (--check, --stages: a row per set "
-                           "beside the default's)")
+                           "beside the default's). The forward columns time the op without a "
+                           "gradient, so lean_primal=1 times the lean primal")
   parser.add_argument("--tail-variants", action="store_true",
                       help="with --stages on Hopper: the chunk backward's tail, fused and split, "
                            "under a few tile choices")
@@ -584,13 +607,19 @@ def profile(t, e_list, reps, variants=()):
 
 def variant_fields(variant: str) -> dict:
   """``--op-variants`` syntax: comma-joined Config fields, a bare name set True, name=N an int
-  (0 or 1 for a bool field) (e.g. ``fused_tail``, ``sequence_pieces=0,warmup_chunks=8``,
-  ``token_major=0``)."""
+  (0 or 1, or true or false, for a bool field) (e.g. ``fused_tail``,
+  ``sequence_pieces=0,warmup_chunks=8``, ``token_major=0``, ``lean_primal=True``)."""
   bools = {f.name for f in dataclasses.fields(Config) if f.type in ("bool", bool)}
+  words = {"true": True, "false": False}
   fields = {}
   for item in variant.split(","):
     name, _, value = item.partition("=")
-    fields[name] = (bool(int(value)) if name in bools else int(value)) if value else True
+    if not value:
+      fields[name] = True
+    elif name in bools:
+      fields[name] = words[value.lower()] if value.lower() in words else bool(int(value))
+    else:
+      fields[name] = int(value)
   return fields
 
 

@@ -6,7 +6,8 @@
     PYTHONPATH=. python benchmarks/triton_registers.py --conv --no-triadic --b 4 --t 4096
 
 Lowers the op's forward and backward for CUDA on this machine (the triadic op with the Hopper
-defaults, ``ops.default_config(hopper=True)``, and each ``--op-variants`` Config; the MERLIN op
+defaults, ``ops.default_config(hopper=True)``, and each ``--op-variants`` Config, and for one
+with ``lean_primal`` also the op's primal, whose forward state pass is the lean one; the MERLIN op
 with its GPU config; with ``--conv`` the short convolution's kernels, ``layers.conv_kernel``, over
 the GDN layer's q, k, v channels, 3 H D, with and without packed documents) and prints two
 tables.
@@ -204,10 +205,25 @@ def spec(*shape, dtype=jnp.bfloat16):
   return jax.ShapeDtypeStruct(shape, dtype)
 
 
+def triadic_args(b, t, h, d, vd, e):
+  """The triadic op's eight input specs: q, k, v, k2, q2, g, beta (bf16) and h0 (float32)."""
+  return [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, e),
+          spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, vd, dtype=jnp.float32)]
+
+
+def triadic_primal(b, t, h, d, vd, e, erase, cfg):
+  """(fn, specs): the triadic op under ``cfg`` without a gradient (its primal, which
+  ``Config.lean_primal`` runs with the lean forward state pass)."""
+  def forward(*a):
+    return pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7], erase=erase,
+                               chunk_size=64, config=cfg)
+
+  return forward, triadic_args(b, t, h, d, vd, e)
+
+
 def triadic_grad(b, t, h, d, vd, e, erase, cfg):
   """(fn, specs): the gradients of the triadic op under ``cfg`` in all eight inputs."""
-  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, e),
-          spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, vd, dtype=jnp.float32)]
+  args = triadic_args(b, t, h, d, vd, e)
 
   def loss(*a):
     o, s = pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7], erase=erase,
@@ -305,6 +321,9 @@ def main(argv=None):
         label = f"triadic E={e}" + (f" {variant}" if variant else "")
         lowerings.append((label, *triadic_grad(args.b, args.t, args.h, args.d, args.v, e, erase,
                                                cfg)))
+        if cfg.lean_primal:     # the gradient runs the full forward: the primal's is the lean one
+          lowerings.append((label + " primal", *triadic_primal(args.b, args.t, args.h, args.d,
+                                                                args.v, e, erase, cfg)))
   if args.merlin:
     lowerings.append((f"MERLIN segment {args.segment_len}",
                       *merlin_grad(args.b, args.t, args.h, args.d, args.v, args.segment_len,

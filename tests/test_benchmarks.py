@@ -3,6 +3,7 @@ block benchmark's parts of the triadic layer compose to the layer's own output."
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -283,6 +284,28 @@ def test_smem_count_of_the_two_warpgroup_passes():
                                                   **kw))):
       _, (kernel,) = triton_registers.lowered_kernels(fn, args)
       assert kernel.smem == mosaic.smem_bytes_2wg(d, c, e, bv, backward), (e, bv, kernel.name)
+
+
+def test_smem_of_the_lean_forward():
+  """``triton_registers`` lowers the op's primal for a ``lean_primal`` variant: its one-warpgroup
+  forward state pass asks for E * D * block_v bf16 less SMEM than the full primal's (no
+  chunk-start state buffer; E = 8, D = V = 128, block_v 16); ``--op-variants`` takes
+  ``lean_primal=1`` and ``lean_primal=True``."""
+  from benchmarks import triton_registers
+  from benchmarks.triadic_kernels import variant_fields
+  from triadic.pallas import ops as pops
+  assert variant_fields("lean_primal=1") == variant_fields("lean_primal=True") == {
+      "lean_primal": True}
+  assert variant_fields("lean_primal=false") == {"lean_primal": False}
+  cfg = pops.default_config("gpu", 8, 128, bh=2, hopper=True)
+  smem = {}
+  for lean in (False, True):
+    fn, args = triton_registers.triadic_primal(1, 128, 2, 128, 128, 8, True,
+                                               dataclasses.replace(cfg, lean_primal=lean))
+    _, (kernel,) = triton_registers.lowered_kernels(fn, args)
+    assert kernel.name == "triadic_forward_mgpu"
+    smem[lean] = kernel.smem
+  assert smem[False] - smem[True] == 8 * 128 * 16 * 2
 
 
 def test_kernels_of_the_conv():

@@ -24,15 +24,20 @@ interpret mode) and by the CUDA lowering.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
+import re
 
 import jax
 import jax.numpy as jnp
 import pytest
 
-from testkit.triadic import make_grad_inputs, transposes_an_argument
+from testkit.triadic import (NAMES, PALLAS_BOUNDS, make_grad_inputs, transposes_an_argument,
+                             value_and_grads)
 from testkit import rel_rms
+from triadic import triadic_gdn
 from triadic.pallas import mosaic, mosaic_backward, recurrent
+from triadic.pallas import plan as plan_lib
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import Config, token_major
 from triadic.pallas import ops as pops
@@ -410,3 +415,150 @@ def test_supported():
     x = jnp.zeros((1, 1, 64, 64), jnp.float32)
     mosaic.state_pass(x, x, x, *(jnp.zeros((1, 1, 64, 1)),) * 4, jnp.zeros((1, 1, 64, 64)),
                    jnp.zeros((1, 1, 64, 64)), jnp.zeros((1, 1, 64, 64)), scale=1.0, erase=True)
+
+
+# The lean forward (``state_pass(residuals=False)``, ``Config.lean_primal``): o and the final state
+# only. Its arithmetic is the full forward's, so in interpret mode it gives the same bits.
+
+@pytest.mark.parametrize("wgs,d,vdim,e,bv,erase,heads,pieces", [
+    pytest.param(1, 64, 32, 8, 16, True, False, 1, id="wg1-E8-BV16-erase"),
+    pytest.param(1, 64, 32, 3, 32, False, True, 1, id="wg1-E3-noerase-heads"),
+    pytest.param(2, 128, 32, 8, 32, True, True, 1, id="wg2-E8-erase-heads"),
+    pytest.param(2, 128, 32, 2, 16, False, False, 1, id="wg2-E2-BV16-noerase"),
+])
+def test_lean_forward_matches_full(wgs, d, vdim, e, bv, erase, heads, pieces):
+  """``residuals=False``: the forward returns o and the final state alone, bit for bit the full
+  forward's (one and two warpgroups, erase or not, the (BH, NC, C, X) layout or ``heads``, and
+  over two pieces with ``heads``). Two warpgroups run eagerly (module docstring)."""
+  b, h, t = 1, 2 if wgs == 1 else 1, 128 * pieces    # NC = 2 a piece
+  fargs, _, _ = build(b, t, h, d, vdim, e, 64, erase)
+  kw = dict(scale=SCALE, erase=erase, block_v=bv, warpgroups=wgs, interpret=True)
+  if heads:
+    kw["heads"] = h
+    if pieces > 1:
+      cut = lambda x: x.reshape(x.shape[0] * pieces, x.shape[1] // pieces, *x.shape[2:])
+      fargs = (*map(cut, fargs[:9]), jnp.repeat(fargs[9], pieces, axis=0))
+      kw["pieces"] = pieces
+    whole = lambda x: x.reshape(x.shape[0] // pieces, x.shape[1] * pieces, *x.shape[2:])
+    fargs = (*(token_major(whole(x), b, h) for x in fargs[:3]), *fargs[3:])
+  run = jax.jit if wgs == 1 else (lambda f: f)
+  full = run(functools.partial(mosaic.state_pass, **kw))(*fargs)
+  lean = run(functools.partial(mosaic.state_pass, residuals=False, **kw))(*fargs)
+  assert len(full) == 4 and len(lean) == 2
+  for name, x, y in zip(("o", "ht"), lean, (full[0], full[-1]), strict=True):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert jnp.array_equal(x, y), f"{name}: rel RMS {rel_rms(x, y):.2e}"
+
+
+def test_lean_forward_refuses_save_x():
+  fargs, _, _ = build(1, 64, 1, 64, 32, 1, 64, True)
+  with pytest.raises(ValueError, match="save_x needs residuals"):
+    mosaic.state_pass(*fargs, scale=SCALE, erase=True, save_x=True, residuals=False,
+                      interpret=True)
+
+
+def hopper_config(**fields):
+  """The Hopper kernels in interpret mode, as the op runs them on a GPU."""
+  return Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
+                ut_kernel=True, **fields)
+
+
+def primal(args, erase, cfg):
+  """``triadic_pallas``' (o, final state) without a gradient: ``_core``'s primal."""
+  return pops.triadic_pallas(*args[:7], scale=args[0].shape[-1] ** -0.5, initial_state=args[7],
+                             erase=erase, chunk_size=64, config=cfg)
+
+
+@pytest.mark.parametrize("b,t,h,d,e,erase,fields", [
+    pytest.param(1, 128, 2, 64, 3, True, {}, id="wg1-E3-erase-token-major"),
+    pytest.param(1, 150, 1, 64, 2, False, {}, id="wg1-E2-noerase-relayout"),
+    pytest.param(2, 256, 2, 64, 2, True, dict(sequence_pieces=2, warmup_chunks=2),
+                 id="wg1-E2-erase-pieces"),
+    pytest.param(1, 128, 1, 128, 2, True, dict(state_warpgroups=2), id="wg2-E2-erase"),
+])
+def test_lean_primal_matches_full_primal(b, t, h, d, e, erase, fields):
+  """``Config.lean_primal``: the op's output and final state without gradients (the forward
+  state pass writing o and ht only) equal the full forward's bit for bit: one and two
+  warpgroups (``Config.state_warpgroups``), token-major (T whole chunks) and relayouted (T = 150),
+  over two pieces (decay 4: every window decays enough that the pieces run), erase or not; and
+  the first case the scan's within the bf16 bounds. Run eagerly (two warpgroups: module
+  docstring)."""
+  vdim = 32
+  cfg = hopper_config(**fields)
+  lean = dataclasses.replace(cfg, lean_primal=True)
+  plan = pops.explain(d, vdim, e, 64, jnp.bfloat16, config=lean)
+  assert plan.mosaic_state_kernels and "Config.lean_primal" in plan.forward.reason
+  wgs = fields.get("state_warpgroups", 1)
+  assert f"{wgs} warpgroup(s)" in plan.forward.tiles
+  assert pops.explain_layout(b, t, h, d, vdim, e, 64, jnp.bfloat16,
+                             config=cfg).token_major == (t % 64 == 0)
+  args, _, _ = make_grad_inputs(0, b, t, h, d, vdim, e, decay=4.0 if fields else 1.0,
+                                dtype=jnp.bfloat16)
+  got, want = primal(args, erase, lean), primal(args, erase, cfg)
+  for name, x, y in zip(("o", "state"), got, want, strict=True):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert jnp.array_equal(x, y), f"{name}: rel RMS {rel_rms(x, y):.2e}"
+  if t == 128 and h == 2:
+    o_ref, s_ref = triadic_gdn(*(x.astype(jnp.float32) for x in args[:7]),
+                               initial_state=args[7], erase=erase, impl="scan", chunk_size=64)
+    bound = PALLAS_BOUNDS[jnp.bfloat16]
+    assert rel_rms(got[0], o_ref) < bound["out"], rel_rms(got[0], o_ref)
+    assert rel_rms(got[1], s_ref) < bound["state"], rel_rms(got[1], s_ref)
+
+
+def test_lean_primal_leaves_gradients_alone():
+  """Under ``jax.grad`` the op runs ``_core_fwd``, which ``Config.lean_primal`` does not touch:
+  output, final state and every gradient are identical with it on and off."""
+  args, do, ds = make_grad_inputs(0, 1, 128, 2, 64, 32, 2, decay=1.0, dtype=jnp.bfloat16)
+  cfg = hopper_config()
+  got = value_and_grads("pallas", args, do, ds, erase=True, chunk_size=64,
+                        config=dataclasses.replace(cfg, lean_primal=True))
+  want = value_and_grads("pallas", args, do, ds, erase=True, chunk_size=64, config=cfg)
+  for name, x, y in zip((*("d" + n for n in NAMES), "o", "state"), jax.tree.leaves(got),
+                        jax.tree.leaves(want), strict=True):
+    assert x.shape == y.shape and x.dtype == y.dtype, name
+    assert jnp.array_equal(x, y), f"{name}: rel RMS {rel_rms(x, y):.2e}"
+
+
+def mosaic_results(text):
+  """The result types of every Mosaic GPU custom call in a StableHLO text, in order."""
+  out = []
+  for line in text.splitlines():
+    if "stablehlo.custom_call @mosaic_gpu" in line:
+      out.append(re.findall(r"tensor<[^>]*>", line.rsplit(" -> ", 1)[1]))
+  return out
+
+
+@pytest.mark.parametrize("e,state_wgs,token_major", [(8, None, True), (8, 2, False),
+                                                     (2, 2, True)])
+def test_lean_primal_lowers_for_cuda(e, state_wgs, token_major):
+  """The op's primal with ``Config.lean_primal`` lowers for CUDA (D = V = 128; one warpgroup at
+  E = 8 by default, two with ``Config.state_warpgroups``) with one Mosaic GPU kernel, the
+  forward state pass, whose outputs are o and the final state (in its (B*H, V / BV, D, E*BV)
+  layout) only; without the option the same kernel also returns U and the chunk-start states."""
+  b, t, h, d = 1, 128, 2, 128
+  cfg = dataclasses.replace(pops.default_config("gpu", e, d), mosaic_gpu=True,
+                            mosaic_gpu_backward=True, state_warpgroups=state_wgs,
+                            token_major=token_major)
+  spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
+  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, e),
+          spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, d, dt=jnp.float32)]
+  tiles = plan_lib.state_tiles(cfg, d=d, vd=d, c=64, e=e)
+  assert tiles.forward_warpgroups == (state_wgs or 1)
+  bv, nc = tiles.block_v, t // 64
+  o = f"tensor<{b}x{t}x{h}x{d}xbf16>" if token_major else f"tensor<{b * h}x{nc}x64x{d}xbf16>"
+  ht = f"tensor<{b * h}x{d // bv}x{d}x{e * bv}xf32>"
+  per_chunk = f"tensor<{b * h}x{nc}x64x{d}xbf16>"
+  states = f"tensor<{b * h}x{nc}x{e}x{d}x{d}xbf16>"
+  for lean, results in ((True, [o, ht]), (False, [o, per_chunk, states, ht])):
+    fn = jax.jit(lambda *a: primal(a, True, dataclasses.replace(cfg, lean_primal=lean)))
+    text = fn.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    assert ("triadic_forward_mgpu_wg2" in text) == (state_wgs == 2)
+    assert mosaic_results(text) == [results], lean
+
+
+def test_lean_primal_config():
+  """``Config.lean_primal`` is a bool, off by default."""
+  assert not CPU.lean_primal
+  with pytest.raises(TypeError, match="lean_primal must be a bool"):
+    Config("cpu", block_v=16, bwd_block_v=16, lean_primal=1)

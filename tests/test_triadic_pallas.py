@@ -489,3 +489,18 @@ def test_partition_finds_batch_and_heads_by_name():
     assert r["local_shapes"] and not r["global_shapes"], (partitioner, r)
     assert r["all_gathers"] == 0, (partitioner, r)
     assert all(r["sharded_like_inputs"]), (partitioner, r)
+
+
+def test_lean_primal_on_the_triton_path():
+  """``Config.lean_primal`` where the Triton structure runs the state passes (interpret mode):
+  the primal keeps o and the final state of the pass's outputs (its kernel has no lean variant),
+  equal to the op's without the option; the plan says so."""
+  cfg = Config("cpu", block_v=16, bwd_block_v=16)
+  lean = dataclasses.replace(cfg, lean_primal=True)
+  assert "the primal drops U and the states" in pops.explain(16, 16, 2, 16, jnp.float32,
+                                                              config=lean).forward.tiles
+  args, _, _ = make_grad_inputs(0, 1, 40, 2, 16, 16, 2, decay=1.0, dtype=jnp.float32)
+  run = lambda c: triadic_pallas(*args[:7], scale=0.25, initial_state=args[7], erase=True,
+                                 chunk_size=16, config=c)
+  for x, y in zip(run(lean), run(cfg), strict=True):
+    assert x.shape == y.shape and jnp.array_equal(x, y)

@@ -114,6 +114,14 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   ``save_drhs``), so the relayout copies of q, k, v, o, dO and dV are not made. Every other
   operand and output (the row factors, A, P, U, X, dU, A^T dU, the states) keeps its (BH, ...)
   layout.
+* Without residuals (``state_pass(..., residuals=False)``: a forward that no backward follows,
+  ``Config.lean_primal``) the forward kernels write o and the final state only: no U, no
+  chunk-start states (and no X), since XLA cannot drop a custom call's unread outputs. The
+  one-warpgroup kernel then has no (E, D, BV) state output buffer (E * D * BV * 2 bytes of
+  SMEM); the two-warpgroup one stores the states from its operand blocks, so only its stores go.
+  The ordering rules above hold unchanged for what remains: every ``commit_smem`` stays (each
+  also publishes a register -> SMEM store that a wgmma reads, or separates a buffer's last
+  reader from its refill), and the ``wait_smem_to_gmem`` at a chunk's top waits for o's store.
 * float32 inputs are not supported (use the Triton path): wgmma on float32 would be TF32.
 """
 
@@ -555,13 +563,15 @@ def _chunk_box(heads, i, c, pieces=1, nc=0):
 def _begin_chunk(carry, carry_s, out_s):
   """Write the carried (D, E*BV) state as the chunk's bf16 wgmma operand (``carry_s``) and into
   the per-chunk output buffer ``out_s`` (E, D, BV), which ``_publish_chunk`` stores after the next
-  ``commit_smem``. The previous chunk's TMA stores must have read the output buffers (waited
-  here), and its last wgmma (the state update, which read ``carry_s``) must be complete: the
-  caller's ``plgpu.wgmma_wait(0)``, which also frees the buffers that update read."""
+  ``commit_smem`` (None: the forward without residuals, which stores no chunk-start state). The
+  previous chunk's TMA stores must have read the output buffers (waited here, o's too), and its
+  last wgmma (the state update, which read ``carry_s``) must be complete: the caller's
+  ``plgpu.wgmma_wait(0)``, which also frees the buffers that update read."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
   carry_s[...] = carry.astype(BF16)
-  e_dim, _, bv = out_s.shape
-  _store_blocks(carry, out_s, e_dim, bv, out_s.dtype)
+  if out_s is not None:
+    e_dim, _, bv = out_s.shape
+    _store_blocks(carry, out_s, e_dim, bv, out_s.dtype)
 
 
 def _publish_chunk(out_s, out_at):
@@ -612,8 +622,11 @@ def _compiler_params():
 
 
 def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, cat, nc,
-                    e_dim, bv, scale, erase, save_x, interpret, heads=None, pieces=1):
-  if save_x:
+                    e_dim, bv, scale, erase, save_x, interpret, heads=None, pieces=1,
+                    residuals=True):
+  if not residuals:                   # o and the final state only
+    o_g, ht_g, bars = outs_and_bars
+  elif save_x:
     o_g, u_g, x_g, st_g, ht_g, bars = outs_and_bars
   else:
     o_g, u_g, st_g, ht_g, bars = outs_and_bars
@@ -647,8 +660,10 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     copies(*refs[:7]).start(first, 0)
 
   def chunk(n, s, q_s, k_bufs, v_s, a_s, p_s, f_bufs, lam_s, state_bf16_s, w_s, rhs_bf16_s,
-            u_bf16_s, o_s, st_s, *extra):
+            u_bf16_s, o_s, *extra):
     ins = copies(q_s, k_bufs, v_s, a_s, p_s, f_bufs, lam_s)
+    st_s = extra[0] if residuals else None              # the chunk-start state's buffer
+    extra = extra[residuals:]
     x_out, interp = extra[:save_x], extra[save_x:]      # interp: K^T, interpret mode only
     f_s, k_s = ins.ref("f", n), ins.ref("k", n)
     d = q_s.shape[1]
@@ -657,7 +672,8 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     ins.wait("lam", n)
     decayed = ops.colvec(lam_s, d) * s
     plgpu.commit_smem()
-    _publish_chunk(st_s, lambda e: st_g.at[i, n, e, :, cols])
+    if residuals:
+      _publish_chunk(st_s, lambda e: st_g.at[i, n, e, :, cols])
     ins.start_next(("lam",), n)
     ins.start(at_end, n)
 
@@ -687,7 +703,8 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     _e_expand(ops, w_s, u, f_s, write_rows, bv)
     plgpu.commit_smem()
     ins.start_next(("a",) if erase else ("v",), n)
-    plgpu.copy_smem_to_gmem(u_bf16_s, u_g.at[i, n, :, cols])
+    if residuals:
+      plgpu.copy_smem_to_gmem(u_bf16_s, u_g.at[i, n, :, cols])
 
     ins.wait("q", n)
     y = ops.mm(q_s, state_bf16_s)
@@ -727,12 +744,16 @@ def _check_heads(heads, pieces, k2_col, q, **arrays):
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               save_x=False, warpgroups=1, heads=None, pieces=1, interpret=False):
+               save_x=False, warpgroups=1, heads=None, pieces=1, residuals=True, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) in q's dtype, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
   (BH,NC,C,V) in q's dtype, after U: the chunk-parallel backward's ``x``. ``warpgroups``: 1, or 2
   at D = 128 (``warpgroups_supported``; block_v default ``default_block_v(.., warpgroups=2)``).
+  ``residuals=False``: o and the final state only, for a forward that no backward follows
+  (``Config.lean_primal``): the kernel neither stores U nor the chunk-start states (a custom
+  call's outputs cannot be dropped by XLA, so unread outputs would still be written) and the one
+  warpgroup kernel allocates no (E, D, BV) buffer for them; ``save_x`` needs residuals.
 
   ``heads=H`` (either warpgroup count): q, k, v are in the user's (B, T, H, X) layout with
   T = NC * C and o is returned (B, T, H, V); the kernel reads and writes them in place by TMA,
@@ -747,12 +768,15 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   bh, nc, c, d, e_dim, bv, f, lam_cat = _prologue(shape, vd, k2_col, q2_col, gc_col, beta_col,
                                                   block_v, warpgroups)
   save_x = bool(save_x and erase)
+  if save_x and not residuals:
+    raise ValueError("save_x needs residuals=True (X is a residual for the backward)")
+  residuals = bool(residuals)
   if save_x:
     f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
   if warpgroups == 2:
     return _forward_2wg(q, k, v, a, p, f, lam_cat, h0, e_dim=e_dim, bv=bv, scale=scale,
                         erase=erase, save_x=save_x, heads=heads, pieces=pieces,
-                        interpret=interpret)
+                        residuals=residuals, interpret=interpret)
   n_rows = f.shape[2]
   n_cat = e_dim * bv
   ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv)
@@ -770,27 +794,33 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
       _smem((c, bv), BF16, sw_v),         # rhs (bf16 operand)
       _smem((c, bv), BF16, sw_v),         # U (bf16 operand)
       _smem((c, bv), q.dtype, sw_v),      # o
-      _smem((e_dim, d, bv), q.dtype, sw_v),               # chunk-start state
-  ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else []) + (     # X
+  ] + ([_smem((e_dim, d, bv), q.dtype, sw_v)] if residuals else []) + (   # chunk-start state
+      [_smem((c, bv), q.dtype, sw_v)] if save_x else []) + (               # X
       [_smem((d, c), BF16, sw_v)] if interpret else [])             # K^T (interpret mode)
   cat = _smem((d, n_cat), F32, _swizzle(n_cat, F32))     # initial / final state (cat layout)
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_x=save_x,
-                             interpret=bool(interpret), heads=heads, pieces=pieces)
-  per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
-  o_type = per_chunk(q.dtype) if heads is None else jax.ShapeDtypeStruct(
-      (*q.shape[:3], vd), q.dtype)
+                             interpret=bool(interpret), heads=heads, pieces=pieces,
+                             residuals=residuals)
   *outs, ht = plgpu.kernel(
       kernel,
-      out_type=[o_type, per_chunk(q.dtype)] + ([per_chunk(q.dtype)] if save_x else []) + [
-          jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
-          jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
+      out_type=_forward_out_types(q, bh, nc, c, d, vd, e_dim, bv, save_x, heads, residuals),
       scratch_types=[plgpu.Barrier(num_barriers=CAT_BARRIER + 1)], grid=(bh, vd // bv),
       grid_names=("bh", "v"),
       compiler_params=_compiler_params(),
       interpret=_interpret_params(interpret), kernel_name="triadic_forward_mgpu",
   )(*ins)
   return (*outs, _from_cat(ht, e_dim))
+
+
+def _forward_out_types(q, bh, nc, c, d, vd, e_dim, bv, save_x, heads, residuals):
+  """The forward passes' outputs: o (the caller's (B, T, H, V) with heads), [U, [X (save_x),]
+  the chunk-start states (residuals),] the final state in the cat layout."""
+  per_chunk = jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype)
+  o_type = per_chunk if heads is None else jax.ShapeDtypeStruct((*q.shape[:3], vd), q.dtype)
+  saved = ([per_chunk] + [per_chunk] * save_x
+           + [jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype)]) if residuals else []
+  return [o_type, *saved, jax.ShapeDtypeStruct((bh, vd // bv, d, e_dim * bv), F32)]
 
 
 # ------------------------------------------------------------------------------------------------
@@ -1015,8 +1045,11 @@ def _partial(ops, lhs, rhs, f_s, first_row, bv):
 
 
 def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, cat,
-                        nc, e_dim, bv, scale, erase, save_x, interpret, heads=None, pieces=1):
-  if save_x:
+                        nc, e_dim, bv, scale, erase, save_x, interpret, heads=None, pieces=1,
+                        residuals=True):
+  if not residuals:                   # o and the final state only
+    o_g, ht_g, bars, xbar = outs_and_bars
+  elif save_x:
     o_g, u_g, x_g, st_g, ht_g, bars, xbar = outs_and_bars
   else:
     o_g, u_g, st_g, ht_g, bars, xbar = outs_and_bars
@@ -1066,7 +1099,7 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
     cp.wait("lam", n)
     decayed = ops.colvec(lam_s, HALF) * s
     plgpu.commit_smem()
-    for e in range(e_dim):                # the chunk-start state, straight from the operand
+    for e in range(e_dim * residuals):    # the chunk-start state, straight from the operand
       plgpu.copy_smem_to_gmem(mine.at[e], st_g.at[i, n, e, rows, cols])
     cp.start(at_end, n)
     cp.wait("f", n)
@@ -1113,7 +1146,8 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
       _e_expand(ops, w_s, u, f_s, write_rows, bv)
       plgpu.commit_smem()
       cp.start_next(("a",) if erase else ("v",), n)
-      plgpu.copy_smem_to_gmem(u16_s, u_g.at[i, n, :, cols])
+      if residuals:
+        plgpu.copy_smem_to_gmem(u16_s, u_g.at[i, n, :, cols])
       cp.wait("p", n)
       out = ops.mm(p_s, u16_s) + part_y + ops.acc(red_y[...])
       o_s[...] = (scale * out).astype(o_s.dtype)
@@ -1142,7 +1176,7 @@ def _kernel_2wg(kernel, ins, out_type, grid, name, interpret):
 
 
 def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save_x, heads,
-                 pieces, interpret):
+                 pieces, residuals, interpret):
   """``state_pass`` with two warpgroups. The sizes come from the row factors f (BH, NC, rows, C)
   and q's last dim, since q, k, v (and o) are (BH, NC, C, X), or (B, T, H, X) with ``heads``."""
   bh, nc, _, c = f.shape
@@ -1171,16 +1205,12 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # initial / final state rows
   kernel = functools.partial(_forward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_x=save_x,
-                             interpret=bool(interpret), heads=heads, pieces=pieces)
-  per_chunk = lambda dt: jax.ShapeDtypeStruct((bh, nc, c, vd), dt)
-  o_type = per_chunk(q.dtype) if heads is None else jax.ShapeDtypeStruct(
-      (*q.shape[:3], vd), q.dtype)
+                             interpret=bool(interpret), heads=heads, pieces=pieces,
+                             residuals=residuals)
   ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv)
   *outs, ht = _kernel_2wg(
       kernel, ins,
-      [o_type, per_chunk(q.dtype)] + ([per_chunk(q.dtype)] if save_x else []) + [
-          jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
-          jax.ShapeDtypeStruct((bh, vd // bv, d, n_cat), F32)],
+      _forward_out_types(q, bh, nc, c, d, vd, e_dim, bv, save_x, heads, residuals),
       (bh, vd // bv), "triadic_forward_mgpu_wg2", interpret)
   return (*outs, _from_cat(ht, e_dim))
 

@@ -2,7 +2,9 @@
 
 Pipeline (forward): ``chunk_prep`` (parallel over chunks: gc, A, P; the masks M, M' in plain JAX,
 ``masks.py``, or in the prep kernel: ``Config.masks_in_prep``) -> the forward state pass (chunk
-loop per value block; saves chunk-start states and U). Backward (``jax.custom_vjp``): the reverse
+loop per value block; saves chunk-start states and U, which a call without gradients does not
+need: ``Config.lean_primal`` then runs a forward state pass that writes o and the final state
+only). Backward (``jax.custom_vjp``): the reverse
 state pass (chunk-end state gradients and dU) -> the chunk-parallel backward (every input
 gradient). Only the inputs, gc, A (float32 for the UT-transform gradient, and a copy in the
 inputs' dtype for the matmuls that take it), P, U and the chunk-start states are kept from the
@@ -208,13 +210,16 @@ def _rule(operands, results, token_major: bool = False) -> str:
   return f"{dims(operands)} -> {dims(results)}"
 
 
-def _signatures(saved: tuple[str, ...]):
+def _signatures(saved: tuple[str, ...], lean: bool = False):
   """((operands, results), (operands, results)): the names, in order, of the partitioned forward
   and backward, keeping the ``saved`` ones of the optional residuals (``_OPTIONAL``, ``_saved``).
   They come last in the forward's results and in the backward's operands, so that the variants
-  differ only by that tail."""
+  differ only by that tail. ``lean``: the forward of a call no backward follows
+  (``Config.lean_primal``), whose results are o and ht alone (``saved`` empty)."""
+  if lean and saved:
+    raise ValueError(f"a lean forward keeps no residuals, got saved={saved!r}")
   residuals = tuple(name for name in Residuals._fields if name not in _OPTIONAL)
-  forward = (_INPUTS, ("o", "ht", *residuals, *saved))
+  forward = (_INPUTS, ("o", "ht") if lean else ("o", "ht", *residuals, *saved))
   backward = ((*_READ_BACK, *residuals, "do", "dht", *saved), tuple("d" + n for n in _INPUTS))
   return forward, backward
 
@@ -225,25 +230,35 @@ def _plan(cfg, q, v, k2):
                           dtype=q.dtype)
 
 
-def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None, save_drhs=False):
+def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None, save_drhs=False,
+                       residuals=True):
   """The plan's state-passing kernels, as (forward, backward) functions of
   ``recurrent.state_pass``'s operands: ``mosaic`` (Hopper wgmma) or ``recurrent`` (Triton / TPU /
   interpret). ``save_x``: the forward also returns X after U (the Mosaic forward only: pass
   ``Plan.saves_x``); ``save_drhs``: the backward also returns A^T dU and dV after dU (the Mosaic
   reverse pass only: pass ``Plan.saves_drhs``). ``heads``: the Mosaic kernels' per-token
-  operands are token-major (``plan.layout``)."""
+  operands are token-major (``plan.layout``). ``residuals=False``: the forward returns o and the
+  final state only (``Config.lean_primal``): the Mosaic forward then writes nothing else; the
+  Triton / TPU one still writes U and the chunk-start states, which are dropped."""
   if _plan(cfg, q, v, k2).mosaic_state_kernels:
     sizes = dict(d=q.shape[-1], vd=v.shape[-1], c=k2.shape[-2], e=k2.shape[-1])
     tiles = plan_lib.state_tiles(cfg, **sizes)
     kw = dict(interpret=cfg.platform == "cpu", block_v=tiles.block_v)
     if heads is not None:
       kw["heads"] = heads
-    return (functools.partial(mosaic.state_pass, save_x=save_x,
+    return (functools.partial(mosaic.state_pass, save_x=save_x, residuals=residuals,
                               warpgroups=tiles.forward_warpgroups, **kw),
             functools.partial(mosaic.reverse_state_pass, warpgroups=tiles.reverse_warpgroups,
                               save_drhs=save_drhs, **kw))
-  return (functools.partial(recurrent.state_pass, cfg=cfg),
+  forward = functools.partial(recurrent.state_pass, cfg=cfg)
+  return (forward if residuals else functools.partial(_outputs_only, forward),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))
+
+
+def _outputs_only(forward, *args, **kw):
+  """(o, ht) of a forward state pass that also returns residuals (U, the chunk-start states)."""
+  o, *_, ht = forward(*args, **kw)
+  return o, ht
 
 
 def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
@@ -269,21 +284,27 @@ def chunk_gradients_kernel(cfg, q, v, k2, heads=None):
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
 
-def _forward(scale, erase, cfg, heads, *, saved, q, k, v, k2, q2, g, beta, h0):
+def _forward(scale, erase, cfg, heads, *, saved, q, k, v, k2, q2, g, beta, h0, lean=False):
   """Forward kernels on (B, H, NC, C, X) operands and h0 (B, H, E, D, V), or with ``heads`` q,
   k, v in the caller's (B, T, H, X) (``plan.layout``): chunk prep, then the forward state pass
   (over pieces of the sequence where the plan says). Returns o (in q's layout), the final state
   ht and the ``Residuals`` fields by name, all with leading (B, H); of the optional ones
-  (``_OPTIONAL``) only the ``saved`` ones."""
+  (``_OPTIONAL``) only the ``saved`` ones. ``lean`` (a call no backward follows,
+  ``Config.lean_primal``): o and ht alone, by a forward state pass that writes nothing else."""
   b, h = k2.shape[:2]
   tok = _merge if heads is None else (lambda x: x)      # the per-token operands' layout
   q, k, v, k2, q2, g, beta, h0 = (tok(q), tok(k), tok(v), *map(_merge, (k2, q2, g, beta, h0)))
   prep = chunk_prep(q, k, k2_col=k2, q2_col=q2, g_col=g, beta_col=beta, erase=erase, cfg=cfg,
                     heads=heads, masks_in_kernel=_plan(cfg, q, v, k2).masks_in_prep)
-  forward = state_pass_kernels(cfg, q, v, k2, save_x="x" in saved, heads=heads)[0]
-  o, u, *x, states, ht = pieces.state_pass(
+  forward = state_pass_kernels(cfg, q, v, k2, save_x="x" in saved, heads=heads,
+                               residuals=not lean)[0]
+  outs = pieces.state_pass(
       forward, sequence_pieces(cfg, q, v, k2), q=q, k=k, v=v, k2=k2, q2=q2, gc=prep.gc_col,
       beta=beta, a=prep.a_operand, p=prep.p, h0=h0, g=g, scale=scale, erase=erase, heads=heads)
+  if lean:
+    o, ht = outs
+    return {"o": o if heads is not None else _split(o, b, h), "ht": _split(ht, b, h)}
+  o, u, *x, states, ht = outs
   kept = dict(x=x[0] if x else None, mq=prep.mq, m=prep.m)
   residuals = Residuals(**prep._asdict() | {name: kept[name] if name in saved else None
                                              for name in _OPTIONAL}, u=u, states=states)
@@ -371,22 +392,24 @@ class _Stage:
 
 
 @functools.cache
-def _make_stages(saved: tuple[str, ...], partitioned: bool, token_major: bool
+def _make_stages(saved: tuple[str, ...], partitioned: bool, token_major: bool, lean: bool = False
                  ) -> tuple[_Stage, _Stage]:
-  (fwd_operands, fwd_results), (bwd_operands, bwd_results) = _signatures(saved)
+  (fwd_operands, fwd_results), (bwd_operands, bwd_results) = _signatures(saved, lean)
   kw = dict(partitioned=partitioned, token_major=token_major)
-  return (_Stage(functools.partial(_forward, saved=saved), fwd_operands, fwd_results, **kw),
+  return (_Stage(functools.partial(_forward, saved=saved, lean=lean), fwd_operands, fwd_results,
+                 **kw),
           _Stage(_backward, bwd_operands, bwd_results, **kw))
 
 
-def _stages(cfg, saved: tuple[str, ...], heads) -> tuple[_Stage, _Stage]:
+def _stages(cfg, saved: tuple[str, ...], heads, lean: bool = False) -> tuple[_Stage, _Stage]:
   """The forward and backward, the forward keeping the ``saved`` optional residuals
-  (``_saved``), token-major or not (``heads``): custom-partitioned (their rules with those
-  residuals), or the plain functions when the kernels run as host callbacks (Mosaic GPU
+  (``_saved``), or with ``lean`` none at all (o and ht only: ``_core``'s primal under
+  ``Config.lean_primal``), token-major or not (``heads``): custom-partitioned (their rules with
+  those results), or the plain functions when the kernels run as host callbacks (Mosaic GPU
   interpret mode on a CPU), which custom_partitioning cannot lower. On one device the two compile
   to the same program."""
   host_callbacks = (cfg.mosaic_gpu or cfg.mosaic_gpu_backward) and cfg.platform == "cpu"
-  return _make_stages(saved, not host_callbacks, heads is not None)
+  return _make_stages(saved, not host_callbacks, heads is not None, lean)
 
 
 def _saved(cfg, q, v, k2, erase) -> tuple[str, ...]:
@@ -399,9 +422,10 @@ def _saved(cfg, q, v, k2, erase) -> tuple[str, ...]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def _core(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg, heads):
-  # Not differentiated: nothing needs the optional residuals.
-  out = _stages(cfg, (), heads)[0](scale, erase, cfg, heads, q=q, k=k, v=v, k2=k2, q2=q2,
-                                   g=g, beta=beta, h0=h0)
+  # Not differentiated: nothing needs the optional residuals, and with ``Config.lean_primal``
+  # nothing needs any residual (the forward state pass writes o and ht only).
+  out = _stages(cfg, (), heads, cfg.lean_primal)[0](scale, erase, cfg, heads, q=q, k=k, v=v,
+                                                    k2=k2, q2=q2, g=g, beta=beta, h0=h0)
   return out["o"], out["ht"]
 
 

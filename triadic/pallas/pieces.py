@@ -199,7 +199,8 @@ def _over_pieces(fn, pieces: Pieces, ins, boundary, live, bound_inputs, *, rever
 def state_pass(fn, pieces: Pieces, q, k, v, k2, q2, gc, beta, a, p, h0, g, *, scale, erase,
                heads=None):
   """``fn`` (a forward state pass: ``recurrent.state_pass`` / ``mosaic.state_pass`` operands and
-  results) over ``pieces``, each started from the state that a pass over the ``warmup`` chunks
+  results, or o and the final state alone: ``mosaic.state_pass(residuals=False)``, whose warm-ups
+  then store nothing but their end states either) over ``pieces``, each started from the state that a pass over the ``warmup`` chunks
   before it brings from zero, or over the whole sequence where a window decays too little.
   ``g`` is the per-token log decay (BH, NC, C, E). ``heads``: q, k, v and o in the caller's
   (B, T, H, X) layout (``fn`` takes ``heads`` and ``pieces``: ``mosaic.state_pass``)."""
