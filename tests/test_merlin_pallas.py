@@ -164,14 +164,10 @@ WALK_CASES = [
                  id="strong-merlin-D24-NS5-partial"),  # 19 chunks: the last segment has 3 of 4
     pytest.param(1, 300, 2, 16, 16, 64, 16, "weak", "meanpool", jnp.float32,
                  id="meanpool-NS5-partial"),
-    pytest.param(1, 150, 2, 32, 16, 32, 16, "strong", "position", jnp.float32,
-                 id="strong-position-NS5"),
     pytest.param(1, 300, 2, 32, 32, 64, 32, "weak", "vanilla", jnp.bfloat16,
                  id="bf16-vanilla-C32-NS5"),
     pytest.param(1, 420, 2, 32, 64, 32, 16, "weak", "merlin", jnp.bfloat16,
                  id="bf16-merlin-V64-NS14"),
-    pytest.param(2, 150, 2, 16, 32, 32, 16, "strong", "random", jnp.bfloat16,
-                 id="bf16-strong-random"),
     pytest.param(1, 300, 2, 16, 32, 32, 16, "mixed", "merlin", jnp.float32,
                  id="mixed-NS10"),
     pytest.param(1, 300, 2, 32, 32, 64, 16, "mixed", "position", jnp.bfloat16,
@@ -210,14 +206,13 @@ def test_query_walk_matches_scan_and_stack(b, t, h, d, vd, segment_len, chunk, d
   assert set(found) == {"merlin_write_pass", "merlin_walk_readout"}, set(found)
 
 
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_query_walk_leaves_the_gradients(dtype):
+def test_query_walk_leaves_the_gradients():
   """Under ``jax.grad`` the op runs the stack forward with or without ``query_walk`` (the custom
   VJP's forward, not its primal): the output and all six gradients are identical to the bit, and
   no walk kernel is traced."""
   b, t, h, d, vd, segment_len, chunk = 1, 150, 2, 16, 32, 32, 16
   n = -(-t // segment_len) + 1
-  args, do = make_inputs(2, b, t, h, d, vd, n, segment_len, "weak", "merlin", dtype)
+  args, do = make_inputs(2, b, t, h, d, vd, n, segment_len, "weak", "merlin", jnp.float32)
   kw = dict(segment_len=segment_len, erase=True, chunk_size=chunk)
   (got, o), (want, o_ref) = (grads("pallas", args, do, config=walk_config(walk), **kw)
                              for walk in (True, False))

@@ -422,7 +422,6 @@ def test_supported():
 
 @pytest.mark.parametrize("wgs,d,vdim,e,bv,erase,heads,pieces", [
     pytest.param(1, 64, 32, 8, 16, True, False, 1, id="wg1-E8-BV16-erase"),
-    pytest.param(1, 64, 32, 3, 32, False, True, 1, id="wg1-E3-noerase-heads"),
     pytest.param(2, 128, 32, 8, 32, True, True, 1, id="wg2-E8-erase-heads"),
     pytest.param(2, 128, 32, 2, 16, False, False, 1, id="wg2-E2-BV16-noerase"),
 ])
