@@ -4,6 +4,7 @@ median timer, a per-kernel device profile and an out-of-memory test."""
 from __future__ import annotations
 
 import collections
+import dataclasses
 import glob
 import math
 import os
@@ -16,6 +17,8 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
+
+from triadic.pallas.common import Config
 
 
 def machine() -> str:
@@ -294,3 +297,23 @@ def is_oom(err: BaseException) -> bool:
   memory."""
   text = str(err)
   return "RESOURCE_EXHAUSTED" in text or "out of memory" in text.lower() or "Out of memory" in text
+
+
+def variant_fields(variant: str) -> dict:
+  """The ``triadic.pallas.common.Config`` fields to replace, as ``triadic_kernels.py
+  --op-variants`` and ``merlin_ops.py --tiles`` write them: comma-joined, a bare name set True,
+  name=N an int (0 or 1, or true or false, for a bool field) (e.g. ``fused_tail``,
+  ``sequence_pieces=0,warmup_chunks=8``, ``token_major=0``, ``lean_primal=True``,
+  ``block_v=32,num_warps=4``)."""
+  bools = {f.name for f in dataclasses.fields(Config) if f.type in ("bool", bool)}
+  words = {"true": True, "false": False}
+  fields = {}
+  for item in variant.split(","):
+    name, _, value = item.partition("=")
+    if not value:
+      fields[name] = True
+    elif name in bools:
+      fields[name] = words[value.lower()] if value.lower() in words else bool(int(value))
+    else:
+      fields[name] = int(value)
+  return fields

@@ -65,6 +65,7 @@ import numpy as np  # noqa: E402
 
 import merlin  # noqa: E402
 from benchmarks.common import ceilings, kernel_profile, machine, profile_table  # noqa: E402
+from benchmarks.common import variant_fields  # noqa: E402
 from layers.platform import default_platform  # noqa: E402
 from merlin.chunked import intra_chunk  # noqa: E402
 from merlin.pallas import kernels as merlin_kernels  # noqa: E402
@@ -119,19 +120,14 @@ def attention(impl, segment_len, chunk, config=None):
   return run
 
 
-def tile_value(v):
-  """One ``--tiles`` value: True or False as a bool (``query_walk=True``), else an int."""
-  return {"True": True, "False": False}[v] if v in ("True", "False") else int(v)
-
-
 def tiles_config(tiles):
   """The pallas Config of ``--tiles`` ("block_v=32,num_warps=4", "query_walk=True": fields of the
   platform's default ``merlin.pallas.plan.default_config`` replaced), or None for the default
   itself."""
   if not tiles:
     return None
-  fields = {k: tile_value(v) for k, v in (kv.split("=") for kv in tiles.split(","))}
-  return dataclasses.replace(merlin_plan.default_config(default_platform()), **fields)
+  return dataclasses.replace(merlin_plan.default_config(default_platform()),
+                             **variant_fields(tiles))
 
 
 def pipeline(aggregator, impl, segment_len, n, chunk, config=None):

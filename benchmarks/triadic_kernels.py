@@ -49,11 +49,11 @@ xla_flags.apply_cpu_workaround()
 
 from benchmarks import peers  # noqa: E402
 from benchmarks.common import ceilings, kernel_profile, median_ms, profile_table  # noqa: E402
+from benchmarks.common import variant_fields  # noqa: E402
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
 from testkit import rel_rms as rel  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
 from triadic.pallas import ops as pops  # noqa: E402
-from triadic.pallas.common import Config  # noqa: E402
 
 SHAPES = {4096: 8, 16384: 2, 65536: 1}  # T -> B, 32768 tokens per batch
 
@@ -603,24 +603,6 @@ def profile(t, e_list, reps, variants=()):
       print(f"\n## f+b B={b} T={t} E={e} {variant or 'default'}\n")
       print(profile_table(rows, wall))
       sys.stdout.flush()
-
-
-def variant_fields(variant: str) -> dict:
-  """``--op-variants`` syntax: comma-joined Config fields, a bare name set True, name=N an int
-  (0 or 1, or true or false, for a bool field) (e.g. ``fused_tail``,
-  ``sequence_pieces=0,warmup_chunks=8``, ``token_major=0``, ``lean_primal=True``)."""
-  bools = {f.name for f in dataclasses.fields(Config) if f.type in ("bool", bool)}
-  words = {"true": True, "false": False}
-  fields = {}
-  for item in variant.split(","):
-    name, _, value = item.partition("=")
-    if not value:
-      fields[name] = True
-    elif name in bools:
-      fields[name] = words[value.lower()] if value.lower() in words else bool(int(value))
-    else:
-      fields[name] = int(value)
-  return fields
 
 
 def time_in_rounds(configs, xs, reps, rounds, where):

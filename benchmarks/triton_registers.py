@@ -46,7 +46,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from benchmarks.triadic_kernels import variant_fields  # noqa: E402
+from benchmarks.common import variant_fields  # noqa: E402
 from layers.conv_kernel import causal_conv_pallas  # noqa: E402
 from merlin.ops import multistate_attention  # noqa: E402
 from merlin.pallas import plan as merlin_plan  # noqa: E402

@@ -292,7 +292,7 @@ def test_smem_of_the_lean_forward():
   chunk-start state buffer; E = 8, D = V = 128, block_v 16); ``--op-variants`` takes
   ``lean_primal=1`` and ``lean_primal=True``."""
   from benchmarks import triton_registers
-  from benchmarks.triadic_kernels import variant_fields
+  from benchmarks.common import variant_fields
   from triadic.pallas import ops as pops
   assert variant_fields("lean_primal=1") == variant_fields("lean_primal=True") == {
       "lean_primal": True}
