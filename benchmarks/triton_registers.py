@@ -233,12 +233,18 @@ def triadic_grad(b, t, h, d, vd, e, erase, cfg):
   return jax.grad(loss, argnums=tuple(range(8))), args
 
 
-def merlin_grad(b, t, h, d, vd, segment_len, erase):
-  """(fn, specs): the gradients of the MERLIN op (its GPU kernels) in its six inputs."""
+def merlin_args(b, t, h, d, vd, segment_len):
+  """The MERLIN op's six input specs: q, k, v (bf16), g, beta and lam (float32, one weight per
+  segment)."""
   n = -(-t // segment_len)
   f32 = jnp.float32
-  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, dtype=f32),
+  return [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, dtype=f32),
           spec(b, t, h, dtype=f32), spec(b, t, h, n, dtype=f32)]
+
+
+def merlin_grad(b, t, h, d, vd, segment_len, erase):
+  """(fn, specs): the gradients of the MERLIN op (its GPU kernels) in its six inputs."""
+  args = merlin_args(b, t, h, d, vd, segment_len)
 
   def loss(*a):
     o = multistate_attention(*a, segment_len=segment_len, erase=erase, impl="pallas",
@@ -251,17 +257,13 @@ def merlin_grad(b, t, h, d, vd, segment_len, erase):
 def merlin_walk(b, t, h, d, vd, segment_len):
   """(fn, specs): the MERLIN erase op's forward alone by the query walk (``Config.query_walk``;
   the GPU's default tiles)."""
-  n = -(-t // segment_len)
-  f32 = jnp.float32
-  args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vd), spec(b, t, h, dtype=f32),
-          spec(b, t, h, dtype=f32), spec(b, t, h, n, dtype=f32)]
   cfg = dataclasses.replace(merlin_plan.default_config("gpu"), query_walk=True)
 
   def forward(*a):
     return multistate_attention(*a, segment_len=segment_len, erase=True, impl="pallas",
                                 platform="gpu", config=cfg)
 
-  return forward, args
+  return forward, merlin_args(b, t, h, d, vd, segment_len)
 
 
 def conv_grad(b, t, c, width, documents):
