@@ -312,12 +312,11 @@ def stages(t, e_list, reps, variants=False, tails=False, fields=()):
       roof = roofline_cells(ms + [sum(ms)], fl + (sum(fl),), by + (sum(by),), peak, hbm)
       print(f"# roofline, E = {e} (counted bytes, floor, measured / floor): prep | forward | "
             "backward states | chunk backward | total: " + " | ".join(roof), flush=True)
-      print(f"# prep by part, E = {e}: " + prep_parts(prep_args, reps, cfg), flush=True)
-      if cfg.lean_primal:   # the forward column is the training forward; the primal's is leaner
-        lean = jax.jit(functools.partial(
-            pops.state_pass_kernels(cfg, q, v, k2, residuals=False)[0], scale=0.1, erase=True))
-        print(f"# lean forward state pass (o and the final state only, Config.lean_primal), "
-              f"E = {e}: {timeit(lean, fwd_args, reps):.2f} ms", flush=True)
+      print(f"# prep by part, E = {e}: " + prep_parts(prep_args, reps), flush=True)
+      lean = jax.jit(functools.partial(   # the primal's pass: o and the final state only
+          pops.state_pass_kernels(cfg, q, v, k2, residuals=False)[0], scale=0.1, erase=True))
+      print(f"# forward state pass without residuals (a call without gradients), E = {e}: "
+            f"{timeit(lean, fwd_args, reps):.2f} ms", flush=True)
       if cfg.mosaic_gpu_backward:  # each row also printed as it comes (a run cut short keeps it)
         parts.append((e, mosaic_backward_parts(cbw_args[:15], x[0] if x else None, reps, cfg)))
         print(f"# chunk backward by part, E = {e}: " + " | ".join(parts[-1][1]), flush=True)
@@ -408,11 +407,11 @@ def layouts(t_list, e_list, reps):
       print("| " + " | ".join(str(x) for x in cells) + " |", flush=True)
 
 
-def prep_parts(prep_args, reps, cfg):
+def prep_parts(prep_args, reps):
   """The prep's plain-JAX parts, each timed alone (ms): the cumulative decay and the masks M, M'
-  (``masks``, by ``cfg.mask_subchunk``), and the UT inverse (``unit_lower_inverse``); the kernel
-  with its glue is the rest of the whole stage's time. Beside them the UT inverse's kernel
-  (``unit_lower_inverse_kernel``, ``Config.ut_kernel``) at 1, 2 and 4 warps."""
+  (``masks``), and the UT inverse (``unit_lower_inverse``); the kernel with its glue is the rest
+  of the whole stage's time. Beside them the UT inverse's kernel (``unit_lower_inverse_kernel``,
+  ``Config.ut_kernel``) at 1, 2 and 4 warps."""
   from triadic.chunked import unit_lower_inverse
   from triadic.pallas import masks
   from triadic.pallas.chunk_prep import unit_lower_inverse_kernel
@@ -422,16 +421,15 @@ def prep_parts(prep_args, reps, cfg):
   def mask_work(k2, q2, g):
     gc_col = masks.chunk_cumsum(g)
     return masks.decay_masks(k2, jnp.swapaxes(k2, -1, -2).astype(jnp.float32), q2, gc_col,
-                             jnp.swapaxes(gc_col, -1, -2), erase=True,
-                             subchunk=cfg.mask_subchunk)
+                             jnp.swapaxes(gc_col, -1, -2), erase=True)
 
   strict = jnp.tril(jnp.ones((c, c), bool), -1)
   lower = jnp.where(strict, 0.1 * jax.random.normal(jax.random.PRNGKey(3), q.shape[:2] + (c, c)),
                     0.0)
   ms_masks = timeit(jax.jit(mask_work), (k2, q2, g), reps)
   ms_inv = timeit(jax.jit(unit_lower_inverse), (lower,), reps)
-  ut_cfg = pops.default_config(pops.default_platform(), 1, 128)
-  kernel_ms = {w: timeit(jax.jit(functools.partial(unit_lower_inverse_kernel, cfg=ut_cfg,
+  cfg = pops.default_config(pops.default_platform(), 1, 128)
+  kernel_ms = {w: timeit(jax.jit(functools.partial(unit_lower_inverse_kernel, cfg=cfg,
                                                    num_warps=w)), (lower,), reps)
                for w in (1, 2, 4)}
   kernel = ", ".join(f"{ms:.2f} ms ({w} warp{'s' if w > 1 else ''})" for w, ms in kernel_ms.items())
@@ -442,8 +440,7 @@ def prep_parts(prep_args, reps, cfg):
 def mosaic_backward_parts(cbw_args, x, reps, cfg):
   """Table cells: the times of the parts of ``mosaic_backward.chunk_gradients`` (erase=True,
   scale 0.1) under ``cfg`` (``x``: X as the forward saved it, or None; the masks and their
-  gradients in plain JAX, by ``cfg.mask_subchunk``; the masks are not the op's backward's where
-  ``Plan.saves_masks``)."""
+  gradients in plain JAX; the masks are not the op's backward's where ``Plan.saves_masks``)."""
   from triadic.pallas import masks
   from triadic.pallas import mosaic_backward as mb
   q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args
@@ -465,7 +462,7 @@ def mosaic_backward_parts(cbw_args, x, reps, cfg):
   sk = jax.jit(slices)
   sk_args = (q, k, do, u, drhs, st, dst, gc_col, k2_col, q2_col, beta_col)
   dqp, dkp, coef, _ = sk(*sk_args)
-  msk = jax.jit(functools.partial(masks.decay_masks, erase=True, subchunk=cfg.mask_subchunk))
+  msk = jax.jit(functools.partial(masks.decay_masks, erase=True))
   msk_args = (k2_col, k2_row, q2_col, gc_col, gc_row)
   m, mq = msk(*msk_args)
   tk = jax.jit(functools.partial(mb.tail_kernel, scale=0.1, erase=True,
@@ -473,7 +470,7 @@ def mosaic_backward_parts(cbw_args, x, reps, cfg):
   tk_args = (q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a)
   _, _, _, dmq, dm = tk(*tk_args)
   cols = coef[..., :e_dim]
-  mg = jax.jit(functools.partial(masks.mask_grads, erase=True, subchunk=cfg.mask_subchunk))
+  mg = jax.jit(functools.partial(masks.mask_grads, erase=True))
   mg_args = (dmq, dm, cols, cols, cols, jnp.zeros_like(k2_col[..., 0, :]), k2_col, k2_row, q2_col,
              gc_col, gc_row)
   times = [timeit(fn, xs, reps) for fn, xs in ((pro, (a, du, gc_col, k2_col, q2_col, beta_col)),

@@ -226,19 +226,14 @@ def test_supported():
     Config("gpu", block_v=16, bwd_block_v=16, slice_warpgroups=3)
   with pytest.raises(ValueError, match="state_warpgroups"):
     Config("gpu", block_v=16, bwd_block_v=16, state_warpgroups=3)
-  with pytest.raises(ValueError, match="mask_subchunk"):
-    Config("gpu", block_v=16, bwd_block_v=16, mask_subchunk=24)
 
 
 def test_hopper_op_matches_scan():
   """The whole op with the Hopper kernels (the Mosaic state passes and the slice kernel, reading
   the X that the Mosaic forward saves: ``Plan.saves_x``, and at E = 4 the split tail reading the
   masks M, M' the forward kept: ``Plan.saves_masks``; interpret mode, inside ``triadic_pallas``'s
-  custom_vjp) against the scan, bf16 bounds of ``test_triadic_pallas``; E = 3 padded to 4; the
-  plain-JAX mask work by sub-chunks of 16 (``Config.mask_subchunk``; the default, elementwise,
-  runs in every other op test)."""
-  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
-               mask_subchunk=16)
+  custom_vjp) against the scan, bf16 bounds of ``test_triadic_pallas``; E = 3 padded to 4."""
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True)
   plan = pops.explain(64, 32, 3, 64, jnp.bfloat16, config=cfg)
   assert plan.mosaic_chunk_gradients and plan.saves_x(True) and not plan.saves_x(False)
   assert plan.saves_masks and "kept from the forward" in plan.chunk_gradients.tiles
@@ -255,11 +250,6 @@ def test_hopper_op_matches_scan():
       (64, jnp.bfloat16), (32, jnp.bfloat16), (4, jnp.float32))))
   assert fn.func is mosaic_backward.chunk_gradients and fn.keywords["slice_warpgroups"] == 1
   assert fn.keywords["partials_in_bf16"]                  # the default: Config.partials_in_bf16
-  assert fn.keywords["mask_subchunk"] == 16
-  assert "by sub-chunks of 16" in plan.chunk_gradients.tiles
-  elementwise = dataclasses.replace(cfg, mask_subchunk=0)
-  assert "elementwise" in pops.explain(64, 32, 3, 64, jnp.bfloat16,
-                                       config=elementwise).chunk_gradients.tiles
   # Without the Mosaic forward nothing saves X (the backward forms it).
   alone = dataclasses.replace(cfg, mosaic_gpu=False)
   assert not pops.explain(64, 32, 3, 64, jnp.bfloat16, config=alone).saves_x(True)

@@ -211,8 +211,7 @@ def chunk_prep(q, k, k2_col, q2_col, g_col, beta_col, *, erase, cfg, heads=None,
     operands = (k2_col, k2_row, q2_col, gc_col, gc_row)
     op_specs = [spec(c, e_dim), spec(e_dim, c), spec(c, e_dim), spec(c, e_dim), spec(e_dim, c)]
   else:
-    m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase,
-                              subchunk=cfg.mask_subchunk)
+    m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
     kernel = functools.partial(_prep_kernel, c=c, erase=erase, dtype=q.dtype)
     operands = (mq, m) if erase else (mq,)
     op_specs = [spec(c, c)] * len(operands)

@@ -75,14 +75,6 @@ class Config:
   masks_in_prep: the prep kernel forms the decay masks M, M' itself from k2, q2 and gc (one
   slice's C x C decay tile at a time) instead of reading them from the plain-JAX masks, so they
   never pass through HBM; for small E (GPU structure only: ``chunk_prep.masks_in_prep_supported``).
-  mask_subchunk: form the plain-JAX masks M, M' and their gradients (``masks.py``: the prep's
-  where not ``masks_in_prep``, the split tail's) by sub-chunks of this many tokens: across
-  sub-chunks the decay factorises through the last token of the earlier one, so those blocks
-  take C (C / S + 1) E exponentials a chunk and float32 matmuls over tokens (C^2 (C / S) E
-  multiply-adds each), and only the diagonal blocks keep one exponential per element (C S E),
-  instead of C^2 E per mask and per reduction, which is what bounds those fusions. 0 (or >= C):
-  the elementwise form, the default: it is the form timed on a GPU (benchmarks/RESULTS.md).
-  A power of two, so that it divides every chunk size below it.
   token_major: keep the op's per-token operands q, k, v and o (and dO, dq, dk, dv) in the
   caller's (B, T, H, X) layout: the kernels read and write them in place (strided TMA boxes,
   block index maps) instead of the op relayouting them to (B*H, NC, C, X) and back. Taken where
@@ -139,7 +131,6 @@ class Config:
   warmup_chunks: int = 16
   ut_kernel: bool = False
   masks_in_prep: bool = False
-  mask_subchunk: int = 0
   token_major: bool = True
   save_masks: bool = True
   drhs_in_reverse_pass: bool = True
@@ -166,10 +157,6 @@ class Config:
                                                 or self.slice_unroll_max_e < 0):
       raise ValueError("slice_unroll_max_e must be None (mosaic_backward.UNROLL_MAX_E) or an int "
                        f">= 0, got {self.slice_unroll_max_e!r}")
-    if (not isinstance(self.mask_subchunk, int) or isinstance(self.mask_subchunk, bool)
-        or self.mask_subchunk < 0 or self.mask_subchunk & (self.mask_subchunk - 1)):
-      raise ValueError("mask_subchunk must be 0 (elementwise masks) or a power of two, got "
-                       f"{self.mask_subchunk!r}")
     if not isinstance(self.warmup_chunks, int) or self.warmup_chunks < 1:
       raise ValueError(f"warmup_chunks must be an int >= 1, got {self.warmup_chunks!r}")
     if self.platform == "cpu" and not self.interpret:

@@ -634,8 +634,7 @@ def default_fused_tail(e: int) -> bool:
 
 
 def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
-         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, heads=None, mq=None, m=None,
-         mask_subchunk=0):
+         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, heads=None, mq=None, m=None):
   """Everything after the slice kernel. ``fused``: ``fused_tail_kernel``; else the masks M, M'
   (plain JAX), the E-independent tail kernel, and the per-slice mask gradients (plain JAX,
   ``masks.py``).
@@ -644,28 +643,24 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col
   parts, dq2 (C,E), d gc column and row parts and dbeta (C,1). ``heads=H``: q, k, dO in and dq,
   dk out in the caller's (B, T, H, X) layout (the tail kernels' ``heads``); x and the rest keep
   the kernel layout. ``mq``, ``m``: M' and M (erase) as the forward formed them, for the split
-  tail (else formed here). ``mask_subchunk``: the split tail's plain-JAX masks and mask gradients
-  by sub-chunks of that many tokens, 0 elementwise (``Config.mask_subchunk``)."""
+  tail (else formed here)."""
   if fused:
     return tuple(fused_tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef,
                                    dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
                                    scale=scale, erase=erase, cfg=cfg, heads=heads))
   if mq is None:
-    m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase,
-                              subchunk=mask_subchunk)
+    m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   dq, dk, dbeta, dmq, dm = tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a,
                                        scale=scale, erase=erase, cfg=cfg, heads=heads)
   dk2_col, dk2_row, dq2_col, dgc_col, dgc_row = masks.mask_grads(
-      dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase,
-      subchunk=mask_subchunk)
+      dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   return dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta
 
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
                     heads=None, a_operand=None, mq=None, m=None, drhs=None, dv=None,
-                    partials_in_bf16=False, slice_unroll_max_e=None, mask_subchunk=0,
-                    interpret=False):
+                    partials_in_bf16=False, slice_unroll_max_e=None, interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
   but in q's dtype for dq, dk and dv (BH,NC,C,V), the rest float32: dk2 column and row parts
   ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
@@ -687,9 +682,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   here. ``slice_warpgroups``, ``partials_in_bf16``, ``slice_unroll_max_e``: the slice kernel's
   warpgroups, the dtype of the dq, dk partials it hands the tail and up to which E its items are
   unrolled (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
-  ``default_fused_tail``); ``mask_subchunk``: the split tail's plain-JAX mask work by sub-chunks
-  of that many tokens, 0 elementwise (``Config.mask_subchunk``). ``interpret=True``: Mosaic GPU
-  interpret mode for the slice kernel and Pallas interpret mode for the tail (CPU tests)."""
+  ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret mode for the slice kernel
+  and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c = k2_col.shape[:3]
   d, vd, e_dim = q.shape[-1], v.shape[-1], k2_col.shape[-1]
   if heads is not None:
@@ -728,6 +722,5 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta = tail(
       q, k, low(x), do, low(u), low(du), low(drhs), dqp, dkp, dcoef, dqcoef, dkcoef, dlam,
       k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a, scale=scale, erase=erase,
-      cfg=tail_config(interpret, fused), fused=fused, heads=heads, mq=mq, m=m,
-      mask_subchunk=mask_subchunk)
+      cfg=tail_config(interpret, fused), fused=fused, heads=heads, mq=mq, m=m)
   return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta

@@ -271,15 +271,15 @@ def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
 def chunk_gradients_kernel(cfg, q, v, k2, heads=None):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel with
   ``cfg.slice_warpgroups``, ``cfg.fused_tail``, ``cfg.partials_in_bf16``,
-  ``cfg.slice_unroll_max_e``; its split tail's mask work with ``cfg.mask_subchunk``; ``heads``:
-  token-major per-token operands) or ``backward.chunk_gradients``."""
+  ``cfg.slice_unroll_max_e``; ``heads``: token-major per-token operands) or
+  ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
     return functools.partial(
         mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
         slice_warpgroups=mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, q.shape[-1]),
         fused_tail=cfg.fused_tail, partials_in_bf16=cfg.partials_in_bf16,
-        slice_unroll_max_e=cfg.slice_unroll_max_e, mask_subchunk=cfg.mask_subchunk,
+        slice_unroll_max_e=cfg.slice_unroll_max_e,
         **({} if heads is None else {"heads": heads}))
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 

@@ -16,7 +16,7 @@ import logging
 
 import jax.numpy as jnp
 
-from triadic.pallas import chunk_prep, masks, mosaic, mosaic_backward, pieces
+from triadic.pallas import chunk_prep, mosaic, mosaic_backward, pieces
 from triadic.pallas.common import Config
 
 log = logging.getLogger("triadic.pallas")
@@ -79,22 +79,12 @@ def _base(cfg: Config) -> str:
   return name + ("/interpret" if cfg.platform == "cpu" else "")
 
 
-def _mask_form(cfg: Config, c: int) -> str:
-  """How ``masks.py`` forms the plain-JAX masks and their gradients at chunk size ``c``."""
-  s = masks.sub_chunk(cfg.mask_subchunk, c)
-  if s:
-    return f"by sub-chunks of {s} (Config.mask_subchunk)"
-  why = "0" if not cfg.mask_subchunk else f"{cfg.mask_subchunk} >= C"
-  return f"elementwise (Config.mask_subchunk {why})"
-
-
 def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   """The plan for (padded) sizes D, V, chunk C, E and the inputs' dtype under ``cfg``."""
   base = _base(cfg)
   interp = "/interpret" if cfg.platform == "cpu" else ""
   loop = "chunks on the grid, state in VMEM" if cfg.chunk_grid else "chunk loop per value block"
   inverse = "UT inverse kernel (Config.ut_kernel)" if cfg.ut_kernel else "UT inverse in plain JAX"
-  mask_form = _mask_form(cfg, c)
   masks_by = "masks M, M' in plain JAX"
   refused = (chunk_prep.masks_in_prep_supported(c, e, cfg) if cfg.masks_in_prep
              else "Config.masks_in_prep off")
@@ -102,7 +92,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
     masks_by = "masks M, M' in the kernel, a slice at a time (Config.masks_in_prep)"
   elif cfg.masks_in_prep:
     masks_by += f" ({refused})"
-  kernel = "" if refused is None else f", {mask_form}, E-independent kernel"
+  kernel = "" if refused is None else " (E-independent kernel)"
   prep = Stage("prep", base, "one program per chunk", f"{masks_by}{kernel}; {inverse}")
 
   st = state_tiles(cfg, d=d, vd=vd, c=c, e=e)
@@ -134,7 +124,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   else:
     keep = "M, M' formed again: Config.save_masks off"
   tail = ("fused tail" if fused else
-          f"split tail between the mask work ({keep}; mask gradients in plain JAX, {mask_form})")
+          f"split tail between the mask work ({keep}; mask gradients in plain JAX)")
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
   slice_wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
