@@ -303,7 +303,7 @@ def variant_fields(variant: str) -> dict:
   """The ``triadic.pallas.common.Config`` fields to replace, as ``triadic_kernels.py
   --op-variants`` and ``merlin_ops.py --tiles`` write them: comma-joined, a bare name set True,
   name=N an int (0 or 1, or true or false, for a bool field) (e.g. ``fused_tail``,
-  ``sequence_pieces=0,warmup_chunks=8``, ``token_major=0``, ``lean_primal=True``,
+  ``sequence_pieces=0,warmup_chunks=8``, ``token_major=0``, ``masks_in_prep=True``,
   ``block_v=32,num_warps=4``)."""
   bools = {f.name for f in dataclasses.fields(Config) if f.type in ("bool", bool)}
   words = {"true": True, "false": False}

@@ -163,9 +163,9 @@ def attention_fns():
 def check(only=None, variants=()):
   """Relative RMS error of pallas (the device's default kernels: Mosaic GPU on Hopper for bf16)
   and of each of ``variants`` (``--op-variants``' sets: ``Config`` fields over the default)
-  against scan (float32) and chunked (bf16) on this machine; the reference once per case. A
-  variant with ``lean_primal`` also gets a "primal" row: o and the final state of the op called
-  without a gradient (``_core``'s primal, the lean forward state pass), against the same
+  against scan (float32) and chunked (bf16) on this machine; the reference once per case. Each
+  config also gets a "primal" row: o and the final state of the op called without a gradient
+  (``_core``'s primal, whose Mosaic forward state pass writes nothing else), against the same
   reference."""
   names = "o state dq dk dv dk2 dq2 dg dbeta dh0".split()
   print("| case | config | " + " | ".join(names) + " |")
@@ -224,15 +224,14 @@ def check(only=None, variants=()):
       else:
         print(f"| {label} | {name} | "
               + " | ".join(f"{rel(x, y):.1e}" for x, y in zip(got, want)) + " |")
-      if fields and fields.get("lean_primal"):    # the primal's lean forward: o, state only
-        try:
-          got = jax.jit(lambda: primal(fields))()
-        except Exception as err:
-          print(f"| {label} | {name} primal | failed: {type(err).__name__}: {err}"[:300] + " |")
-        else:
-          print(f"| {label} | {name} primal | "
-                + " | ".join(f"{rel(x, y):.1e}" for x, y in zip(got, want[:2]))
-                + " |" + " - |" * (len(names) - 2))
+      try:      # the primal: o and the state (the Mosaic forward without residuals)
+        got = jax.jit(lambda: primal(fields or {}))()
+      except Exception as err:
+        print(f"| {label} | {name} primal | failed: {type(err).__name__}: {err}"[:300] + " |")
+      else:
+        print(f"| {label} | {name} primal | "
+              + " | ".join(f"{rel(x, y):.1e}" for x, y in zip(got, want[:2]))
+              + " |" + " - |" * (len(names) - 2))
       sys.stdout.flush()
 
 
@@ -559,7 +558,7 @@ def main():
                            "columns: a name alone is True, name=N an int, e.g. ut_kernel "
                            "sequence_pieces=1,state_block_v=32 (--check, --stages: a row per set "
                            "beside the default's). The forward columns time the op without a "
-                           "gradient, so lean_primal=1 times the lean primal")
+                           "gradient (its primal)")
   parser.add_argument("--tail-variants", action="store_true",
                       help="with --stages on Hopper: the chunk backward's tail, fused and split, "
                            "under a few tile choices")

@@ -6,8 +6,8 @@
     PYTHONPATH=. python benchmarks/triton_registers.py --conv --no-triadic --b 4 --t 4096
 
 Lowers the op's forward and backward for CUDA on this machine (the triadic op with the Hopper
-defaults, ``ops.default_config(hopper=True)``, and each ``--op-variants`` Config, and for one
-with ``lean_primal`` also the op's primal, whose forward state pass is the lean one; the MERLIN op
+defaults, ``ops.default_config(hopper=True)``, and each ``--op-variants`` Config, each also as
+the op's primal, whose Mosaic forward state pass writes o and the final state only; the MERLIN op
 with its GPU config; with ``--conv`` the short convolution's kernels, ``layers.conv_kernel``, over
 the GDN layer's q, k, v channels, 3 H D, with and without packed documents) and prints two
 tables.
@@ -212,8 +212,8 @@ def triadic_args(b, t, h, d, vd, e):
 
 
 def triadic_primal(b, t, h, d, vd, e, erase, cfg):
-  """(fn, specs): the triadic op under ``cfg`` without a gradient (its primal, which
-  ``Config.lean_primal`` runs with the lean forward state pass)."""
+  """(fn, specs): the triadic op under ``cfg`` without a gradient (its primal, whose Mosaic
+  forward state pass writes o and the final state only)."""
   def forward(*a):
     return pops.triadic_pallas(*a[:7], scale=d ** -0.5, initial_state=a[7], erase=erase,
                                chunk_size=64, config=cfg)
@@ -323,9 +323,9 @@ def main(argv=None):
         label = f"triadic E={e}" + (f" {variant}" if variant else "")
         lowerings.append((label, *triadic_grad(args.b, args.t, args.h, args.d, args.v, e, erase,
                                                cfg)))
-        if cfg.lean_primal:     # the gradient runs the full forward: the primal's is the lean one
-          lowerings.append((label + " primal", *triadic_primal(args.b, args.t, args.h, args.d,
-                                                                args.v, e, erase, cfg)))
+        # The gradient runs the forward with residuals; the primal's writes o and ht only.
+        lowerings.append((label + " primal", *triadic_primal(args.b, args.t, args.h, args.d,
+                                                              args.v, e, erase, cfg)))
   if args.merlin:
     lowerings.append((f"MERLIN segment {args.segment_len}",
                       *merlin_grad(args.b, args.t, args.h, args.d, args.v, args.segment_len,

@@ -3,7 +3,6 @@ block benchmark's parts of the triadic layer compose to the layer's own output."
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 import re
 
@@ -287,25 +286,27 @@ def test_smem_count_of_the_two_warpgroup_passes():
 
 
 def test_smem_of_the_lean_forward():
-  """``triton_registers`` lowers the op's primal for a ``lean_primal`` variant: its one-warpgroup
-  forward state pass asks for E * D * block_v bf16 less SMEM than the full primal's (no
-  chunk-start state buffer; E = 8, D = V = 128, block_v 16); ``--op-variants`` takes
-  ``lean_primal=1`` and ``lean_primal=True``."""
+  """``triton_registers`` lowers the op's primal, whose one-warpgroup forward state pass asks for
+  E * D * block_v bf16 less SMEM than the same pass with residuals (no chunk-start state buffer;
+  E = 8, D = V = 128, block_v 16, the op's default there)."""
   from benchmarks import triton_registers
-  from benchmarks.common import variant_fields
+  from tests.test_mosaic_gpu import kernel_arg_specs
+  from triadic.pallas import mosaic
   from triadic.pallas import ops as pops
-  assert variant_fields("lean_primal=1") == variant_fields("lean_primal=True") == {
-      "lean_primal": True}
-  assert variant_fields("lean_primal=false") == {"lean_primal": False}
   cfg = pops.default_config("gpu", 8, 128, bh=2, hopper=True)
+  _, (primal,) = triton_registers.lowered_kernels(
+      *triton_registers.triadic_primal(1, 128, 2, 128, 128, 8, True, cfg))
+  assert primal.name == "triadic_forward_mgpu"
+  bh, nc, c, d = 2, 2, 64, 128
+  args = kernel_arg_specs([(bh, nc, c, d)] * 3, bh=bh, nc=nc, c=c, d=d, vdim=d, e=8)
   smem = {}
-  for lean in (False, True):
-    fn, args = triton_registers.triadic_primal(1, 128, 2, 128, 128, 8, True,
-                                               dataclasses.replace(cfg, lean_primal=lean))
+  for residuals in (False, True):
+    fn = functools.partial(mosaic.state_pass, scale=1.0, erase=True, block_v=16,
+                           residuals=residuals)
     _, (kernel,) = triton_registers.lowered_kernels(fn, args)
-    assert kernel.name == "triadic_forward_mgpu"
-    smem[lean] = kernel.smem
-  assert smem[False] - smem[True] == 8 * 128 * 16 * 2
+    smem[residuals] = kernel.smem
+  assert smem[True] - smem[False] == 8 * 128 * 16 * 2
+  assert primal.smem == smem[False]
 
 
 def test_kernels_of_the_conv():

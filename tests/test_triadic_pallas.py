@@ -491,16 +491,16 @@ def test_partition_finds_batch_and_heads_by_name():
     assert all(r["sharded_like_inputs"]), (partitioner, r)
 
 
-def test_lean_primal_on_the_triton_path():
-  """``Config.lean_primal`` where the Triton structure runs the state passes (interpret mode):
-  the primal keeps o and the final state of the pass's outputs (its kernel has no lean variant),
-  equal to the op's without the option; the plan says so."""
+def test_primal_on_the_triton_path():
+  """Where the Triton structure runs the state passes (interpret mode) the op's primal (no
+  gradient) keeps o and the final state of the pass's outputs (that kernel has no variant
+  without residuals): equal to the differentiated call's (``jax.vjp``, ``_core_fwd``); the
+  plan promises no leaner primal there."""
   cfg = Config("cpu", block_v=16, bwd_block_v=16)
-  lean = dataclasses.replace(cfg, lean_primal=True)
-  assert "the primal drops U and the states" in pops.explain(16, 16, 2, 16, jnp.float32,
-                                                              config=lean).forward.tiles
+  assert "without gradients" not in pops.explain(16, 16, 2, 16, jnp.float32,
+                                                 config=cfg).forward.tiles
   args, _, _ = make_grad_inputs(0, 1, 40, 2, 16, 16, 2, decay=1.0, dtype=jnp.float32)
-  run = lambda c: triadic_pallas(*args[:7], scale=0.25, initial_state=args[7], erase=True,
-                                 chunk_size=16, config=c)
-  for x, y in zip(run(lean), run(cfg), strict=True):
+  run = lambda *a: triadic_pallas(*a[:7], scale=0.25, initial_state=a[7], erase=True,
+                                  chunk_size=16, config=cfg)
+  for x, y in zip(run(*args), jax.vjp(run, *args)[0], strict=True):
     assert x.shape == y.shape and jnp.array_equal(x, y)

@@ -102,13 +102,6 @@ class Config:
   each segment's end state and composite map instead of every visible chunk-start state (the
   (B*H, VIS, D, V) stack). A differentiated call runs the stack forward regardless, as the
   backward needs the states. Off by default: the stack forward is the one timed on a GPU.
-  lean_primal: where no gradient is taken (``triadic_pallas``' primal: evaluation, prefill), run
-  the forward state pass without residuals (``mosaic.state_pass(residuals=False)``): it writes o
-  and the final state only, not every chunk-start state (B*H*NC*E*D*V in bf16) nor U, which only
-  the backward reads and which XLA cannot drop from a kernel's outputs. The Triton / TPU pass
-  has no such variant: there the outputs are written and dropped. A differentiated call is
-  unchanged. Off by default: the forward kernels without those stores have not been checked on
-  a GPU yet.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -137,7 +130,6 @@ class Config:
   partials_in_bf16: bool = True
   slice_unroll_max_e: int | None = None
   query_walk: bool = False
-  lean_primal: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -150,7 +142,7 @@ class Config:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
     for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass",
-                 "partials_in_bf16", "query_walk", "lean_primal"):
+                 "partials_in_bf16", "query_walk"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)

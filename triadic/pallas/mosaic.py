@@ -115,7 +115,7 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   operand and output (the row factors, A, P, U, X, dU, A^T dU, the states) keeps its (BH, ...)
   layout.
 * Without residuals (``state_pass(..., residuals=False)``: a forward that no backward follows,
-  ``Config.lean_primal``) the forward kernels write o and the final state only: no U, no
+  the op's primal) the forward kernels write o and the final state only: no U, no
   chunk-start states (and no X), since XLA cannot drop a custom call's unread outputs. The
   one-warpgroup kernel then has no (E, D, BV) state output buffer (E * D * BV * 2 bytes of
   SMEM); the two-warpgroup one stores the states from its operand blocks, so only its stores go.
@@ -751,7 +751,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   (BH,NC,C,V) in q's dtype, after U: the chunk-parallel backward's ``x``. ``warpgroups``: 1, or 2
   at D = 128 (``warpgroups_supported``; block_v default ``default_block_v(.., warpgroups=2)``).
   ``residuals=False``: o and the final state only, for a forward that no backward follows
-  (``Config.lean_primal``): the kernel neither stores U nor the chunk-start states (a custom
+  (the op's primal): the kernel neither stores U nor the chunk-start states (a custom
   call's outputs cannot be dropped by XLA, so unread outputs would still be written) and the one
   warpgroup kernel allocates no (E, D, BV) buffer for them; ``save_x`` needs residuals.
 

@@ -3,17 +3,16 @@
 Pipeline (forward): ``chunk_prep`` (parallel over chunks: gc, A, P; the masks M, M' in plain JAX,
 ``masks.py``, or in the prep kernel: ``Config.masks_in_prep``) -> the forward state pass (chunk
 loop per value block; saves chunk-start states and U, which a call without gradients does not
-need: ``Config.lean_primal`` then runs a forward state pass that writes o and the final state
-only). Backward (``jax.custom_vjp``): the reverse
-state pass (chunk-end state gradients and dU) -> the chunk-parallel backward (every input
-gradient). Only the inputs, gc, A (float32 for the UT-transform gradient, and a copy in the
-inputs' dtype for the matmuls that take it), P, U and the chunk-start states are kept from the
-forward (and X = V - sum_e diag(c_e) K S_e where the Hopper backward reads it: ``Plan.saves_x``;
-M and M' where its split tail reads them: ``Plan.saves_masks``); K K^T and Q K^T are recomputed,
-and M, M' elsewhere. What passes between kernels in float32 is only what some
-float32 arithmetic reads: U, dU (with erase) and P are stored in the inputs' dtype, since their
-every use is a matmul operand in it. Which kernel runs each stage is decided in one place,
-``plan.resolve`` (``explain`` shows it for given sizes).
+need: there the Mosaic forward state pass writes o and the final state only). Backward
+(``jax.custom_vjp``): the reverse state pass (chunk-end state gradients and dU) -> the
+chunk-parallel backward (every input gradient). Only the inputs, gc, A (float32 for the
+UT-transform gradient, and a copy in the inputs' dtype for the matmuls that take it), P, U and the
+chunk-start states are kept from the forward (and X = V - sum_e diag(c_e) K S_e where the Hopper
+backward reads it: ``Plan.saves_x``; M and M' where its split tail reads them:
+``Plan.saves_masks``); K K^T and Q K^T are recomputed, and M, M' elsewhere. What passes between
+kernels in float32 is only what some float32 arithmetic reads: U, dU (with erase) and P are stored
+in the inputs' dtype, since their every use is a matmul operand in it. Which kernel runs each
+stage is decided in one place, ``plan.resolve`` (``explain`` shows it for given sizes).
 When the state passes' programs cannot fill the GPU (B = 1 at long T), ``Config.sequence_pieces``
 runs them over pieces of the sequence, each started from a short warm-up pass (``pieces.py``,
 ``plan.sequence_pieces``; exact to far below rounding, and only where every window decays enough).
@@ -215,7 +214,7 @@ def _signatures(saved: tuple[str, ...], lean: bool = False):
   and backward, keeping the ``saved`` ones of the optional residuals (``_OPTIONAL``, ``_saved``).
   They come last in the forward's results and in the backward's operands, so that the variants
   differ only by that tail. ``lean``: the forward of a call no backward follows
-  (``Config.lean_primal``), whose results are o and ht alone (``saved`` empty)."""
+  (``_core``'s primal), whose results are o and ht alone (``saved`` empty)."""
   if lean and saved:
     raise ValueError(f"a lean forward keeps no residuals, got saved={saved!r}")
   residuals = tuple(name for name in Residuals._fields if name not in _OPTIONAL)
@@ -238,7 +237,7 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None, save_drhs=False,
   ``Plan.saves_x``); ``save_drhs``: the backward also returns A^T dU and dV after dU (the Mosaic
   reverse pass only: pass ``Plan.saves_drhs``). ``heads``: the Mosaic kernels' per-token
   operands are token-major (``plan.layout``). ``residuals=False``: the forward returns o and the
-  final state only (``Config.lean_primal``): the Mosaic forward then writes nothing else; the
+  final state only (``_core``'s primal): the Mosaic forward then writes nothing else; the
   Triton / TPU one still writes U and the chunk-start states, which are dropped."""
   if _plan(cfg, q, v, k2).mosaic_state_kernels:
     sizes = dict(d=q.shape[-1], vd=v.shape[-1], c=k2.shape[-2], e=k2.shape[-1])
@@ -290,7 +289,7 @@ def _forward(scale, erase, cfg, heads, *, saved, q, k, v, k2, q2, g, beta, h0, l
   (over pieces of the sequence where the plan says). Returns o (in q's layout), the final state
   ht and the ``Residuals`` fields by name, all with leading (B, H); of the optional ones
   (``_OPTIONAL``) only the ``saved`` ones. ``lean`` (a call no backward follows,
-  ``Config.lean_primal``): o and ht alone, by a forward state pass that writes nothing else."""
+  ``_core``'s primal): o and ht alone, by a forward state pass that writes nothing else."""
   b, h = k2.shape[:2]
   tok = _merge if heads is None else (lambda x: x)      # the per-token operands' layout
   q, k, v, k2, q2, g, beta, h0 = (tok(q), tok(k), tok(v), *map(_merge, (k2, q2, g, beta, h0)))
@@ -403,11 +402,10 @@ def _make_stages(saved: tuple[str, ...], partitioned: bool, token_major: bool, l
 
 def _stages(cfg, saved: tuple[str, ...], heads, lean: bool = False) -> tuple[_Stage, _Stage]:
   """The forward and backward, the forward keeping the ``saved`` optional residuals
-  (``_saved``), or with ``lean`` none at all (o and ht only: ``_core``'s primal under
-  ``Config.lean_primal``), token-major or not (``heads``): custom-partitioned (their rules with
-  those results), or the plain functions when the kernels run as host callbacks (Mosaic GPU
-  interpret mode on a CPU), which custom_partitioning cannot lower. On one device the two compile
-  to the same program."""
+  (``_saved``), or with ``lean`` none at all (o and ht only: ``_core``'s primal), token-major
+  or not (``heads``): custom-partitioned (their rules with those results), or the plain
+  functions when the kernels run as host callbacks (Mosaic GPU interpret mode on a CPU), which
+  custom_partitioning cannot lower. On one device the two compile to the same program."""
   host_callbacks = (cfg.mosaic_gpu or cfg.mosaic_gpu_backward) and cfg.platform == "cpu"
   return _make_stages(saved, not host_callbacks, heads is not None, lean)
 
@@ -422,10 +420,9 @@ def _saved(cfg, q, v, k2, erase) -> tuple[str, ...]:
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10, 11))
 def _core(q, k, v, k2, q2, g, beta, h0, scale, erase, cfg, heads):
-  # Not differentiated: nothing needs the optional residuals, and with ``Config.lean_primal``
-  # nothing needs any residual (the forward state pass writes o and ht only).
-  out = _stages(cfg, (), heads, cfg.lean_primal)[0](scale, erase, cfg, heads, q=q, k=k, v=v,
-                                                    k2=k2, q2=q2, g=g, beta=beta, h0=h0)
+  # Not differentiated: nothing needs any residual (the forward state pass writes o and ht only).
+  out = _stages(cfg, (), heads, lean=True)[0](scale, erase, cfg, heads, q=q, k=k, v=v, k2=k2,
+                                              q2=q2, g=g, beta=beta, h0=h0)
   return out["o"], out["ht"]
 
 

@@ -200,10 +200,11 @@ def state_pass(fn, pieces: Pieces, q, k, v, k2, q2, gc, beta, a, p, h0, g, *, sc
                heads=None):
   """``fn`` (a forward state pass: ``recurrent.state_pass`` / ``mosaic.state_pass`` operands and
   results, or o and the final state alone: ``mosaic.state_pass(residuals=False)``, whose warm-ups
-  then store nothing but their end states either) over ``pieces``, each started from the state that a pass over the ``warmup`` chunks
-  before it brings from zero, or over the whole sequence where a window decays too little.
-  ``g`` is the per-token log decay (BH, NC, C, E). ``heads``: q, k, v and o in the caller's
-  (B, T, H, X) layout (``fn`` takes ``heads`` and ``pieces``: ``mosaic.state_pass``)."""
+  then store nothing but their end states either) over ``pieces``, each started from the state
+  that a pass over the ``warmup`` chunks before it brings from zero, or over the whole sequence
+  where a window decays too little. ``g`` is the per-token log decay (BH, NC, C, E). ``heads``: q,
+  k, v and o in the caller's (B, T, H, X) layout (``fn`` takes ``heads`` and ``pieces``:
+  ``mosaic.state_pass``)."""
   return _over_pieces(fn, pieces, (q, k, v, k2, q2, gc, beta, a, p), h0, _live(k2, h0),
                       (k, k2, g, beta), reverse=False, kw=dict(scale=scale, erase=erase),
                       heads=heads, token_outputs=(0,))

@@ -108,6 +108,8 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                    "Config.mosaic_gpu; "
                    + _warpgroups_reason(cfg, wgs, d=d, vd=vd, c=c, e=e, bv=st.block_v))
     forward = mosaic_stage("forward", st.forward_warpgroups, "a chunk ahead", "K^T")
+    forward = dataclasses.replace(   # the Triton / TPU pass writes U and the states regardless
+        forward, tiles=forward.tiles + "; without gradients o and the final state only")
     bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, "at chunk start",
                               "K^T Q^T A^T P^T")
   else:
@@ -147,11 +149,6 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
         bwd_states, tiles=bwd_states.tiles + "; with erase also A^T dU and dV",
         reason=bwd_states.reason + "; the chunk backward reads A^T dU, dV: "
         "Config.drhs_in_reverse_pass")
-  if cfg.lean_primal:
-    lean = ("the primal writes o and the final state only" if state_reason is None else
-            "the primal drops U and the states the kernel writes")
-    forward = dataclasses.replace(forward, tiles=forward.tiles + "; " + lean,
-                                  reason=forward.reason + "; Config.lean_primal")
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
   saves_masks = (cb_reason is None and not fused and refused is not None and cfg.save_masks)
   plan = Plan(sizes, prep, forward, bwd_states, chunk_bwd, masks_in_prep=refused is None,
