@@ -53,6 +53,14 @@ def build(b, t, h, d, vdim, e, c, erase, seed=0):
   """Kernel operands as ops._forward makes them: (q, k, v, k2, q2, gc_col, beta, A, P, h0), do, dht
   (do in q's dtype, as ops._backward passes it)."""
   args, do, ds = make_grad_inputs(seed, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.bfloat16)
+  return _operands(args, do, ds, c=c, erase=erase)
+
+
+@functools.partial(jax.jit, static_argnames=("c", "erase"))
+def _operands(args, do, ds, *, c, erase):
+  """``build``'s relayouts and ``chunk_prep`` as one program (run eagerly, each of their ops
+  compiles on its own: seconds a call on the 2-core CI)."""
+  b, t, h = args[0].shape[:3]
   nc = -(-t // c)
   merge = lambda x: x.reshape(b * h, *x.shape[2:])
   q, k, v = (merge(kernel_layout(x, nc, c)) for x in args[:3])
@@ -65,28 +73,30 @@ def build(b, t, h, d, vdim, e, c, erase, seed=0):
 
 CPU = Config("cpu", block_v=16, bwd_block_v=16)
 
+
+def reference(fn, *args, **kw):
+  """``recurrent``'s pass ``fn`` (the Triton structure, Pallas interpret mode) under jit."""
+  return jax.jit(functools.partial(fn, cfg=CPU, **kw))(*args)
+
 CASES = [
-    # b, t, h, v, e, block_v, erase   (D = 64, C = 64; NC = 3 for t = 150)
-    pytest.param(1, 150, 2, 32, 1, 32, True, id="E1-BV32-erase"),
-    pytest.param(2, 150, 1, 64, 3, 32, True, id="E3-BV32-erase"),
-    pytest.param(1, 150, 2, 32, 4, 16, False, id="E4-BV16-noerase"),
-    pytest.param(1, 150, 2, 32, 8, 16, True, id="E8-BV16-erase"),
-    pytest.param(1, 150, 2, 32, 8, 32, False, id="E8-BV32-noerase"),
+    # b, t, h, v, e, block_v, erase, heads   (D = 64, C = 64; NC = 3 for t = 150 and 192)
+    pytest.param(1, 150, 2, 32, 1, 32, True, False, id="E1-BV32-erase"),
+    pytest.param(2, 150, 1, 64, 3, 32, True, False, id="E3-BV32-erase"),
+    pytest.param(1, 150, 2, 32, 4, 16, False, False, id="E4-BV16-noerase"),
+    pytest.param(1, 150, 2, 32, 8, 16, True, False, id="E8-BV16-erase"),
+    # heads without erase, in whole chunks (B = H = 2 with erase: the save_x test below)
+    pytest.param(1, 192, 1, 32, 8, 32, False, True, id="E8-BV32-noerase-heads"),
 ]
 
 
-@pytest.mark.parametrize("b,t,h,vdim,e,bv,erase", CASES)
-def test_forward_and_backward_match_recurrent(b, t, h, vdim, e, bv, erase):
+@pytest.mark.parametrize("b,t,h,vdim,e,bv,erase,heads", CASES)
+def test_forward_and_backward_match_recurrent(b, t, h, vdim, e, bv, erase, heads):
+  """One warpgroup, the forward and reverse passes against ``recurrent``; with ``heads``, the
+  passes with ``heads=H`` give these outputs bit for bit (``match_default_with_heads``)."""
   d, c = 64, 64
-  fargs, do, dht = build(b, t, h, d, vdim, e, c, erase)
-  assert fargs[0].shape[1] >= 3 and fargs[0].shape[0] >= 2
-  kw = dict(scale=SCALE, erase=erase)
-  got = jax.jit(functools.partial(mosaic.state_pass, block_v=bv, interpret=True, **kw))(*fargs)
-  check_close(FORWARD_OUTPUTS, got, recurrent.state_pass(*fargs, cfg=CPU, **kw))
-  bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  got = jax.jit(functools.partial(mosaic.reverse_state_pass, block_v=bv, interpret=True,
-                                  **kw))(*bargs)
-  check_close(BACKWARD_OUTPUTS, got, recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw))
+  built = build(b, t, h, d, vdim, e, c, erase)
+  assert built[0][0].shape[1] >= 3 and (built[0][0].shape[0] >= 2 or heads)
+  match_recurrent(built, erase, False, dict(block_v=bv), heads=(b, h) if heads else None)
 
 
 FORWARD_OUTPUTS = ("o", "U", "states", "final state")
@@ -101,66 +111,81 @@ def check_close(names, got, want):
 
 
 WG2_CASES = [
-    # b, t, h, v, e, erase, save_x, block_v   (D = 128, C = 64; NC = 3 for t = 150)
+    # b, t, h, v, e, erase, save_x, block_v, heads   (D = 128, C = 64; NC = 3 for t = 150 and 192)
+    # The interpreter compiles the two warpgroups' kernel body once a program (B * H * V / block_v
+    # of them; the larger E, the longer), whatever NC: one (b, h) row, but B = H = 2 where heads
+    # needs them. With heads (whole chunks): two value blocks (the column offsets of v, o and dO)
+    # and B = H = 2 (b = i // H, h = i % H).
     # the two-warpgroup default block_v (32: E * block_v = 256 at E = 8)
-    pytest.param(1, 150, 2, 64, 1, False, False, None, id="E1-noerase-V64"),
-    pytest.param(1, 150, 2, 32, 3, True, True, None, id="E3-erase-saveX"),
-    pytest.param(1, 150, 2, 32, 8, True, False, None, id="E8-erase"),
+    pytest.param(1, 192, 1, 64, 1, False, False, None, True, id="E1-noerase-V64-heads"),
+    pytest.param(2, 192, 2, 32, 1, True, True, None, True, id="B2-H2-E1-erase-saveX-heads"),
+    pytest.param(1, 150, 1, 32, 3, True, True, None, False, id="E3-erase-saveX"),
+    pytest.param(1, 150, 1, 32, 8, True, False, None, False, id="E8-erase"),
     # block_v 16, the default reverse pass at E = 8 (``default_state_tiles``)
-    pytest.param(1, 150, 2, 16, 8, True, True, 16, id="E8-BV16-erase-saveX"),
+    pytest.param(1, 150, 1, 16, 8, True, True, 16, False, id="E8-BV16-erase-saveX"),
 ]
 
 
-@pytest.mark.parametrize("b,t,h,vdim,e,erase,save_x,bv", WG2_CASES)
-def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x, bv):
+@pytest.mark.parametrize("b,t,h,vdim,e,erase,save_x,bv,heads", WG2_CASES)
+def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x, bv, heads):
   """``warpgroups=2`` (each warpgroup 64 of the D = 128 state rows): the forward and reverse
   passes against ``recurrent`` at block_v ``bv`` (None: the default); with save_x, X against X
-  formed from the reference's chunk-start states."""
+  formed from the reference's chunk-start states. With ``heads``, the passes with ``heads=H`` give
+  these outputs bit for bit (``match_default_with_heads``; each warpgroup copies its 64 columns of
+  q and k as a strided box)."""
   d, c = 128, 64
   wg2 = dict(warpgroups=2)
   if bv:
     wg2.update(block_v=bv)
   else:
     assert mosaic.default_block_v(d, vdim, c, e, warpgroups=2) == 32
-  match_recurrent(build(b, t, h, d, vdim, e, c, erase), erase, save_x, wg2)
+  match_recurrent(build(b, t, h, d, vdim, e, c, erase), erase, save_x, wg2,
+                  heads=(b, h) if heads else None)
 
 
 def test_one_warpgroup_save_x_matches_recurrent():
   """One warpgroup at D = 64, E = 2, the forward with save_x and the reverse pass against
-  ``recurrent``."""
-  match_recurrent(build(1, 150, 2, 64, 32, 2, 64, True), True, True, dict(block_v=32))
+  ``recurrent``; and with ``heads``: B = H = 2 and two value blocks (block_v 16: the column
+  offsets of v, o, dO and dV) in whole chunks."""
+  b, h = 2, 2
+  match_recurrent(build(b, 192, h, 64, 32, 2, 64, True), True, True, dict(block_v=16),
+                  heads=(b, h))
 
 
-def match_recurrent(built, erase, save_x, kernel_kw):
+def match_recurrent(built, erase, save_x, kernel_kw, heads=None):
   """The Mosaic forward (with ``save_x``) and reverse passes with ``kernel_kw`` against
   ``recurrent`` on ``build``'s operands; with save_x, X against X formed from the reference's
   chunk-start states, and the reverse pass with ``save_drhs`` (as the op pairs them): A^T dU and
-  dV = beta A^T dU against their definition on the pass's own dU, to bf16 rounding. Two
+  dV = beta A^T dU against their definition on the pass's own dU, to bf16 rounding. With
+  ``heads`` = (B, H), ``match_default_with_heads`` against these passes' outputs. Two
   warpgroups run eagerly (module docstring), one under jit."""
   fargs, do, dht = built
   kw = dict(scale=SCALE, erase=erase)
   run = (lambda f: f) if kernel_kw.get("warpgroups", 1) == 2 else jax.jit
   mk = dict(kw, interpret=True, **kernel_kw)
-  got = run(functools.partial(mosaic.state_pass, save_x=save_x, **mk))(*fargs)
-  want = recurrent.state_pass(*fargs, cfg=CPU, **kw)
+  fwd = got = run(functools.partial(mosaic.state_pass, save_x=save_x, **mk))(*fargs)
+  want = reference(recurrent.state_pass, *fargs, **kw)
   if save_x:
     x, got = got[2], got[:2] + got[3:]
     q, k, v, k2, _, gc_col = fargs[:6]
-    want_x = mosaic_backward.x_from_states(k, v, want[2], k2, gc_col)
+    want_x = jax.jit(mosaic_backward.x_from_states)(k, v, want[2], k2, gc_col)
     assert x.shape == want_x.shape and x.dtype == q.dtype
     assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
   check_close(FORWARD_OUTPUTS, got, want)
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  got = run(functools.partial(mosaic.reverse_state_pass, save_drhs=save_x, **mk))(*bargs)
+  bwd = got = run(functools.partial(mosaic.reverse_state_pass, save_drhs=save_x, **mk))(*bargs)
   if save_x:
     du, drhs, dv, *got = got
     got = (du, *got)
     a, beta = fargs[7], fargs[6]
-    want_drhs = mosaic_backward.rhs_gradient(a, du, True)
+    want_drhs = jax.jit(functools.partial(mosaic_backward.rhs_gradient, erase=True))(a, du)
     for name, x, want in (("A^T dU", drhs, want_drhs), ("dV", dv, beta * want_drhs)):
       assert x.shape == du.shape and x.dtype == fargs[0].dtype, name
       assert rel_rms(x, want) < 4e-3, f"{name}: rel RMS {rel_rms(x, want):.2e}"
-  check_close(BACKWARD_OUTPUTS, got, recurrent.reverse_state_pass(*bargs, cfg=CPU, **kw))
+  check_close(BACKWARD_OUTPUTS, got, reference(recurrent.reverse_state_pass, *bargs, **kw))
+  if heads:
+    match_default_with_heads(built, *heads, run, dict(kw, **kernel_kw), save_x,
+                             default=(fwd, bwd))
 
 
 @pytest.mark.parametrize("d,vdim,e,erase,wgs,save_x,bv", [
@@ -207,40 +232,17 @@ def kernel_arg_specs(qkv_shapes, *, bh, nc, c, d, vdim, e):
           f32(bh, e, d, vdim))
 
 
-@pytest.mark.parametrize("erase,save_x,bv", [(True, True, 16), (False, False, 32)])
-def test_heads_layout_matches_default(erase, save_x, bv):
-  """One warpgroup: ``state_pass(heads=H)`` on q, k, v in (B, T, H, X) and
-  ``reverse_state_pass(heads=H)`` on q, k, dO in (B, T, H, X) give the default layout's outputs on
-  the same data (o in (B, T, H, V)), bit for bit: the same arithmetic, only the TMA boxes differ.
-  B = H = 2 and two value blocks (bv 16) exercise b = i // H, h = i % H and the column offsets."""
-  b, t, h, d, vdim, e = 2, 192, 2, 64, 32, 2
-  match_default_with_heads(build(b, t, h, d, vdim, e, 64, erase), b, h, jax.jit,
-                           dict(scale=SCALE, erase=erase, block_v=bv), save_x)
-
-
-@pytest.mark.parametrize("b,h,vdim,e,bv,erase,save_x", [
-    # D = 128, C = 64, NC = 2; four programs each (the interpreter's time grows with them)
-    pytest.param(2, 2, 32, 1, 32, True, True, id="B2-H2-erase-saveX"),
-    pytest.param(1, 2, 32, 2, 16, False, False, id="H2-two-value-blocks-noerase"),
-])
-def test_heads_layout_two_warpgroups_match_default(b, h, vdim, e, bv, erase, save_x):
-  """Two warpgroups: the forward and reverse passes with ``heads=H`` give the default layout's
-  outputs, bit for bit; each warpgroup copies its 64 columns of q and k as a strided box. B = H = 2
-  exercises b = i // H, h = i % H, two value blocks (bv 16) the column offsets of v, o and dO. Run
-  eagerly, as ``match_recurrent`` runs two warpgroups."""
-  match_default_with_heads(build(b, 128, h, 128, vdim, e, 64, erase), b, h, lambda f: f,
-                           dict(scale=SCALE, erase=erase, block_v=bv, warpgroups=2), save_x)
-
-
 @pytest.mark.parametrize("wgs,e,bv", [(1, 2, 16), (2, 1, 32)])
 def test_heads_layout_over_pieces_matches_default(wgs, e, bv):
   """``pieces=2`` with ``heads``: every (BH, ...) operand cut into two pieces of the sequence
   ((BH * 2, NC / 2, ...), row (b * H + h) * 2 + piece) while q, k, v, o, dO stay whole in the
   caller's layout: the passes read piece p's chunk n at the caller's chunk 2 p + n, bit for bit
   what the default layout gives on the pieces' relayouted operands. D = 128 for two warpgroups,
-  64 for one; NC = 4."""
+  64 for one; NC = 4. B = H = 2 for one warpgroup checks the row order; both warpgroup counts
+  take their boxes from one index map (``mosaic._chunk_box``), so two warpgroups run one (b, h)
+  row, two pieces (the interpreter's time grows with the programs)."""
   d = 128 if wgs == 2 else 64
-  b, h = 1 if wgs == 2 else 2, 2
+  b, h = (1, 1) if wgs == 2 else (2, 2)
   match_default_with_heads(build(b, 256, h, d, 32, e, 64, True), b, h,
                            jax.jit if wgs == 1 else (lambda f: f),
                            dict(scale=SCALE, erase=True, block_v=bv, warpgroups=wgs), True,
@@ -253,13 +255,14 @@ def test_pieces_without_heads_raise():
     mosaic.state_pass(*fargs, scale=SCALE, erase=True, pieces=2, interpret=True)
 
 
-def match_default_with_heads(built, b, h, run, kernel_kw, save_x, pieces=1):
+def match_default_with_heads(built, b, h, run, kernel_kw, save_x, pieces=1, default=None):
   """Both state passes (``run``: jax.jit or eager) with ``heads=h`` on token-major copies of their
   per-token inputs (q, k, v; q, k, dO) against the default layout on ``build``'s operands: every
   output bit-equal (rel RMS <= 1e-6), o (and with ``save_x`` the reverse pass's dV: its
   ``save_drhs``) compared in (B, T, H, V). With ``pieces`` P > 1 both run
   over P pieces: the (BH, NC, ...) operands reshaped to (BH * P, NC / P, ...), each piece started
-  from its row's h0 (dht), the token-major copies whole."""
+  from its row's h0 (dht), the token-major copies whole. ``default``: the default layout's
+  (forward, reverse) outputs where the caller has them (without pieces), not run again."""
   fargs, do, dht = built
   if pieces > 1:
     cut = lambda x: x.reshape(x.shape[0] * pieces, x.shape[1] // pieces, *x.shape[2:])
@@ -275,14 +278,16 @@ def match_default_with_heads(built, b, h, run, kernel_kw, save_x, pieces=1):
       assert x.shape == y.shape and x.dtype == y.dtype
       assert rel_rms(x, y) <= 1e-6, f"rel RMS {rel_rms(x, y):.2e}"
 
-  want = run(functools.partial(mosaic.state_pass, save_x=save_x, **plain))(*fargs)
+  want = default[0] if default else run(functools.partial(mosaic.state_pass, save_x=save_x,
+                                                        **plain))(*fargs)
   got = run(functools.partial(mosaic.state_pass, save_x=save_x, heads=h, **mk))(
       *(tok(x) for x in fargs[:3]), *fargs[3:])
   assert len(got) == (5 if save_x else 4)
   check(got, (tok(want[0]), *want[1:]))
   # The reverse pass with save_drhs where the op pairs it with save_x: dV comes back (B, T, H, V).
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  want = run(functools.partial(mosaic.reverse_state_pass, save_drhs=save_x, **plain))(*bargs)
+  want = default[1] if default else run(functools.partial(
+      mosaic.reverse_state_pass, save_drhs=save_x, **plain))(*bargs)
   if save_x:
     want = (*want[:2], tok(want[2]), *want[3:])
   check(run(functools.partial(mosaic.reverse_state_pass, heads=h, save_drhs=save_x, **mk))(
@@ -422,7 +427,7 @@ def test_supported():
 @pytest.mark.parametrize("wgs,d,vdim,e,bv,erase,heads,pieces", [
     pytest.param(1, 64, 32, 8, 16, True, False, 1, id="wg1-E8-BV16-erase"),
     pytest.param(2, 128, 32, 8, 32, True, True, 1, id="wg2-E8-erase-heads"),
-    pytest.param(2, 128, 32, 2, 16, False, False, 1, id="wg2-E2-BV16-noerase"),
+    pytest.param(2, 128, 16, 2, 16, False, False, 1, id="wg2-E2-BV16-noerase"),  # one program
 ])
 def test_lean_forward_matches_full(wgs, d, vdim, e, bv, erase, heads, pieces):
   """``residuals=False``: the forward returns o and the final state alone, bit for bit the full
@@ -477,13 +482,13 @@ def primal(args, erase, cfg):
 def test_primal_matches_the_differentiated_forward(b, t, h, d, e, erase, fields):
   """The op's output and final state without a gradient (``_core``'s primal: the forward state
   pass writing o and ht only) equal those of the differentiated call (``jax.vjp``: ``_core_fwd``,
-  the pass with residuals, in a program that also keeps X and the masks) to 1e-3 relative RMS:
-  the two programs are compiled apart, so their bf16 roundings may differ (the kernel alone gives
-  the same bits with and without residuals: ``test_lean_forward_matches_full``). One and two
-  warpgroups (``Config.state_warpgroups``),
-  token-major (T whole chunks) and relayouted (T = 150), over two pieces (decay 4: every window
-  decays enough that the pieces run), erase or not; and the first case the scan's within the
-  bf16 bounds. Run eagerly (two warpgroups: module docstring)."""
+  the pass with residuals, in a program that also keeps X and the masks) to 1e-3 relative RMS: the
+  two programs are compiled apart, so their bf16 roundings may differ (the kernel alone gives the
+  same bits with and without residuals: ``test_lean_forward_matches_full``). One and two
+  warpgroups (``Config.state_warpgroups``), token-major (T whole chunks) and relayouted (T = 150),
+  over two pieces (decay 4: every window decays enough that the pieces run), erase or not; and the
+  first case the scan's within the bf16 bounds. One warpgroup runs under jit, two eagerly (module
+  docstring)."""
   vdim = 32
   cfg = hopper_config(**fields)
   plan = pops.explain(d, vdim, e, 64, jnp.bfloat16, config=cfg)
@@ -495,14 +500,16 @@ def test_primal_matches_the_differentiated_forward(b, t, h, d, e, erase, fields)
                              config=cfg).token_major == (t % 64 == 0)
   args, _, _ = make_grad_inputs(0, b, t, h, d, vdim, e, decay=4.0 if fields else 1.0,
                                 dtype=jnp.bfloat16)
-  got = primal(args, erase, cfg)
-  want = jax.vjp(lambda *a: primal(a, erase, cfg), *args)[0]
+  run = jax.jit if wgs == 1 else (lambda f: f)
+  got = run(lambda a: primal(a, erase, cfg))(args)
+  want = run(lambda a: jax.vjp(lambda *x: primal(x, erase, cfg), *a)[0])(args)
   for name, x, y in zip(("o", "state"), got, want, strict=True):
     assert x.shape == y.shape and x.dtype == y.dtype, name
     assert rel_rms(x, y) < 1e-3, f"{name}: rel RMS {rel_rms(x, y):.2e}"
   if t == 128 and h == 2:
-    o_ref, s_ref = triadic_gdn(*(x.astype(jnp.float32) for x in args[:7]),
-                               initial_state=args[7], erase=erase, impl="scan", chunk_size=64)
+    scan = jax.jit(lambda *a: triadic_gdn(*a[:7], initial_state=a[7], erase=erase, impl="scan",
+                                          chunk_size=64))
+    o_ref, s_ref = scan(*(x.astype(jnp.float32) for x in args[:7]), args[7])
     bound = PALLAS_BOUNDS[jnp.bfloat16]
     assert rel_rms(got[0], o_ref) < bound["out"], rel_rms(got[0], o_ref)
     assert rel_rms(got[1], s_ref) < bound["state"], rel_rms(got[1], s_ref)
