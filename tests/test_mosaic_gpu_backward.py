@@ -51,6 +51,14 @@ pytestmark = pytest.mark.skipif(not mosaic.interpret_available(),
 def backward_operands(b, t, h, d, vdim, e, erase, decay, c=64, seed=0):
   """``chunk_gradients``'s operands as ``ops._backward`` passes them."""
   args, do, ds = make_grad_inputs(seed, b, t, h, d, vdim, e, decay=decay, dtype=jnp.bfloat16)
+  return _operands(args, do, ds, c=c, erase=erase)
+
+
+@functools.partial(jax.jit, static_argnames=("c", "erase"))
+def _operands(args, do, ds, *, c, erase):
+  """``backward_operands``' relayouts, prep and state passes as one program (run eagerly, each
+  of their ops compiles on its own: seconds a call on the 2-core CI)."""
+  b, t, h = args[0].shape[:3]
   nc = -(-t // c)
   merge = lambda x: x.reshape(b * h, *x.shape[2:])
   rows = lambda x: jnp.swapaxes(x, -1, -2)
@@ -66,69 +74,84 @@ def backward_operands(b, t, h, d, vdim, e, erase, decay, c=64, seed=0):
 
 
 CASES = [
-    # b, t, h, v, e, erase, decay, d, x from the forward (else ``x_from_states``); C = 64, NC = 3
-    pytest.param(1, 150, 2, 32, 1, True, 1.0, 64, True, id="E1-erase"),
-    pytest.param(2, 150, 1, 64, 3, False, 1.0, 64, False, id="E3-noerase"),
-    pytest.param(1, 150, 2, 32, 4, True, 0.02, 64, True, id="E4-erase-weak-decay"),
-    pytest.param(1, 150, 2, 32, 5, True, 20.0, 64, True, id="E5-erase-strong-decay"),
-    pytest.param(2, 150, 1, 32, 6, False, 10.0, 64, False, id="E6-noerase-strong-decay"),
-    pytest.param(1, 150, 2, 32, 8, True, 0.02, 64, False, id="E8-erase-weak-decay-x-jax"),
-    pytest.param(1, 150, 2, 64, 4, True, 1.0, 128, True, id="D128-E4"),
+    # b, t, h, v, e, erase, decay, d, x from the forward (else ``x_from_states``), the tails run
+    # (``fused_tail``, None: the default); C = 64, NC = 3
+    # E = 1 takes the fused tail by default, and the split one on the same operands
+    pytest.param(1, 150, 2, 32, 1, True, 1.0, 64, True, (None, False), id="E1-erase"),
+    pytest.param(2, 150, 1, 64, 3, False, 1.0, 64, False, (None,), id="E3-noerase"),
+    pytest.param(1, 150, 2, 32, 4, True, 0.02, 64, True, (None,), id="E4-erase-weak-decay"),
+    pytest.param(1, 150, 2, 32, 5, True, 20.0, 64, True, (None,), id="E5-erase-strong-decay"),
+    pytest.param(2, 150, 1, 32, 6, False, 10.0, 64, False, (None,), id="E6-noerase-strong-decay"),
+    pytest.param(1, 150, 2, 32, 8, True, 0.02, 64, False, (None,), id="E8-erase-weak-decay-x-jax"),
+    pytest.param(1, 150, 2, 64, 4, True, 1.0, 128, True, (None,), id="D128-E4"),
 ]
 
 
-@pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d,saved_x", CASES)
-def test_matches_triton_structure(b, t, h, vdim, e, erase, decay, d, saved_x):
+@pytest.mark.parametrize("b,t,h,vdim,e,erase,decay,d,saved_x,tails", CASES)
+def test_matches_triton_structure(b, t, h, vdim, e, erase, decay, d, saved_x, tails):
   """The slice kernel (and, for ``saved_x``, X as the Mosaic forward saves it) against the
-  Triton structure."""
+  Triton structure, followed by each of ``tails`` (one reference for them all)."""
   args = backward_operands(b, t, h, d, vdim, e, erase, decay)
-  want = backward.chunk_gradients(*args, scale=SCALE, erase=erase, cfg=CPU)
+  want = triton_structure(args, erase)
   x = ()
   if saved_x:
     q, k, v, _, _, _, _, _, k2, _, q2, gc, _, beta, a = args
     p = jnp.zeros_like(a)
     h0 = jnp.zeros((q.shape[0], e, d, vdim), jnp.float32)
-    *_, x, states, _ = mosaic.state_pass(q, k, v, k2, q2, gc, beta, a, p, h0, scale=SCALE,
-                                         erase=True, save_x=True, interpret=True)
+    *_, x, states, _ = jax.jit(functools.partial(
+        mosaic.state_pass, scale=SCALE, erase=True, save_x=True, interpret=True))(
+            q, k, v, k2, q2, gc, beta, a, p, h0)
     assert x.dtype == q.dtype
     # The forward's states from h0 = 0 are the test's states (``backward_operands`` starts
     # from a random h0), so X is checked on its own against its definition.
-    want_x = mosaic_backward.x_from_states(k, v, states, k2, gc)
+    x_from_states = jax.jit(mosaic_backward.x_from_states)
+    want_x = x_from_states(k, v, states, k2, gc)
     assert rel_rms(x, want_x) < 1e-2
-    x = (mosaic_backward.x_from_states(k, v, args[6], k2, gc).astype(q.dtype),)
-  got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
-                                  interpret=True))(*args, *x)
-  check_outputs(got, want, BOUNDS)
+    x = (x_from_states(k, v, args[6], k2, gc).astype(q.dtype),)
+  for fused in tails:
+    got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
+                                    fused_tail=fused, interpret=True))(*args, *x)
+    check_outputs(got, want, BOUNDS)
 
 
 def test_unrolled_items_match_loop():
   """The slice kernel's items unrolled (``slice_unroll_max_e`` >= E) and as a loop per piece
-  (below E) compute the same sums in the same order."""
+  (below E: the default at E = 3) compute the same sums in the same order; and the loop with the
+  default (split) tail reading its dq, dk partials in bf16 (``Config.partials_in_bf16``) against
+  the Triton structure."""
   args = backward_operands(1, 150, 2, 64, 32, 3, True, 1.0)
   run = lambda unroll: jax.jit(functools.partial(
       mosaic_backward.chunk_gradients, scale=SCALE, erase=True, slice_unroll_max_e=unroll,
-      interpret=True))(*args)
-  for got, want, name in zip(run(0), run(3), NAMES):
+      partials_in_bf16=True, interpret=True))(*args)
+  loop = run(0)
+  for got, want, name in zip(loop, run(3), NAMES):
     assert rel_rms(got, want) < 1e-6, name
+  check_outputs(loop, triton_structure(args, True), BOUNDS)
 
 
 @pytest.mark.parametrize("e,erase,decay,fused,bf16_partials", [
-    (1, True, 1.0, False, False),   # E = 1 takes the fused tail by default: the split one here
+    # (E = 1 with the split tail: ``test_matches_triton_structure[E1-erase]``)
     (2, False, 20.0, None, False),  # the default (fused) without erase
     (4, True, 20.0, True, False),   # E = 4 takes the split tail by default: the fused one here
     (3, True, 20.0, False, False),  # the split tail at an E that is no power of two
     (1, True, 20.0, None, True),    # the slice kernel's dq, dk partials in bf16: fused tail
-    (3, True, 1.0, None, True),     # and split
+    # (and split: ``test_unrolled_items_match_loop``)
 ])
 def test_tail_variants_match_triton_structure(e, erase, decay, fused, bf16_partials):
   """Both tails (``fused_tail_kernel``; masks in JAX around ``tail_kernel``), D = 64, V = 32,
   reading the slice kernel's dq, dk partials in float32 or bf16 (``Config.partials_in_bf16``)."""
   args = backward_operands(1, 150, 2, 64, 32, e, erase, decay)
-  want = backward.chunk_gradients(*args, scale=SCALE, erase=erase, cfg=CPU)
+  want = triton_structure(args, erase)
   got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
                                   fused_tail=fused, partials_in_bf16=bf16_partials,
                                   interpret=True))(*args)
   check_outputs(got, want, BOUNDS)
+
+
+def triton_structure(args, erase):
+  """The reference: ``backward.chunk_gradients`` (Pallas interpret mode) under jit."""
+  return jax.jit(functools.partial(backward.chunk_gradients, scale=SCALE, erase=erase,
+                                   cfg=CPU))(*args)
 
 
 def check_outputs(got, want, bounds):
@@ -158,9 +181,11 @@ def test_slice_kernel_two_warpgroups_match_one(e=5, erase=True):
   """The slice kernel with two warpgroups (each its own piece, stream and slots) gives what one
   gives: dq, dk the same products, the row sums and dlam summed over the warpgroups' partials.
   (The kernel alone under jit: inside a larger jitted function the interpreter's two simulated
-  threads can wait on each other forever on a 2-core machine.)"""
+  threads can wait on each other forever on a 2-core machine.) Two chunks, the last one partial,
+  of B * H = 2 rows: both grid dims (B * H, NC) past one, and no more programs than that (the
+  interpreter compiles the two warpgroups' kernel body once a program)."""
   q, k, v, do, u, du, st, dst, k2, _, q2, gc, _, beta, a = backward_operands(
-      1, 150, 2, 128, 32, e, erase, 1.0)
+      1, 100, 2, 128, 32, e, erase, 1.0)
   low = lambda y: y.astype(jnp.bfloat16)
   ops_in = (q, k, low(beta * mosaic_backward.rhs_gradient(a, du, erase)), do, low(u), st, dst,
             mosaic_backward.factor_rows(gc, k2, q2, beta))
@@ -322,7 +347,7 @@ def test_heads_layout_matches_default(fused, erase, saved_x):
   x = ()
   if saved_x:   # as the Mosaic forward saves it: (BH, NC, C, V) bf16 with heads too
     q, k, v, _, _, _, states, _, k2, _, _, gc = args[:12]
-    x = (mosaic_backward.x_from_states(k, v, states, k2, gc).astype(q.dtype),)
+    x = (jax.jit(mosaic_backward.x_from_states)(k, v, states, k2, gc).astype(q.dtype),)
   kw = dict(scale=SCALE, erase=erase, fused_tail=fused, interpret=True)
   want = jax.jit(functools.partial(mosaic_backward.chunk_gradients, **kw))(*args, *x)
   tok = [token_major(y, b, h) for y in args[:4]]
