@@ -111,33 +111,30 @@ def check_close(names, got, want):
 
 
 WG2_CASES = [
-    # b, t, h, v, e, erase, save_x, block_v, heads, products in flight
-    # (D = 128, C = 64; NC = 3 for t = 150 and 192)
+    # b, t, h, v, e, erase, save_x, block_v, heads   (D = 128, C = 64; NC = 3 for t = 150 and 192)
     # The interpreter compiles the two warpgroups' kernel body once a program (B * H * V / block_v
     # of them; the larger E, the longer), whatever NC: one (b, h) row, but B = H = 2 where heads
     # needs them. With heads (whole chunks): two value blocks (the column offsets of v, o and dO)
     # and B = H = 2 (b = i // H, h = i % H).
-    # the two-warpgroup default block_v (32: E * block_v = 256 at E = 8). In flight: 4 splits the
-    # forward's 6 products at E = 3 (R and Y) as 4 + 2 and the reverse's 3 as one group.
-    pytest.param(1, 192, 1, 64, 1, False, False, None, True, 1, id="E1-noerase-V64-heads"),
-    pytest.param(2, 192, 2, 32, 1, True, True, None, True, 2, id="B2-H2-E1-erase-saveX-heads"),
-    pytest.param(1, 150, 1, 32, 3, True, True, None, False, 4, id="E3-erase-saveX-4"),
-    pytest.param(1, 150, 1, 32, 8, True, False, None, False, 1, id="E8-erase"),
+    # the two-warpgroup default block_v (32: E * block_v = 256 at E = 8)
+    pytest.param(1, 192, 1, 64, 1, False, False, None, True, id="E1-noerase-V64-heads"),
+    pytest.param(2, 192, 2, 32, 1, True, True, None, True, id="B2-H2-E1-erase-saveX-heads"),
+    pytest.param(1, 150, 1, 32, 3, True, True, None, False, id="E3-erase-saveX"),
+    pytest.param(1, 150, 1, 32, 8, True, False, None, False, id="E8-erase"),
     # block_v 16, the default reverse pass at E = 8 (``default_state_tiles``)
-    pytest.param(1, 150, 1, 16, 8, True, True, 16, False, 8, id="E8-BV16-erase-saveX-8"),
+    pytest.param(1, 150, 1, 16, 8, True, True, 16, False, id="E8-BV16-erase-saveX"),
 ]
 
 
-@pytest.mark.parametrize("b,t,h,vdim,e,erase,save_x,bv,heads,in_flight", WG2_CASES)
-def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x, bv, heads, in_flight):
+@pytest.mark.parametrize("b,t,h,vdim,e,erase,save_x,bv,heads", WG2_CASES)
+def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x, bv, heads):
   """``warpgroups=2`` (each warpgroup 64 of the D = 128 state rows): the forward and reverse
-  passes against ``recurrent`` at block_v ``bv`` (None: the default) with ``in_flight`` per-slice
-  products issued before the first is awaited; with save_x, X against X formed from the
-  reference's chunk-start states. With ``heads``, the passes with ``heads=H`` give these outputs
-  bit for bit (``match_default_with_heads``; each warpgroup copies its 64 columns of q and k as a
-  strided box)."""
+  passes against ``recurrent`` at block_v ``bv`` (None: the default); with save_x, X against X
+  formed from the reference's chunk-start states. With ``heads``, the passes with ``heads=H`` give
+  these outputs bit for bit (``match_default_with_heads``; each warpgroup copies its 64 columns of
+  q and k as a strided box)."""
   d, c = 128, 64
-  wg2 = dict(warpgroups=2, in_flight=in_flight)
+  wg2 = dict(warpgroups=2)
   if bv:
     wg2.update(block_v=bv)
   else:
@@ -191,27 +188,26 @@ def match_recurrent(built, erase, save_x, kernel_kw, heads=None):
                              default=(fwd, bwd))
 
 
-@pytest.mark.parametrize("d,vdim,e,erase,wgs,save_x,bv,in_flight", [
-    (64, 64, 8, True, 1, False, None, 1), (128, 128, 8, True, 1, False, None, 1),
-    (128, 64, 2, False, 1, False, None, 1), (64, 32, 3, True, 1, False, None, 1),
-    (128, 128, 1, True, 1, True, 64, 1),
+@pytest.mark.parametrize("d,vdim,e,erase,wgs,save_x,bv", [
+    (64, 64, 8, True, 1, False, None), (128, 128, 8, True, 1, False, None),
+    (128, 64, 2, False, 1, False, None), (64, 32, 3, True, 1, False, None),
+    (128, 128, 1, True, 1, True, 64),
     # two warpgroups at D = 128 with their default block_v (32: E * block_v = 256 at E = 8)
-    (128, 128, 8, True, 2, True, None, 1), (128, 128, 8, False, 2, False, None, 2),
-    (128, 64, 3, True, 2, False, None, 4), (128, 32, 1, True, 2, True, None, 1),
+    (128, 128, 8, True, 2, True, None), (128, 128, 8, False, 2, False, None),
+    (128, 64, 3, True, 2, False, None), (128, 32, 1, True, 2, True, None),
     # two warpgroups at block_v 16 (the default reverse pass at E = 8) and at E = 4
-    (128, 128, 8, True, 2, True, 16, 4), (128, 128, 8, False, 2, False, 16, 8),
-    (128, 128, 4, True, 2, False, 32, 2),
+    (128, 128, 8, True, 2, True, 16), (128, 128, 8, False, 2, False, 16),
+    (128, 128, 4, True, 2, False, 32),
 ])
-def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x, bv, in_flight):
+def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x, bv):
   """Both kernels pass the Mosaic GPU lowering (layout inference, wgmma/TMA checks, SMEM size,
-  the transposed operands as ``transpose_ref`` views) at block_v ``bv`` (None: the default) and
-  ``in_flight`` products (two warpgroups); nothing runs. No input is transposed in the program
-  before the kernel (a ``stablehlo.transpose`` of an argument): the kernels take the transposes
-  as views."""
+  the transposed operands as ``transpose_ref`` views) at block_v ``bv`` (None: the default);
+  nothing runs. No input is transposed in the program before the kernel (a
+  ``stablehlo.transpose`` of an argument): the kernels take the transposes as views."""
   bh, nc, c = 2, 4, 64
   qkv = [(bh, nc, c, d), (bh, nc, c, d), (bh, nc, c, vdim)]
   args = kernel_arg_specs(qkv, bh=bh, nc=nc, c=c, d=d, vdim=vdim, e=e)
-  kw = dict(scale=SCALE, erase=erase, warpgroups=wgs, block_v=bv, in_flight=in_flight)
+  kw = dict(scale=SCALE, erase=erase, warpgroups=wgs, block_v=bv)
   suffix = "_wg2" if wgs == 2 else ""
   fwd = jax.jit(functools.partial(mosaic.state_pass, save_x=save_x, **kw))
   text = fwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()

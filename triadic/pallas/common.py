@@ -69,10 +69,6 @@ class Config:
   ``mosaic.default_block_v`` for their warpgroups; one that ``mosaic.supported`` refuses sends
   them to Triton, as the plan says). Wider blocks read K, Q, A, P fewer times over, with fewer
   programs.
-  products_in_flight: the two-warpgroup Mosaic state passes' per-slice products over D (each
-  warpgroup's part of sum_e diag(f_e) K S_e, and Q S_e in the forward: 2E or E wgmmas of N =
-  block_v a chunk) are issued this many at a time before the first is awaited, each read as it
-  lands (``mosaic._partials``); 1 awaits each alone.
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).
@@ -124,7 +120,6 @@ class Config:
   slice_warpgroups: int | None = None
   state_warpgroups: int | None = None
   state_block_v: int | None = None
-  products_in_flight: int = 1
   sequence_pieces: int = 1
   warmup_chunks: int = 16
   ut_kernel: bool = False
@@ -150,8 +145,6 @@ class Config:
                  "partials_in_bf16", "query_walk"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
-    if not isinstance(self.products_in_flight, int) or self.products_in_flight < 1:
-      raise ValueError(f"products_in_flight must be an int >= 1, got {self.products_in_flight!r}")
     if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)
                                                 or self.slice_unroll_max_e < 0):
       raise ValueError("slice_unroll_max_e must be None (mosaic_backward.UNROLL_MAX_E) or an int "

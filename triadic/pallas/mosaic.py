@@ -76,8 +76,8 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   have two buffers, as above). The products that contract over D are split over D: each
   warpgroup forms its part of the e-reduced C x BV results, sum_e diag(f_e) (K_w S_w,e) (and
   with Q), ``_partial``, one N = BV wgmma per slice on the (64, BV) blocks, so only C x BV
-  accumulators are live (2E small wgmmas per chunk in the forward, issued ``in_flight`` at a
-  time and each scaled and summed as it lands, ``_partials``); warpgroup 1 writes its parts to SMEM (float32) and warpgroup 0 adds them.
+  accumulators are live (2E small wgmmas per chunk in the forward, each waited, scaled and
+  summed in turn); warpgroup 1 writes its parts to SMEM (float32) and warpgroup 0 adds them.
   Warpgroup 0 alone does the C x BV work (rhs, U
   = A rhs, o; dU, X and Z in the backward; V, A, P or dO, A^T, P^T are its copies) and writes the
   whole W (X, Z) that both state updates read; each warpgroup's update is its rows, K^T_w W (M = 64,
@@ -723,12 +723,6 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
   _store_cat(state, ht_g.at[i, j], cat)
 
 
-def _check_in_flight(in_flight):
-  if not isinstance(in_flight, int) or in_flight < 1:
-    raise ValueError(f"in_flight must be an int >= 1, got {in_flight!r}")
-  return in_flight
-
-
 def _check_pieces(heads, pieces):
   """``pieces`` is for the caller's layout: (BH, NC, ...) operands are cut by a reshape alone."""
   if pieces != 1 and heads is None:
@@ -750,8 +744,7 @@ def _check_heads(heads, pieces, k2_col, q, **arrays):
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               save_x=False, warpgroups=1, heads=None, pieces=1, residuals=True, in_flight=1,
-               interpret=False):
+               save_x=False, warpgroups=1, heads=None, pieces=1, residuals=True, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) in q's dtype, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
@@ -761,8 +754,6 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   (the op's primal): the kernel neither stores U nor the chunk-start states (a custom
   call's outputs cannot be dropped by XLA, so unread outputs would still be written) and the one
   warpgroup kernel allocates no (E, D, BV) buffer for them; ``save_x`` needs residuals.
-  ``in_flight``: with two warpgroups, how many of the per-slice products over D (``_partials``)
-  are issued before the first is awaited.
 
   ``heads=H`` (either warpgroup count): q, k, v are in the user's (B, T, H, X) layout with
   T = NC * C and o is returned (B, T, H, V); the kernel reads and writes them in place by TMA,
@@ -785,8 +776,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   if warpgroups == 2:
     return _forward_2wg(q, k, v, a, p, f, lam_cat, h0, e_dim=e_dim, bv=bv, scale=scale,
                         erase=erase, save_x=save_x, heads=heads, pieces=pieces,
-                        residuals=residuals, in_flight=_check_in_flight(in_flight),
-                        interpret=interpret)
+                        residuals=residuals, interpret=interpret)
   n_rows = f.shape[2]
   n_cat = e_dim * bv
   ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv)
@@ -918,7 +908,7 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_an
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
                        block_v=None, warpgroups=1, heads=None, pieces=1, save_drhs=False,
-                       in_flight=1, interpret=False):
+                       interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   in ``common.du_dtype``, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the
   initial state (BH,E,D,V) float32. ``warpgroups``: as ``state_pass``. ``save_drhs`` (erase
@@ -928,8 +918,8 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   (``mosaic_backward.chunk_gradients``' ``drhs``, ``dv``).
 
   ``heads=H``: q, k (B, T, H, D) and do (B, T, H, V) are in the user's layout with T = NC * C,
-  read in place by TMA as in ``state_pass``; every output keeps its layout. ``pieces``,
-  ``in_flight``: as in ``state_pass``."""
+  read in place by TMA as in ``state_pass``; every output keeps its layout. ``pieces``: as in
+  ``state_pass``."""
   vd = do.shape[-1]
   _check_pieces(heads, pieces)
   shape = q if heads is None else _check_heads(heads, pieces, k2_col, q, k=k, do=do)
@@ -939,7 +929,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   if warpgroups == 2:
     return _backward_2wg(q, k, do, a, p, f, lam_cat, dht, e_dim=e_dim, bv=bv, scale=scale,
                          erase=erase, save_drhs=save_drhs, heads=heads, pieces=pieces,
-                         in_flight=_check_in_flight(in_flight), interpret=interpret)
+                         interpret=interpret)
   n_cat = e_dim * bv
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   sw_v = _swizzle(bv)
@@ -1043,38 +1033,20 @@ def _store_rows(x, dst, cat, w):
   pl.run_scoped(body, cat, collective_axes=("wg",))
 
 
-def _partials(ops, lhss, rhs, f_s, first_rows, bv, in_flight=1):
-  """sum_e diag(f[first_row + e]) (lhs @ S_e) for each lhs of ``lhss`` with its ``first_rows``
-  entry: this warpgroup's part (its 64 of the D contracted) of e-reduced C x BV products.
-  ``rhs`` is the warpgroup's bf16 state operand, E (64, BV) blocks: one wgmma of N = BV per slice
-  and lhs, slice-major. They go in groups of ``in_flight``: a group's wgmmas are all issued before
-  the first is awaited, and each accumulator is read as soon as it has landed
-  (``wgmma_accumulator_load``'s ``wait_n``: the group's later wgmmas may still run), so the
-  tensor cores work on the next products while one is scaled and summed; a group holds
-  ``in_flight`` C x BV accumulators."""
-  jobs = [(e, li) for e in range(rhs.shape[0]) for li in range(len(lhss))]
-  m = lhss[0].shape[0]
-  outs = [None] * len(lhss)
-  for first in range(0, len(jobs), in_flight):
-    group = jobs[first:first + in_flight]
-
-    def body(*accs, group=group, outs=outs):
-      outs = list(outs)
-      for acc, (e, li) in zip(accs, group):
-        plgpu.wgmma(acc, lhss[li], rhs.at[e])
-      for k, (acc, (e, li)) in enumerate(zip(accs, group)):
-        prod = plgpu.wgmma_accumulator_load(acc, wait_n=len(group) - 1 - k)
-        term = ops.rowvec(f_s, first_rows[li] + e, bv) * prod
-        outs[li] = term if outs[li] is None else outs[li] + term
-      return outs
-
-    outs = pl.run_scoped(body, *[plgpu.ACC((m, bv), F32) for _ in group])
-  return outs
+def _partial(ops, lhs, rhs, f_s, first_row, bv):
+  """sum_e diag(f[first_row + e]) (lhs @ S_e): this warpgroup's part (its 64 of the D contracted)
+  of an e-reduced C x BV product. ``rhs`` is the warpgroup's bf16 state operand, E (64, BV)
+  blocks: E wgmmas of N = BV, one C x BV accumulator at a time."""
+  out = None
+  for e in range(rhs.shape[0]):
+    term = ops.rowvec(f_s, first_row + e, bv) * ops.mm(lhs, rhs.at[e])
+    out = term if out is None else out + term
+  return out
 
 
 def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, cat,
                         nc, e_dim, bv, scale, erase, save_x, interpret, heads=None, pieces=1,
-                        residuals=True, in_flight=1):
+                        residuals=True):
   if not residuals:                   # o and the final state only
     o_g, ht_g, bars, xbar = outs_and_bars
   elif save_x:
@@ -1131,14 +1103,12 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
       plgpu.copy_smem_to_gmem(mine.at[e], st_g.at[i, n, e, rows, cols])
     cp.start(at_end, n)
     cp.wait("f", n)
+    part_r = None
     if erase:
       cp.wait("k", n)
+      part_r = _partial(ops, k_w, mine, f_s, r_rows, bv)
     cp.wait("q", n)
-    # R's (erase) and Y's per-slice products, slice-major, ``in_flight`` at a time.
-    lhss, first_rows = ([k_w], [r_rows]) if erase else ([], [])
-    *part_r, part_y = _partials(ops, lhss + [q_s.at[w]], mine, f_s, first_rows + [read_rows], bv,
-                                in_flight)
-    part_r = part_r[0] if erase else None
+    part_y = _partial(ops, q_s.at[w], mine, f_s, read_rows, bv)
 
     @pl.when(w == 1)
     def _():
@@ -1206,7 +1176,7 @@ def _kernel_2wg(kernel, ins, out_type, grid, name, interpret):
 
 
 def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save_x, heads,
-                 pieces, residuals, in_flight, interpret):
+                 pieces, residuals, interpret):
   """``state_pass`` with two warpgroups. The sizes come from the row factors f (BH, NC, rows, C)
   and q's last dim, since q, k, v (and o) are (BH, NC, C, X), or (B, T, H, X) with ``heads``."""
   bh, nc, _, c = f.shape
@@ -1236,7 +1206,7 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
   kernel = functools.partial(_forward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_x=save_x,
                              interpret=bool(interpret), heads=heads, pieces=pieces,
-                             residuals=residuals, in_flight=in_flight)
+                             residuals=residuals)
   ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv)
   *outs, ht = _kernel_2wg(
       kernel, ins,
@@ -1247,7 +1217,7 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
 
 def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and_bars,
                          scratch, cat, nc, e_dim, bv, scale, erase, save_drhs, interpret,
-                         heads=None, pieces=1, in_flight=1):
+                         heads=None, pieces=1):
   rhs_g = outs_and_bars[:2 * save_drhs]        # save_drhs: A^T dU and dV = beta A^T dU
   dst_g, dh0_g, bars, xbar = outs_and_bars[2 * save_drhs:]
   ops = _Ops(interpret)
@@ -1296,7 +1266,7 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
     cp.start(at_end, step)
     cp.wait("k", step)
     cp.wait("f", step)
-    part, = _partials(ops, [k_s.at[w]], mine, f_s, [write_rows], bv, in_flight)
+    part = _partial(ops, k_s.at[w], mine, f_s, write_rows, bv)
 
     @pl.when(w == 1)
     def _():
@@ -1341,7 +1311,7 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
 
 
 def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, save_drhs, heads,
-                  pieces, in_flight, interpret):
+                  pieces, interpret):
   """``reverse_state_pass`` with two warpgroups; sizes and layouts as ``_forward_2wg``'s."""
   bh, nc, _, c = f.shape
   d = q.shape[-1]
@@ -1369,8 +1339,7 @@ def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, s
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # dht / dh0 rows
   kernel = functools.partial(_backward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_drhs=save_drhs,
-                             interpret=bool(interpret), heads=heads, pieces=pieces,
-                             in_flight=in_flight)
+                             interpret=bool(interpret), heads=heads, pieces=pieces)
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   du, *outs, dh0 = _kernel_2wg(
       kernel, ins, _reverse_out_types(bh, nc, c, d, vd, e_dim, bv, q.dtype, erase, save_drhs,

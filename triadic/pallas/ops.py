@@ -242,8 +242,7 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None, save_drhs=False,
   if _plan(cfg, q, v, k2).mosaic_state_kernels:
     sizes = dict(d=q.shape[-1], vd=v.shape[-1], c=k2.shape[-2], e=k2.shape[-1])
     tiles = plan_lib.state_tiles(cfg, **sizes)
-    kw = dict(interpret=cfg.platform == "cpu", block_v=tiles.block_v,
-              in_flight=tiles.products_in_flight)
+    kw = dict(interpret=cfg.platform == "cpu", block_v=tiles.block_v)
     if heads is not None:
       kw["heads"] = heads
     return (functools.partial(mosaic.state_pass, save_x=save_x, residuals=residuals,

@@ -101,8 +101,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                   if cfg.mosaic_gpu else "Config.mosaic_gpu off")
   if state_reason is None:
     def mosaic_stage(name, wgs, copies, transposed):
-      products = (f"{e} x N = {st.block_v} products ({st.products_in_flight} in flight), "
-                  if wgs == 2 else "")
+      products = f"{e} x N = {st.block_v} products, " if wgs == 2 else ""
       return Stage(name, "mosaic_gpu" + interp,
                    f"block_v {st.block_v}, S_cat D x {e * st.block_v}, {wgs} warpgroup(s), "
                    f"{products}copies {copies}, {transposed} as transposed SMEM views",
@@ -169,7 +168,6 @@ class StateTiles:
   block_v: int | None
   forward_warpgroups: int
   reverse_warpgroups: int
-  products_in_flight: int = 1     # two warpgroups: ``Config.products_in_flight``
 
 
 def state_tiles(cfg: Config, *, d: int, vd: int, c: int, e: int) -> StateTiles:
@@ -183,7 +181,7 @@ def state_tiles(cfg: Config, *, d: int, vd: int, c: int, e: int) -> StateTiles:
     fwd = rev = (2 if cfg.state_warpgroups == 2
                  and mosaic.warpgroups_supported(d, vd, c, e, cfg.state_block_v) is None else 1)
     bv = cfg.state_block_v or mosaic.default_block_v(d, vd, c, e, warpgroups=fwd)
-  return StateTiles(bv, fwd, rev, cfg.products_in_flight)
+  return StateTiles(bv, fwd, rev)
 
 
 def _warpgroups_reason(cfg: Config, wgs: int, *, d: int, vd: int, c: int, e: int, bv: int) -> str:
