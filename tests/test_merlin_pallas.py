@@ -244,10 +244,11 @@ def test_plan():
   assert small.impl == "chunked" and "chunk_size" not in small.reason and "gcd" in small.reason
   assert explain(128, 256, impl="pallas", platform="cpu").config.interpret
   assert explain(128, 256, impl="scan").impl == "scan"
-  walk = plan_lib.resolve("pallas", d=128, segment_len=256, chunk_size=None, documents=False,
-                          platform="gpu",
-                          config=dataclasses.replace(gpu.config, query_walk=True))
-  assert "query walk" in str(walk) and "query walk" not in str(gpu)
+  # The GPU default reads by the query walk where no gradient is taken; the stack on request.
+  stack = plan_lib.resolve("pallas", d=128, segment_len=256, chunk_size=None, documents=False,
+                           platform="gpu",
+                           config=dataclasses.replace(gpu.config, query_walk=False))
+  assert "query walk" in str(gpu) and "query walk" not in str(stack)
 
 
 def test_bad_input_raises():
@@ -316,7 +317,8 @@ def test_query_walk_lowers_for_cuda(dtype):
   partial segment), its kernels storing the current and end states and the output in the inputs'
   dtype, and no stack."""
   b, t, h, d, vd, segment_len, n = 1, 300, 2, 48, 80, 128, 3
-  config = dataclasses.replace(plan_lib.default_config("gpu"), query_walk=True)
+  config = plan_lib.default_config("gpu")
+  assert config.query_walk
   op = pallas_op(True, segment_len, config=config)
   args = op_specs(b, t, h, d, vd, n, dtype)
   text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()

@@ -101,7 +101,7 @@ class Config:
   maps and reads only the segments' end states, so the forward stores each chunk's current state,
   each segment's end state and composite map instead of every visible chunk-start state (the
   (B*H, VIS, D, V) stack). A differentiated call runs the stack forward regardless, as the
-  backward needs the states. Off by default: the stack forward is the one timed on a GPU.
+  backward needs the states. On in the GPU default (``merlin.pallas.plan.default_config``).
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
