@@ -34,8 +34,9 @@ fusion with its device time, from the JAX profiler (the same sizes, ``--impls pa
 ``--tiles block_v=32,num_warps=4`` runs every table's pallas impl with those fields of the plan's
 ``default_config`` replaced (the state passes' value block and warps, ``bwd_block_v``, ...), so a
 tile choice is timed against the default by running the same command with and without it.
-``--tiles query_walk=True --no-backward`` times the erase forward by the query walk (which runs
-only where no gradient is taken; a backward would time the stack forward).
+The GPU default's forward columns time the erase forward by the query walk (the forward where no
+gradient is taken); ``--tiles query_walk=False`` times the stack forward there instead, which is
+the forward a backward always runs.
 
 On a CPU shared with other jobs, XLA's multi-threaded kernels stall under oversubscription (the
 chunked form, which has the larger parallel ops, by up to 100x); pin one core for stable numbers:

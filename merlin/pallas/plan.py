@@ -56,10 +56,9 @@ def default_config(platform: str) -> Config:
   per-step work, and slower for the forward pass and the readout. No kernel spills at these
   tiles (benchmarks/triton_registers.py --merlin). Where no gradient is taken, the erase
   forward reads the states by the query walk (``Config.query_walk``): as fast as the stack forward
-  (T = 16384 and 32768, benchmarks/RESULTS.md), and its memory grows with T, not T^2 (the stack
-  of visible chunk-start states is about 17 GB at T = 32768, B = 1, H = 16, D = V = 128, and 69
-  GB at 65536). CPU (interpret): 16 columns, so small test shapes still run several value
-  blocks."""
+  (benchmarks/RESULTS.md), and its memory grows with T, where the stack of visible chunk-start
+  states grows with T^2. CPU (interpret): 16 columns, so small test shapes still run several
+  value blocks."""
   if platform == "gpu":
     return Config("gpu", block_v=32, num_warps=4, bwd_block_v=64, bwd_num_warps=8,
                   query_walk=True)
