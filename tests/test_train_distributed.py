@@ -1,5 +1,7 @@
 """The sharded step on 8 fake CPU devices (data x tensor) and a two-process jax.distributed run
-both give the loss of one device. Each runs in subprocesses so the flags stay out of pytest."""
+both give the loss of one device. The sharded and distributed runs are subprocesses so their
+flags stay out of pytest; the one-device reference (this process's own single CPU device, the
+same tiny config, steps and XLA flags) trains here while the 8-device subprocess runs."""
 
 import json
 import os
@@ -17,13 +19,19 @@ SCRIPT = textwrap.dedent("""
     if {coordinator!r}:
       jax.distributed.initialize({coordinator!r}, num_processes=2, process_id={process_id})
     from lm import train_loop
-    from tests.train_util import tiny_config
-    c = tiny_config()
-    c.train.num_steps, c.train.checkpoint_every = 3, 3
-    c.mesh.update(data={data}, tensor={tensor})
-    last = train_loop.train(c, {workdir!r})
+    from tests.test_train_distributed import config
+    last = train_loop.train(config(data={data}, tensor={tensor}), {workdir!r})
     print("RESULT", json.dumps(last))
 """)
+
+
+def config(data=1, tensor=1):
+  """tiny_config, 3 steps and a checkpoint at the last, on a data x tensor mesh."""
+  from tests.train_util import tiny_config
+  c = tiny_config()
+  c.train.num_steps, c.train.checkpoint_every = 3, 3
+  c.mesh.update(data=data, tensor=tensor)
+  return c
 
 
 def run(tmp_path, name, *, devices=1, data=1, tensor=1, coordinator="", process_id=0, wait=True):
@@ -46,8 +54,12 @@ def result(proc):
 def test_sharded_step_and_two_processes_match_one_device(tmp_path):
   """One reference run on one device; the sharded run (8 devices, data 4 x tensor 2) gives its loss
   and gradient norm; two jax.distributed processes (data 2) agree with each other and with it."""
-  one = run(tmp_path, "one")
-  eight = run(tmp_path, "eight", devices=8, data=4, tensor=2)
+  import jax
+  from lm import train_loop
+  assert jax.device_count() == 1
+  eight = run(tmp_path, "eight", devices=8, data=4, tensor=2, wait=False)
+  one = train_loop.train(config(), str(tmp_path / "one"))
+  eight = result(eight)
   assert eight["step"] == one["step"] == 3
   assert eight["loss"] == pytest.approx(one["loss"], rel=1e-5)
   assert eight["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
