@@ -1,6 +1,7 @@
 """The experiment reports (experiments/*.py) on hand-made evaluation results: the 50% crossing, the
 upgrade's recovered fraction, and the tables and plots they write."""
 
+import functools
 import json
 import math
 import os
@@ -170,8 +171,11 @@ def test_equal_state_report_table_and_plot(parsed_flags):
 
 
 @pytest.mark.slow
-def test_equal_state_trains_and_reports_a_grouped_values_run(parsed_flags):
-  """End to end: train.py + eval.py of one variant (a few steps of the CPU config), then the report."""
+def test_equal_state_trains_and_reports_a_grouped_values_run(parsed_flags, monkeypatch):
+  """End to end: train.py + eval.py of one variant (a few steps of the CPU config), then the report.
+  The sweep polls its processes every 0.1 s (its default, 5 s, is for hour-long runs: here it
+  would wait up to 5 s after each of the two processes)."""
+  monkeypatch.setattr(sweep, "run_sweep", functools.partial(sweep.run_sweep, poll_s=0.1))
   fv = flags.FLAGS
   fv.unparse_flags()
   fv(["test", f"--workdir={parsed_flags / 'runs'}", f"--out={parsed_flags / 'out'}",
