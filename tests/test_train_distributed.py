@@ -1,7 +1,7 @@
 """The sharded step on 8 fake CPU devices (data x tensor) and a two-process jax.distributed run
 both give the loss of one device. The sharded and distributed runs are subprocesses so their
 flags stay out of pytest; the one-device reference (this process's own single CPU device, the
-same tiny config, steps and XLA flags) trains here while the 8-device subprocess runs."""
+same tiny config, steps and XLA flags) trains here, before the subprocesses."""
 
 import json
 import os
@@ -57,9 +57,8 @@ def test_sharded_step_and_two_processes_match_one_device(tmp_path):
   import jax
   from lm import train_loop
   assert jax.device_count() == 1
-  eight = run(tmp_path, "eight", devices=8, data=4, tensor=2, wait=False)
   one = train_loop.train(config(), str(tmp_path / "one"))
-  eight = result(eight)
+  eight = run(tmp_path, "eight", devices=8, data=4, tensor=2)
   assert eight["step"] == one["step"] == 3
   assert eight["loss"] == pytest.approx(one["loss"], rel=1e-5)
   assert eight["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-4)
