@@ -11,7 +11,11 @@ up to t, so the scores are causal. Two implementations give the same numbers:
 - ``scan``: running sums (R + R^2 per segment), updated token by token: the decode-time form.
 - ``parallel`` (the default): finished segments from their full sums (one segment einsum), the
   current segment from the in-segment alignments a_tj = q'_t . k'_j (an L x L causal block per
-  segment), so nothing per-token of size R^2 is ever materialised.
+  segment), so nothing per-token of size R^2 is ever materialised. The finished segments' second
+  moments q'_t^T Sigma_i q'_t are taken a block of queries at a time (``_quadratic_forms``), so
+  memory, backward included, is O(B T G (N + R + L) + B G N R^2) plus one block's
+  (B, block, G, N, R) product of at most ``BLOCK_ELEMENTS``, not the (B, T, G, N, R) product
+  of all queries, which would be quadratic in T.
 
 q', k' have G groups: G = H (per head, Gated DeltaNet) or G = 1 (shared, Mamba-2).
 
@@ -28,6 +32,8 @@ import jax.numpy as jnp
 from merlin.segments import document_segments, num_segments_needed, segment_ids
 
 IMPLS = ("auto", "scan", "parallel")
+# Float32 elements (64 MiB) of one query block's (B, block, G, N, R) product in _quadratic_forms.
+BLOCK_ELEMENTS = 1 << 24
 
 
 def moment_scores(qr, kr, *, segment_len: int, num_segments: int, impl: str = "auto",
@@ -80,7 +86,7 @@ def _parallel(qr, kr, segment_len, n):
   mean2 = jnp.einsum("bslgr,bslgq->bsgrq", kb, kb) / ln  # (B, S, G, R, R)
   q_flat = qb.reshape(b, used * ln, grp, r)
   fin_mu = jnp.einsum("btgr,bigr->btgi", q_flat, mean1)
-  fin_2 = jnp.einsum("btgiq,btgq->btgi", jnp.einsum("btgr,bigrq->btgiq", q_flat, mean2), q_flat)
+  fin_2 = _quadratic_forms(q_flat, mean2)
 
   # Current segment: causal running means of a_tj and a_tj^2 inside each L x L block.
   align = jnp.einsum("bslgr,bsmgr->bsglm", qb, kb)
@@ -98,3 +104,24 @@ def _parallel(qr, kr, segment_len, n):
   widen = lambda x: jnp.pad(x[:, :t], [(0, 0), (0, 0), (0, 0), (0, n - used)])
   return widen(r_mu), widen(r_sigma)
 
+
+def _quadratic_forms(q, m):
+  """q_t^T M_i q_t, (B, T, G, N), for queries q (B, T, G, R) and matrices M (B, N, G, R, R).
+
+  The product q_t^T M_i, (B, T, G, N, R), is formed a block of queries at a time: at most
+  ``BLOCK_ELEMENTS`` of it a block (at least one token), the blocks one after another, each under
+  ``jax.checkpoint`` so that the backward recomputes a block's product instead of keeping every
+  block's. Memory is that one block plus O(B T G (N + R)) for the queries and the results. When
+  the whole product fits in one block it is a single einsum.
+  """
+  b, t, grp, r = q.shape
+  n = m.shape[1]
+  form = lambda qs: jnp.einsum("btgiq,btgq->btgi", jnp.einsum("btgr,bigrq->btgiq", qs, m), qs)
+  size = max(1, BLOCK_ELEMENTS // (b * grp * n * r))  # query tokens a block
+  if size >= t:
+    return form(q)
+  num = -(-t // size)
+  size = -(-t // num)  # the same number of blocks, the least padding
+  qs = jnp.pad(q, [(0, 0), (0, num * size - t), (0, 0), (0, 0)]).reshape(b, num, size, grp, r)
+  out = jax.lax.map(jax.checkpoint(form), jnp.moveaxis(qs, 1, 0))  # (num, B, size, G, N)
+  return jnp.moveaxis(out, 0, 1).reshape(b, num * size, grp, n)[:, :t]
