@@ -3,7 +3,8 @@
 Bounds: float32 scores and weights within 1e-5 relative RMS of the float64 loop (both the scan and
 the parallel moments); gradients of the two implementations within 1e-4 of each other.
 The parallel form's second moments of finished segments run a block of queries at a time: its
-scores and gradients match the scan's with several blocks.
+scores and gradients match the scan's with several blocks, and its compiled temporary memory at
+a long T stays far below the (B, T, G, N, R) product that a single block would hold.
 """
 
 import jax
@@ -155,6 +156,20 @@ def test_blocked_parallel_matches_scan(groups, block_elements, monkeypatch):
   for name, a, b in zip(["r_mu", "r_sigma", "d qr", "d kr"], got["parallel"] + grads["parallel"],
                         got["scan"] + grads["scan"]):
     assert rel(a, b) < (1e-5 if name.startswith("r_") else 1e-4), name
+
+
+def test_parallel_memory_is_linear_in_t():
+  """At B = 1, T = 65536, G = 2, N = 256, R = 128 the (B, T, G, N, R) product q_t^T M2_i is 17 GB;
+  the compiled forward and gradient keep temporaries under a tenth of it (one block of the product
+  and a few (B, T, G, N) arrays). Compiled from shapes only: nothing runs."""
+  b, t, grp, n, r = 1, 65536, 2, 256, 128
+  x = jax.ShapeDtypeStruct((b, t, grp, r), jnp.float32)
+  f = lambda q, k: moment_scores(q, k, segment_len=t // n, num_segments=n, impl="parallel")
+  loss = lambda q, k: sum(jnp.sum(y) for y in f(q, k))
+  product = b * t * grp * n * r * 4
+  for fn in (f, jax.grad(loss, argnums=(0, 1))):
+    temp = jax.jit(fn).lower(x, x).compile().memory_analysis().temp_size_in_bytes
+    assert temp < product / 10, (fn, temp, product)
 
 
 def test_bad_input_raises():
