@@ -79,7 +79,10 @@ def test_mfu_only_where_the_peak_is_known(tmp_path, caplog):
   assert costs.peak_flops("NVIDIA H200") == costs.peak_flops("NVIDIA H100 80GB HBM3") == 989e12
   assert costs.peak_flops("cpu", 100.0) == 100e12
   import logging
+  # The absl logger's own level too: parsing absl flags (another test's train.py-style run in
+  # this process) sets it from --verbosity, which the root level does not override.
   caplog.set_level(logging.INFO)
+  caplog.set_level(logging.INFO, logger="absl")
   log = logger.MetricsLogger(str(tmp_path), 10, 1, 1.0, costs.peak_flops(jax.devices()[0].device_kind))
   log.write(1, {"loss": 1.0})
   log.close()
