@@ -547,9 +547,7 @@ def test_primal_lowers_for_cuda_without_residuals(e, state_wgs, token_major, sin
   cfg = dataclasses.replace(pops.default_config("gpu", e, d), mosaic_gpu=True,
                             mosaic_gpu_backward=True, state_warpgroups=state_wgs,
                             token_major=token_major, forward_single_buffers=single)
-  forward_plan = next(s for s in plan_lib.resolve(cfg, d=d, vd=d, c=64, e=e,
-                                                  dtype=jnp.bfloat16).stages
-                      if s.name == "forward")
+  forward_plan = plan_lib.resolve(cfg, d=d, vd=d, c=64, e=e, dtype=jnp.bfloat16).forward
   assert ("Config.forward_single_buffers" in forward_plan.tiles) == single
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
   args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, e),

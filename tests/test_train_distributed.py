@@ -12,6 +12,8 @@ import textwrap
 
 import pytest
 
+from tests.train_util import distributed_config
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 SCRIPT = textwrap.dedent("""
@@ -19,19 +21,10 @@ SCRIPT = textwrap.dedent("""
     if {coordinator!r}:
       jax.distributed.initialize({coordinator!r}, num_processes=2, process_id={process_id})
     from lm import train_loop
-    from tests.test_train_distributed import config
-    last = train_loop.train(config(data={data}, tensor={tensor}), {workdir!r})
+    from tests.train_util import distributed_config
+    last = train_loop.train(distributed_config(data={data}, tensor={tensor}), {workdir!r})
     print("RESULT", json.dumps(last))
 """)
-
-
-def config(data=1, tensor=1):
-  """tiny_config, 3 steps and a checkpoint at the last, on a data x tensor mesh."""
-  from tests.train_util import tiny_config
-  c = tiny_config()
-  c.train.num_steps, c.train.checkpoint_every = 3, 3
-  c.mesh.update(data=data, tensor=tensor)
-  return c
 
 
 def run(tmp_path, name, *, devices=1, data=1, tensor=1, coordinator="", process_id=0, wait=True):
@@ -57,7 +50,7 @@ def test_sharded_step_and_two_processes_match_one_device(tmp_path):
   import jax
   from lm import train_loop
   assert jax.device_count() == 1
-  one = train_loop.train(config(), str(tmp_path / "one"))
+  one = train_loop.train(distributed_config(), str(tmp_path / "one"))
   eight = run(tmp_path, "eight", devices=8, data=4, tensor=2)
   assert eight["step"] == one["step"] == 3
   assert eight["loss"] == pytest.approx(one["loss"], rel=1e-5)

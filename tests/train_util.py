@@ -17,6 +17,15 @@ def tiny_config(mixer="gdn", **model):
   return c
 
 
+def distributed_config(data=1, tensor=1):
+  """tiny_config with 3 steps and a checkpoint at the last, on a data x tensor mesh: the
+  sharded and multi-process runs of tests/test_train_distributed.py and their reference."""
+  c = tiny_config()
+  c.train.num_steps, c.train.checkpoint_every = 3, 3
+  c.mesh.update(data=data, tensor=tensor)
+  return c
+
+
 def fault_config():
   """tiny_config with 8 steps and a checkpoint every 2 (the last 3 kept: steps 4, 6, 8): the
   fault-injection tests kill and corrupt runs of it."""

@@ -58,9 +58,9 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   needed again at its start, so they have two buffers (the loop step's parity); without erase
   A is not loaded. With ``single_buffers`` K and the factors have one buffer each: K's copy
   starts at the chunk's top (after the previous update has read it), the factors' once the
-  chunk's output is formed, for less shared memory. The reverse pass starts its copies at each chunk's top (Q, read only by its
-  final state update, after the others), which measured as fast or faster than starting them a
-  chunk ahead (benchmarks/RESULTS.md).
+  chunk's output is formed, for less shared memory. The reverse pass starts its copies at each
+  chunk's top (Q, read only by its final state update, after the others), which measured as
+  fast or faster than starting them a chunk ahead (benchmarks/RESULTS.md).
   No warp specialisation. Outputs leave by TMA smem -> gmem. Ordering rules kept by hand (the
   interpreter does not check them): ``commit_smem`` (fence + warpgroup barrier) after every
   register -> SMEM store that a wgmma or TMA reads, and between a buffer's last reader and the
@@ -652,12 +652,12 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
                       row=i, cols=cols, value="v", srcs=srcs,
                       double=() if single_buffers else ("f", "k"), order=lambda n: n, nc=nc)
 
-  # A only enters through the erase term, K through it and as the state update's K^T.
-  first = ("q", "k", "v", "a", "p", "lam", "f") if erase else ("q", "v", "p", "lam", "f")
   # Without erase K is read only by the state update at the chunk's end, and with one buffer the
   # update must have read it before the next copy: its copy starts at the chunk's top.
   at_top = ("k",) if single_buffers or not erase else ()
-  first = tuple(name for name in first if name not in at_top)
+  # A only enters through the erase term, K through it and as the state update's K^T.
+  first = tuple(name for name in ("q", "k", "v", "a", "p", "lam", "f")
+                if name not in at_top and (erase or name != "a"))
 
   def prologue(*refs):
     copies(*refs[:7]).start(first, 0)
