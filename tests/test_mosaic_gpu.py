@@ -426,16 +426,13 @@ def test_supported():
 
 @pytest.mark.parametrize("wgs,d,vdim,e,bv,erase,heads,pieces", [
     pytest.param(1, 64, 32, 8, 16, True, False, 1, id="wg1-E8-BV16-erase"),
-    pytest.param(1, 64, 32, 2, 16, False, False, 1, id="wg1-E2-BV16-noerase"),
     pytest.param(2, 128, 32, 8, 32, True, True, 1, id="wg2-E8-erase-heads"),
     pytest.param(2, 128, 16, 2, 16, False, False, 1, id="wg2-E2-BV16-noerase"),  # one program
 ])
 def test_lean_forward_matches_full(wgs, d, vdim, e, bv, erase, heads, pieces):
   """``residuals=False``: the forward returns o and the final state alone, bit for bit the full
   forward's (one and two warpgroups, erase or not, the (BH, NC, C, X) layout or ``heads``, and
-  over two pieces with ``heads``). One warpgroup with ``single_buffers`` (one buffer each for K
-  and the factors), full and lean, gives the same bits too: it changes when copies start, not
-  the arithmetic. Two warpgroups run eagerly (module docstring)."""
+  over two pieces with ``heads``). Two warpgroups run eagerly (module docstring)."""
   b, h, t = 1, 2 if wgs == 1 else 1, 128 * pieces    # NC = 2 a piece
   fargs, _, _ = build(b, t, h, d, vdim, e, 64, erase)
   kw = dict(scale=SCALE, erase=erase, block_v=bv, warpgroups=wgs, interpret=True)
@@ -454,15 +451,6 @@ def test_lean_forward_matches_full(wgs, d, vdim, e, bv, erase, heads, pieces):
   for name, x, y in zip(("o", "ht"), lean, (full[0], full[-1]), strict=True):
     assert x.shape == y.shape and x.dtype == y.dtype, name
     assert jnp.array_equal(x, y), f"{name}: rel RMS {rel_rms(x, y):.2e}"
-  if wgs == 1:
-    single = functools.partial(mosaic.state_pass, single_buffers=True, **kw)
-    got = run(single)(*fargs) + run(functools.partial(single, residuals=False))(*fargs)
-    for name, x, y in zip(("o", "U", "states", "ht", "lean o", "lean ht"), got, full + lean,
-                          strict=True):
-      assert jnp.array_equal(x, y), f"single_buffers {name}: rel RMS {rel_rms(x, y):.2e}"
-  else:
-    with pytest.raises(ValueError, match="one-warpgroup forward"):
-      mosaic.state_pass(*fargs, single_buffers=True, **kw)
 
 
 def test_lean_forward_refuses_save_x():
@@ -536,19 +524,17 @@ def mosaic_results(text):
   return out
 
 
-@pytest.mark.parametrize("e,state_wgs,token_major,single", [
-    (8, None, True, False), (8, 2, False, False), (2, 2, True, False), (8, None, True, True)])
-def test_primal_lowers_for_cuda_without_residuals(e, state_wgs, token_major, single):
+@pytest.mark.parametrize("e,state_wgs,token_major", [(8, None, True), (8, 2, False),
+                                                     (2, 2, True)])
+def test_primal_lowers_for_cuda_without_residuals(e, state_wgs, token_major):
   """The op's primal lowers for CUDA (D = V = 128; one warpgroup at E = 8 by default, two with
-  ``Config.state_warpgroups``; ``Config.forward_single_buffers``) with one Mosaic GPU kernel, the
-  forward state pass, whose outputs are o and the final state (in its (B*H, V / BV, D, E*BV)
-  layout) only; under a gradient the same pass also returns U and the chunk-start states."""
+  ``Config.state_warpgroups``) with one Mosaic GPU kernel, the forward state pass, whose outputs
+  are o and the final state (in its (B*H, V / BV, D, E*BV) layout) only; under a gradient the
+  same pass also returns U and the chunk-start states."""
   b, t, h, d = 1, 128, 2, 128
   cfg = dataclasses.replace(pops.default_config("gpu", e, d), mosaic_gpu=True,
                             mosaic_gpu_backward=True, state_warpgroups=state_wgs,
-                            token_major=token_major, forward_single_buffers=single)
-  forward_plan = plan_lib.resolve(cfg, d=d, vd=d, c=64, e=e, dtype=jnp.bfloat16).forward
-  assert ("Config.forward_single_buffers" in forward_plan.tiles) == single
+                            token_major=token_major)
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
   args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, e),
           spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, d, dt=jnp.float32)]

@@ -69,10 +69,6 @@ class Config:
   ``mosaic.default_block_v`` for their warpgroups; one that ``mosaic.supported`` refuses sends
   them to Triton, as the plan says). Wider blocks read K, Q, A, P fewer times over, with fewer
   programs.
-  forward_single_buffers: the one-warpgroup Mosaic forward state pass keeps one SMEM buffer each
-  for K and the row factors instead of two (``mosaic.state_pass``' ``single_buffers``): less
-  shared memory, so that two blocks share a multiprocessor where one did (at D = 128, E = 8 the
-  forward without gradients), for K's copy no longer started a chunk ahead. Off until timed.
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).
@@ -124,7 +120,6 @@ class Config:
   slice_warpgroups: int | None = None
   state_warpgroups: int | None = None
   state_block_v: int | None = None
-  forward_single_buffers: bool = False
   sequence_pieces: int = 1
   warmup_chunks: int = 16
   ut_kernel: bool = False
@@ -147,7 +142,7 @@ class Config:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
     for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass",
-                 "partials_in_bf16", "query_walk", "forward_single_buffers"):
+                 "partials_in_bf16", "query_walk"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)

@@ -56,11 +56,9 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
   data landed; without erase K is read only by the state update at the chunk's end (as K^T),
   so its copy starts at the chunk's top; the row factors are read until the chunk's end and
   needed again at its start, so they have two buffers (the loop step's parity); without erase
-  A is not loaded. With ``single_buffers`` K and the factors have one buffer each: K's copy
-  starts at the chunk's top (after the previous update has read it), the factors' once the
-  chunk's output is formed, for less shared memory. The reverse pass starts its copies at each
-  chunk's top (Q, read only by its final state update, after the others), which measured as
-  fast or faster than starting them a chunk ahead (benchmarks/RESULTS.md).
+  A is not loaded. The reverse pass starts its copies at each chunk's top (Q, read only by its
+  final state update, after the others), which measured as fast or faster than starting them a
+  chunk ahead (benchmarks/RESULTS.md).
   No warp specialisation. Outputs leave by TMA smem -> gmem. Ordering rules kept by hand (the
   interpreter does not check them): ``commit_smem`` (fence + warpgroup barrier) after every
   register -> SMEM store that a wgmma or TMA reads, and between a buffer's last reader and the
@@ -625,7 +623,7 @@ def _compiler_params():
 
 def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, cat, nc,
                     e_dim, bv, scale, erase, save_x, interpret, heads=None, pieces=1,
-                    residuals=True, single_buffers=False):
+                    residuals=True):
   if not residuals:                   # o and the final state only
     o_g, ht_g, bars = outs_and_bars
   elif save_x:
@@ -649,15 +647,14 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
   def copies(q_s, k_s, v_s, a_s, p_s, f_s, lam_s):
     return _Inputs.of(bars, [("q", q_g, q_s), ("k", k_g, k_s), ("v", v_g, v_s), ("a", a_g, a_s),
                              ("p", p_g, p_s), ("lam", lam_g, lam_s), ("f", f_g, f_s)],
-                      row=i, cols=cols, value="v", srcs=srcs,
-                      double=() if single_buffers else ("f", "k"), order=lambda n: n, nc=nc)
+                      row=i, cols=cols, value="v", srcs=srcs, double=("f", "k"),
+                      order=lambda n: n, nc=nc)
 
-  # Without erase K is read only by the state update at the chunk's end, and with one buffer the
-  # update must have read it before the next copy: its copy starts at the chunk's top.
-  at_top = ("k",) if single_buffers or not erase else ()
   # A only enters through the erase term, K through it and as the state update's K^T.
-  first = tuple(name for name in ("q", "k", "v", "a", "p", "lam", "f")
-                if name not in at_top and (erase or name != "a"))
+  first = ("q", "k", "v", "a", "p", "lam", "f") if erase else ("q", "v", "p", "lam", "f")
+  # Without erase K is read only by the state update at the chunk's end: its copy starts at the
+  # chunk's top.
+  at_end = () if erase else ("k",)
 
   def prologue(*refs):
     copies(*refs[:7]).start(first, 0)
@@ -678,7 +675,7 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     if residuals:
       _publish_chunk(st_s, lambda e: st_g.at[i, n, e, :, cols])
     ins.start_next(("lam",), n)
-    ins.start(at_top, n)
+    ins.start(at_end, n)
 
     ins.wait("f", n)
     ins.wait("v", n)
@@ -695,7 +692,7 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
         rhs = beta * ops.acc(v_s[...].astype(F32)) - _e_reduce(ops, r, f_s, erase_rows, bv)
       rhs_bf16_s[...] = rhs.astype(BF16)
       plgpu.commit_smem()
-      ins.start_next(tuple(name for name in ("k", "v") if name not in at_top), n)
+      ins.start_next(("k", "v"), n)
       if save_x:
         plgpu.copy_smem_to_gmem(x_out[0], x_g.at[i, n, :, cols])
       ins.wait("a", n)
@@ -718,8 +715,8 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     ins.start_next(("q", "p", "f"), n)
     plgpu.copy_smem_to_gmem(o_s, o_at(n))
 
-    if not erase:
-      ins.wait("k", n)
+    for name in at_end:
+      ins.wait(name, n)
     return ops.mm_add(decayed, [(ops.transposed(k_s, *interp or [None]), w_s)])
 
   state = _chunk_loop(chunk, nc, state0, scratch, prologue)
@@ -747,8 +744,7 @@ def _check_heads(heads, pieces, k2_col, q, **arrays):
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               save_x=False, warpgroups=1, heads=None, pieces=1, residuals=True,
-               single_buffers=False, interpret=False):
+               save_x=False, warpgroups=1, heads=None, pieces=1, residuals=True, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) in q's dtype, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
@@ -758,12 +754,6 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   (the op's primal): the kernel neither stores U nor the chunk-start states (a custom
   call's outputs cannot be dropped by XLA, so unread outputs would still be written) and the one
   warpgroup kernel allocates no (E, D, BV) buffer for them; ``save_x`` needs residuals.
-  ``single_buffers`` (one warpgroup): one SMEM buffer each for K and the row factors instead of
-  two, so chunk n + 1's copy of K starts only once chunk n's state update has read K (at the
-  chunk's top, as without erase), and the factors' once the chunk's output is formed: D * C * 2
-  + rows * C * 4 bytes less shared memory, for two blocks a multiprocessor where that is what
-  keeps them apart (at D = V = 128, E = 8, block_v 16 the forward without residuals goes from
-  134 to 111 KiB, two blocks' worth: ``benchmarks/triton_registers.py``).
 
   ``heads=H`` (either warpgroup count): q, k, v are in the user's (B, T, H, X) layout with
   T = NC * C and o is returned (B, T, H, V); the kernel reads and writes them in place by TMA,
@@ -784,8 +774,6 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   if save_x:
     f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
   if warpgroups == 2:
-    if single_buffers:
-      raise ValueError("single_buffers is for the one-warpgroup forward (warpgroups=1)")
     return _forward_2wg(q, k, v, a, p, f, lam_cat, h0, e_dim=e_dim, bv=bv, scale=scale,
                         erase=erase, save_x=save_x, heads=heads, pieces=pieces,
                         residuals=residuals, interpret=interpret)
@@ -795,12 +783,11 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   sw_v = _swizzle(bv)
   scratch = [
       _smem((c, d), BF16, sw_v),          # q
-      # k, two chunks' (chunk n's K^T read after n + 1's copy started) unless single_buffers
-      _smem((c, d) if single_buffers else (2, c, d), BF16, sw_v),
+      _smem((2, c, d), BF16, sw_v),       # k, two chunks' (chunk n's K^T read after n + 1's copy)
       _smem((c, bv), BF16, sw_v),         # v block
       _smem((c, c), BF16, sw_v),          # A
       _smem((c, c), BF16, sw_v),          # P
-      _smem((n_rows, c) if single_buffers else (2, n_rows, c), F32),   # row factors
+      _smem((2, n_rows, c), F32),         # row factors (two chunks' buffers)
       _smem((n_cat,), F32),               # lam_cat
       _smem((d, n_cat), BF16, sw_v),      # S_cat (bf16 operand)
       _smem((c, n_cat), BF16, sw_v),      # W = [diag(fw_e) U]_e
@@ -814,7 +801,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_x=save_x,
                              interpret=bool(interpret), heads=heads, pieces=pieces,
-                             residuals=residuals, single_buffers=bool(single_buffers))
+                             residuals=residuals)
   *outs, ht = plgpu.kernel(
       kernel,
       out_type=_forward_out_types(q, bh, nc, c, d, vd, e_dim, bv, save_x, heads, residuals),

@@ -107,11 +107,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                    f"{products}copies {copies}, {transposed} as transposed SMEM views",
                    "Config.mosaic_gpu; "
                    + _warpgroups_reason(cfg, wgs, d=d, vd=vd, c=c, e=e, bv=st.block_v))
-    single = cfg.forward_single_buffers and st.forward_warpgroups == 1
-    forward = mosaic_stage("forward", st.forward_warpgroups,
-                           "a chunk ahead" + (" but K's at chunk start, one buffer each for K and "
-                                              "the factors (Config.forward_single_buffers)"
-                                              if single else ""), "K^T")
+    forward = mosaic_stage("forward", st.forward_warpgroups, "a chunk ahead", "K^T")
     forward = dataclasses.replace(   # the Triton / TPU pass writes U and the states regardless
         forward, tiles=forward.tiles + "; without gradients o and the final state only")
     bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, "at chunk start",
