@@ -1,11 +1,13 @@
 """What the benchmark scripts share: the machine line every table starts with, op inputs, a
-median timer, a per-kernel device profile and an out-of-memory test."""
+median timer, a per-kernel device profile, a kernel's named regions by clock cycles and an
+out-of-memory test."""
 
 from __future__ import annotations
 
 import collections
 import dataclasses
 import glob
+import json
 import math
 import os
 import platform
@@ -289,6 +291,72 @@ def profile_table(rows: list[KernelTime], wall_ms: float, *, top: int = 25,
             f"{source(r)} |" for r in shown]
   lines.append(f"| device busy / wall | {sum(r.launches for r in rows):g} | {busy:.3f} / "
                f"{wall_ms:.3f} | | |")
+  return "\n".join(lines)
+
+
+class Regions(NamedTuple):
+  """One Mosaic GPU kernel run's named regions (``kernel_regions``): per warpgroup index, the
+  clock cycles spent in each region's own code (without the regions nested in it) summed over
+  its traces (one per program), keyed by the region's path (``outer/inner``) in order of first
+  appearance, and the number of traces and their summed span (first record to last)."""
+  cycles: list[dict[str, float]]
+  traces: list[int]
+  span: list[float]
+
+
+def kernel_regions(path: str, warpgroups: int) -> Regions:
+  """The Perfetto trace that Mosaic GPU's profiler writes for one kernel run
+  (``triadic.pallas.mosaic.trace_regions``) summed by region path and warpgroup. Its events
+  are Begin/End pairs per trace (thread id ``1 + block * warpgroups + warpgroup``) whose
+  timestamps, within a trace, are SM clock cycles / 1000. A name repeated at the next level
+  (a region reopened inside a nested jaxpr) counts once in the path."""
+  with open(path) as f:
+    events = json.load(f)["traceEvents"]
+  by_trace = collections.defaultdict(list)
+  for ev in events:
+    by_trace[ev["tid"]].append(ev)
+  cycles = [dict() for _ in range(warpgroups)]
+  traces, span = [0] * warpgroups, [0.0] * warpgroups
+  for tid, evs in by_trace.items():
+    wg = (tid - 1) % warpgroups
+    traces[wg] += 1
+    span[wg] += 1e3 * (evs[-1]["ts"] - evs[0]["ts"])
+    stack = []                                      # [path, start, nested cycles]
+    for ev in evs:
+      if ev["ph"] == "B":
+        parent = stack[-1][0] if stack else ""
+        repeat = parent.rpartition("/")[2] == ev["name"]
+        name = parent if repeat else f"{parent}/{ev['name']}".lstrip("/")
+        stack.append([name, ev["ts"], 0.0])
+      else:
+        name, start, nested = stack.pop()
+        total = 1e3 * (ev["ts"] - start)
+        cycles[wg][name] = cycles[wg].get(name, 0.0) + total - nested
+        if stack:
+          stack[-1][2] += total
+  return Regions(cycles, traces, span)
+
+
+def regions_table(regions: Regions, chunks: int) -> str:
+  """A markdown table of ``kernel_regions``: per region and warpgroup, the mean clock cycles per
+  chunk (``chunks`` per program) and the share of the program's span; then what no region
+  covers and the span itself."""
+  wgs = range(len(regions.cycles))
+  paths = list(dict.fromkeys(p for c in regions.cycles for p in c))
+  head = "| region | " + " | ".join(f"wg{w} cycles / chunk | wg{w} share" for w in wgs) + " |"
+  lines = [head, "|---|" + "---|---|" * len(wgs)]
+
+  def row(label, values):
+    cells = []
+    for w, value in zip(wgs, values):
+      per = value / max(regions.traces[w], 1) / chunks
+      cells.append(f"{per:.0f} | {100 * value / (regions.span[w] or float('nan')):.1f}%")
+    lines.append(f"| {label} | " + " | ".join(cells) + " |")
+
+  for p in paths:
+    row(p, [regions.cycles[w].get(p, 0.0) for w in wgs])
+  row("(no region)", [regions.span[w] - sum(regions.cycles[w].values()) for w in wgs])
+  row("program span", regions.span)
   return "\n".join(lines)
 
 

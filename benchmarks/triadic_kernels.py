@@ -12,6 +12,7 @@ on the E = 1 slice of the same inputs when torch and those packages import (else
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --stages --t 16384 --e 1 8   # per kernel
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --layouts --t 16384 --e 1 8  # q, k, v layout
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --profile --t 16384 --e 1 8  # the op's kernels
+  PYTHONPATH=. python3 benchmarks/triadic_kernels.py --regions --t 8192 --e 8     # inside the loops
 
 On Hopper, "pallas" runs the Mosaic GPU kernels (the state-passing kernels, ``Config.mosaic_gpu``,
 and the chunk-parallel backward's E-dependent part, ``Config.mosaic_gpu_backward``) and a
@@ -20,7 +21,9 @@ and the chunk-parallel backward's E-dependent part, ``Config.mosaic_gpu_backward
 same run (each stage's achieved TFLOP/s of counted matmuls), and the chunk backward by part.
 ``--profile`` runs the whole op's forward+backward as training calls it under the JAX profiler
 and lists every kernel and XLA fusion it launched with its device time: the stages as they run
-inside the op, glue included, with nothing taken out by a harness.
+inside the op, glue included, with nothing taken out by a harness. ``--regions`` looks inside the
+Mosaic GPU state passes: their chunk loops' named stages and input waits by SM clock cycles per
+chunk (Mosaic GPU's profiler, ``triadic.pallas.mosaic.trace_regions``).
 
 Needs only jax (no grain / ml_collections) for our kernels, so it runs on the bare GPU machine;
 the peers need torch plus flash-linear-attention / flash-qla (``../shared/device/wheels.sh``).
@@ -35,6 +38,7 @@ import functools
 import os
 import statistics
 import sys
+import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # The PyTorch peers share the GPU with JAX in this process: JAX must not take 75% of it up front.
@@ -49,10 +53,11 @@ xla_flags.apply_cpu_workaround()
 
 from benchmarks import peers  # noqa: E402
 from benchmarks.common import ceilings, kernel_profile, median_ms, profile_table  # noqa: E402
-from benchmarks.common import variant_fields  # noqa: E402
+from benchmarks.common import kernel_regions, regions_table, variant_fields  # noqa: E402
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
 from testkit import rel_rms as rel  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
+from triadic.pallas import mosaic  # noqa: E402
 from triadic.pallas import ops as pops  # noqa: E402
 
 SHAPES = {4096: 8, 16384: 2, 65536: 1}  # T -> B, 32768 tokens per batch
@@ -546,6 +551,12 @@ def main():
   parser.add_argument("--profile", action="store_true",
                       help="the op's forward+backward under the JAX profiler: device ms per "
                       "kernel and XLA fusion (default and each --op-variants set), then exit")
+  parser.add_argument("--regions", action="store_true",
+                      help="Hopper: one forward+backward (B = --b, T = the first --t) with the "
+                           "Mosaic GPU state passes recording their chunk loops' named regions: "
+                           "clock cycles per chunk per region and warpgroup (default and each "
+                           "--op-variants set), then exit")
+  parser.add_argument("--b", type=int, default=1, help="with --regions: the batch")
   parser.add_argument("--layouts", action="store_true",
                       help="Hopper: the one-warpgroup forward state pass on relayouted q, k, v "
                            "(plus the relayout) vs on (B, T, H, X) ones (heads), then exit")
@@ -581,6 +592,9 @@ def main():
   if args.profile:
     profile(args.t[0], args.e, args.reps, args.op_variants)
     return
+  if args.regions:
+    regions(args.t[0], args.b, args.e, args.op_variants)
+    return
   op_table(args)
 
 
@@ -598,6 +612,36 @@ def profile(t, e_list, reps, variants=()):
       rows, wall = kernel_profile(fwd_bwd, xs, reps=reps)
       print(f"\n## f+b B={b} T={t} E={e} {variant or 'default'}\n")
       print(profile_table(rows, wall))
+      sys.stdout.flush()
+
+
+def regions(t, b, e_list, variants=()):
+  """Per E, one forward+backward of the op (bf16, H = 16, D = V = 128, B = ``b``) with the Mosaic
+  GPU state passes recording their named regions (``mosaic.trace_regions``), default config and
+  each ``variants`` set: per kernel, the clock cycles per chunk of each stage and input wait and
+  their share of the program, per warpgroup (``common.kernel_regions``). The second of two runs
+  is read (the first compiles). Each region costs the kernel 16 bytes of SMEM a chunk: at
+  E = 8 a T of 8192 fits where the passes' SMEM is largest."""
+  h, d, vd, c = 16, 128, 128, 64
+  nc = -(-t // c)
+  for e in e_list:
+    xs = inputs(jax.random.PRNGKey(0), b, t, h, d, vd, e, jnp.bfloat16)
+    for variant in ("", *variants):
+      fields = variant_fields(variant) if variant else {}
+      with tempfile.TemporaryDirectory() as trace_dir:
+        with mosaic.trace_regions(trace_dir, regions=20 * nc + 16):
+          fwd_bwd = triadic_fns("pallas", **fields)[1]
+          for run in range(2):
+            if run:
+              for name in os.listdir(trace_dir):
+                os.remove(os.path.join(trace_dir, name))
+            jax.block_until_ready(fwd_bwd(*xs))
+        print(f"\n## regions: f+b B={b} T={t} E={e} {variant or 'default'}")
+        for name in sorted(os.listdir(trace_dir)):
+          kernel = name.rsplit("-", 2)[0]
+          wgs = 2 if "wg2" in kernel or "2wg" in kernel else 1
+          print(f"\n{kernel} ({wgs} warpgroup{'s' * (wgs > 1)}, {nc} chunks a program)\n")
+          print(regions_table(kernel_regions(os.path.join(trace_dir, name), wgs), nc))
       sys.stdout.flush()
 
 

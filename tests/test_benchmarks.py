@@ -4,13 +4,14 @@ block benchmark's parts of the triadic layer compose to the layer's own output."
 from __future__ import annotations
 
 import functools
+import json
 import re
 
 import numpy as np
 import pytest
 
 from benchmarks import block
-from benchmarks.common import is_oom, kernel_profile, profile_table
+from benchmarks.common import is_oom, kernel_profile, kernel_regions, profile_table, regions_table
 
 
 @pytest.mark.parametrize("e", [1, 3])
@@ -118,6 +119,32 @@ ENTRY %main (a: f32[16,16]) -> f32[16,16] {
     return jax.lax.scan(lambda c, _: (jnp.sin(c), jnp.cos(c)), x, None, length=5)[1].sum()
   compiled = jax.jit(jax.grad(f)).lower(jnp.ones((64,))).compile().as_text()
   assert any(w == "loop" and "dynamic-update-slice" in k for k, w, _, _ in hlo_moves(compiled))
+
+
+def test_kernel_regions_sum_each_regions_own_cycles(tmp_path):
+  """A trace as Mosaic GPU's profiler writes it (two programs of two warpgroups; timestamps in
+  clock cycles / 1000): each region's own cycles (without its nested regions) per warpgroup, a
+  name reopened inside itself counted once, what no region covers, and the per-chunk table."""
+  def trace(tid, marks):                  # marks: (name, "B" or "E", cycle)
+    return [{"name": n, "ph": ph, "ts": 5.0 + c / 1e3, "pid": 1, "tid": tid} for n, ph, c in marks]
+
+  wg0 = [("stage", "B", 0), ("wait k", "B", 10), ("wait k", "E", 40), ("stage", "B", 50),
+         ("stage", "E", 60), ("stage", "E", 100), ("update", "B", 100), ("update", "E", 120)]
+  wg1 = [("stage", "B", 0), ("stage", "E", 30), ("update", "B", 40), ("update", "E", 50)]
+  events = trace(1, wg0) + trace(2, wg1) + trace(3, wg0) + trace(4, wg1)
+  path = tmp_path / "kernel-1-trace.json"
+  path.write_text(json.dumps({"displayTimeUnit": "ns", "traceEvents": events}))
+  got = kernel_regions(str(path), warpgroups=2)
+  assert got.traces == [2, 2]
+  assert got.span == pytest.approx([240, 100])
+  assert list(got.cycles[0]) == ["stage/wait k", "stage", "update"]
+  assert got.cycles[0] == pytest.approx({"stage/wait k": 60, "stage": 140, "update": 40})
+  assert got.cycles[1] == pytest.approx({"stage": 60, "update": 20})
+  table = regions_table(got, chunks=2)
+  assert "| stage/wait k | 15 | 25.0% | 0 | 0.0% |" in table
+  assert "| stage | 35 | 58.3% | 15 | 60.0% |" in table
+  assert "| (no region) | 0 | 0.0% | 5 | 20.0% |" in table
+  assert "| program span | 60 | 100.0% | 25 | 100.0% |" in table
 
 
 def test_is_oom():

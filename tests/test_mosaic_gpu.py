@@ -222,6 +222,43 @@ def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x, bv):
   assert not transposes_an_argument(text)
 
 
+@pytest.mark.parametrize("wgs", [1, 2])
+def test_trace_regions_record_the_stages(wgs, monkeypatch, tmp_path):
+  """Under ``mosaic.trace_regions`` both state passes lower for CUDA with Mosaic GPU's profiler:
+  an extra uint32 output of ``regions`` * 4 entries a warpgroup, and the regions it records are
+  the chunk loop's stages and each input's wait. (The profiler's dump is a host callback, which
+  only a CUDA backend lowers: replaced here.)"""
+  from jax.experimental.mosaic.gpu import profiler
+  specs = []
+  init = profiler.ProfilerSpec.__init__
+
+  def record(self, *a, **kw):
+    init(self, *a, **kw)
+    specs.append(self)
+
+  monkeypatch.setattr(profiler.ProfilerSpec, "__init__", record)
+  monkeypatch.setattr(jax.debug, "callback", lambda *a, **kw: None)
+  bh, nc, c, d, e = 2, 4, 64, 128, 8
+  args = kernel_arg_specs([(bh, nc, c, d)] * 3, bh=bh, nc=nc, c=c, d=d, vdim=d, e=e)
+  stages = {1: ({"wait update", "chunk start", "rhs", "U", "output", "update"},
+                {"wait update", "chunk start", "dU", "X, Z", "update"}),
+            2: ({"wait update", "chunk start", "partials", "exchange", "U, output", "meet",
+                 "update"},
+                {"wait update", "chunk start", "partial", "exchange", "dU, X, Z", "meet",
+                 "update"})}[wgs]
+  for fn, names in zip((mosaic.state_pass, mosaic.reverse_state_pass), stages):
+    specs.clear()
+    with mosaic.trace_regions(str(tmp_path), regions=64):
+      run = jax.jit(functools.partial(fn, scale=SCALE, erase=True, warpgroups=wgs))
+      text = run.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+    [results] = mosaic_results(text)
+    entries = re.fullmatch(r"tensor<(\d+)xui32>", results[-1])
+    assert entries and int(entries[1]) % (64 * 4 * wgs) == 0, results[-1]
+    [spec] = specs
+    assert names | {"wait lam", "wait f", "wait k"} <= set(spec.interned_names)
+  assert mosaic._compiler_params().profile_space == 0    # the context has ended
+
+
 def kernel_arg_specs(qkv_shapes, *, bh, nc, c, d, vdim, e):
   """Shape specs of a state pass's operands: q, k, v (bf16) of ``qkv_shapes``, then the float32
   k2, q2, gc (BH, NC, C, E), beta (BH, NC, C, 1), A, P (BH, NC, C, C) and h0 / dht (BH, E, D, V)."""

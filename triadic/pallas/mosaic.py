@@ -127,6 +127,8 @@ How the pieces are done, and why (what the CPU interpreter and the Mosaic GPU lo
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 
 import jax
@@ -539,7 +541,8 @@ class _Inputs:
       self.start(names, step + 1)
 
   def wait(self, name, step):
-    plgpu.barrier_wait(self.bars.at[self._slot(name, step)[2]])
+    with jax.named_scope(f"wait {name}"):       # a region of its own (``trace_regions``)
+      plgpu.barrier_wait(self.bars.at[self._slot(name, step)[2]])
 
 
 def _chunk_box(heads, i, c, pieces=1, nc=0):
@@ -598,14 +601,35 @@ def _store_cat(x, dst, cat):
   pl.run_scoped(body, cat)
 
 
+@contextlib.contextmanager
+def _stages():
+  """Consecutive named regions of one chunk's code: ``stage(name)`` ends the current region and
+  begins ``name`` (a ``jax.named_scope``, so a region nests the ones opened inside it, e.g. an
+  input's wait); the last ends with the ``with``. Mosaic GPU's profiler records them under
+  ``trace_regions``; otherwise they only name the code."""
+  scopes = contextlib.ExitStack()
+
+  def stage(name):
+    scopes.close()
+    scopes.enter_context(jax.named_scope(name))
+
+  with scopes:
+    yield stage
+
+
 def _chunk_loop(chunk, nc, init, scratch, prologue, xbar=None):
   """fori_loop over the chunks inside one SMEM scope (``scratch``), after ``prologue(*refs)`` (the
   first chunk's copies); the scope is released before the final state's buffer is allocated (the
   two do not fit together at D * E * BV = 64 * 256). With ``xbar`` (two warpgroups) the scope is
-  shared by both, who meet at it before the scope ends."""
+  shared by both, who meet at it before the scope ends. ``chunk(n, carry, *refs, stage=...)``
+  marks its stages with ``stage`` (``_stages``)."""
+  def step(n, carry, refs):
+    with _stages() as stage:
+      return chunk(n, carry, *refs, stage=stage)
+
   def body(*refs):
     prologue(*refs)
-    out = lax.fori_loop(0, nc, lambda n, s: chunk(n, s, *refs), init)
+    out = lax.fori_loop(0, nc, lambda n, s: step(n, s, refs), init)
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)
     if xbar is not None:
       _sync(xbar)
@@ -613,8 +637,37 @@ def _chunk_loop(chunk, nc, init, scratch, prologue, xbar=None):
   return pl.run_scoped(body, *scratch, collective_axes=("wg",) * (xbar is not None))
 
 
+_TRACE = contextvars.ContextVar("triadic_mosaic_trace", default=None)
+
+
+@contextlib.contextmanager
+def trace_regions(directory: str, regions: int):
+  """A diagnostic: the kernels of this module built inside record the named regions of their
+  chunk loops (``_stages``: each stage's products and stores, nested in them the wait for each
+  input) with Mosaic GPU's profiler (``plgpu.CompilerParams.profile_space``). Each run of a
+  kernel writes a Perfetto trace into ``directory``: per warpgroup, the SM clock at every
+  region's start and end (``benchmarks/common.kernel_regions`` sums them). ``regions`` bounds the
+  regions one warpgroup records in a run; each costs 16 bytes of its block's shared memory, so a
+  kernel whose SMEM is near the limit needs fewer chunks (T). Recording is two shared-memory
+  stores a region, by one thread of each warpgroup. JAX's caches are cleared on entry and exit,
+  so that no program compiled outside is reused inside or the other way round."""
+  if not isinstance(regions, int) or regions < 1:
+    raise ValueError(f"regions must be a positive int, got {regions!r}")
+  jax.clear_caches()
+  token = _TRACE.set((str(directory), regions))
+  try:
+    yield
+  finally:
+    _TRACE.reset(token)
+    jax.clear_caches()
+
+
 def _compiler_params():
-  return plgpu.CompilerParams()
+  trace = _TRACE.get()
+  if trace is None:
+    return plgpu.CompilerParams()
+  directory, regions = trace
+  return plgpu.CompilerParams(profile_space=regions, profile_dir=directory)
 
 
 # ------------------------------------------------------------------------------------------------
@@ -660,14 +713,16 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     copies(*refs[:7]).start(first, 0)
 
   def chunk(n, s, q_s, k_bufs, v_s, a_s, p_s, f_bufs, lam_s, state_bf16_s, w_s, rhs_bf16_s,
-            u_bf16_s, o_s, *extra):
+            u_bf16_s, o_s, *extra, stage):
     ins = copies(q_s, k_bufs, v_s, a_s, p_s, f_bufs, lam_s)
     st_s = extra[0] if residuals else None              # the chunk-start state's buffer
     extra = extra[residuals:]
     x_out, interp = extra[:save_x], extra[save_x:]      # interp: K^T, interpret mode only
     f_s, k_s = ins.ref("f", n), ins.ref("k", n)
     d = q_s.shape[1]
+    stage("wait update")
     plgpu.wgmma_wait(0)                   # the previous state update has read S_cat, K^T
+    stage("chunk start")
     _begin_chunk(s, state_bf16_s, st_s)
     ins.wait("lam", n)
     decayed = ops.colvec(lam_s, d) * s
@@ -677,6 +732,7 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     ins.start_next(("lam",), n)
     ins.start(at_end, n)
 
+    stage("rhs")
     ins.wait("f", n)
     ins.wait("v", n)
     beta = ops.rowvec(f_s, beta_row, bv)
@@ -695,9 +751,11 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
       ins.start_next(("k", "v"), n)
       if save_x:
         plgpu.copy_smem_to_gmem(x_out[0], x_g.at[i, n, :, cols])
+      stage("U")
       ins.wait("a", n)
       u = ops.mm(a_s, rhs_bf16_s)
     else:
+      stage("U")
       u = beta * ops.acc(v_s[...].astype(F32))
     u_bf16_s[...] = u.astype(BF16)
     _e_expand(ops, w_s, u, f_s, write_rows, bv)
@@ -706,6 +764,7 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     if residuals:
       plgpu.copy_smem_to_gmem(u_bf16_s, u_g.at[i, n, :, cols])
 
+    stage("output")
     ins.wait("q", n)
     y = ops.mm(q_s, state_bf16_s)
     ins.wait("p", n)
@@ -715,6 +774,7 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     ins.start_next(("q", "p", "f"), n)
     plgpu.copy_smem_to_gmem(o_s, o_at(n))
 
+    stage("update")
     for name in at_end:
       ins.wait(name, n)
     return ops.mm_add(decayed, [(ops.transposed(k_s, *interp or [None]), w_s)])
@@ -856,7 +916,7 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_an
   at_end = ("q",)                       # read only by the state update at the end, as Q^T
 
   def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, lam_s, state_bf16_s, x_s, z_s, du_s, st_s,
-            *extra):
+            *extra, stage):
     rhs_s, interp = extra[:2 * save_drhs], extra[2 * save_drhs:]  # interp: interpret mode only
     ins = copies(k_s, q_s, do_s, a_s, p_s, f_s, lam_s)
     # The operands K^T, Q^T, A^T, P^T: views of the copies of K, Q, A, P (interp: their explicit
@@ -864,7 +924,9 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_an
     tr = lambda ref, at: ops.transposed(ref, interp[at] if interp else None)
     n = nc - 1 - step
     d = k_s.shape[1]
+    stage("wait update")
     plgpu.wgmma_wait(0)                   # the previous state update has read dS_cat, K, Q
+    stage("chunk start")
     plgpu.commit_smem()
     ins.start(first, step)
     _begin_chunk(ds, state_bf16_s, st_s)
@@ -874,6 +936,7 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_an
     _publish_chunk(st_s, lambda e: dst_g.at[i, n, e, :, cols])
     ins.start(at_end, step)
 
+    stage("dU")
     ins.wait("k", step)
     r = ops.mm(k_s, state_bf16_s)
     ins.wait("p", step)
@@ -882,6 +945,7 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_an
     ins.wait("f", step)
     du = du + _e_reduce(ops, r, f_s, write_rows, bv)
     du_s[...] = du.astype(du_s.dtype)       # the output, and with erase A^T dU's operand
+    stage("X, Z")
     do = ops.acc(do_s[...].astype(F32))
     _e_expand(ops, x_s, do, f_s, read_rows, bv, scale)
     if erase:
@@ -895,6 +959,7 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_an
     plgpu.copy_smem_to_gmem(du_s, du_g.at[i, n, :, cols])
     for out_s, out_at in zip(rhs_s, rhs_at):
       plgpu.copy_smem_to_gmem(out_s, out_at(n))
+    stage("update")
     for name in at_end:
       ins.wait(name, step)
     pairs = [(tr(q_s, 1), x_s)]
@@ -1087,14 +1152,16 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
     pl.when(w == 0)(lambda: cp.start(first0, 0))
 
   def chunk(n, s, q_s, k_bufs, v_s, a_s, p_s, f_s, lam_s, s_s, w_s, rhs_s, u16_s, o_s, red_r,
-            red_y, *extra):
+            red_y, *extra, stage):
     cp = copies(q_s, k_bufs, v_s, a_s, p_s, f_s, lam_s)
     x_out = extra[:save_x]
     interp = extra[save_x:]               # K^T rows, interpret mode only
     k_w = cp.ref("k", n)                  # (C, 64): this warpgroup's columns of K
     mine = s_s.at[w]                      # (E, 64, BV): this warpgroup's rows, slice by slice
+    stage("wait update")
     plgpu.wgmma_wait(0)                   # its previous state update has read K, W
     plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # its stores have read their buffers
+    stage("chunk start")
     _store_blocks(s, mine, e_dim, bv, BF16)
     cp.wait("lam", n)
     decayed = ops.colvec(lam_s, HALF) * s
@@ -1102,6 +1169,7 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
     for e in range(e_dim * residuals):    # the chunk-start state, straight from the operand
       plgpu.copy_smem_to_gmem(mine.at[e], st_g.at[i, n, e, rows, cols])
     cp.start(at_end, n)
+    stage("partials")
     cp.wait("f", n)
     part_r = None
     if erase:
@@ -1109,6 +1177,8 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
       part_r = _partial(ops, k_w, mine, f_s, r_rows, bv)
     cp.wait("q", n)
     part_y = _partial(ops, q_s.at[w], mine, f_s, read_rows, bv)
+
+    stage("exchange")
 
     @pl.when(w == 1)
     def _():
@@ -1118,6 +1188,7 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
 
     _sync(xbar)       # the partials are in SMEM; both warpgroups are done with lam
     cp.start_next(own, n)
+    stage("U, output")
 
     @pl.when(w == 0)
     def _():
@@ -1155,8 +1226,10 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
       cp.start_next(("p",), n)
       plgpu.copy_smem_to_gmem(o_s, at(o_g, n, cols))
 
+    stage("meet")
     _sync(xbar)       # W is in SMEM; warpgroup 0 has read the partials; both are done with f
     pl.when(w == 0)(lambda: cp.start_next(("f",), n))
+    stage("update")
     for name in at_end:
       cp.wait(name, n)
     kt = ops.transposed(k_w, interp[0].at[w] if interp else None)
@@ -1242,7 +1315,8 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
   first0 = ("f", "lam", "do", "p") + (("a",) if erase else ())
   at_end = ("q",)                       # read only by the state update at the end, as Q^T
 
-  def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, lam_s, s_s, x_s, z_s, u16_s, u_s, *extra):
+  def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, lam_s, s_s, x_s, z_s, u16_s, u_s, *extra,
+            stage):
     rhs_s, interp = extra[:2 * save_drhs], extra[2 * save_drhs:]  # interp: interpret mode only
     cp = copies(k_s, q_s, do_s, a_s, p_s, f_s, lam_s)
     if interp:                            # this warpgroup's rows of K^T, Q^T
@@ -1252,7 +1326,9 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
     tr = lambda ref, at: ops.transposed(ref, interp[at] if interp else None)
     n = nc - 1 - step
     mine = s_s.at[w]
+    stage("wait update")
     plgpu.wgmma_wait(0)                   # its previous state update has read K, Q, X, Z
+    stage("chunk start")
     plgpu.commit_smem()
     cp.start(("k",), step)
     pl.when(w == 0)(lambda: cp.start(first0, step))
@@ -1264,15 +1340,20 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
     for e in range(e_dim):
       plgpu.copy_smem_to_gmem(mine.at[e], dst_g.at[i, n, e, rows, cols])
     cp.start(at_end, step)
+    stage("partial")
     cp.wait("k", step)
     cp.wait("f", step)
     part = _partial(ops, k_s.at[w], mine, f_s, write_rows, bv)
+
+    stage("exchange")
 
     @pl.when(w == 1)
     def _():
       u_s[...] = part
 
     _sync(xbar)       # warpgroup 1's part of sum_e fw_e (K dS_cat)_e is in u_s
+
+    stage("dU, X, Z")
 
     @pl.when(w == 0)
     def _():
@@ -1298,7 +1379,9 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
       # u_s is warpgroup 1's next partial buffer: dU's store must have read it.
       plgpu.wait_smem_to_gmem(0, wait_read_only=True)
 
+    stage("meet")
     _sync(xbar)       # X, Z are in SMEM; warpgroup 0 has read the partial
+    stage("update")
     for name in at_end:
       cp.wait(name, step)
     pairs = [(tr(q_s.at[w], 1), x_s)]
