@@ -973,7 +973,7 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_an
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
                        block_v=None, warpgroups=1, heads=None, pieces=1, save_drhs=False,
-                       interpret=False):
+                       x_on_second_warpgroup=False, interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   in ``common.du_dtype``, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the
   initial state (BH,E,D,V) float32. ``warpgroups``: as ``state_pass``. ``save_drhs`` (erase
@@ -981,6 +981,10 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   dV = beta A^T dU (BH,NC,C,V; dV in the caller's (B,T,H,V) with ``heads``) in q's dtype, each
   rounded once from float32: what the chunk-parallel backward reads
   (``mosaic_backward.chunk_gradients``' ``drhs``, ``dv``).
+
+  ``x_on_second_warpgroup`` (two warpgroups): warpgroup 1 forms X = [scale diag(fq_e) dO]_e,
+  which needs only dO and the factors, while warpgroup 0 forms dU, A^T dU and Z, instead of
+  warpgroup 0 forming all three while warpgroup 1 waits at the chunk's second meeting.
 
   ``heads=H``: q, k (B, T, H, D) and do (B, T, H, V) are in the user's layout with T = NC * C,
   read in place by TMA as in ``state_pass``; every output keeps its layout. ``pieces``: as in
@@ -994,7 +998,9 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   if warpgroups == 2:
     return _backward_2wg(q, k, do, a, p, f, lam_cat, dht, e_dim=e_dim, bv=bv, scale=scale,
                          erase=erase, save_drhs=save_drhs, heads=heads, pieces=pieces,
-                         interpret=interpret)
+                         x_on_wg1=bool(x_on_second_warpgroup), interpret=interpret)
+  if x_on_second_warpgroup:
+    raise ValueError("x_on_second_warpgroup is for the two-warpgroup reverse pass (warpgroups=2)")
   n_cat = e_dim * bv
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   sw_v = _swizzle(bv)
@@ -1290,7 +1296,7 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
 
 def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and_bars,
                          scratch, cat, nc, e_dim, bv, scale, erase, save_drhs, interpret,
-                         heads=None, pieces=1):
+                         heads=None, pieces=1, x_on_wg1=False):
   rhs_g = outs_and_bars[:2 * save_drhs]        # save_drhs: A^T dU and dV = beta A^T dU
   dst_g, dh0_g, bars, xbar = outs_and_bars[2 * save_drhs:]
   ops = _Ops(interpret)
@@ -1355,6 +1361,15 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
 
     stage("dU, X, Z")
 
+    def expand_x():   # X = [scale diag(fq_e) dO]_e, which both state updates read
+      _e_expand(ops, x_s, ops.acc(do_s[...].astype(F32)), f_s, read_rows, bv, scale)
+
+    if x_on_wg1:      # X is rewritten after the first meeting: both updates have read it
+      @pl.when(w == 1)
+      def _():
+        cp.wait("do", step)
+        expand_x()
+
     @pl.when(w == 0)
     def _():
       cp.wait("p", step)
@@ -1365,8 +1380,8 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
       du_out_s[...] = du.astype(du_out_s.dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(du_out_s, du_g.at[i, n, :, cols])
-      do = ops.acc(do_s[...].astype(F32))
-      _e_expand(ops, x_s, do, f_s, read_rows, bv, scale)
+      if not x_on_wg1:
+        expand_x()
       if erase:
         cp.wait("a", step)
         drhs = ops.mm(tr(a_s, 2), u16_s)
@@ -1394,7 +1409,7 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
 
 
 def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, save_drhs, heads,
-                  pieces, interpret):
+                  pieces, x_on_wg1, interpret):
   """``reverse_state_pass`` with two warpgroups; sizes and layouts as ``_forward_2wg``'s."""
   bh, nc, _, c = f.shape
   d = q.shape[-1]
@@ -1422,7 +1437,8 @@ def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, s
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # dht / dh0 rows
   kernel = functools.partial(_backward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_drhs=save_drhs,
-                             interpret=bool(interpret), heads=heads, pieces=pieces)
+                             interpret=bool(interpret), heads=heads, pieces=pieces,
+                             x_on_wg1=x_on_wg1)
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   du, *outs, dh0 = _kernel_2wg(
       kernel, ins, _reverse_out_types(bh, nc, c, d, vd, e_dim, bv, q.dtype, erase, save_drhs,

@@ -112,6 +112,10 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
         forward, tiles=forward.tiles + "; without gradients o and the final state only")
     bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, "at chunk start",
                               "K^T Q^T A^T P^T")
+    if cfg.x_on_second_warpgroup and st.reverse_warpgroups == 2:
+      bwd_states = dataclasses.replace(
+          bwd_states, tiles=bwd_states.tiles + "; X by warpgroup 1 "
+          "(Config.x_on_second_warpgroup)")
   else:
     tiles = f"block_v {cfg.block_v}, {loop}"
     forward = Stage("forward", base, tiles, state_reason)
