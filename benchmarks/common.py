@@ -295,13 +295,15 @@ def profile_table(rows: list[KernelTime], wall_ms: float, *, top: int = 25,
 
 
 class Regions(NamedTuple):
-  """One Mosaic GPU kernel run's named regions (``kernel_regions``): per warpgroup index, the
+  """One Mosaic GPU kernel run's named regions (``kernel_regions``), per warpgroup index: the
   clock cycles spent in each region's own code (without the regions nested in it) summed over
   its traces (one per program), keyed by the region's path (``outer/inner``) in order of first
-  appearance, and the number of traces and their summed span (first record to last)."""
+  appearance; the number of traces; their summed span (first record to last); and the loop
+  steps a trace (the most times a top-level region begins in one trace, on average)."""
   cycles: list[dict[str, float]]
   traces: list[int]
   span: list[float]
+  steps: list[float]
 
 
 def kernel_regions(path: str, warpgroups: int) -> Regions:
@@ -316,6 +318,7 @@ def kernel_regions(path: str, warpgroups: int) -> Regions:
   for ev in events:
     by_trace[ev["tid"]].append(ev)
   cycles = [dict() for _ in range(warpgroups)]
+  begins = [collections.Counter() for _ in range(warpgroups)]
   traces, span = [0] * warpgroups, [0.0] * warpgroups
   for tid, evs in by_trace.items():
     wg = (tid - 1) % warpgroups
@@ -327,6 +330,8 @@ def kernel_regions(path: str, warpgroups: int) -> Regions:
         parent = stack[-1][0] if stack else ""
         repeat = parent.rpartition("/")[2] == ev["name"]
         name = parent if repeat else f"{parent}/{ev['name']}".lstrip("/")
+        if not stack:
+          begins[wg][name] += 1
         stack.append([name, ev["ts"], 0.0])
       else:
         name, start, nested = stack.pop()
@@ -334,13 +339,14 @@ def kernel_regions(path: str, warpgroups: int) -> Regions:
         cycles[wg][name] = cycles[wg].get(name, 0.0) + total - nested
         if stack:
           stack[-1][2] += total
-  return Regions(cycles, traces, span)
+  steps = [max(b.values(), default=0) / max(n, 1) for b, n in zip(begins, traces)]
+  return Regions(cycles, traces, span, steps)
 
 
-def regions_table(regions: Regions, chunks: int) -> str:
+def regions_table(regions: Regions) -> str:
   """A markdown table of ``kernel_regions``: per region and warpgroup, the mean clock cycles per
-  chunk (``chunks`` per program) and the share of the program's span; then what no region
-  covers and the span itself."""
+  loop step (a chunk) and the share of the program's span; then what no region covers and the
+  span itself."""
   wgs = range(len(regions.cycles))
   paths = list(dict.fromkeys(p for c in regions.cycles for p in c))
   head = "| region | " + " | ".join(f"wg{w} cycles / chunk | wg{w} share" for w in wgs) + " |"
@@ -349,7 +355,7 @@ def regions_table(regions: Regions, chunks: int) -> str:
   def row(label, values):
     cells = []
     for w, value in zip(wgs, values):
-      per = value / max(regions.traces[w], 1) / chunks
+      per = value / max(regions.traces[w] * regions.steps[w], 1)
       cells.append(f"{per:.0f} | {100 * value / (regions.span[w] or float('nan')):.1f}%")
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
 

@@ -122,9 +122,10 @@ ENTRY %main (a: f32[16,16]) -> f32[16,16] {
 
 
 def test_kernel_regions_sum_each_regions_own_cycles(tmp_path):
-  """A trace as Mosaic GPU's profiler writes it (two programs of two warpgroups; timestamps in
-  clock cycles / 1000): each region's own cycles (without its nested regions) per warpgroup, a
-  name reopened inside itself counted once, what no region covers, and the per-chunk table."""
+  """A trace as Mosaic GPU's profiler writes it (two programs of two warpgroups, one loop step
+  each; timestamps in clock cycles / 1000): each region's own cycles (without its nested
+  regions) per warpgroup, a name reopened inside itself counted once, what no region covers, and
+  the per-step table."""
   def trace(tid, marks):                  # marks: (name, "B" or "E", cycle)
     return [{"name": n, "ph": ph, "ts": 5.0 + c / 1e3, "pid": 1, "tid": tid} for n, ph, c in marks]
 
@@ -135,16 +136,16 @@ def test_kernel_regions_sum_each_regions_own_cycles(tmp_path):
   path = tmp_path / "kernel-1-trace.json"
   path.write_text(json.dumps({"displayTimeUnit": "ns", "traceEvents": events}))
   got = kernel_regions(str(path), warpgroups=2)
-  assert got.traces == [2, 2]
+  assert got.traces == [2, 2] and got.steps == [1, 1]
   assert got.span == pytest.approx([240, 100])
   assert list(got.cycles[0]) == ["stage/wait k", "stage", "update"]
   assert got.cycles[0] == pytest.approx({"stage/wait k": 60, "stage": 140, "update": 40})
   assert got.cycles[1] == pytest.approx({"stage": 60, "update": 20})
-  table = regions_table(got, chunks=2)
-  assert "| stage/wait k | 15 | 25.0% | 0 | 0.0% |" in table
-  assert "| stage | 35 | 58.3% | 15 | 60.0% |" in table
-  assert "| (no region) | 0 | 0.0% | 5 | 20.0% |" in table
-  assert "| program span | 60 | 100.0% | 25 | 100.0% |" in table
+  table = regions_table(got)
+  assert "| stage/wait k | 30 | 25.0% | 0 | 0.0% |" in table
+  assert "| stage | 70 | 58.3% | 30 | 60.0% |" in table
+  assert "| (no region) | 0 | 0.0% | 10 | 20.0% |" in table
+  assert "| program span | 120 | 100.0% | 50 | 100.0% |" in table
 
 
 def test_is_oom():
