@@ -12,7 +12,7 @@ on the E = 1 slice of the same inputs when torch and those packages import (else
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --stages --t 16384 --e 1 8   # per kernel
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --layouts --t 16384 --e 1 8  # q, k, v layout
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --profile --t 16384 --e 1 8  # the op's kernels
-  PYTHONPATH=. python3 benchmarks/triadic_kernels.py --regions --t 8192 --e 8     # inside the loops
+  PYTHONPATH=. python3 benchmarks/triadic_kernels.py --regions --t 4096 --e 8     # inside the loops
 
 On Hopper, "pallas" runs the Mosaic GPU kernels (the state-passing kernels, ``Config.mosaic_gpu``,
 and the chunk-parallel backward's E-dependent part, ``Config.mosaic_gpu_backward``) and a
@@ -622,8 +622,9 @@ def regions(t, b, e_list, variants=()):
   ``variants`` set: per kernel run, the clock cycles per chunk of each stage and input wait and
   their share of the program, per warpgroup (``common.kernel_regions``), below the kernel's
   device ms with and without the recording (``common.kernel_profile``), which is what the
-  recording costs. Each region costs the kernel 16 bytes of SMEM a chunk: at E = 8 a T of 8192
-  fits where the passes' SMEM is largest; a kernel that no longer fits is reported."""
+  recording costs. The regions, up to 40 a chunk (the two-warpgroup passes' products are one
+  region each), cost the kernel 16 bytes of SMEM each: a T of 4096 fits at E = 8 and 2048 at
+  E = 4; a kernel that no longer fits is reported."""
   h, d, vd, c = 16, 128, 128, 64
   nc = -(-t // c)
   for e in e_list:
@@ -634,7 +635,7 @@ def regions(t, b, e_list, variants=()):
       plain = kernel_profile(triadic_fns("pallas", **fields)[1], xs, reps=3)[0]
       with tempfile.TemporaryDirectory() as trace_dir:
         try:
-          with mosaic.trace_regions(trace_dir, regions=16 * nc + 8), warnings.catch_warnings():
+          with mosaic.trace_regions(trace_dir, regions=40 * nc + 8), warnings.catch_warnings():
             warnings.simplefilter("ignore")     # later runs find their trace files written
             fwd_bwd = triadic_fns("pallas", **fields)[1]
             jax.block_until_ready(fwd_bwd(*xs))                 # compiles

@@ -254,7 +254,7 @@ def test_kernels_lower_for_cuda(d, vdim, e, erase, wgs, save_x, bv):
 def test_trace_regions_record_the_stages(wgs, monkeypatch, tmp_path):
   """Under ``mosaic.trace_regions`` both state passes lower for CUDA with Mosaic GPU's profiler:
   an extra uint32 output of ``regions`` * 4 entries a warpgroup, and the regions it records are
-  the chunk loop's stages and each input's wait. (The profiler's dump is a host callback, which
+  the chunk loop's stages, each input's wait and the helpers' parts (products, SMEM stores). (The profiler's dump is a host callback, which
   only a CUDA backend lowers: replaced here.)"""
   from jax.experimental.mosaic.gpu import profiler
   specs = []
@@ -283,7 +283,8 @@ def test_trace_regions_record_the_stages(wgs, monkeypatch, tmp_path):
     entries = re.fullmatch(r"tensor<(\d+)xui32>", results[-1])
     assert entries and int(entries[1]) % (64 * 4 * wgs) == 0, results[-1]
     [spec] = specs
-    assert names | {"wait lam", "wait f", "wait k"} <= set(spec.interned_names)
+    assert names | {"wait lam", "wait f", "wait k", "product", "wait stores", "state to SMEM",
+                    "expand over e"} <= set(spec.interned_names)
   assert mosaic._compiler_params().profile_space == 0    # the context has ended
 
 

@@ -411,6 +411,7 @@ class _Ops:
       return interp_s
     return plgpu.transpose_ref(ref, (1, 0))
 
+  @jax.named_scope("product")      # a region of its own (``trace_regions``), as below
   def mm(self, a_ref, b_ref):
     """a @ b, float32 accumulation, both operands SMEM refs."""
     m, n = a_ref.shape[0], b_ref.shape[1]
@@ -453,12 +454,14 @@ def _wait(n, bars, first=0):
     plgpu.barrier_wait(bars.at[slot])
 
 
+@jax.named_scope("state to SMEM")
 def _store_blocks(x, ref, e_dim, bv, dtype):
   """ref[e] = x[:, e-th column block] for each e (ref (E, rows, BV))."""
   for e in range(e_dim):
     ref[e] = x[:, e * bv:(e + 1) * bv].astype(dtype)
 
 
+@jax.named_scope("sum over e")
 def _e_reduce(ops, x, f_s, first_row, bv):
   """sum_e diag(f[first_row + e]) x[:, e-th column block]: an (M, E*BV) product reduced over e
   to (M, BV) in registers (static column slices, each scaled by its row factor)."""
@@ -469,6 +472,7 @@ def _e_reduce(ops, x, f_s, first_row, bv):
   return out
 
 
+@jax.named_scope("expand over e")
 def _e_expand(ops, dst_s, y, f_s, first_row, bv, coef=1.0):
   """[coef diag(f[first_row + e]) y]_e: the (M, BV) ``y`` scaled by each slice's row factor into
   column block e of the bf16 (M, E*BV) ``dst_s`` (the wgmma operand the [.]_e products read): the
@@ -570,11 +574,18 @@ def _begin_chunk(carry, carry_s, out_s):
   previous chunk's TMA stores must have read the output buffers (waited here, o's too), and its
   last wgmma (the state update, which read ``carry_s``) must be complete: the caller's
   ``plgpu.wgmma_wait(0)``, which also frees the buffers that update read."""
+  _wait_stores()
+  with jax.named_scope("state to SMEM"):
+    carry_s[...] = carry.astype(BF16)
+    if out_s is not None:
+      e_dim, _, bv = out_s.shape
+      _store_blocks(carry, out_s, e_dim, bv, out_s.dtype)
+
+
+@jax.named_scope("wait stores")
+def _wait_stores():
+  """Wait for this warpgroup's TMA stores to have read their SMEM buffers."""
   plgpu.wait_smem_to_gmem(0, wait_read_only=True)
-  carry_s[...] = carry.astype(BF16)
-  if out_s is not None:
-    e_dim, _, bv = out_s.shape
-    _store_blocks(carry, out_s, e_dim, bv, out_s.dtype)
 
 
 def _publish_chunk(out_s, out_at):
@@ -1166,7 +1177,7 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
     mine = s_s.at[w]                      # (E, 64, BV): this warpgroup's rows, slice by slice
     stage("wait update")
     plgpu.wgmma_wait(0)                   # its previous state update has read K, W
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)   # its stores have read their buffers
+    _wait_stores()                        # its stores have read their buffers
     stage("chunk start")
     _store_blocks(s, mine, e_dim, bv, BF16)
     cp.wait("lam", n)
@@ -1338,7 +1349,7 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
     plgpu.commit_smem()
     cp.start(("k",), step)
     pl.when(w == 0)(lambda: cp.start(first0, step))
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _wait_stores()
     _store_blocks(ds, mine, e_dim, bv, BF16)
     cp.wait("lam", step)
     decayed = ops.colvec(lam_s, HALF) * ds
@@ -1392,7 +1403,7 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
           for out_s, out_at in zip(rhs_s, rhs_at):
             plgpu.copy_smem_to_gmem(out_s, out_at(n))
       # u_s is warpgroup 1's next partial buffer: dU's store must have read it.
-      plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+      _wait_stores()
 
     stage("meet")
     _sync(xbar)       # X, Z are in SMEM; warpgroup 0 has read the partial
