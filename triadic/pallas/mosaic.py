@@ -472,6 +472,20 @@ def _e_reduce(ops, x, f_s, first_row, bv):
   return out
 
 
+def _e_reduced_product(ops, lhs_s, cat_s, f_s, first_row, bv, parts=1):
+  """sum_e diag(f[first_row + e]) (lhs @ S_cat)[:, e-th column block], from S_cat's bf16 operand
+  ``cat_s`` (D, E*BV): the product formed in ``parts`` column parts of E*BV / parts (whole
+  slices), each summed over its slices as it lands, so that one part's (M, E*BV / parts)
+  float32 accumulator is live at a time instead of the whole product's."""
+  width = cat_s.shape[1] // parts
+  out = None
+  for j in range(parts):
+    part = cat_s if parts == 1 else cat_s.at[:, pl.ds(j * width, width)]
+    term = _e_reduce(ops, ops.mm(lhs_s, part), f_s, first_row + j * width // bv, bv)
+    out = term if out is None else out + term
+  return out
+
+
 @jax.named_scope("expand over e")
 def _e_expand(ops, dst_s, y, f_s, first_row, bv, coef=1.0):
   """[coef diag(f[first_row + e]) y]_e: the (M, BV) ``y`` scaled by each slice's row factor into
@@ -687,7 +701,7 @@ def _compiler_params():
 
 def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, cat, nc,
                     e_dim, bv, scale, erase, save_x, interpret, heads=None, pieces=1,
-                    residuals=True):
+                    residuals=True, product_parts=1):
   if not residuals:                   # o and the final state only
     o_g, ht_g, bars = outs_and_bars
   elif save_x:
@@ -749,14 +763,15 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
     beta = ops.rowvec(f_s, beta_row, bv)
     if erase:
       ins.wait("k", n)
-      r = ops.mm(k_s, state_bf16_s)
       if save_x:
         # X = V - sum_e diag(c_e) R_e, which the chunk-parallel backward reads; rhs = beta X.
-        x = ops.acc(v_s[...].astype(F32)) - _e_reduce(ops, r, f_s, x_rows, bv)
+        x = ops.acc(v_s[...].astype(F32)) - _e_reduced_product(
+            ops, k_s, state_bf16_s, f_s, x_rows, bv, product_parts)
         x_out[0][...] = x.astype(x_out[0].dtype)
         rhs = beta * x
       else:
-        rhs = beta * ops.acc(v_s[...].astype(F32)) - _e_reduce(ops, r, f_s, erase_rows, bv)
+        rhs = beta * ops.acc(v_s[...].astype(F32)) - _e_reduced_product(
+            ops, k_s, state_bf16_s, f_s, erase_rows, bv, product_parts)
       rhs_bf16_s[...] = rhs.astype(BF16)
       plgpu.commit_smem()
       ins.start_next(("k", "v"), n)
@@ -777,9 +792,9 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
 
     stage("output")
     ins.wait("q", n)
-    y = ops.mm(q_s, state_bf16_s)
+    y = _e_reduced_product(ops, q_s, state_bf16_s, f_s, read_rows, bv, product_parts)
     ins.wait("p", n)
-    out = ops.mm(p_s, u_bf16_s) + _e_reduce(ops, y, f_s, read_rows, bv)
+    out = ops.mm(p_s, u_bf16_s) + y
     o_s[...] = (scale * out).astype(o_s.dtype)
     plgpu.commit_smem()
     ins.start_next(("q", "p", "f"), n)
@@ -815,7 +830,8 @@ def _check_heads(heads, pieces, k2_col, q, **arrays):
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               save_x=False, warpgroups=1, heads=None, pieces=1, residuals=True, interpret=False):
+               save_x=False, warpgroups=1, heads=None, pieces=1, residuals=True, product_parts=1,
+               interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) in q's dtype, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
@@ -825,6 +841,9 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   (the op's primal): the kernel neither stores U nor the chunk-start states (a custom
   call's outputs cannot be dropped by XLA, so unread outputs would still be written) and the one
   warpgroup kernel allocates no (E, D, BV) buffer for them; ``save_x`` needs residuals.
+  ``product_parts`` (one warpgroup, dividing E): R = K S_cat and Y = Q S_cat are each formed in
+  that many column parts of E * BV / parts, each summed over its slices as it lands, so that a
+  smaller accumulator is live beside the state (``_e_reduced_product``).
 
   ``heads=H`` (either warpgroup count): q, k, v are in the user's (B, T, H, X) layout with
   T = NC * C and o is returned (B, T, H, V); the kernel reads and writes them in place by TMA,
@@ -844,6 +863,11 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   residuals = bool(residuals)
   if save_x:
     f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
+  if not isinstance(product_parts, int) or product_parts < 1 or e_dim % product_parts:
+    raise ValueError(f"product_parts must be a positive int dividing E = {e_dim}, got "
+                     f"{product_parts!r}")
+  if warpgroups == 2 and product_parts != 1:
+    raise ValueError("product_parts is for the one-warpgroup forward (warpgroups=1)")
   if warpgroups == 2:
     return _forward_2wg(q, k, v, a, p, f, lam_cat, h0, e_dim=e_dim, bv=bv, scale=scale,
                         erase=erase, save_x=save_x, heads=heads, pieces=pieces,
@@ -872,7 +896,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_x=save_x,
                              interpret=bool(interpret), heads=heads, pieces=pieces,
-                             residuals=residuals)
+                             residuals=residuals, product_parts=product_parts)
   *outs, ht = plgpu.kernel(
       kernel,
       out_type=_forward_out_types(q, bh, nc, c, d, vd, e_dim, bv, save_x, heads, residuals),
