@@ -15,6 +15,7 @@ from merlin import aggregators
 from merlin.ops import multistate_attention
 from testkit import rel_rms
 from triadic.ops import triadic_gdn, triadic_gdn_step
+from triadic.pallas.common import Config
 
 B, T, H, D, V, E, N, L, R = 1, 6, 2, 4, 3, 2, 2, 4, 3
 F32 = np.float32
@@ -206,3 +207,14 @@ def test_multistate_decode_step_past_capacity_is_an_error():
   with pytest.raises(ValueError, match=r"holds 4 tokens and 1 more exceed .* capacity"):
     multistate_decode(layer, x, x, x, gb, gb, jnp.ones((B, 1, H, 2)), {}, cache, erase=True,
                       scale=1.0)
+
+
+@pytest.mark.parametrize("field,value,error", [
+    ("state_warpgroups", 3, ValueError), ("sequence_pieces", -1, ValueError),
+    ("forward_product_parts", 0, ValueError), ("warmup_chunks", 0, ValueError),
+    ("slice_unroll_max_e", -1, ValueError), ("x_on_second_warpgroup", 1, TypeError),
+    ("token_major", "yes", TypeError)])
+def test_kernel_config_names_a_bad_field(field, value, error):
+  """The Pallas kernels' ``Config`` rejects a bad field value with an error naming the field."""
+  with pytest.raises(error, match=field):
+    Config("gpu", block_v=32, bwd_block_v=32, **{field: value})
