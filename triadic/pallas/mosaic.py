@@ -668,8 +668,9 @@ _TRACE = contextvars.ContextVar("triadic_mosaic_trace", default=None)
 @contextlib.contextmanager
 def trace_regions(directory: str, regions: int):
   """A diagnostic: the kernels of this module built inside record the named regions of their
-  chunk loops (``_stages``: each stage's products and stores, nested in them the wait for each
-  input) with Mosaic GPU's profiler (``plgpu.CompilerParams.profile_space``). Each run of a
+  chunk loops (the stages of ``_stages`` and, nested in them, each input's wait and the
+  helpers' parts: products, sums and expansions over e, the state's SMEM stores, the waits for
+  TMA stores) with Mosaic GPU's profiler (``plgpu.CompilerParams.profile_space``). Each run of a
   kernel writes a Perfetto trace into ``directory``: per warpgroup, the SM clock at every
   region's start and end (``benchmarks/common.kernel_regions`` sums them). ``regions`` bounds the
   regions one warpgroup records in a run; each costs 16 bytes of its block's shared memory, so a
