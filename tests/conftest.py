@@ -11,6 +11,13 @@
   program again (every ``train_loop.train`` call builds its own jitted step; the preemption test
   trains three times). Both choices' effect on the suite's time: benchmarks/RESULTS.md ("Test
   suite on the 2-core CPU").
+- The Mosaic GPU interpreter runs a kernel of several threads (two warpgroups) by handing each
+  thread's body, one jaxpr for the whole kernel, to ``thread_map._run_jaxpr``, which traces,
+  lowers and compiles it again for every thread of every grid point (a fresh ``jax.jit`` each
+  call: nothing cached). ``_compile_thread_bodies_once`` has it compile each body once and run
+  that executable for every thread and grid point: the same program on the same operands, so
+  the kernels compute what they did. Without that private function (another JAX) it does
+  nothing.
 
 - The files that hold the longest tests are collected first (``FIRST``, longest single test
   first), so that pytest-xdist hands them out at the start and its two workers finish together,
@@ -19,9 +26,11 @@
 Subprocesses started by tests (tests/test_train_distributed.py) inherit XLA_FLAGS."""
 
 import atexit
+import functools
 import os
 import shutil
 import tempfile
+import threading
 
 os.environ["XLA_FLAGS"] = " ".join(
     (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0")).strip()
@@ -31,6 +40,37 @@ import jax  # noqa: E402
 from triadic.xla_flags import apply_cpu_workaround  # noqa: E402
 
 apply_cpu_workaround()
+
+
+
+def _compile_thread_bodies_once():
+  try:
+    from jax._src.pallas.mosaic.interpret import thread_map
+  except ImportError:
+    return
+  if not callable(getattr(thread_map, "_run_jaxpr", None)):
+    return
+
+  def run(jaxpr, consts, *args):
+    jax.core.eval_jaxpr(jaxpr, consts, *args)
+
+  @functools.lru_cache(maxsize=8)
+  def compiled(jaxpr, const_avals, arg_avals):
+    return jax.jit(run, static_argnums=0).trace(jaxpr, list(const_avals), *arg_avals).lower(
+        ).compile()
+
+  lock = threading.Lock()   # the kernel's threads ask at once: one compiles, the others wait
+  aval = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
+
+  def run_jaxpr(jaxpr, consts, *args):
+    with lock:
+      executable = compiled(jaxpr, tuple(map(aval, consts)), tuple(map(aval, args)))
+    executable(list(consts), *args)
+
+  thread_map._run_jaxpr = run_jaxpr
+
+
+_compile_thread_bodies_once()
 
 _CACHE = tempfile.mkdtemp(prefix="jax_test_cache_")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
