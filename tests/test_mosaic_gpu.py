@@ -112,10 +112,10 @@ def check_close(names, got, want):
 
 WG2_CASES = [
     # b, t, h, v, e, erase, save_x, block_v, heads   (D = 128, C = 64; NC = 3 for t = 150 and 192)
-    # The interpreter compiles the two warpgroups' kernel body once a program (B * H * V / block_v
-    # of them; the larger E, the longer), whatever NC: one (b, h) row, but B = H = 2 where heads
-    # needs them. With heads (whole chunks): two value blocks (the column offsets of v, o and dO)
-    # and B = H = 2 (b = i // H, h = i % H).
+    # The interpreter runs the two warpgroups' kernel body once a program (B * H * V / block_v of
+    # them; the larger E, the longer): one (b, h) row, but B = H = 2 where heads needs them.
+    # With heads (whole chunks): two value blocks (the column offsets of v, o and dO) and
+    # B = H = 2 (b = i // H, h = i % H).
     # the two-warpgroup default block_v (32: E * block_v = 256 at E = 8)
     pytest.param(1, 192, 1, 64, 1, False, False, None, True, id="E1-noerase-V64-heads"),
     pytest.param(2, 192, 2, 32, 1, True, True, None, True, id="B2-H2-E1-erase-saveX-heads"),
@@ -343,8 +343,16 @@ def test_heads_layout_over_pieces_matches_default(wgs, e, bv):
                            pieces=2)
 
 
+def zero_operands(*, bh, nc, c, d, vdim, e):
+  """Zeros in the shapes and dtypes of a state pass's operands (``kernel_arg_specs``), for the
+  argument checks."""
+  qkv = [(bh, nc, c, d), (bh, nc, c, d), (bh, nc, c, vdim)]
+  specs = kernel_arg_specs(qkv, bh=bh, nc=nc, c=c, d=d, vdim=vdim, e=e)
+  return [jnp.zeros(x.shape, x.dtype) for x in specs]
+
+
 def test_pieces_without_heads_raise():
-  fargs, _, _ = build(1, 128, 1, 64, 32, 1, 64, True)
+  fargs = zero_operands(bh=1, nc=2, c=64, d=64, vdim=32, e=1)
   with pytest.raises(ValueError, match="pieces=2 needs heads"):
     mosaic.state_pass(*fargs, scale=SCALE, erase=True, pieces=2, interpret=True)
 
@@ -548,7 +556,7 @@ def test_lean_forward_matches_full(wgs, d, vdim, e, bv, erase, heads, pieces):
 
 
 def test_lean_forward_refuses_save_x():
-  fargs, _, _ = build(1, 64, 1, 64, 32, 1, 64, True)
+  fargs = zero_operands(bh=1, nc=1, c=64, d=64, vdim=32, e=1)
   with pytest.raises(ValueError, match="save_x needs residuals"):
     mosaic.state_pass(*fargs, scale=SCALE, erase=True, save_x=True, residuals=False,
                       interpret=True)

@@ -183,7 +183,7 @@ def test_slice_kernel_two_warpgroups_match_one(e=5, erase=True):
   (The kernel alone under jit: inside a larger jitted function the interpreter's two simulated
   threads can wait on each other forever on a 2-core machine.) Two chunks, the last one partial,
   of B * H = 2 rows: both grid dims (B * H, NC) past one, and no more programs than that (the
-  interpreter compiles the two warpgroups' kernel body once a program)."""
+  interpreter runs the two warpgroups' kernel body once a program)."""
   q, k, v, do, u, du, st, dst, k2, _, q2, gc, _, beta, a = backward_operands(
       1, 100, 2, 128, 32, e, erase, 1.0)
   low = lambda y: y.astype(jnp.bfloat16)
