@@ -42,8 +42,8 @@ from triadic.xla_flags import apply_cpu_workaround  # noqa: E402
 apply_cpu_workaround()
 
 
-
 def _compile_thread_bodies_once():
+  """The module docstring's third point: each thread body compiled once, then run."""
   try:
     from jax._src.pallas.mosaic.interpret import thread_map
   except ImportError:
