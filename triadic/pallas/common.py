@@ -72,12 +72,12 @@ class Config:
   forward_product_parts: the one-warpgroup Mosaic forward forms R = K S_cat and Y = Q S_cat
   (C x E*BV float32 accumulators, beside the state in registers) in this many column parts of
   whole slices, each summed over its slices as it lands, so that fewer registers are live at
-  once (``mosaic.state_pass``' ``product_parts``); taken where it divides E. Off (1) until timed.
+  once (``mosaic.state_pass``' ``product_parts``); taken where it divides E. 1 (none) by default.
   x_on_second_warpgroup: the two-warpgroup Mosaic reverse state pass has warpgroup 1 form X =
   [scale diag(fq_e) dO]_e, which depends on dO and the factors only, while warpgroup 0 forms
   dU, A^T dU and Z; otherwise warpgroup 0 forms all three while warpgroup 1 waits for them at the
-  chunk's second meeting (``mosaic.reverse_state_pass``' ``x_on_second_warpgroup``). Off until
-  timed.
+  chunk's second meeting (``mosaic.reverse_state_pass``' ``x_on_second_warpgroup``). Off by
+  default.
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).
