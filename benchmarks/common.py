@@ -366,6 +366,37 @@ def regions_table(regions: Regions) -> str:
   return "\n".join(lines)
 
 
+def regions_plot(kernels: dict[str, Regions], path: str, title: str) -> str:
+  """A PNG of ``kernel_regions`` results: per kernel (the dict's labels) and warpgroup, one
+  horizontal bar of clock cycles a chunk split by region (each region's own cycles, a colour per
+  region path), what no region covers in grey. Returns ``path``."""
+  from matplotlib import colormaps          # only the --regions mode draws
+  from matplotlib.figure import Figure
+  from matplotlib.patches import Patch
+  rows = [(f"{label} wg{w}", r, w) for label, r in kernels.items() for w in range(len(r.cycles))]
+  paths = list(dict.fromkeys(p for _, r, w in rows for p in r.cycles[w]))
+  palette = [*colormaps["tab20"].colors, *colormaps["tab20b"].colors]
+  colours = {p: palette[i % len(palette)] for i, p in enumerate(paths)}
+  fig = Figure(figsize=(11, 1.0 + 0.45 * len(rows)))
+  ax = fig.subplots()
+  for y, (_, r, w) in enumerate(rows):
+    per_chunk = max(r.traces[w] * r.steps[w], 1)
+    left = 0.0
+    for p in paths:
+      width = r.cycles[w].get(p, 0.0) / per_chunk
+      ax.barh(y, width, left=left, color=colours[p])
+      left += width
+    ax.barh(y, r.span[w] / per_chunk - left, left=left, color="0.85")
+  ax.set_yticks(range(len(rows)), [label for label, _, _ in rows])
+  ax.invert_yaxis()
+  ax.set(xlabel="SM clock cycles a chunk", title=title)
+  handles = [Patch(color=colours[p], label=p) for p in paths]
+  ax.legend(handles=handles + [Patch(color="0.85", label="(no region)")], fontsize=7,
+            loc="center left", bbox_to_anchor=(1.01, 0.5))
+  fig.savefig(path, format="png", dpi=120, bbox_inches="tight")
+  return path
+
+
 def is_oom(err: BaseException) -> bool:
   """Whether ``err`` (from compiling or running a jitted function) is the device running out of
   memory."""

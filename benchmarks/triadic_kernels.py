@@ -36,6 +36,7 @@ import dataclasses
 import datetime
 import functools
 import os
+import shutil
 import statistics
 import sys
 import tempfile
@@ -54,7 +55,8 @@ xla_flags.apply_cpu_workaround()
 
 from benchmarks import peers  # noqa: E402
 from benchmarks.common import ceilings, kernel_profile, median_ms, profile_table  # noqa: E402
-from benchmarks.common import kernel_regions, regions_table, variant_fields  # noqa: E402
+from benchmarks.common import kernel_regions, regions_plot, regions_table  # noqa: E402
+from benchmarks.common import variant_fields  # noqa: E402
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
 from testkit import rel_rms as rel  # noqa: E402
 from triadic.ops import triadic_gdn  # noqa: E402
@@ -558,6 +560,8 @@ def main():
                            "clock cycles per chunk per region and warpgroup (default and each "
                            "--op-variants set), then exit")
   parser.add_argument("--b", type=int, default=1, help="with --regions: the batch")
+  parser.add_argument("--regions-out", help="with --regions: write each run's PNG (a bar per "
+                      "kernel and warpgroup) and its Perfetto traces into this folder")
   parser.add_argument("--layouts", action="store_true",
                       help="Hopper: the one-warpgroup forward state pass on relayouted q, k, v "
                            "(plus the relayout) vs on (B, T, H, X) ones (heads), then exit")
@@ -594,7 +598,7 @@ def main():
     profile(args.t[0], args.e, args.reps, args.op_variants)
     return
   if args.regions:
-    regions(args.t[0], args.b, args.e, args.op_variants)
+    regions(args.t[0], args.b, args.e, args.op_variants, args.regions_out)
     return
   op_table(args)
 
@@ -616,15 +620,16 @@ def profile(t, e_list, reps, variants=()):
       sys.stdout.flush()
 
 
-def regions(t, b, e_list, variants=()):
+def regions(t, b, e_list, variants=(), out=None):
   """Per E, the op's forward+backward (bf16, H = 16, D = V = 128, B = ``b``) with the Mosaic GPU
   state passes recording their named regions (``mosaic.trace_regions``), default config and each
   ``variants`` set: per kernel run, the clock cycles per chunk of each stage and input wait and
   their share of the program, per warpgroup (``common.kernel_regions``), below the kernel's
   device ms with and without the recording (``common.kernel_profile``), which is what the
-  recording costs. The regions, up to 40 a chunk (the two-warpgroup passes' products are one
-  region each), cost the kernel 16 bytes of SMEM each: a T of 4096 fits at E = 8 and 2048 at
-  E = 4; a kernel that no longer fits is reported."""
+  recording costs. With ``out``, each run's bars as a PNG there (``common.regions_plot``) and its
+  Perfetto traces (ui.perfetto.dev opens them). The regions, up to 40 a chunk (the two-warpgroup
+  passes' products are one region each), cost the kernel 16 bytes of SMEM each: a T of 4096
+  fits at E = 8 and 2048 at E = 4; a kernel that no longer fits is reported."""
   h, d, vd, c = 16, 128, 128, 64
   nc = -(-t // c)
   for e in e_list:
@@ -649,6 +654,7 @@ def regions(t, b, e_list, variants=()):
                 f"(a smaller --t records fewer chunks): {str(err).splitlines()[0]}")
           continue
         print(title)
+        runs = {}
         for name in sorted(os.listdir(trace_dir)):
           kernel = name.rsplit("-", 2)[0]
           wgs = 2 if "wg2" in kernel else 1
@@ -656,7 +662,15 @@ def regions(t, b, e_list, variants=()):
                                 if r.name.removesuffix("_mosaic_gpu") == kernel)
           print(f"\n{kernel} ({wgs} warpgroup{'s' * (wgs > 1)}): {ms(plain):.3f} ms a call "
                 f"without the recording, {ms(traced):.3f} with (every launch of this kernel)\n")
-          print(regions_table(kernel_regions(os.path.join(trace_dir, name), wgs)))
+          found = kernel_regions(os.path.join(trace_dir, name), wgs)
+          runs[kernel if kernel not in runs else f"{kernel} ({len(runs)})"] = found
+          print(regions_table(found))
+        if out and runs:
+          os.makedirs(out, exist_ok=True)
+          stem = f"regions_B{b}_T{t}_E{e}_{variant.replace(',', '_') or 'default'}"
+          print("\n" + regions_plot(runs, os.path.join(out, stem + ".png"), title.strip("# \n")))
+          for i, name in enumerate(sorted(os.listdir(trace_dir))):
+            shutil.copy(os.path.join(trace_dir, name), os.path.join(out, f"{stem}_{i}.json"))
       sys.stdout.flush()
 
 

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 from benchmarks import block
-from benchmarks.common import is_oom, kernel_profile, kernel_regions, profile_table, regions_table
+from benchmarks.common import is_oom, kernel_profile, kernel_regions, profile_table
+from benchmarks.common import regions_plot, regions_table
 
 
 @pytest.mark.parametrize("e", [1, 3])
@@ -124,8 +125,8 @@ ENTRY %main (a: f32[16,16]) -> f32[16,16] {
 def test_kernel_regions_sum_each_regions_own_cycles(tmp_path):
   """A trace as Mosaic GPU's profiler writes it (two programs of two warpgroups, one loop step
   each; timestamps in clock cycles / 1000): each region's own cycles (without its nested
-  regions) per warpgroup, a name reopened inside itself counted once, what no region covers, and
-  the per-step table."""
+  regions) per warpgroup, a name reopened inside itself counted once, what no region covers, the
+  per-step table and its PNG."""
   def trace(tid, marks):                  # marks: (name, "B" or "E", cycle)
     return [{"name": n, "ph": ph, "ts": 5.0 + c / 1e3, "pid": 1, "tid": tid} for n, ph, c in marks]
 
@@ -146,6 +147,8 @@ def test_kernel_regions_sum_each_regions_own_cycles(tmp_path):
   assert "| stage | 70 | 58.3% | 30 | 60.0% |" in table
   assert "| (no region) | 0 | 0.0% | 10 | 20.0% |" in table
   assert "| program span | 120 | 100.0% | 50 | 100.0% |" in table
+  png = regions_plot({"kernel": got}, str(tmp_path / "regions.png"), "two programs")
+  assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
 
 
 def test_is_oom():
