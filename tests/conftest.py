@@ -21,7 +21,8 @@
 
 - The files that hold the longest tests are collected first (``FIRST``, longest single test
   first), so that pytest-xdist hands them out at the start and its two workers finish together,
-  instead of one of them starting a 30-50 s test when the other has nothing left.
+  instead of one of them starting a 30-50 s test when the other has nothing left; with its
+  worksteal scheduling (pyproject.toml) a worker that runs out takes the other's queued tests.
 
 Subprocesses started by tests (tests/test_train_distributed.py) inherit XLA_FLAGS."""
 
