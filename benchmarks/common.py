@@ -305,6 +305,10 @@ class Regions(NamedTuple):
   span: list[float]
   steps: list[float]
 
+  def per_chunk(self, cycles: float, wg: int) -> float:
+    """``cycles`` summed over warpgroup ``wg``'s traces, per trace and loop step."""
+    return cycles / max(self.traces[wg] * self.steps[wg], 1)
+
 
 def kernel_regions(path: str, warpgroups: int) -> Regions:
   """The Perfetto trace that Mosaic GPU's profiler writes for one kernel run
@@ -353,10 +357,9 @@ def regions_table(regions: Regions) -> str:
   lines = [head, "|---|" + "---|---|" * len(wgs)]
 
   def row(label, values):
-    cells = []
-    for w, value in zip(wgs, values):
-      per = value / max(regions.traces[w] * regions.steps[w], 1)
-      cells.append(f"{per:.0f} | {100 * value / (regions.span[w] or float('nan')):.1f}%")
+    cells = [f"{regions.per_chunk(value, w):.0f} | "
+             f"{100 * value / (regions.span[w] or float('nan')):.1f}%"
+             for w, value in zip(wgs, values)]
     lines.append(f"| {label} | " + " | ".join(cells) + " |")
 
   for p in paths:
@@ -380,13 +383,12 @@ def regions_plot(kernels: dict[str, Regions], path: str, title: str) -> str:
   fig = Figure(figsize=(11, 1.0 + 0.45 * len(rows)))
   ax = fig.subplots()
   for y, (_, r, w) in enumerate(rows):
-    per_chunk = max(r.traces[w] * r.steps[w], 1)
     left = 0.0
     for p in paths:
-      width = r.cycles[w].get(p, 0.0) / per_chunk
+      width = r.per_chunk(r.cycles[w].get(p, 0.0), w)
       ax.barh(y, width, left=left, color=colours[p])
       left += width
-    ax.barh(y, r.span[w] / per_chunk - left, left=left, color="0.85")
+    ax.barh(y, r.per_chunk(r.span[w], w) - left, left=left, color="0.85")
   ax.set_yticks(range(len(rows)), [label for label, _, _ in rows])
   ax.invert_yaxis()
   ax.set(xlabel="SM clock cycles a chunk", title=title)

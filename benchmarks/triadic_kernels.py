@@ -637,7 +637,7 @@ def regions(t, b, e_list, variants=(), out=None):
     for variant in ("", *variants):
       fields = variant_fields(variant) if variant else {}
       title = f"\n## regions: f+b B={b} T={t} E={e} {variant or 'default'}"
-      plain = kernel_profile(triadic_fns("pallas", **fields)[1], xs, reps=3)[0]
+      plain = kernel_profile(triadic_fns("pallas", **fields)[1], xs, reps=3, sources={})[0]
       with tempfile.TemporaryDirectory() as trace_dir:
         try:
           with mosaic.trace_regions(trace_dir, regions=40 * nc + 8), warnings.catch_warnings():
@@ -646,7 +646,7 @@ def regions(t, b, e_list, variants=(), out=None):
             jax.block_until_ready(fwd_bwd(*xs))                 # compiles
             for name in os.listdir(trace_dir):
               os.remove(os.path.join(trace_dir, name))
-            traced = kernel_profile(fwd_bwd, xs, reps=1)[0]
+            traced = kernel_profile(fwd_bwd, xs, reps=1, sources={})[0]
         except ValueError as err:
           if "shared memory" not in str(err):
             raise

@@ -18,7 +18,6 @@
   that executable for every thread and grid point: the same program on the same operands, so
   the kernels compute what they did. Without that private function (another JAX) it does
   nothing.
-
 - The files that hold the longest tests are collected first (``FIRST``, longest single test
   first), so that pytest-xdist hands them out at the start and its two workers finish together,
   instead of one of them starting a 30-50 s test when the other has nothing left; with its

@@ -655,7 +655,7 @@ def _chunk_loop(chunk, nc, init, scratch, prologue, xbar=None):
   def body(*refs):
     prologue(*refs)
     out = lax.fori_loop(0, nc, lambda n, s: step(n, s, refs), init)
-    plgpu.wait_smem_to_gmem(0, wait_read_only=True)
+    _wait_stores()
     if xbar is not None:
       _sync(xbar)
     return out
