@@ -19,6 +19,7 @@ import json
 import os
 import time
 
+import jax
 import numpy as np
 from absl import flags, logging
 from etils import epath
@@ -47,6 +48,12 @@ DETERMINISTIC = flags.DEFINE_bool("deterministic", False, "Train and evaluate wi
 REPORT_ONLY = flags.DEFINE_bool("report_only", False, "Only rebuild the report from --workdir.")
 SET = flags.DEFINE_multi_string("set", [], "Extra override for every run, e.g. "
                                 "--set=config.train.num_steps=50 (a quick smoke test).")
+
+
+def host_only() -> None:
+  """Keep the sweep's own process (it launches runs, counts parameters, plots) off the
+  accelerator: a JAX GPU client preallocates 75% of the card, which the runs' pools need."""
+  jax.config.update("jax_platforms", "cpu")
 
 
 def overrides(*items: str) -> tuple[str, ...]:

@@ -18,6 +18,8 @@ them to match); the tables list each one's non-embedding parameters beside its a
 
   python -m experiments.equal_state --workdir runs/papers --parallel 10 --seeds 2
   python -m experiments.equal_state --workdir runs/papers --params_only   # the parameter table
+  python -m experiments.equal_state --workdir runs/papers --lr 3e-3 --deterministic \
+      --results_from docs/figures/zoology/runs.json   # at Zoology's best rate, its runs shared
   python -m experiments.equal_state --workdir runs/papers --report_only
   python -m experiments.equal_state --workdir runs/papers --parallel 10 --seeds 3 \
       --results_from <an earlier --out>/runs.json   # a third seed (experiments/common.py)
@@ -43,6 +45,9 @@ from lm.model import ModelConfig
 MULTIPLES = (2, 4)
 KINDS = ("triadic", "head_dim", "values", "grouped_values", "heads")
 VARIANTS = flags.DEFINE_list("variants", list(KINDS), f"Which of {KINDS} to run (and gdn).")
+LR = flags.DEFINE_string("lr", None, "Every variant's learning rate (default: the config's). Runs "
+                         "are then named as experiments.mqar_capacity --lrs names them "
+                         "(mqar_e1_lr3e-3_seed0, ...), so its gdn and triadic runs are shared.")
 PARAMS_ONLY = flags.DEFINE_bool("params_only", False, "Only print the variants' state sizes and "
                                 "parameter counts (from their configs; nothing is trained).")
 
@@ -72,9 +77,16 @@ def variants(config) -> dict[str, tuple[str, int, tuple[str, ...]]]:
 
 
 def runs() -> list[sweep.Run]:
-  """Every variant at every seed; the gdn and triadic runs are experiments.mqar_capacity's."""
+  """Every variant at every seed (at --lr if given); the gdn and triadic runs are
+  experiments.mqar_capacity's."""
   base = common.run_config(sweep.Run("base", mqar_capacity.CONFIG_FLAG.value))
-  return [mqar_capacity.mqar_run(stem, s, *items, variant=name, multiple=m)
+  lr = {}
+  if LR.value is not None:
+    text = mqar_capacity.lr_text(LR.value)
+    lr = {"suffix": f"_lr{text}", "items": (f"config.train.learning_rate={text}",),
+          "group": {"lr": float(text)}}
+  return [mqar_capacity.mqar_run(stem + lr.get("suffix", ""), s, *items, *lr.get("items", ()),
+                                 variant=name, multiple=m, **lr.get("group", {}))
           for name, (stem, m, items) in variants(base).items() for s in mqar_capacity.seeds()]
 
 
@@ -154,6 +166,7 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
 
 def main(argv):
   del argv
+  common.host_only()
   all_runs = runs()
   print(params_table(all_runs) + "\n")
   if not PARAMS_ONLY.value:

@@ -240,6 +240,7 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run],
 
 def main(argv):
   del argv
+  common.host_only()
   if not LRS.value:
     all_runs = runs()
     print(report(common.run(all_runs), all_runs))

@@ -354,6 +354,7 @@ def merge_summary(summary: dict, path: str, lengths: list, depths: list) -> str:
 
 def main(argv):
   del argv
+  common.host_only()
   all_runs = runs()
   print(report(common.run(all_runs), all_runs))
 

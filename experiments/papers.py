@@ -16,6 +16,7 @@ from experiments import common, mqar_capacity, niah_aggregators, upgrade
 
 def main(argv):
   del argv
+  common.host_only()
   parts = upgrade.quads()
   lists = [niah_aggregators.runs()[:5], mqar_capacity.runs(), niah_aggregators.runs()[5:],
            [q[k] for per in parts.values() for q in per for k in q]]

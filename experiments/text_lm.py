@@ -201,6 +201,7 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
 
 def main(argv):
   del argv
+  common.host_only()
   all_runs = runs()
   print(report(common.run(all_runs), all_runs))
 

@@ -134,6 +134,7 @@ def report(results: dict[str, dict | None], parts: dict) -> str:
 
 def main(argv):
   del argv
+  common.host_only()
   parts = quads()
   print(report(common.run(runs(parts)), parts))
 

@@ -151,6 +151,20 @@ def test_equal_state_runs_are_2x_and_4x_the_gdn_state(parsed_flags):
   assert "| head_dim_x2 | 2x | 2048 | 110448 | 1.187 | 128 | 89 |" in table
 
 
+def test_equal_state_at_a_learning_rate_shares_the_capacity_sweeps_runs(parsed_flags):
+  """--lr names every run as mqar_capacity --lrs does, so a runs.json of the capacity sweep at
+  that rate supplies the gdn and triadic runs (--results_from checks config and overrides)."""
+  flags.FLAGS["lr"].parse("0.003")
+  runs = {r.group["variant"]: r for r in equal_state.runs() if r.group["seed"] == 1}
+  assert runs["gdn"].name == "mqar_e1_lr3e-3_seed1"
+  assert runs["heads_x4"].name == "mqar_heads_x4_lr3e-3_seed1"
+  assert runs["heads_x4"].group["lr"] == 0.003
+  assert "--config.train.learning_rate=3e-3" in runs["values_x2"].overrides
+  for v, e in (("gdn", "1"), ("triadic_e4", "4")):
+    capacity = mqar_capacity.capacity_run(e, 1, 3e-3)
+    assert (runs[v].name, runs[v].overrides) == (capacity.name, capacity.overrides)
+
+
 def test_equal_state_report_table_and_plot(parsed_flags):
   runs = equal_state.runs()
   pairs = [8, 16, 32]
