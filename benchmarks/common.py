@@ -310,6 +310,12 @@ class Regions(NamedTuple):
     return cycles / max(self.traces[wg] * self.steps[wg], 1)
 
 
+def mosaic_kernel_name(profiled: str) -> str:
+  """A Mosaic GPU kernel's name as its region trace's file names it, from the profiler's name for
+  it (``triadic_forward_mgpu_mosaic_gpu_kernel`` -> ``triadic_forward_mgpu``)."""
+  return re.sub(r"(_mosaic_gpu)?(_kernel)?$", "", profiled)
+
+
 def kernel_regions(path: str, warpgroups: int) -> Regions:
   """The Perfetto trace that Mosaic GPU's profiler writes for one kernel run
   (``triadic.pallas.mosaic.trace_regions``) summed by region path and warpgroup. Its events

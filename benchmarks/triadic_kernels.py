@@ -35,7 +35,9 @@ import argparse
 import dataclasses
 import datetime
 import functools
+import gzip
 import os
+import re
 import shutil
 import statistics
 import sys
@@ -55,7 +57,8 @@ xla_flags.apply_cpu_workaround()
 
 from benchmarks import peers  # noqa: E402
 from benchmarks.common import ceilings, kernel_profile, median_ms, profile_table  # noqa: E402
-from benchmarks.common import kernel_regions, regions_plot, regions_table  # noqa: E402
+from benchmarks.common import kernel_regions, mosaic_kernel_name, regions_plot  # noqa: E402
+from benchmarks.common import regions_table  # noqa: E402
 from benchmarks.common import variant_fields  # noqa: E402
 from benchmarks.common import triadic_inputs as inputs  # noqa: E402
 from testkit import rel_rms as rel  # noqa: E402
@@ -627,9 +630,9 @@ def regions(t, b, e_list, variants=(), out=None):
   their share of the program, per warpgroup (``common.kernel_regions``), below the kernel's
   device ms with and without the recording (``common.kernel_profile``), which is what the
   recording costs. With ``out``, each run's bars as a PNG there (``common.regions_plot``) and its
-  Perfetto traces (ui.perfetto.dev opens them). The regions, up to 40 a chunk (the two-warpgroup
-  passes' products are one region each), cost the kernel 16 bytes of SMEM each: a T of 4096
-  fits at E = 8 and 2048 at E = 4; a kernel that no longer fits is reported."""
+  gzipped Perfetto traces (ui.perfetto.dev opens them). The regions, up to 40 a chunk (the
+  two-warpgroup passes' products are one region each), cost the kernel 16 bytes of SMEM each: a
+  T of 4096 fits at E = 8 and 2048 at E = 4; a kernel that no longer fits is reported."""
   h, d, vd, c = 16, 128, 128, 64
   nc = -(-t // c)
   for e in e_list:
@@ -658,8 +661,7 @@ def regions(t, b, e_list, variants=(), out=None):
         for name in sorted(os.listdir(trace_dir)):
           kernel = name.rsplit("-", 2)[0]
           wgs = 2 if "wg2" in kernel else 1
-          ms = lambda rows: sum(r.ms for r in rows
-                                if r.name.removesuffix("_mosaic_gpu") == kernel)
+          ms = lambda rows: sum(r.ms for r in rows if mosaic_kernel_name(r.name) == kernel)
           print(f"\n{kernel} ({wgs} warpgroup{'s' * (wgs > 1)}): {ms(plain):.3f} ms a call "
                 f"without the recording, {ms(traced):.3f} with (every launch of this kernel)\n")
           found = kernel_regions(os.path.join(trace_dir, name), wgs)
@@ -667,10 +669,12 @@ def regions(t, b, e_list, variants=(), out=None):
           print(regions_table(found))
         if out and runs:
           os.makedirs(out, exist_ok=True)
-          stem = f"regions_B{b}_T{t}_E{e}_{variant.replace(',', '_') or 'default'}"
+          stem = re.sub(r"[^\w.-]", "_", f"regions_B{b}_T{t}_E{e}_{variant or 'default'}")
           print("\n" + regions_plot(runs, os.path.join(out, stem + ".png"), title.strip("# \n")))
           for i, name in enumerate(sorted(os.listdir(trace_dir))):
-            shutil.copy(os.path.join(trace_dir, name), os.path.join(out, f"{stem}_{i}.json"))
+            with open(os.path.join(trace_dir, name), "rb") as src, \
+                gzip.open(os.path.join(out, f"{stem}_{i}.json.gz"), "wb") as dst:
+              shutil.copyfileobj(src, dst)
       sys.stdout.flush()
 
 

@@ -12,7 +12,7 @@ import pytest
 
 from benchmarks import block
 from benchmarks.common import is_oom, kernel_profile, kernel_regions, profile_table
-from benchmarks.common import regions_plot, regions_table
+from benchmarks.common import mosaic_kernel_name, regions_plot, regions_table
 
 
 @pytest.mark.parametrize("e", [1, 3])
@@ -149,6 +149,9 @@ def test_kernel_regions_sum_each_regions_own_cycles(tmp_path):
   assert "| program span | 120 | 100.0% | 50 | 100.0% |" in table
   png = regions_plot({"kernel": got}, str(tmp_path / "regions.png"), "two programs")
   assert open(png, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+  # the profiler's row of a kernel whose trace file is "triadic_forward_mgpu-<ns>-trace.json"
+  assert mosaic_kernel_name("triadic_forward_mgpu_mosaic_gpu_kernel") == "triadic_forward_mgpu"
+  assert mosaic_kernel_name("triadic_forward_mgpu_wg2_mosaic_gpu") == "triadic_forward_mgpu_wg2"
 
 
 def test_is_oom():

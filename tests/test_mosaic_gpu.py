@@ -143,62 +143,6 @@ def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x, bv, hea
                   heads=(b, h) if heads else None)
 
 
-def test_x_on_second_warpgroup_matches_recurrent():
-  """``x_on_second_warpgroup``: the two-warpgroup reverse pass with X formed by warpgroup 1 (E = 8,
-  block_v 16, erase, with A^T dU and dV as the op pairs them) against ``recurrent``; one
-  warpgroup refuses it."""
-  d, c, e = 128, 64, 8
-  fargs, do, dht = build(1, 150, 1, d, 16, e, c, True)
-  bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  kw = dict(scale=SCALE, erase=True)
-  du, drhs, dv, *got = mosaic.reverse_state_pass(*bargs, warpgroups=2, block_v=16, save_drhs=True,
-                                                 x_on_second_warpgroup=True, interpret=True,
-                                                 **kw)
-  check_close(BACKWARD_OUTPUTS, (du, *got), reference(recurrent.reverse_state_pass, *bargs, **kw))
-  want_drhs = jax.jit(functools.partial(mosaic_backward.rhs_gradient, erase=True))(fargs[7], du)
-  assert rel_rms(drhs, want_drhs) < 4e-3 and rel_rms(dv, fargs[6] * want_drhs) < 4e-3
-  with pytest.raises(ValueError, match="x_on_second_warpgroup"):
-    mosaic.reverse_state_pass(*bargs, warpgroups=1, x_on_second_warpgroup=True, interpret=True,
-                              **kw)
-  specs = kernel_arg_specs([(2, 4, c, d)] * 3, bh=2, nc=4, c=c, d=d, vdim=d, e=e)
-  lowered = jax.jit(functools.partial(mosaic.reverse_state_pass, warpgroups=2, block_v=16,
-                                      save_drhs=True, x_on_second_warpgroup=True, **kw))
-  assert "triadic_backward_states_mgpu_wg2" in lowered.trace(*specs).lower(
-      lowering_platforms=("cuda",)).as_text()
-  cfg = dataclasses.replace(pops.default_config("gpu", e, d), mosaic_gpu=True,
-                            x_on_second_warpgroup=True)
-  plan = plan_lib.resolve(cfg, d=d, vd=d, c=c, e=e, dtype=jnp.bfloat16)
-  assert "Config.x_on_second_warpgroup" in plan.backward_states.tiles
-
-
-def test_forward_product_parts_match_recurrent():
-  """``product_parts``: the one-warpgroup forward with R and Y formed in column parts (E = 8,
-  block_v 16, four parts of two slices, with save_x) against ``recurrent``, and X against X
-  formed from the reference's chunk-start states; it lowers for CUDA at D = 128 in two parts;
-  the plan takes it where it divides E; parts that do not divide E are refused."""
-  d, c, e = 64, 64, 8
-  fargs, _, _ = build(1, 150, 2, d, 32, e, c, True)
-  kw = dict(scale=SCALE, erase=True)
-  o, u, x, states, ht = jax.jit(functools.partial(
-      mosaic.state_pass, block_v=16, save_x=True, product_parts=4, interpret=True, **kw))(*fargs)
-  want = reference(recurrent.state_pass, *fargs, **kw)
-  check_close(FORWARD_OUTPUTS, (o, u, states, ht), want)
-  q, k, v, k2, _, gc_col = fargs[:6]
-  want_x = jax.jit(mosaic_backward.x_from_states)(k, v, want[2], k2, gc_col)
-  assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
-  specs = kernel_arg_specs([(2, 4, c, 128)] * 3, bh=2, nc=4, c=c, d=128, vdim=128, e=e)
-  lowered = jax.jit(functools.partial(mosaic.state_pass, product_parts=2, residuals=False, **kw))
-  assert "triadic_forward_mgpu" in lowered.trace(*specs).lower(
-      lowering_platforms=("cuda",)).as_text()
-  for e_plan, wgs, taken in ((8, None, True), (3, 1, False), (8, 2, False)):
-    cfg = dataclasses.replace(pops.default_config("gpu", e_plan, 128), mosaic_gpu=True,
-                              forward_product_parts=2, state_warpgroups=wgs)
-    tiles = plan_lib.resolve(cfg, d=128, vd=128, c=c, e=e_plan, dtype=jnp.bfloat16).forward.tiles
-    assert ("R and Y in 2 column parts" in tiles) == taken, tiles
-  with pytest.raises(ValueError, match="product_parts"):
-    mosaic.state_pass(*fargs, block_v=16, product_parts=3, interpret=True, **kw)
-
-
 def test_one_warpgroup_save_x_matches_recurrent():
   """One warpgroup at D = 64, E = 2, the forward with save_x and the reverse pass against
   ``recurrent``; and with ``heads``: B = H = 2 and two value blocks (block_v 16: the column

@@ -211,8 +211,8 @@ def test_multistate_decode_step_past_capacity_is_an_error():
 
 @pytest.mark.parametrize("field,value,error", [
     ("state_warpgroups", 3, ValueError), ("sequence_pieces", -1, ValueError),
-    ("forward_product_parts", 0, ValueError), ("warmup_chunks", 0, ValueError),
-    ("slice_unroll_max_e", -1, ValueError), ("x_on_second_warpgroup", 1, TypeError),
+    ("slice_warpgroups", 0, ValueError), ("warmup_chunks", 0, ValueError),
+    ("slice_unroll_max_e", -1, ValueError), ("partials_in_bf16", 1, TypeError),
     ("token_major", "yes", TypeError)])
 def test_kernel_config_names_a_bad_field(field, value, error):
   """The Pallas kernels' ``Config`` rejects a bad field value with an error naming the field."""

@@ -69,15 +69,6 @@ class Config:
   ``mosaic.default_block_v`` for their warpgroups; one that ``mosaic.supported`` refuses sends
   them to Triton, as the plan says). Wider blocks read K, Q, A, P fewer times over, with fewer
   programs.
-  forward_product_parts: the one-warpgroup Mosaic forward forms R = K S_cat and Y = Q S_cat
-  (C x E*BV float32 accumulators, beside the state in registers) in this many column parts of
-  whole slices, each summed over its slices as it lands, so that fewer registers are live at
-  once (``mosaic.state_pass``' ``product_parts``); taken where it divides E. 1 (none) by default.
-  x_on_second_warpgroup: the two-warpgroup Mosaic reverse state pass has warpgroup 1 form X =
-  [scale diag(fq_e) dO]_e, which depends on dO and the factors only, while warpgroup 0 forms
-  dU, A^T dU and Z; otherwise warpgroup 0 forms all three while warpgroup 1 waits for them at the
-  chunk's second meeting (``mosaic.reverse_state_pass``' ``x_on_second_warpgroup``). Off by
-  default.
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).
@@ -129,8 +120,6 @@ class Config:
   slice_warpgroups: int | None = None
   state_warpgroups: int | None = None
   state_block_v: int | None = None
-  forward_product_parts: int = 1
-  x_on_second_warpgroup: bool = False
   sequence_pieces: int = 1
   warmup_chunks: int = 16
   ut_kernel: bool = False
@@ -153,16 +142,13 @@ class Config:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
     for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass",
-                 "partials_in_bf16", "query_walk", "x_on_second_warpgroup"):
+                 "partials_in_bf16", "query_walk"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)
                                                 or self.slice_unroll_max_e < 0):
       raise ValueError("slice_unroll_max_e must be None (mosaic_backward.UNROLL_MAX_E) or an int "
                        f">= 0, got {self.slice_unroll_max_e!r}")
-    if not isinstance(self.forward_product_parts, int) or self.forward_product_parts < 1:
-      raise ValueError("forward_product_parts must be an int >= 1, got "
-                       f"{self.forward_product_parts!r}")
     if not isinstance(self.warmup_chunks, int) or self.warmup_chunks < 1:
       raise ValueError(f"warmup_chunks must be an int >= 1, got {self.warmup_chunks!r}")
     if self.platform == "cpu" and not self.interpret:

@@ -472,18 +472,10 @@ def _e_reduce(ops, x, f_s, first_row, bv):
   return out
 
 
-def _e_reduced_product(ops, lhs_s, cat_s, f_s, first_row, bv, parts=1):
+def _e_reduced_product(ops, lhs_s, cat_s, f_s, first_row, bv):
   """sum_e diag(f[first_row + e]) (lhs @ S_cat)[:, e-th column block], from S_cat's bf16 operand
-  ``cat_s`` (D, E*BV): the product formed in ``parts`` column parts of E*BV / parts (whole
-  slices), each summed over its slices as it lands, so that one part's (M, E*BV / parts)
-  float32 accumulator is live at a time instead of the whole product's."""
-  width = cat_s.shape[1] // parts
-  out = None
-  for j in range(parts):
-    part = cat_s if parts == 1 else cat_s.at[:, pl.ds(j * width, width)]
-    term = _e_reduce(ops, ops.mm(lhs_s, part), f_s, first_row + j * width // bv, bv)
-    out = term if out is None else out + term
-  return out
+  ``cat_s`` (D, E*BV)."""
+  return _e_reduce(ops, ops.mm(lhs_s, cat_s), f_s, first_row, bv)
 
 
 @jax.named_scope("expand over e")
@@ -702,7 +694,7 @@ def _compiler_params():
 
 def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, cat, nc,
                     e_dim, bv, scale, erase, save_x, interpret, heads=None, pieces=1,
-                    residuals=True, product_parts=1):
+                    residuals=True):
   if not residuals:                   # o and the final state only
     o_g, ht_g, bars = outs_and_bars
   elif save_x:
@@ -767,12 +759,12 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
       if save_x:
         # X = V - sum_e diag(c_e) R_e, which the chunk-parallel backward reads; rhs = beta X.
         x = ops.acc(v_s[...].astype(F32)) - _e_reduced_product(
-            ops, k_s, state_bf16_s, f_s, x_rows, bv, product_parts)
+            ops, k_s, state_bf16_s, f_s, x_rows, bv)
         x_out[0][...] = x.astype(x_out[0].dtype)
         rhs = beta * x
       else:
         rhs = beta * ops.acc(v_s[...].astype(F32)) - _e_reduced_product(
-            ops, k_s, state_bf16_s, f_s, erase_rows, bv, product_parts)
+            ops, k_s, state_bf16_s, f_s, erase_rows, bv)
       rhs_bf16_s[...] = rhs.astype(BF16)
       plgpu.commit_smem()
       ins.start_next(("k", "v"), n)
@@ -793,7 +785,7 @@ def _forward_kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, s
 
     stage("output")
     ins.wait("q", n)
-    y = _e_reduced_product(ops, q_s, state_bf16_s, f_s, read_rows, bv, product_parts)
+    y = _e_reduced_product(ops, q_s, state_bf16_s, f_s, read_rows, bv)
     ins.wait("p", n)
     out = ops.mm(p_s, u_bf16_s) + y
     o_s[...] = (scale * out).astype(o_s.dtype)
@@ -831,8 +823,7 @@ def _check_heads(heads, pieces, k2_col, q, **arrays):
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               save_x=False, warpgroups=1, heads=None, pieces=1, residuals=True, product_parts=1,
-               interpret=False):
+               save_x=False, warpgroups=1, heads=None, pieces=1, residuals=True, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) in q's dtype, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
@@ -842,9 +833,6 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   (the op's primal): the kernel neither stores U nor the chunk-start states (a custom
   call's outputs cannot be dropped by XLA, so unread outputs would still be written) and the one
   warpgroup kernel allocates no (E, D, BV) buffer for them; ``save_x`` needs residuals.
-  ``product_parts`` (one warpgroup, dividing E): R = K S_cat and Y = Q S_cat are each formed in
-  that many column parts of E * BV / parts, each summed over its slices as it lands, so that a
-  smaller accumulator is live beside the state (``_e_reduced_product``).
 
   ``heads=H`` (either warpgroup count): q, k, v are in the user's (B, T, H, X) layout with
   T = NC * C and o is returned (B, T, H, V); the kernel reads and writes them in place by TMA,
@@ -864,11 +852,6 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   residuals = bool(residuals)
   if save_x:
     f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
-  if not isinstance(product_parts, int) or product_parts < 1 or e_dim % product_parts:
-    raise ValueError(f"product_parts must be a positive int dividing E = {e_dim}, got "
-                     f"{product_parts!r}")
-  if warpgroups == 2 and product_parts != 1:
-    raise ValueError("product_parts is for the one-warpgroup forward (warpgroups=1)")
   if warpgroups == 2:
     return _forward_2wg(q, k, v, a, p, f, lam_cat, h0, e_dim=e_dim, bv=bv, scale=scale,
                         erase=erase, save_x=save_x, heads=heads, pieces=pieces,
@@ -897,7 +880,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   kernel = functools.partial(_forward_kernel, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_x=save_x,
                              interpret=bool(interpret), heads=heads, pieces=pieces,
-                             residuals=residuals, product_parts=product_parts)
+                             residuals=residuals)
   *outs, ht = plgpu.kernel(
       kernel,
       out_type=_forward_out_types(q, bh, nc, c, d, vd, e_dim, bv, save_x, heads, residuals),
@@ -1009,7 +992,7 @@ def _backward_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_an
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
                        block_v=None, warpgroups=1, heads=None, pieces=1, save_drhs=False,
-                       x_on_second_warpgroup=False, interpret=False):
+                       interpret=False):
   """Reverse chunk loop (``recurrent.reverse_state_pass`` without ``cfg``). Returns dU (BH,NC,C,V)
   in ``common.du_dtype``, chunk-end state gradients (BH,NC,E,D,V) in q's dtype, gradient of the
   initial state (BH,E,D,V) float32. ``warpgroups``: as ``state_pass``. ``save_drhs`` (erase
@@ -1017,10 +1000,6 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   dV = beta A^T dU (BH,NC,C,V; dV in the caller's (B,T,H,V) with ``heads``) in q's dtype, each
   rounded once from float32: what the chunk-parallel backward reads
   (``mosaic_backward.chunk_gradients``' ``drhs``, ``dv``).
-
-  ``x_on_second_warpgroup`` (two warpgroups): warpgroup 1 forms X = [scale diag(fq_e) dO]_e,
-  which needs only dO and the factors, while warpgroup 0 forms dU, A^T dU and Z, instead of
-  warpgroup 0 forming all three while warpgroup 1 waits at the chunk's second meeting.
 
   ``heads=H``: q, k (B, T, H, D) and do (B, T, H, V) are in the user's layout with T = NC * C,
   read in place by TMA as in ``state_pass``; every output keeps its layout. ``pieces``: as in
@@ -1034,9 +1013,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   if warpgroups == 2:
     return _backward_2wg(q, k, do, a, p, f, lam_cat, dht, e_dim=e_dim, bv=bv, scale=scale,
                          erase=erase, save_drhs=save_drhs, heads=heads, pieces=pieces,
-                         x_on_wg1=bool(x_on_second_warpgroup), interpret=interpret)
-  if x_on_second_warpgroup:
-    raise ValueError("x_on_second_warpgroup is for the two-warpgroup reverse pass (warpgroups=2)")
+                         interpret=interpret)
   n_cat = e_dim * bv
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   sw_v = _swizzle(bv)
@@ -1332,7 +1309,7 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
 
 def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and_bars,
                          scratch, cat, nc, e_dim, bv, scale, erase, save_drhs, interpret,
-                         heads=None, pieces=1, x_on_wg1=False):
+                         heads=None, pieces=1):
   rhs_g = outs_and_bars[:2 * save_drhs]        # save_drhs: A^T dU and dV = beta A^T dU
   dst_g, dh0_g, bars, xbar = outs_and_bars[2 * save_drhs:]
   ops = _Ops(interpret)
@@ -1397,14 +1374,12 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
 
     stage("dU, X, Z")
 
-    def expand_x():   # X = [scale diag(fq_e) dO]_e, which both state updates read
+    # Warpgroup 1 forms X = [scale diag(fq_e) dO]_e, which both state updates read (and both
+    # have read by the first meeting), while warpgroup 0 forms dU, A^T dU and Z.
+    @pl.when(w == 1)
+    def _():
+      cp.wait("do", step)
       _e_expand(ops, x_s, ops.acc(do_s[...].astype(F32)), f_s, read_rows, bv, scale)
-
-    if x_on_wg1:      # X is rewritten after the first meeting: both updates have read it
-      @pl.when(w == 1)
-      def _():
-        cp.wait("do", step)
-        expand_x()
 
     @pl.when(w == 0)
     def _():
@@ -1416,8 +1391,6 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
       du_out_s[...] = du.astype(du_out_s.dtype)
       plgpu.commit_smem()
       plgpu.copy_smem_to_gmem(du_out_s, du_g.at[i, n, :, cols])
-      if not x_on_wg1:
-        expand_x()
       if erase:
         cp.wait("a", step)
         drhs = ops.mm(tr(a_s, 2), u16_s)
@@ -1445,7 +1418,7 @@ def _backward_kernel_2wg(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *out
 
 
 def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, save_drhs, heads,
-                  pieces, x_on_wg1, interpret):
+                  pieces, interpret):
   """``reverse_state_pass`` with two warpgroups; sizes and layouts as ``_forward_2wg``'s."""
   bh, nc, _, c = f.shape
   d = q.shape[-1]
@@ -1473,8 +1446,7 @@ def _backward_2wg(q, k, do, a, p, f, lam_cat, dht, *, e_dim, bv, scale, erase, s
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # dht / dh0 rows
   kernel = functools.partial(_backward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_drhs=save_drhs,
-                             interpret=bool(interpret), heads=heads, pieces=pieces,
-                             x_on_wg1=x_on_wg1)
+                             interpret=bool(interpret), heads=heads, pieces=pieces)
   ins = _reverse_inputs(q, k, do, a, p, f, lam_cat, dht, bv=bv)
   du, *outs, dh0 = _kernel_2wg(
       kernel, ins, _reverse_out_types(bh, nc, c, d, vd, e_dim, bv, q.dtype, erase, save_drhs,

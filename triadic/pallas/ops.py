@@ -245,12 +245,10 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None, save_drhs=False,
     kw = dict(interpret=cfg.platform == "cpu", block_v=tiles.block_v)
     if heads is not None:
       kw["heads"] = heads
-    x_on_wg1 = cfg.x_on_second_warpgroup and tiles.reverse_warpgroups == 2
     return (functools.partial(mosaic.state_pass, save_x=save_x, residuals=residuals,
-                              warpgroups=tiles.forward_warpgroups,
-                              product_parts=tiles.product_parts, **kw),
+                              warpgroups=tiles.forward_warpgroups, **kw),
             functools.partial(mosaic.reverse_state_pass, warpgroups=tiles.reverse_warpgroups,
-                              save_drhs=save_drhs, x_on_second_warpgroup=x_on_wg1, **kw))
+                              save_drhs=save_drhs, **kw))
   forward = functools.partial(recurrent.state_pass, cfg=cfg)
   return (forward if residuals else functools.partial(_outputs_only, forward),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))

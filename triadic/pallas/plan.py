@@ -108,19 +108,10 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                    "Config.mosaic_gpu; "
                    + _warpgroups_reason(cfg, wgs, d=d, vd=vd, c=c, e=e, bv=st.block_v))
     forward = mosaic_stage("forward", st.forward_warpgroups, "a chunk ahead", "K^T")
-    if cfg.forward_product_parts > 1:
-      parts = (f"R and Y in {st.product_parts} column parts (Config.forward_product_parts)"
-               if st.product_parts > 1 else "Config.forward_product_parts not taken: it is for "
-               "the one-warpgroup forward, with parts dividing E")
-      forward = dataclasses.replace(forward, tiles=f"{forward.tiles}, {parts}")
     forward = dataclasses.replace(   # the Triton / TPU pass writes U and the states regardless
         forward, tiles=forward.tiles + "; without gradients o and the final state only")
     bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, "at chunk start",
                               "K^T Q^T A^T P^T")
-    if cfg.x_on_second_warpgroup and st.reverse_warpgroups == 2:
-      bwd_states = dataclasses.replace(
-          bwd_states, tiles=bwd_states.tiles + "; X by warpgroup 1 "
-          "(Config.x_on_second_warpgroup)")
   else:
     tiles = f"block_v {cfg.block_v}, {loop}"
     forward = Stage("forward", base, tiles, state_reason)
@@ -173,28 +164,24 @@ def _log_once(plan: Plan) -> None:
 
 @dataclasses.dataclass(frozen=True)
 class StateTiles:
-  """The Mosaic state passes' value block, each pass's warpgroups and the one-warpgroup forward's
-  column parts of R and Y (``mosaic.state_pass``' ``product_parts``)."""
+  """The Mosaic state passes' value block and each pass's warpgroups."""
   block_v: int | None
   forward_warpgroups: int
   reverse_warpgroups: int
-  product_parts: int = 1
 
 
 def state_tiles(cfg: Config, *, d: int, vd: int, c: int, e: int) -> StateTiles:
   """``Config.state_warpgroups`` 1 or 2 sets both passes (2 where ``mosaic.warpgroups_supported``
   takes it, else 1; block_v ``Config.state_block_v`` or ``mosaic.default_block_v`` for those
   warpgroups); None leaves block_v and each pass's warpgroups to
-  ``mosaic.default_state_tiles``. ``Config.forward_product_parts`` is taken where the forward
-  runs one warpgroup and the parts divide E, else 1."""
+  ``mosaic.default_state_tiles``."""
   if cfg.state_warpgroups is None:
     bv, fwd, rev = mosaic.default_state_tiles(d, vd, c, e, cfg.state_block_v)
   else:
     fwd = rev = (2 if cfg.state_warpgroups == 2
                  and mosaic.warpgroups_supported(d, vd, c, e, cfg.state_block_v) is None else 1)
     bv = cfg.state_block_v or mosaic.default_block_v(d, vd, c, e, warpgroups=fwd)
-  parts = cfg.forward_product_parts
-  return StateTiles(bv, fwd, rev, parts if fwd == 1 and e % parts == 0 else 1)
+  return StateTiles(bv, fwd, rev)
 
 
 def _warpgroups_reason(cfg: Config, wgs: int, *, d: int, vd: int, c: int, e: int, bv: int) -> str:
