@@ -166,7 +166,6 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
 
 def main(argv):
   del argv
-  common.host_only()
   all_runs = runs()
   print(params_table(all_runs) + "\n")
   if not PARAMS_ONLY.value:
@@ -174,4 +173,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  common.host_only()
   app.run(main)

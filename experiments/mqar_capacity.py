@@ -240,7 +240,6 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run],
 
 def main(argv):
   del argv
-  common.host_only()
   if not LRS.value:
     all_runs = runs()
     print(report(common.run(all_runs), all_runs))
@@ -252,4 +251,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  common.host_only()
   app.run(main)

@@ -354,10 +354,10 @@ def merge_summary(summary: dict, path: str, lengths: list, depths: list) -> str:
 
 def main(argv):
   del argv
-  common.host_only()
   all_runs = runs()
   print(report(common.run(all_runs), all_runs))
 
 
 if __name__ == "__main__":
+  common.host_only()
   app.run(main)

@@ -16,7 +16,6 @@ from experiments import common, mqar_capacity, niah_aggregators, upgrade
 
 def main(argv):
   del argv
-  common.host_only()
   parts = upgrade.quads()
   lists = [niah_aggregators.runs()[:5], mqar_capacity.runs(), niah_aggregators.runs()[5:],
            [q[k] for per in parts.values() for q in per for k in q]]
@@ -34,4 +33,5 @@ def main(argv):
 
 
 if __name__ == "__main__":
+  common.host_only()
   app.run(main)

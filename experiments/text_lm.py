@@ -201,10 +201,10 @@ def report(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> str:
 
 def main(argv):
   del argv
-  common.host_only()
   all_runs = runs()
   print(report(common.run(all_runs), all_runs))
 
 
 if __name__ == "__main__":
+  common.host_only()
   app.run(main)

@@ -134,10 +134,10 @@ def report(results: dict[str, dict | None], parts: dict) -> str:
 
 def main(argv):
   del argv
-  common.host_only()
   parts = quads()
   print(report(common.run(runs(parts)), parts))
 
 
 if __name__ == "__main__":
+  common.host_only()
   app.run(main)
