@@ -3,9 +3,12 @@
 - ``apply_cpu_workaround()``: an XLA:CPU flag that must precede the CPU backend's start (see
   triadic/xla_flags.py).
 - XLA:CPU compiles without LLVM's optimisations (``--xla_backend_optimization_level=0``; the HLO
-  passes, fusion included, still run): the suite's programs are small and mostly run a few
-  times, so compiling is most of its time on the 2-core CI machine. Every bound holds with and
-  without the flag.
+  passes, fusion included, still run), emits its fusions as LLVM IR directly instead of through
+  the MLIR fusion emitters (``--xla_cpu_use_fusion_emitters=false``: a third of their compile
+  time) and codegens each program in one piece (``--xla_cpu_parallel_codegen_split_count=1``:
+  the per-split threads only contend with the other xdist worker for the 2 cores): the suite's
+  programs are small and mostly run a few times, so compiling is most of its time on the 2-core
+  CI machine. Every bound holds with and without the flags.
 - Compiled programs go to a persistent compilation cache private to this process (one per xdist
   worker, so no two processes write one file; removed at exit): many tests compile the same
   program again (every ``train_loop.train`` call builds its own jitted step; the preemption test
@@ -33,7 +36,8 @@ import tempfile
 import threading
 
 os.environ["XLA_FLAGS"] = " ".join(
-    (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0")).strip()
+    (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
+     "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")).strip()
 
 import jax  # noqa: E402
 
