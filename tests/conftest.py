@@ -4,16 +4,17 @@
   triadic/xla_flags.py).
 - XLA:CPU compiles without LLVM's optimisations (``--xla_backend_optimization_level=0``; the HLO
   passes, fusion included, still run), emits its fusions as LLVM IR directly instead of through
-  the MLIR fusion emitters (``--xla_cpu_use_fusion_emitters=false``: a third of their compile
-  time) and codegens each program in one piece (``--xla_cpu_parallel_codegen_split_count=1``:
-  the per-split threads only contend with the other xdist worker for the 2 cores): the suite's
-  programs are small and mostly run a few times, so compiling is most of its time on the 2-core
-  CI machine. Every bound holds with and without the flags.
+  the MLIR fusion emitters (``--xla_cpu_use_fusion_emitters=false``: compiles take less than
+  half the CPU time) and codegens each program in one piece
+  (``--xla_cpu_parallel_codegen_split_count=1``: the per-split threads only contend with the
+  other xdist worker for the 2 cores): the suite's programs are small and mostly run a few
+  times, so compiling is most of its time on the 2-core CI machine. Every bound holds with and
+  without the flags.
 - Compiled programs go to a persistent compilation cache private to this process (one per xdist
   worker, so no two processes write one file; removed at exit): many tests compile the same
   program again (every ``train_loop.train`` call builds its own jitted step; the preemption test
-  trains three times). Both choices' effect on the suite's time: benchmarks/RESULTS.md ("Test
-  suite on the 2-core CPU").
+  trains three times). The flags' and the cache's effect on the suite's time:
+  benchmarks/RESULTS.md ("Test suite on the 2-core CPU").
 - The Mosaic GPU interpreter runs a kernel of several threads (two warpgroups) by handing each
   thread's body, one jaxpr for the whole kernel, to ``thread_map._run_jaxpr``, which traces,
   lowers and compiles it again for every thread of every grid point (a fresh ``jax.jit`` each
