@@ -657,8 +657,8 @@ def regions(t, b, e_list, variants=(), out=None):
                 f"(a smaller --t records fewer chunks): {str(err).splitlines()[0]}")
           continue
         print(title)
-        runs = {}
-        for name in sorted(os.listdir(trace_dir)):
+        runs, names = {}, sorted(os.listdir(trace_dir))
+        for name in names:
           kernel = name.rsplit("-", 2)[0]
           wgs = 2 if "wg2" in kernel else 1
           ms = lambda rows: sum(r.ms for r in rows if mosaic_kernel_name(r.name) == kernel)
@@ -671,7 +671,7 @@ def regions(t, b, e_list, variants=(), out=None):
           os.makedirs(out, exist_ok=True)
           stem = re.sub(r"[^\w.-]", "_", f"regions_B{b}_T{t}_E{e}_{variant or 'default'}")
           print("\n" + regions_plot(runs, os.path.join(out, stem + ".png"), title.strip("# \n")))
-          for i, name in enumerate(sorted(os.listdir(trace_dir))):
+          for i, name in enumerate(names):
             with open(os.path.join(trace_dir, name), "rb") as src, \
                 gzip.open(os.path.join(out, f"{stem}_{i}.json.gz"), "wb") as dst:
               shutil.copyfileobj(src, dst)

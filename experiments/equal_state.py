@@ -80,13 +80,7 @@ def runs() -> list[sweep.Run]:
   """Every variant at every seed (at --lr if given); the gdn and triadic runs are
   experiments.mqar_capacity's."""
   base = common.run_config(sweep.Run("base", mqar_capacity.CONFIG_FLAG.value))
-  lr = {}
-  if LR.value is not None:
-    text = mqar_capacity.lr_text(LR.value)
-    lr = {"suffix": f"_lr{text}", "items": (f"config.train.learning_rate={text}",),
-          "group": {"lr": float(text)}}
-  return [mqar_capacity.mqar_run(stem + lr.get("suffix", ""), s, *items, *lr.get("items", ()),
-                                 variant=name, multiple=m, **lr.get("group", {}))
+  return [mqar_capacity.mqar_run(stem, s, *items, lr=LR.value, variant=name, multiple=m)
           for name, (stem, m, items) in variants(base).items() for s in mqar_capacity.seeds()]
 
 

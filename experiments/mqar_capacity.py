@@ -52,9 +52,14 @@ def seeds() -> range:
   return common.seeds(MQAR_SEEDS.value)
 
 
-def mqar_run(stem: str, seed: int, *items: str, **group) -> sweep.Run:
+def mqar_run(stem: str, seed: int, *items: str, lr=None, **group) -> sweep.Run:
   """The run ``mqar_<stem>_seed<seed>``: --mqar_config with the overrides ``items`` (and --set),
-  grouped by ``group`` and its seed."""
+  grouped by ``group`` and its seed; with ``lr``, ``mqar_<stem>_lr<lr>_seed<seed>`` at that
+  learning rate (grouped by it too)."""
+  if lr is not None:
+    lr = lr_text(lr)
+    stem, items = f"{stem}_lr{lr}", (*items, f"config.train.learning_rate={lr}")
+    group = {**group, "lr": float(lr)}
   return sweep.Run(f"mqar_{stem}_seed{seed}", CONFIG_FLAG.value,
                    common.overrides(*items, f"config.seed={seed}"), group={**group, "seed": seed})
 
@@ -68,11 +73,7 @@ def lr_text(lr) -> str:
 def capacity_run(e: str, seed: int, lr=None) -> sweep.Run:
   """E = ``e`` at ``seed``: ``mqar_e<e>_seed<seed>`` at the config's learning rate, or
   ``mqar_e<e>_lr<lr>_seed<seed>`` at ``lr``."""
-  if lr is None:
-    return mqar_run(f"e{e}", seed, f"config.model.expand_e={e}", e=int(e))
-  lr = lr_text(lr)
-  return mqar_run(f"e{e}_lr{lr}", seed, f"config.model.expand_e={e}",
-                  f"config.train.learning_rate={lr}", e=int(e), lr=float(lr))
+  return mqar_run(f"e{e}", seed, f"config.model.expand_e={e}", lr=lr, e=int(e))
 
 
 def runs(best: dict[int, float] | None = None) -> list[sweep.Run]:

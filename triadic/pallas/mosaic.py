@@ -1218,10 +1218,9 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
       plgpu.copy_smem_to_gmem(o_s, at(o_g, n, cols))
 
     stage("exchange")
-
-    @pl.when(w == 1)
-    def _():
-      if erase:
+    if erase:
+      @pl.when(w == 1)
+      def _():
         red_r[...] = part_r
 
     @pl.when(w == (0 if output_on_wg1 else 1))
