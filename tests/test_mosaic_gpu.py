@@ -143,46 +143,6 @@ def test_two_warpgroups_match_recurrent(b, t, h, vdim, e, erase, save_x, bv, hea
                   heads=(b, h) if heads else None)
 
 
-@pytest.mark.parametrize("b,h,vdim,e,erase,save_x,heads", [
-    pytest.param(1, 1, 32, 4, True, True, False, id="E4-erase-saveX"),
-    pytest.param(2, 2, 32, 1, False, False, True, id="B2-H2-E1-noerase-heads"),
-])
-def test_output_on_second_warpgroup_matches_recurrent(b, h, vdim, e, erase, save_x, heads):
-  """``output_on_second_warpgroup``: the two-warpgroup forward with o formed by warpgroup 1 (after
-  the chunk's second meeting, from a two-chunk buffer of warpgroup 0's part of Y's sum) against
-  ``recurrent`` over three chunks; with ``heads`` (two value blocks) bit for bit the default
-  layout's outputs. It lowers for CUDA; the plan names it; one warpgroup refuses it."""
-  d, c = 128, 64
-  fargs, _, _ = build(b, 192, h, d, vdim, e, c, erase)
-  kw = dict(scale=SCALE, erase=erase, warpgroups=2, block_v=32, output_on_second_warpgroup=True,
-            interpret=True)
-  got = mosaic.state_pass(*fargs, save_x=save_x, **kw)
-  want = reference(recurrent.state_pass, *fargs, scale=SCALE, erase=erase)
-  if save_x:
-    x, got = got[2], got[:2] + got[3:]
-    q, k, v, k2, _, gc_col = fargs[:6]
-    want_x = jax.jit(mosaic_backward.x_from_states)(k, v, want[2], k2, gc_col)
-    assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
-  check_close(FORWARD_OUTPUTS, got, want)
-  if heads:
-    tok = lambda x: token_major(x, b, h)
-    got_heads = mosaic.state_pass(*(tok(x) for x in fargs[:3]), *fargs[3:], heads=h, **kw)
-    for x, y in zip(got_heads, (tok(got[0]), *got[1:]), strict=True):
-      assert x.shape == y.shape and rel_rms(x, y) <= 1e-6
-    return
-  with pytest.raises(ValueError, match="output_on_second_warpgroup"):
-    mosaic.state_pass(*fargs, **dict(kw, warpgroups=1, block_v=16))
-  specs = kernel_arg_specs([(2, 4, c, d)] * 3, bh=2, nc=4, c=c, d=d, vdim=d, e=e)
-  lowered = jax.jit(functools.partial(mosaic.state_pass, **dict(kw, interpret=False)))
-  assert "triadic_forward_mgpu_wg2" in lowered.trace(*specs).lower(
-      lowering_platforms=("cuda",)).as_text()
-  for e_plan, taken in ((4, True), (8, False)):   # E = 8: a one-warpgroup forward
-    cfg = dataclasses.replace(pops.default_config("gpu", e_plan, d), mosaic_gpu=True,
-                              output_on_second_warpgroup=True)
-    tiles = plan_lib.resolve(cfg, d=d, vd=d, c=c, e=e_plan, dtype=jnp.bfloat16).forward.tiles
-    assert ("o by warpgroup 1" in tiles) == taken, tiles
-
-
 def test_one_warpgroup_save_x_matches_recurrent():
   """One warpgroup at D = 64, E = 2, the forward with save_x and the reverse pass against
   ``recurrent``; and with ``heads``: B = H = 2 and two value blocks (block_v 16: the column

@@ -69,10 +69,6 @@ class Config:
   ``mosaic.default_block_v`` for their warpgroups; one that ``mosaic.supported`` refuses sends
   them to Triton, as the plan says). Wider blocks read K, Q, A, P fewer times over, with fewer
   programs.
-  output_on_second_warpgroup: the two-warpgroup Mosaic forward has warpgroup 1 form o = P U +
-  sum_e fq_e Y_e after the chunk's second meeting, while warpgroup 0 issues its state update,
-  instead of warpgroup 0 forming rhs, U, W and o while warpgroup 1 waits for them
-  (``mosaic.state_pass``' ``output_on_second_warpgroup``). Off by default.
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).
@@ -124,7 +120,6 @@ class Config:
   slice_warpgroups: int | None = None
   state_warpgroups: int | None = None
   state_block_v: int | None = None
-  output_on_second_warpgroup: bool = False
   sequence_pieces: int = 1
   warmup_chunks: int = 16
   ut_kernel: bool = False
@@ -147,7 +142,7 @@ class Config:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
     for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass",
-                 "partials_in_bf16", "query_walk", "output_on_second_warpgroup"):
+                 "partials_in_bf16", "query_walk"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)

@@ -823,8 +823,7 @@ def _check_heads(heads, pieces, k2_col, q, **arrays):
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase, block_v=None,
-               save_x=False, warpgroups=1, heads=None, pieces=1, residuals=True,
-               output_on_second_warpgroup=False, interpret=False):
+               save_x=False, warpgroups=1, heads=None, pieces=1, residuals=True, interpret=False):
   """Chunk loop forward (``recurrent.state_pass`` without ``cfg``). Returns o (BH,NC,C,V) in q's
   dtype, U (BH,NC,C,V) in q's dtype, chunk-start states (BH,NC,E,D,V) in q's dtype, final state
   (BH,E,D,V) float32. ``save_x`` (erase only): also X = V - sum_e diag(k2_e exp(gc_e)) K S_e
@@ -834,9 +833,6 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   (the op's primal): the kernel neither stores U nor the chunk-start states (a custom
   call's outputs cannot be dropped by XLA, so unread outputs would still be written) and the one
   warpgroup kernel allocates no (E, D, BV) buffer for them; ``save_x`` needs residuals.
-  ``output_on_second_warpgroup`` (two warpgroups): warpgroup 1 forms o = P U + sum_e fq_e Y_e
-  while warpgroup 0 forms W and issues its state update, instead of warpgroup 0 forming o too
-  while warpgroup 1 waits at the chunk's second meeting.
 
   ``heads=H`` (either warpgroup count): q, k, v are in the user's (B, T, H, X) layout with
   T = NC * C and o is returned (B, T, H, V); the kernel reads and writes them in place by TMA,
@@ -859,10 +855,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   if warpgroups == 2:
     return _forward_2wg(q, k, v, a, p, f, lam_cat, h0, e_dim=e_dim, bv=bv, scale=scale,
                         erase=erase, save_x=save_x, heads=heads, pieces=pieces,
-                        residuals=residuals, output_on_wg1=bool(output_on_second_warpgroup),
-                        interpret=interpret)
-  if output_on_second_warpgroup:
-    raise ValueError("output_on_second_warpgroup is for the two-warpgroup forward (warpgroups=2)")
+                        residuals=residuals, interpret=interpret)
   n_rows = f.shape[2]
   n_cat = e_dim * bv
   ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv)
@@ -1137,7 +1130,7 @@ def _partial(ops, lhs, rhs, f_s, first_row, bv):
 
 def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, cat,
                         nc, e_dim, bv, scale, erase, save_x, interpret, heads=None, pieces=1,
-                        residuals=True, output_on_wg1=False):
+                        residuals=True):
   if not residuals:                   # o and the final state only
     o_g, ht_g, bars, xbar = outs_and_bars
   elif save_x:
@@ -1204,32 +1197,17 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
     cp.wait("q", n)
     part_y = _partial(ops, q_s.at[w], mine, f_s, read_rows, bv)
 
-    # The warpgroup that forms o reads the other's part of sum_e fq_e Y_e from y_s. With
-    # output_on_wg1 that read follows the second meeting, after which warpgroup 0 writes the next
-    # chunk's part: hence two buffers, by chunk parity.
-    y_s = red_y.at[n % 2] if output_on_wg1 else red_y
-
-    def output():         # o = scale (P U + sum_e fq_e Y_e)
-      cp.wait("p", n)
-      out = ops.mm(p_s, u16_s) + part_y + ops.acc(y_s[...])
-      o_s[...] = (scale * out).astype(o_s.dtype)
-      plgpu.commit_smem()
-      cp.start_next(("p",), n)
-      plgpu.copy_smem_to_gmem(o_s, at(o_g, n, cols))
-
     stage("exchange")
-    if erase:
-      @pl.when(w == 1)
-      def _():
-        red_r[...] = part_r
 
-    @pl.when(w == (0 if output_on_wg1 else 1))
+    @pl.when(w == 1)
     def _():
-      y_s[...] = part_y
+      if erase:
+        red_r[...] = part_r
+      red_y[...] = part_y
 
     _sync(xbar)       # the partials are in SMEM; both warpgroups are done with lam
     cp.start_next(own, n)
-    stage("U, W" if output_on_wg1 else "U, output")
+    stage("U, output")
 
     @pl.when(w == 0)
     def _():
@@ -1260,15 +1238,16 @@ def _forward_kernel_2wg(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bar
       cp.start_next(("a",) if erase else ("v",), n)
       if residuals:
         plgpu.copy_smem_to_gmem(u16_s, u_g.at[i, n, :, cols])
-      if not output_on_wg1:
-        output()
+      cp.wait("p", n)
+      out = ops.mm(p_s, u16_s) + part_y + ops.acc(red_y[...])
+      o_s[...] = (scale * out).astype(o_s.dtype)
+      plgpu.commit_smem()
+      cp.start_next(("p",), n)
+      plgpu.copy_smem_to_gmem(o_s, at(o_g, n, cols))
 
     stage("meet")
-    _sync(xbar)       # U, W are in SMEM; warpgroup 0 has read the partials; both are done with f
+    _sync(xbar)       # W is in SMEM; warpgroup 0 has read the partials; both are done with f
     pl.when(w == 0)(lambda: cp.start_next(("f",), n))
-    if output_on_wg1:     # while warpgroup 0 goes on to its state update
-      stage("output")
-      pl.when(w == 1)(output)
     stage("update")
     for name in at_end:
       cp.wait(name, n)
@@ -1289,7 +1268,7 @@ def _kernel_2wg(kernel, ins, out_type, grid, name, interpret):
 
 
 def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save_x, heads,
-                 pieces, residuals, output_on_wg1, interpret):
+                 pieces, residuals, interpret):
   """``state_pass`` with two warpgroups. The sizes come from the row factors f (BH, NC, rows, C)
   and q's last dim, since q, k, v (and o) are (BH, NC, C, X), or (B, T, H, X) with ``heads``."""
   bh, nc, _, c = f.shape
@@ -1312,15 +1291,14 @@ def _forward_2wg(q, k, v, a, p, f, lam_cat, h0, *, e_dim, bv, scale, erase, save
       _smem((c, bv), BF16, sw_v),                 # U (bf16 operand)
       _smem((c, bv), q.dtype, sw_v),              # o
       _smem((c, bv), F32, sw_f),                  # warpgroup 1's part of sum_e f_e R_e
-      # one warpgroup's part of sum_e fq_e Y_e (two chunks' buffers with output_on_wg1)
-      _smem((2, c, bv) if output_on_wg1 else (c, bv), F32, sw_f),
+      _smem((c, bv), F32, sw_f),                  # warpgroup 1's part of sum_e fq_e Y_e
   ] + ([_smem((c, bv), q.dtype, sw_v)] if save_x else []) + (   # X
       [_smem((2, HALF, c), BF16, sw_v)] if interpret else [])     # K^T (interpret mode)
   cat = _smem((2, HALF, n_cat), F32, _swizzle(n_cat, F32))  # initial / final state rows
   kernel = functools.partial(_forward_kernel_2wg, scratch=scratch, cat=cat, nc=nc, e_dim=e_dim,
                              bv=bv, scale=scale, erase=erase, save_x=save_x,
                              interpret=bool(interpret), heads=heads, pieces=pieces,
-                             residuals=residuals, output_on_wg1=output_on_wg1)
+                             residuals=residuals)
   ins = _forward_inputs(q, k, v, a, p, f, lam_cat, h0, bv=bv)
   *outs, ht = _kernel_2wg(
       kernel, ins,

@@ -245,10 +245,8 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None, save_drhs=False,
     kw = dict(interpret=cfg.platform == "cpu", block_v=tiles.block_v)
     if heads is not None:
       kw["heads"] = heads
-    output_on_wg1 = cfg.output_on_second_warpgroup and tiles.forward_warpgroups == 2
     return (functools.partial(mosaic.state_pass, save_x=save_x, residuals=residuals,
-                              warpgroups=tiles.forward_warpgroups,
-                              output_on_second_warpgroup=output_on_wg1, **kw),
+                              warpgroups=tiles.forward_warpgroups, **kw),
             functools.partial(mosaic.reverse_state_pass, warpgroups=tiles.reverse_warpgroups,
                               save_drhs=save_drhs, **kw))
   forward = functools.partial(recurrent.state_pass, cfg=cfg)

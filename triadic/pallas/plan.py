@@ -108,9 +108,6 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                    "Config.mosaic_gpu; "
                    + _warpgroups_reason(cfg, wgs, d=d, vd=vd, c=c, e=e, bv=st.block_v))
     forward = mosaic_stage("forward", st.forward_warpgroups, "a chunk ahead", "K^T")
-    if cfg.output_on_second_warpgroup and st.forward_warpgroups == 2:
-      forward = dataclasses.replace(
-          forward, tiles=forward.tiles + ", o by warpgroup 1 (Config.output_on_second_warpgroup)")
     forward = dataclasses.replace(   # the Triton / TPU pass writes U and the states regardless
         forward, tiles=forward.tiles + "; without gradients o and the final state only")
     bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, "at chunk start",
