@@ -1,0 +1,122 @@
+"""The cluster state passes (``triadic.pallas.mosaic_cluster``: one block a slice, the sums over e
+through distributed shared memory) against the value-split Mosaic GPU passes
+(``mosaic.state_pass`` and ``reverse_state_pass``, the op's default), the forward as the op's
+primal (o and the final state) and with the backward's residuals, the reverse pass with A^T dU
+and dV where erase (as the op runs them).
+
+First the accuracy of the cluster passes against the value-split ones on the same operands
+(relative RMS of every output; the two round differently: bf16 parts of sum_e Y_e, diag(fw_e) K
+instead of diag(fw_e) U as the rounded operand), then the time of both at the benchmark shape,
+and the ratio. GPU only (H100 / H200).
+
+  python benchmarks/cluster_pass.py --e 8 4 --t 16384
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from benchmarks.common import machine, median_ms, triadic_inputs
+from triadic.pallas import mosaic, mosaic_cluster
+from triadic.pallas.chunk_prep import chunk_prep
+from triadic.pallas.common import Config
+from triadic.pallas.ops import kernel_layout
+
+C = 64
+
+
+def operands(key, b, t, h, d, e, *, erase, decay):
+  """The state passes' operands in the kernel layout, A and P from ``chunk_prep``, h0 random."""
+  q, k, v, k2, q2, g, beta = triadic_inputs(key, b, t, h, d, d, e, jnp.bfloat16)
+  g = g * decay
+  nc = t // C
+  merge = lambda x: x.reshape(b * h, *x.shape[2:])
+  q, k, v = (merge(kernel_layout(x, nc, C)) for x in (q, k, v))
+  k2, q2, g, beta = (merge(kernel_layout(x.astype(jnp.float32), nc, C)) for x in (k2, q2, g, beta))
+  prep = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=Config("gpu"))
+  gc, a, p = prep[0], prep[2], prep[3]
+  h0 = 0.3 * jax.random.normal(jax.random.fold_in(key, 1), (b * h, e, d, d), jnp.float32)
+  return q, k, v, k2, q2, gc, beta, a, p, h0
+
+
+def passes(e, d, *, erase, scale, residuals):
+  bv, wgs, _ = mosaic.default_state_tiles(d, d, C, e)
+  split = jax.jit(functools.partial(mosaic.state_pass, scale=scale, erase=erase, block_v=bv,
+                                    warpgroups=wgs, residuals=residuals))
+  cluster = jax.jit(functools.partial(mosaic_cluster.state_pass, scale=scale, erase=erase,
+                                      residuals=residuals))
+  return split, cluster, f"block_v {bv}, {wgs} warpgroup(s)"
+
+
+def reverse_passes(e, d, *, erase, scale):
+  """The reverse passes as the op runs them: with A^T dU and dV (``save_drhs``) where erase."""
+  bv, _, wgs = mosaic.default_state_tiles(d, d, C, e)
+  split = jax.jit(functools.partial(mosaic.reverse_state_pass, scale=scale, erase=erase,
+                                    block_v=bv, warpgroups=wgs, save_drhs=erase))
+  cluster = jax.jit(functools.partial(mosaic_cluster.reverse_state_pass, scale=scale,
+                                      erase=erase, save_drhs=erase))
+  return split, cluster, f"block_v {bv}, {wgs} warpgroup(s)"
+
+
+def reverse_operands(ops, key):
+  """The forward operands with v replaced by a random dO and h0 by a random dht."""
+  q, k, v, *rest, h0 = ops
+  do = jax.random.normal(key, v.shape, jnp.float32).astype(v.dtype)
+  dht = jax.random.normal(jax.random.fold_in(key, 1), h0.shape, jnp.float32)
+  return (q, k, do, *rest, dht)
+
+
+def rel(x, y):
+  x, y = x.astype(jnp.float32), y.astype(jnp.float32)
+  return float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
+
+
+def main():
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--e", type=int, nargs="+", default=[8, 4])
+  ap.add_argument("--b", type=int, default=2)
+  ap.add_argument("--h", type=int, default=16)
+  ap.add_argument("--t", type=int, default=16384)
+  ap.add_argument("--d", type=int, default=128)
+  ap.add_argument("--reps", type=int, default=20)
+  ap.add_argument("--no-erase", action="store_true")
+  args = ap.parse_args()
+  erase = not args.no_erase
+  scale = args.d ** -0.5
+  print(f"# {machine()}")
+  print("| E | case | o / dU | U / A^T dU | chunk-start states / dV | final state / dstates | "
+        "dh0 | value-split ms | cluster ms | cluster / value-split |")
+  print("|---|---|---|---|---|---|---|---|---|---|")
+  for e in args.e:
+    split, cluster, _ = passes(e, args.d, erase=erase, scale=scale, residuals=True)
+    for b, h, t, decay in ((1, 4, 2048, 1.0), (1, 2, 1024, 30.0)):
+      ops = operands(jax.random.key(e), b, t, h, args.d, e, erase=erase, decay=decay)
+      rels = " | ".join(f"{rel(x, y):.1e}" for x, y in zip(cluster(*ops), split(*ops)))
+      print(f"| {e} | forward rel RMS, B{b} H{h} T{t} g x{decay:g} | {rels} | | | | |",
+            flush=True)
+      split_r, cluster_r, _ = reverse_passes(e, args.d, erase=erase, scale=scale)
+      rops = reverse_operands(ops, jax.random.key(e + 100))
+      rels = " | ".join(f"{rel(x, y):.1e}" for x, y in zip(cluster_r(*rops), split_r(*rops)))
+      print(f"| {e} | reverse rel RMS, B{b} H{h} T{t} g x{decay:g} | {rels} | | | |", flush=True)
+    ops = operands(jax.random.key(0), args.b, args.t, args.h, args.d, e, erase=erase, decay=1.0)
+    for residuals in (False, True):
+      split, cluster, tiles = passes(e, args.d, erase=erase, scale=scale, residuals=residuals)
+      ms_split = median_ms(split, ops, reps=args.reps)
+      ms_cluster = median_ms(cluster, ops, reps=args.reps)
+      what = "forward with residuals" if residuals else "forward primal"
+      print(f"| {e} | {what}, B{args.b} H{args.h} T{args.t} (value split: {tiles}) | | | | | | "
+            f"{ms_split:.3f} | {ms_cluster:.3f} | {ms_cluster / ms_split:.2f}x |", flush=True)
+    split_r, cluster_r, tiles = reverse_passes(e, args.d, erase=erase, scale=scale)
+    rops = reverse_operands(ops, jax.random.key(1))
+    ms_split = median_ms(split_r, rops, reps=args.reps)
+    ms_cluster = median_ms(cluster_r, rops, reps=args.reps)
+    print(f"| {e} | reverse, B{args.b} H{args.h} T{args.t} (value split: {tiles}) | | | | | | "
+          f"{ms_split:.3f} | {ms_cluster:.3f} | {ms_cluster / ms_split:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+  main()

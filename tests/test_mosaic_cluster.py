@@ -1,0 +1,97 @@
+"""The cluster state passes (``triadic.pallas.mosaic_cluster``): the slice factors against
+``mosaic``'s rows, the sizes they refuse, and the CUDA lowering of both passes (layouts, swizzles,
+the DSMEM stores into peer blocks' SMEM, the cluster launch). The CPU interpreter has no rule for
+DSMEM stores, so their numbers are checked on a GPU (``benchmarks/cluster_pass.py`` against the
+value-split passes)."""
+
+from __future__ import annotations
+
+import functools
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from triadic.pallas import mosaic, mosaic_cluster
+
+S = jax.ShapeDtypeStruct
+BF16, F32 = jnp.bfloat16, jnp.float32
+
+
+def test_slice_factors_are_mosaics_rows_per_slice():
+  """Row r of slice e is mosaic's factor row r * E + e (fe, fq, fw), beta its row 3E, lam_e
+  repeated C times."""
+  bh, nc, c, e = 2, 3, 8, 3
+  ks = jax.random.split(jax.random.key(0), 4)
+  gc = -jnp.cumsum(jax.random.uniform(ks[0], (bh, nc, c, e)), axis=2)
+  k2, q2 = (jax.random.uniform(k, (bh, nc, c, e)) for k in ks[1:3])
+  beta = jax.random.uniform(ks[3], (bh, nc, c, 1))
+  rows, lam = mosaic._factors(gc, k2, q2, beta)           # (BH, NC, 3E + 1, C), (BH, NC, E)
+  got = mosaic_cluster.slice_factors(gc, k2, q2, beta)    # (BH, E, NC, 5, C)
+  assert got.shape == (bh, e, nc, 5, c)
+  for s in range(e):
+    for r in range(3):
+      np.testing.assert_allclose(got[:, s, :, r], rows[:, :, r * e + s], rtol=1e-6)
+    np.testing.assert_allclose(got[:, s, :, 3], rows[:, :, 3 * e], rtol=1e-6)
+    np.testing.assert_allclose(got[:, s, :, 4], jnp.broadcast_to(lam[:, :, s, None], (bh, nc, c)),
+                               rtol=1e-6)
+
+
+@pytest.mark.parametrize("args,match", [
+    ((128, 128, 64, 8, F32), "bfloat16"), ((128, 128, 32, 8, BF16), "chunk size 64"),
+    ((64, 128, 64, 8, BF16), "D = 128"), ((128, 128, 64, 3, BF16), r"E in \(2, 4, 8\)"),
+    ((128, 64, 64, 8, BF16), "multiple of 16 \\* E"), ((128, 256, 64, 2, BF16), "V <= 128")])
+def test_supported_names_what_it_refuses(args, match):
+  assert re.search(match, mosaic_cluster.supported(*args))
+  assert mosaic_cluster.supported(128, 128, 64, 8, BF16) is None
+
+
+def test_state_pass_refuses_sizes_it_cannot_take():
+  bh, nc, c, d, e = 1, 2, 64, 64, 8
+  args = [jnp.zeros((bh, nc, c, d), BF16)] * 3 + [jnp.zeros((bh, nc, c, e), F32)] * 3 + [
+      jnp.zeros((bh, nc, c, 1), F32)] + [jnp.zeros((bh, nc, c, c), F32)] * 2 + [
+      jnp.zeros((bh, e, d, d), F32)]
+  with pytest.raises(ValueError, match="D = 128"):
+    mosaic_cluster.state_pass(*args, scale=0.1, erase=True)
+
+
+def specs(bh, nc, c, d, vd, e):
+  return (S((bh, nc, c, d), BF16), S((bh, nc, c, d), BF16), S((bh, nc, c, vd), BF16),
+          S((bh, nc, c, e), F32), S((bh, nc, c, e), F32), S((bh, nc, c, e), F32),
+          S((bh, nc, c, 1), F32), S((bh, nc, c, c), F32), S((bh, nc, c, c), F32),
+          S((bh, e, d, vd), F32))
+
+
+@pytest.mark.parametrize("e,erase,residuals", [(8, True, True), (8, True, False),
+                                               (4, True, True), (2, False, False)])
+def test_forward_lowers_for_cuda(e, erase, residuals):
+  """The forward passes the Mosaic GPU lowering as a cluster of E blocks of two warpgroups; with
+  residuals it returns o, U, the chunk-start states and the final state."""
+  bh, nc, c, d, vd = 2, 4, 64, 128, 128
+  args = specs(bh, nc, c, d, vd, e)
+  fn = jax.jit(functools.partial(mosaic_cluster.state_pass, scale=0.125, erase=erase,
+                                 residuals=residuals))
+  traced = fn.trace(*args)
+  saved = [(bh, nc, c, vd), (bh, nc, e, d, vd)] if residuals else []
+  assert [x.shape for x in traced.out_info] == [(bh, nc, c, vd), *saved, (bh, e, d, vd)]
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_forward_cluster" in text
+
+
+@pytest.mark.parametrize("e,erase,save_drhs", [(8, True, True), (4, True, False),
+                                               (2, False, False)])
+def test_reverse_lowers_for_cuda(e, erase, save_drhs):
+  """The reverse pass lowers likewise and returns dU (bf16 with erase, float32 without),
+  [A^T dU, dV,] the chunk-end state gradients and dh0."""
+  bh, nc, c, d, vd = 2, 4, 64, 128, 128
+  fn = jax.jit(functools.partial(mosaic_cluster.reverse_state_pass, scale=0.125, erase=erase,
+                                 save_drhs=save_drhs))
+  traced = fn.trace(*specs(bh, nc, c, d, vd, e))
+  per_chunk = (bh, nc, c, vd)
+  want = [per_chunk] * (1 + 2 * save_drhs) + [(bh, nc, e, d, vd), (bh, e, d, vd)]
+  assert [x.shape for x in traced.out_info] == want
+  assert traced.out_info[0].dtype == (BF16 if erase else F32)
+  text = traced.lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_backward_states_cluster" in text
