@@ -65,7 +65,8 @@ def specs(bh, nc, c, d, vd, e):
 
 
 @pytest.mark.parametrize("e,erase,residuals", [(8, True, True), (8, True, False),
-                                               (4, True, True), (2, False, False)])
+                                               (4, True, True), (2, True, True),
+                                               (2, False, False)])
 def test_forward_lowers_for_cuda(e, erase, residuals):
   """The forward passes the Mosaic GPU lowering as a cluster of E blocks of two warpgroups; with
   residuals it returns o, U, the chunk-start states and the final state."""
@@ -81,7 +82,7 @@ def test_forward_lowers_for_cuda(e, erase, residuals):
 
 
 @pytest.mark.parametrize("e,erase,save_drhs", [(8, True, True), (4, True, False),
-                                               (2, False, False)])
+                                               (2, True, True), (2, False, False)])
 def test_reverse_lowers_for_cuda(e, erase, save_drhs):
   """The reverse pass lowers likewise and returns dU (bf16 with erase, float32 without),
   [A^T dU, dV,] the chunk-end state gradients and dh0."""

@@ -42,7 +42,10 @@ How, and why each choice:
   barrier sees a round's arrivals before its previous round completed.
 * Every barrier a peer arrives on is in the kernel's scratch, which Mosaic GPU initialises
   before a cluster-wide sync; each block waits for everything sent to it, so no block ends while
-  a peer still writes into its SMEM.
+  a peer still writes into its SMEM. A peer may send its first chunk's parts while this block
+  still loads its initial state through a scope that shares the start of the chunk loop's SMEM,
+  so the buffers peers write come last in the loop's scratch, past that scope
+  (``_check_received_last``).
 * Inputs by TMA, each with its own barrier; K and the factor rows have two buffers (chunk
   parity), refilled for chunk n + 1 right after chunk n's first meeting (both warpgroups are done
   with chunk n - 1's); V and A are refilled by warpgroup 0 after their last read, Q and P by
@@ -62,6 +65,7 @@ GPU only: the CPU interpreter has no rule for DSMEM stores; the CUDA lowering is
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -70,8 +74,9 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from triadic.pallas.common import du_dtype
-from triadic.pallas.mosaic import (HALF, _chunk_loop, _compiler_params, _Inputs, _load_rows, _Ops,
-                                   _smem, _store_rows, _swizzle, _sync, _wait_stores)
+from triadic.pallas.mosaic import (HALF, SMEM_ALIGN, _chunk_loop, _compiler_params, _Inputs,
+                                   _load_rows, _Ops, _smem, _store_rows, _swizzle, _sync,
+                                   _wait_stores)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 FE, FQ, FW, BETA, LAM = range(5)      # rows of a slice's factors
@@ -104,6 +109,18 @@ def slice_factors(gc_col, k2_col, q2_col, beta_col):
   rows = [beta * k2_col * a, q2_col * a, k2_col * jnp.exp(gl - gc_col), beta,
           jnp.broadcast_to(jnp.exp(gl), a.shape)]
   return jnp.transpose(jnp.stack(rows), (1, 4, 2, 0, 3))
+
+
+def _bytes(ref) -> int:
+  return -(-math.prod(ref.shape) * jnp.dtype(ref.dtype).itemsize // SMEM_ALIGN) * SMEM_ALIGN
+
+
+def _check_received_last(scratch, first_received, rows_buf):
+  """Peers may send their first chunk's parts while this block still loads its initial state
+  through ``rows_buf``'s scope, which shares the chunk loop's SMEM from its start: the buffers
+  peers write (``scratch[first_received:]``, allocated in list order) must lie past it."""
+  if sum(map(_bytes, scratch[:first_received])) < _bytes(rows_buf):
+    raise AssertionError("a buffer peers write would overlap the initial state's SMEM")
 
 
 def _mm_sum(pairs, m, n):
@@ -154,8 +171,8 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
     pl.when(w == 0)(lambda: cp.start(first0, 0))
     pl.when(w == 1)(lambda: cp.start(("q", "p"), 0))
 
-  def chunk(n, s, q_s, k_s, v_s, a_s, p_s, f_s, s_s, w_s, rhs_s, u_s, o_s, recv_r, recv_y,
-            *u_own_s, stage):
+  def chunk(n, s, q_s, k_s, v_s, a_s, p_s, f_s, s_s, w_s, rhs_s, o_s, u_s, recv_r, recv_y, *,
+            stage):
     cp = copies(q_s, k_s, v_s, a_s, p_s, f_s)
     k_n, f_n = cp.ref("k", n), cp.ref("f", n)
     stage("wait update")
@@ -224,10 +241,10 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
       u16 = u.astype(BF16)
       for j in range(e_dim):
         plgpu.async_store_smem(u16, u_s.at[:, own], got_u, cluster_idx=j, cluster_dim="slice")
-      if residuals:
-        u_own_s[0][...] = u16
+      if residuals:                     # rhs_s is free: the product U = A rhs is complete
+        rhs_s[...] = u16
         plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(u_own_s[0], u_g.at[i, n, :, own])
+        plgpu.copy_smem_to_gmem(rhs_s, u_g.at[i, n, :, own])
 
     @pl.when(w == 1)
     def _():
@@ -280,14 +297,16 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
       _smem((2, 5, c), F32),                      # factor rows (chunk parity)
       _smem((2, HALF, vd), BF16, sw_d),           # S_e (bf16 operand), a 64-row piece each
       _smem((2, c, HALF), BF16, sw_own),          # diag(fw_e) K, a 64-column piece each
-      _smem((c, bw), BF16, sw_own),               # rhs
-      _smem((c, vd), BF16, sw_own),               # U (all-gathered)
+      _smem((c, bw), BF16, sw_own),               # rhs, then U's own columns (residuals)
       _smem((c, bw), q.dtype, sw_own),            # o, own columns
+      # written by the peers:
+      _smem((c, vd), BF16, sw_own),               # U (all-gathered)
       _smem((e_dim, c, bw), F32, _swizzle(bw, F32)),       # R parts received, one per slice
       _smem((2, e_dim, c, bw), BF16, sw_own),     # Y parts received (chunk parity)
-  ] + ([_smem((c, bw), q.dtype, sw_own)] if residuals else [])   # U, own columns
+  ]
 
   rows_buf = _smem((2, HALF, vd), F32, _swizzle(vd, F32))
+  _check_received_last(scratch, -3, rows_buf)
   kernel = functools.partial(_kernel, scratch=scratch, rows_buf=rows_buf, nc=nc, e_dim=e_dim,
                              scale=scale, erase=erase, residuals=bool(residuals))
   arrivals = e_dim * WARPGROUP
@@ -355,8 +374,8 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, dht_g, *outs_and_bars, scratc
     cp = copies(*refs[:6])
     pl.when(w == 0)(lambda: cp.start(first0, 0))
 
-  def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, ds_s, xq_s, zk_s, du_s, g_s, recv_z,
-            *rhs_s, stage):
+  def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, ds_s, xq_s, zk_s, du_s, *rest, stage):
+    *rhs_s, g_s, recv_z = rest
     cp = copies(k_s, q_s, do_s, a_s, p_s, f_s)
     n = order(step)
     k_n, f_n = cp.ref("k", step), cp.ref("f", step)
@@ -470,10 +489,13 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
       _smem((2, c, HALF), BF16, sw_own),          # scale diag(fq_e) Q, a 64-column piece each
       _smem((2, c, HALF), BF16, sw_own),          # -diag(fe_e) K, a 64-column piece each
       _smem((c, bw), du_type, _swizzle(bw, du_type)),   # dU, own columns
+  ] + [_smem((c, bw), q.dtype, sw_own) for _ in range(2 * save_drhs)] + [   # A^T dU, dV
+      # written by the peers:
       _smem((c, vd), BF16, sw_own),               # G = A^T dU (all-gathered)
       _smem((e_dim, c, bw), F32, _swizzle(bw, F32)),    # Z parts received, one per slice
-  ] + [_smem((c, bw), q.dtype, sw_own) for _ in range(2 * save_drhs)]   # A^T dU, dV
+  ]
   rows_buf = _smem((2, HALF, vd), F32, _swizzle(vd, F32))
+  _check_received_last(scratch, -2, rows_buf)
   kernel = functools.partial(_reverse_kernel, scratch=scratch, rows_buf=rows_buf, nc=nc,
                              e_dim=e_dim, scale=scale, erase=erase, save_drhs=save_drhs)
   per_chunk = jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype)
