@@ -91,32 +91,35 @@ def main():
   print("| E | case | o / dU | U / A^T dU | chunk-start states / dV | final state / dstates | "
         "dh0 | value-split ms | cluster ms | cluster / value-split |")
   print("|---|---|---|---|---|---|---|---|---|---|")
+  cases = ((1, 4, 2048, 1.0), (1, 2, 1024, 30.0))      # (B, H, T, decay scale) of the checks
   for e in args.e:
+    # The forward first: checked, then timed (the reverse pass after it).
     split, cluster, _ = passes(e, args.d, erase=erase, scale=scale, residuals=True)
-    for b, h, t, decay in ((1, 4, 2048, 1.0), (1, 2, 1024, 30.0)):
-      ops = operands(jax.random.key(e), b, t, h, args.d, e, erase=erase, decay=decay)
+    checks = [operands(jax.random.key(e), b, t, h, args.d, e, erase=erase, decay=decay)
+              for b, h, t, decay in cases]
+    for (b, h, t, decay), ops in zip(cases, checks):
       rels = " | ".join(f"{rel(x, y):.1e}" for x, y in zip(cluster(*ops), split(*ops)))
       print(f"| {e} | forward rel RMS, B{b} H{h} T{t} g x{decay:g} | {rels} | | | | |",
             flush=True)
-      split_r, cluster_r, _ = reverse_passes(e, args.d, erase=erase, scale=scale)
-      rops = reverse_operands(ops, jax.random.key(e + 100))
-      rels = " | ".join(f"{rel(x, y):.1e}" for x, y in zip(cluster_r(*rops), split_r(*rops)))
-      print(f"| {e} | reverse rel RMS, B{b} H{h} T{t} g x{decay:g} | {rels} | | | |", flush=True)
     ops = operands(jax.random.key(0), args.b, args.t, args.h, args.d, e, erase=erase, decay=1.0)
     for residuals in (False, True):
       split, cluster, tiles = passes(e, args.d, erase=erase, scale=scale, residuals=residuals)
-      ms_split = median_ms(split, ops, reps=args.reps)
-      ms_cluster = median_ms(cluster, ops, reps=args.reps)
-      what = "forward with residuals" if residuals else "forward primal"
-      print(f"| {e} | {what}, B{args.b} H{args.h} T{args.t} (value split: {tiles}) | | | | | | "
-            f"{ms_split:.3f} | {ms_cluster:.3f} | {ms_cluster / ms_split:.2f}x |", flush=True)
+      timed(e, f"forward {'with residuals' if residuals else 'primal'}", args, tiles, split,
+            cluster, ops)
     split_r, cluster_r, tiles = reverse_passes(e, args.d, erase=erase, scale=scale)
-    rops = reverse_operands(ops, jax.random.key(1))
-    ms_split = median_ms(split_r, rops, reps=args.reps)
-    ms_cluster = median_ms(cluster_r, rops, reps=args.reps)
-    print(f"| {e} | reverse, B{args.b} H{args.h} T{args.t} (value split: {tiles}) | | | | | | "
-          f"{ms_split:.3f} | {ms_cluster:.3f} | {ms_cluster / ms_split:.2f}x |", flush=True)
+    for (b, h, t, decay), ops_c in zip(cases, checks):
+      rops = reverse_operands(ops_c, jax.random.key(e + 100))
+      rels = " | ".join(f"{rel(x, y):.1e}" for x, y in zip(cluster_r(*rops), split_r(*rops)))
+      print(f"| {e} | reverse rel RMS, B{b} H{h} T{t} g x{decay:g} | {rels} | | | |", flush=True)
+    timed(e, "reverse", args, tiles, split_r, cluster_r,
+          reverse_operands(ops, jax.random.key(1)))
 
+
+def timed(e, what, args, tiles, split, cluster, ops):
+  ms_split = median_ms(split, ops, reps=args.reps)
+  ms_cluster = median_ms(cluster, ops, reps=args.reps)
+  print(f"| {e} | {what}, B{args.b} H{args.h} T{args.t} (value split: {tiles}) | | | | | | "
+        f"{ms_split:.3f} | {ms_cluster:.3f} | {ms_cluster / ms_split:.2f}x |", flush=True)
 
 if __name__ == "__main__":
   main()
