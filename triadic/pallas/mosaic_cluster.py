@@ -123,6 +123,14 @@ def _check_received_last(scratch, first_received, rows_buf):
     raise AssertionError("a buffer peers write would overlap the initial state's SMEM")
 
 
+def _place(vd, e_dim):
+  """(i, e, w, own, rows): this block's batch*head and slice, its warpgroup, its column block of
+  V and the warpgroup's 64 state rows."""
+  i, e, w = lax.axis_index("bh"), lax.axis_index("slice"), lax.axis_index("wg")
+  bw = vd // e_dim
+  return i, e, w, pl.ds(e * bw, bw), pl.ds(w * HALF, HALF)
+
+
 def _mm_sum(pairs, m, n):
   """sum of a @ b over the (a_ref, b_ref) SMEM operand pairs, float32 accumulation."""
   def body(acc):
@@ -146,13 +154,10 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
   else:
     o_g, ht_g, bars, xbar, y_read, got_r, got_y, got_u = outs_and_bars
   ops = _Ops(False)
-  i, e, w = lax.axis_index("bh"), lax.axis_index("slice"), lax.axis_index("wg")
-  vd = v_g.shape[-1]
+  c, vd = q_g.shape[2], v_g.shape[-1]
   bw = vd // e_dim
-  own = pl.ds(e * bw, bw)
-  c = q_g.shape[2]
-  state0 = _load_rows(ops, h0_g.at[i, e, pl.ds(w * HALF, HALF)], rows_buf,
-                      bars.at[_ROWS_BAR + w], w, xbar)
+  i, e, w, own, rows = _place(vd, e_dim)
+  state0 = _load_rows(ops, h0_g.at[i, e, rows], rows_buf, bars.at[_ROWS_BAR + w], w, xbar)
 
   def copies(q_s, k_s, v_s, a_s, p_s, f_s):
     return _Inputs(bars, {
@@ -185,7 +190,7 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
     s_s.at[w][...] = s.astype(BF16)
     _sync(xbar)                         # S_e whole in SMEM; both are done with chunk n - 1
     if residuals:                       # the chunk-start state, this warpgroup's rows
-      plgpu.copy_smem_to_gmem(s_s.at[w], st_g.at[i, n, e, pl.ds(w * HALF, HALF)])
+      plgpu.copy_smem_to_gmem(s_s.at[w], st_g.at[i, n, e, rows])
     pl.when(w == 0)(lambda: cp.start_next(("k", "f"), n))
     cp.wait("k", n)
     cp.wait("f", n)
@@ -270,7 +275,7 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
     return ops.mm_add(decayed, [(wt, u_s)])
 
   state = _chunk_loop(chunk, nc, state0, scratch, prologue, xbar)
-  _store_rows(state, ht_g.at[i, e, pl.ds(w * HALF, HALF)], rows_buf, w)
+  _store_rows(state, ht_g.at[i, e, rows], rows_buf, w)
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase,
@@ -350,12 +355,9 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, dht_g, *outs_and_bars, scratc
   du_g, *rhs_g = outs_and_bars[:1 + 2 * save_drhs]   # save_drhs: A^T dU and dV = beta A^T dU
   dst_g, dh0_g, bars, xbar, got_z, got_g = outs_and_bars[1 + 2 * save_drhs:]
   ops = _Ops(False)
-  i, e, w = lax.axis_index("bh"), lax.axis_index("slice"), lax.axis_index("wg")
-  vd = do_g.shape[-1]
+  c, vd = q_g.shape[2], do_g.shape[-1]
   bw = vd // e_dim
-  own = pl.ds(e * bw, bw)
-  c = q_g.shape[2]
-  rows = pl.ds(w * HALF, HALF)
+  i, e, w, own, rows = _place(vd, e_dim)
   dstate0 = _load_rows(ops, dht_g.at[i, e, rows], rows_buf, bars.at[_ROWS_BAR + w], w, xbar)
   order = lambda step: nc - 1 - step
 
