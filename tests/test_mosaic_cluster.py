@@ -22,21 +22,23 @@ BF16, F32 = jnp.bfloat16, jnp.float32
 
 def test_slice_factors_are_mosaics_rows_per_slice():
   """Row r of slice e is mosaic's factor row r * E + e (fe, fq, fw), beta its row 3E, lam_e
-  repeated C times."""
+  repeated C times, and c = k2 exp(gc) (fe = beta c)."""
   bh, nc, c, e = 2, 3, 8, 3
   ks = jax.random.split(jax.random.key(0), 4)
   gc = -jnp.cumsum(jax.random.uniform(ks[0], (bh, nc, c, e)), axis=2)
   k2, q2 = (jax.random.uniform(k, (bh, nc, c, e)) for k in ks[1:3])
   beta = jax.random.uniform(ks[3], (bh, nc, c, 1))
   rows, lam = mosaic._factors(gc, k2, q2, beta)           # (BH, NC, 3E + 1, C), (BH, NC, E)
-  got = mosaic_cluster.slice_factors(gc, k2, q2, beta)    # (BH, E, NC, 5, C)
-  assert got.shape == (bh, e, nc, 5, c)
+  got = mosaic_cluster.slice_factors(gc, k2, q2, beta)    # (BH, E, NC, 6, C)
+  assert got.shape == (bh, e, nc, 6, c)
   for s in range(e):
     for r in range(3):
       np.testing.assert_allclose(got[:, s, :, r], rows[:, :, r * e + s], rtol=1e-6)
     np.testing.assert_allclose(got[:, s, :, 3], rows[:, :, 3 * e], rtol=1e-6)
     np.testing.assert_allclose(got[:, s, :, 4], jnp.broadcast_to(lam[:, :, s, None], (bh, nc, c)),
                                rtol=1e-6)
+    np.testing.assert_allclose(got[:, s, :, 5] * got[:, s, :, 3], got[:, s, :, 0], rtol=1e-6)
+    np.testing.assert_allclose(got[:, s, :, 5], k2[..., s] * jnp.exp(gc[..., s]), rtol=1e-6)
 
 
 @pytest.mark.parametrize("args,match", [
@@ -96,3 +98,35 @@ def test_reverse_lowers_for_cuda(e, erase, save_drhs):
   assert traced.out_info[0].dtype == (BF16 if erase else F32)
   text = traced.lower(lowering_platforms=("cuda",)).as_text()
   assert "triadic_backward_states_cluster" in text
+
+
+@pytest.mark.parametrize("pieces,save_x", [(1, True), (2, False)])
+def test_heads_and_pieces_lower_for_cuda(pieces, save_x):
+  """With ``heads`` (q, k, v, o, dO and dV in the caller's (B, T, H, X)) and ``pieces`` both
+  passes lower; o and dV come back token-major, X after U with ``save_x``."""
+  b, t, h, c, d, vd, e = 1, 4 * 64, 2, 64, 128, 128, 8
+  rows, nc = b * h * pieces, t // c // pieces
+  token = [S((b, t, h, d), BF16), S((b, t, h, d), BF16), S((b, t, h, vd), BF16)]
+  per_row = [S((rows, nc, c, e), F32)] * 3 + [S((rows, nc, c, 1), F32)] + [
+      S((rows, nc, c, c), F32)] * 2 + [S((rows, e, d, vd), F32)]
+  kw = dict(scale=0.125, erase=True, heads=h, pieces=pieces)
+  fwd = jax.jit(functools.partial(mosaic_cluster.state_pass, save_x=save_x, **kw))
+  traced = fwd.trace(*token, *per_row)
+  per_chunk = (rows, nc, c, vd)
+  assert [x.shape for x in traced.out_info] == [(b, t, h, vd), per_chunk, *[per_chunk] * save_x,
+                                                 (rows, nc, e, d, vd), (rows, e, d, vd)]
+  assert "triadic_forward_cluster" in traced.lower(lowering_platforms=("cuda",)).as_text()
+  rev = jax.jit(functools.partial(mosaic_cluster.reverse_state_pass, save_drhs=True, **kw))
+  traced = rev.trace(*token, *per_row)
+  assert [x.shape for x in traced.out_info] == [per_chunk, per_chunk, (b, t, h, vd),
+                                                 (rows, nc, e, d, vd), (rows, e, d, vd)]
+  assert "triadic_backward_states_cluster" in traced.lower(
+      lowering_platforms=("cuda",)).as_text()
+
+
+def test_save_x_needs_room_and_residuals():
+  assert "E >= 4" in mosaic_cluster.supported(128, 128, 64, 2, BF16, save_x=True)
+  assert mosaic_cluster.supported(128, 128, 64, 4, BF16, save_x=True) is None
+  args = [jnp.zeros(s.shape, s.dtype) for s in specs(1, 2, 64, 128, 128, 8)]
+  with pytest.raises(ValueError, match="save_x needs residuals"):
+    mosaic_cluster.state_pass(*args, scale=0.1, erase=True, save_x=True, residuals=False)

@@ -74,19 +74,20 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from triadic.pallas.common import du_dtype
-from triadic.pallas.mosaic import (HALF, SMEM_ALIGN, _chunk_loop, _compiler_params, _Inputs,
-                                   _load_rows, _Ops, _smem, _store_rows, _swizzle, _sync,
-                                   _wait_stores)
+from triadic.pallas.mosaic import (HALF, SMEM_ALIGN, _check_heads, _check_pieces, _chunk_box,
+                                   _chunk_loop, _compiler_params, _Inputs, _load_rows, _Ops,
+                                   _smem, _store_rows, _swizzle, _sync, _wait_stores)
 
 F32, BF16 = jnp.float32, jnp.bfloat16
-FE, FQ, FW, BETA, LAM = range(5)      # rows of a slice's factors
+FE, FQ, FW, BETA, LAM, CA = range(6)  # rows of a slice's factors (CA: c = k2 a)
 WARPGROUP = 128                       # threads
 _N_BARRIERS = 10                      # q 0, k 1-2, v 3, a 4, p 5, f 6-7, state rows 8-9
 _ROWS_BAR = 8
 
 
-def supported(d: int, vd: int, c: int, e: int, dtype) -> str | None:
-  """Why ``state_pass`` cannot take these sizes, or None."""
+def supported(d: int, vd: int, c: int, e: int, dtype, save_x: bool = False) -> str | None:
+  """Why the cluster passes cannot take these sizes (``save_x``: the forward saving X), or
+  None."""
   if jnp.dtype(dtype) != jnp.dtype(BF16):
     return f"the cluster state pass takes bfloat16 inputs only, got {jnp.dtype(dtype).name}"
   if c != 64:
@@ -97,17 +98,20 @@ def supported(d: int, vd: int, c: int, e: int, dtype) -> str | None:
     return f"the cluster state pass takes E in (2, 4, 8) (one block a slice), got {e}"
   if vd > 128 or vd % (16 * e):
     return f"the cluster state pass needs V <= 128, a multiple of 16 * E = {16 * e}, got {vd}"
+  if save_x and e < 4:
+    return f"the cluster forward saves X at E >= 4 (its SMEM at E = {e} has no room for it)"
   return None
 
 
 def slice_factors(gc_col, k2_col, q2_col, beta_col):
-  """(BH, E, NC, 5, C) float32: per slice the rows fe, fq, fw, beta, lam (lam_e = exp(gc_C)
-  repeated C times)."""
+  """(BH, E, NC, 6, C) float32: per slice the rows fe = beta c, fq, fw, beta, lam (lam_e =
+  exp(gc_C) repeated C times) and c = k2 a."""
   a = jnp.exp(gc_col)                                  # (BH, NC, C, E)
   gl = gc_col[:, :, -1:, :]
   beta = jnp.broadcast_to(beta_col.astype(F32), a.shape)
-  rows = [beta * k2_col * a, q2_col * a, k2_col * jnp.exp(gl - gc_col), beta,
-          jnp.broadcast_to(jnp.exp(gl), a.shape)]
+  c = k2_col * a
+  rows = [beta * c, q2_col * a, k2_col * jnp.exp(gl - gc_col), beta,
+          jnp.broadcast_to(jnp.exp(gl), a.shape), c]
   return jnp.transpose(jnp.stack(rows), (1, 4, 2, 0, 3))
 
 
@@ -148,22 +152,26 @@ def _scatter(x, recv, bar, bw, e_dim):
 
 
 def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_buf, nc, e_dim,
-            scale, erase, residuals):
-  if residuals:
-    o_g, u_g, st_g, ht_g, bars, xbar, y_read, got_r, got_y, got_u = outs_and_bars
+            scale, erase, residuals, save_x, heads, pieces):
+  if not residuals:                     # o and the final state only
+    (o_g, ht_g), x_g = outs_and_bars[:2], None
+  elif save_x:
+    o_g, u_g, x_g, st_g, ht_g = outs_and_bars[:5]
   else:
-    o_g, ht_g, bars, xbar, y_read, got_r, got_y, got_u = outs_and_bars
+    (o_g, u_g, st_g, ht_g), x_g = outs_and_bars[:4], None
+  bars, xbar, y_read, got_r, got_y, got_u = outs_and_bars[-6:]
   ops = _Ops(False)
-  c, vd = q_g.shape[2], v_g.shape[-1]
+  c, vd = f_g.shape[-1], v_g.shape[-1]
   bw = vd // e_dim
   i, e, w, own, rows = _place(vd, e_dim)
+  at = _chunk_box(heads, i, c, pieces, nc)   # q, k, v, o: (BH, NC, C, X) or (B, T, H, X) boxes
   state0 = _load_rows(ops, h0_g.at[i, e, rows], rows_buf, bars.at[_ROWS_BAR + w], w, xbar)
 
   def copies(q_s, k_s, v_s, a_s, p_s, f_s):
     return _Inputs(bars, {
-        "q": (lambda n: q_g.at[i, n], q_s, 0),
-        "k": (lambda n: k_g.at[i, n], k_s, 1),
-        "v": (lambda n: v_g.at[i, n, :, own], v_s, 3),
+        "q": (lambda n: at(q_g, n), q_s, 0),
+        "k": (lambda n: at(k_g, n), k_s, 1),
+        "v": (lambda n: at(v_g, n, own), v_s, 3),
         "a": (lambda n: a_g.at[i, n], a_s, 4),
         "p": (lambda n: p_g.at[i, n], p_s, 5),
         "f": (lambda n: f_g.at[i, e, n], f_s, 6)}, order=lambda n: n, nc=nc,
@@ -176,8 +184,8 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
     pl.when(w == 0)(lambda: cp.start(first0, 0))
     pl.when(w == 1)(lambda: cp.start(("q", "p"), 0))
 
-  def chunk(n, s, q_s, k_s, v_s, a_s, p_s, f_s, s_s, w_s, rhs_s, o_s, u_s, recv_r, recv_y, *,
-            stage):
+  def chunk(n, s, q_s, k_s, v_s, a_s, p_s, f_s, s_s, w_s, rhs_s, o_s, *rest, stage):
+    *x_s, u_s, recv_r, recv_y = rest
     cp = copies(q_s, k_s, v_s, a_s, p_s, f_s)
     k_n, f_n = cp.ref("k", n), cp.ref("f", n)
     stage("wait update")
@@ -194,14 +202,14 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
     pl.when(w == 0)(lambda: cp.start_next(("k", "f"), n))
     cp.wait("k", n)
     cp.wait("f", n)
-    pieces = [(k_n.at[:, pl.ds(x * HALF, HALF)], s_s.at[x]) for x in range(2)]
+    state_pieces = [(k_n.at[:, pl.ds(x * HALF, HALF)], s_s.at[x]) for x in range(2)]
 
     stage("products")
 
     @pl.when(w == 0)
     def _():
       if erase:
-        r = ops.rowvec(f_n, FE, vd) * _mm_sum(pieces, c, vd)
+        r = ops.rowvec(f_n, CA, vd) * _mm_sum(state_pieces, c, vd)
         _scatter(r, recv_r.at[e], got_r, bw, e_dim)
 
     @pl.when(w == 1)
@@ -226,21 +234,25 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
     @pl.when(w == 0)
     def _():
       cp.wait("v", n)
-      v = ops.rowvec(f_n, BETA, bw) * ops.acc(v_s[...].astype(F32))
-      if erase:
+      beta = ops.rowvec(f_n, BETA, bw)
+      v = ops.acc(v_s[...].astype(F32))
+      if erase:                         # X = V - sum_e c_e R_e, rhs = beta X
         plgpu.barrier_wait(got_r)
-        r_own = None
-        for x in range(e_dim):
-          part = ops.acc(recv_r.at[x][...])
-          r_own = part if r_own is None else r_own + part
-        rhs_s[...] = (v - r_own).astype(BF16)
+        x = v
+        for part in range(e_dim):
+          x = x - ops.acc(recv_r.at[part][...])
+        rhs_s[...] = (beta * x).astype(BF16)
+        if save_x:
+          x_s[0][...] = x.astype(x_s[0].dtype)
         plgpu.commit_smem()
         cp.start_next(("v",), n)
+        if save_x:
+          plgpu.copy_smem_to_gmem(x_s[0], x_g.at[i, n, :, own])
         cp.wait("a", n)
         u = ops.mm(a_s, rhs_s)
         cp.start_next(("a",), n)
       else:
-        u = v
+        u = beta * v
         plgpu.commit_smem()
         cp.start_next(("v",), n)
       u16 = u.astype(BF16)
@@ -265,7 +277,7 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
       o_s[...] = (scale * out).astype(o_s.dtype)
       plgpu.commit_smem()
       cp.start_next(("p",), n)
-      plgpu.copy_smem_to_gmem(o_s, o_g.at[i, n, :, own])
+      plgpu.copy_smem_to_gmem(o_s, at(o_g, n, own))
 
     stage("update")
     pl.when(w == 0)(lambda: plgpu.barrier_wait(got_u))
@@ -279,17 +291,26 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
 
 
 def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase,
-               residuals=True):
-  """The forward state pass (``mosaic.state_pass`` without ``save_x``): o (BH, NC, C, V) in q's
-  dtype, U (BH, NC, C, V) in q's dtype, the chunk-start states (BH, NC, E, D, V) in q's dtype and
-  the final state (BH, E, D, V) float32, from q, k, v in the (BH, NC, C, X) kernel layout, the
-  chunk-local gc, k2, q2, beta columns (BH, NC, C, E | 1), A, P (BH, NC, C, C) and h0
-  (BH, E, D, V). ``residuals=False``: o and the final state only (the op's primal)."""
-  bh, nc, c, d = q.shape
+               residuals=True, save_x=False, heads=None, pieces=1):
+  """The forward state pass, ``mosaic.state_pass``'s operands and outputs: o (BH, NC, C, V) in q's
+  dtype, U (BH, NC, C, V) in q's dtype, [X = V - sum_e diag(k2_e exp(gc_e)) K S_e (BH, NC, C,
+  V) in q's dtype with ``save_x`` (erase only),] the chunk-start states (BH, NC, E, D, V) in q's
+  dtype and the final state (BH, E, D, V) float32, from q, k, v in the (BH, NC, C, X) kernel
+  layout, the chunk-local gc, k2, q2, beta columns (BH, NC, C, E | 1), A, P (BH, NC, C, C) and
+  h0 (BH, E, D, V). ``residuals=False``: o and the final state only (the op's primal).
+  ``heads=H``: q, k, v and o in the caller's (B, T, H, X) layout, read and written in place by
+  TMA; ``pieces`` P > 1 with it: every (BH, ...) operand and output is (BH * P, NC / P, ...)
+  (``mosaic.state_pass``, ``pieces.py``)."""
+  _check_pieces(heads, pieces)
+  shape = q if heads is None else _check_heads(heads, pieces, k2_col, q, k=k, v=v)
+  bh, nc, c, d = shape.shape
   vd, e_dim = v.shape[-1], k2_col.shape[-1]
-  reason = supported(d, vd, c, e_dim, q.dtype)
+  reason = supported(d, vd, c, e_dim, q.dtype, save_x=save_x and erase)
   if reason:
     raise ValueError(reason)
+  save_x = bool(save_x and erase)
+  if save_x and not residuals:
+    raise ValueError("save_x needs residuals=True (X is a residual for the backward)")
   bw = vd // e_dim
   sw_own, sw_d = _swizzle(bw), _swizzle(HALF)
   f = slice_factors(gc_col, k2_col, q2_col, beta_col)
@@ -299,25 +320,28 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
       _smem((c, bw), BF16, sw_own),               # v, own columns
       _smem((c, c), BF16, sw_own),                # A
       _smem((c, c), BF16, sw_own),                # P
-      _smem((2, 5, c), F32),                      # factor rows (chunk parity)
+      _smem((2, f.shape[-2], c), F32),            # factor rows (chunk parity)
       _smem((2, HALF, vd), BF16, sw_d),           # S_e (bf16 operand), a 64-row piece each
       _smem((2, c, HALF), BF16, sw_own),          # diag(fw_e) K, a 64-column piece each
       _smem((c, bw), BF16, sw_own),               # rhs, then U's own columns (residuals)
       _smem((c, bw), q.dtype, sw_own),            # o, own columns
+  ] + [_smem((c, bw), q.dtype, sw_own)] * save_x + [     # X, own columns
       # written by the peers:
       _smem((c, vd), BF16, sw_own),               # U (all-gathered)
       _smem((e_dim, c, bw), F32, _swizzle(bw, F32)),       # R parts received, one per slice
       _smem((2, e_dim, c, bw), BF16, sw_own),     # Y parts received (chunk parity)
   ]
-
   rows_buf = _smem((2, HALF, vd), F32, _swizzle(vd, F32))
   _check_received_last(scratch, -3, rows_buf)
   kernel = functools.partial(_kernel, scratch=scratch, rows_buf=rows_buf, nc=nc, e_dim=e_dim,
-                             scale=scale, erase=erase, residuals=bool(residuals))
+                             scale=scale, erase=erase, residuals=bool(residuals), save_x=save_x,
+                             heads=heads, pieces=pieces)
   arrivals = e_dim * WARPGROUP
   per_chunk = jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype)
-  saved = [per_chunk, jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype)] if residuals else []
-  out_type = [per_chunk, *saved, jax.ShapeDtypeStruct((bh, e_dim, d, vd), F32)]
+  o_type = per_chunk if heads is None else jax.ShapeDtypeStruct((*q.shape[:3], vd), q.dtype)
+  saved = ([per_chunk] * (1 + save_x) + [jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype)]
+           if residuals else [])
+  out_type = [o_type, *saved, jax.ShapeDtypeStruct((bh, e_dim, d, vd), F32)]
   return plgpu.kernel(
       kernel, out_type=out_type,
       scratch_types=[plgpu.Barrier(num_barriers=_N_BARRIERS), plgpu.Barrier(num_arrivals=2),
@@ -351,22 +375,23 @@ _N_BARRIERS_REV = 10                  # k 0-1, f 2-3, q 4, do 5, a 6, p 7, state
 
 
 def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, dht_g, *outs_and_bars, scratch, rows_buf, nc,
-                    e_dim, scale, erase, save_drhs):
+                    e_dim, scale, erase, save_drhs, heads, pieces):
   du_g, *rhs_g = outs_and_bars[:1 + 2 * save_drhs]   # save_drhs: A^T dU and dV = beta A^T dU
   dst_g, dh0_g, bars, xbar, got_z, got_g = outs_and_bars[1 + 2 * save_drhs:]
   ops = _Ops(False)
-  c, vd = q_g.shape[2], do_g.shape[-1]
+  c, vd = f_g.shape[-1], do_g.shape[-1]
   bw = vd // e_dim
   i, e, w, own, rows = _place(vd, e_dim)
+  at = _chunk_box(heads, i, c, pieces, nc)   # k, q, dO, dV: (BH, NC, C, X) or (B, T, H, X)
   dstate0 = _load_rows(ops, dht_g.at[i, e, rows], rows_buf, bars.at[_ROWS_BAR + w], w, xbar)
   order = lambda step: nc - 1 - step
 
   def copies(k_s, q_s, do_s, a_s, p_s, f_s):
     return _Inputs(bars, {
-        "k": (lambda n: k_g.at[i, n], k_s, 0),
+        "k": (lambda n: at(k_g, n), k_s, 0),
         "f": (lambda n: f_g.at[i, e, n], f_s, 2),
-        "q": (lambda n: q_g.at[i, n], q_s, 4),
-        "do": (lambda n: do_g.at[i, n], do_s, 5),
+        "q": (lambda n: at(q_g, n), q_s, 4),
+        "do": (lambda n: at(do_g, n), do_s, 5),
         "a": (lambda n: a_g.at[i, n], a_s, 6),
         "p": (lambda n: p_g.at[i, n], p_s, 7)}, order=order, nc=nc, double=("k", "f"))
 
@@ -442,8 +467,9 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, dht_g, *outs_and_bars, scratc
           drhs_s[...] = g16.astype(drhs_s.dtype)
           dv_s[...] = (ops.rowvec(f_n, BETA, bw) * drhs).astype(dv_s.dtype)
           plgpu.commit_smem()
-          for out_s, out_g in zip(rhs_s, rhs_g):
-            plgpu.copy_smem_to_gmem(out_s, out_g.at[i, n, :, own])
+          drhs_g, dv_g = rhs_g
+          plgpu.copy_smem_to_gmem(drhs_s, drhs_g.at[i, n, :, own])
+          plgpu.copy_smem_to_gmem(dv_s, at(dv_g, n, own))
 
     stage("update")
     pl.when(w == 1)(lambda: cp.wait("do", step))
@@ -464,13 +490,16 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, dht_g, *outs_and_bars, scratc
 
 
 def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
-                       save_drhs=False):
+                       save_drhs=False, heads=None, pieces=1):
   """The reverse state pass (``mosaic.reverse_state_pass``'s outputs): dU (BH, NC, C, V) in
   ``common.du_dtype``, [A^T dU and dV = beta A^T dU (BH, NC, C, V) in q's dtype with
   ``save_drhs`` (erase only),] the chunk-end state gradients (BH, NC, E, D, V) in q's dtype and
   the gradient of the initial state (BH, E, D, V) float32. Operands as ``state_pass``'s, dO
-  (BH, NC, C, V) in place of v and dht (BH, E, D, V) in place of h0."""
-  bh, nc, c, d = q.shape
+  (BH, NC, C, V) in place of v and dht (BH, E, D, V) in place of h0. ``heads``, ``pieces``: as
+  ``state_pass``'s, for q, k, dO and dV (returned (B, T, H, V))."""
+  _check_pieces(heads, pieces)
+  shape = q if heads is None else _check_heads(heads, pieces, k2_col, q, k=k, do=do)
+  bh, nc, c, d = shape.shape
   vd, e_dim = do.shape[-1], k2_col.shape[-1]
   reason = supported(d, vd, c, e_dim, q.dtype)
   if reason:
@@ -486,7 +515,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
       _smem((c, vd), BF16, sw_own),               # dO
       _smem((c, c), BF16, sw_own),                # A
       _smem((c, c), BF16, sw_own),                # P
-      _smem((2, 5, c), F32),                      # factor rows (chunk parity)
+      _smem((2, f.shape[-2], c), F32),            # factor rows (chunk parity)
       _smem((2, HALF, vd), BF16, sw_d),           # dS_e (bf16 operand), a 64-row piece each
       _smem((2, c, HALF), BF16, sw_own),          # scale diag(fq_e) Q, a 64-column piece each
       _smem((2, c, HALF), BF16, sw_own),          # -diag(fe_e) K, a 64-column piece each
@@ -499,9 +528,11 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   rows_buf = _smem((2, HALF, vd), F32, _swizzle(vd, F32))
   _check_received_last(scratch, -2, rows_buf)
   kernel = functools.partial(_reverse_kernel, scratch=scratch, rows_buf=rows_buf, nc=nc,
-                             e_dim=e_dim, scale=scale, erase=erase, save_drhs=save_drhs)
+                             e_dim=e_dim, scale=scale, erase=erase, save_drhs=save_drhs,
+                             heads=heads, pieces=pieces)
   per_chunk = jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype)
-  out_type = ([jax.ShapeDtypeStruct((bh, nc, c, vd), du_type)] + [per_chunk] * (2 * save_drhs)
+  dv = per_chunk if heads is None else jax.ShapeDtypeStruct((*q.shape[:3], vd), q.dtype)
+  out_type = ([jax.ShapeDtypeStruct((bh, nc, c, vd), du_type)] + [per_chunk, dv] * save_drhs
               + [jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
                  jax.ShapeDtypeStruct((bh, e_dim, d, vd), F32)])
   arrivals = e_dim * WARPGROUP
