@@ -6,6 +6,7 @@ value-split passes)."""
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -130,3 +131,42 @@ def test_save_x_needs_room_and_residuals():
   args = [jnp.zeros(s.shape, s.dtype) for s in specs(1, 2, 64, 128, 128, 8)]
   with pytest.raises(ValueError, match="save_x needs residuals"):
     mosaic_cluster.state_pass(*args, scale=0.1, erase=True, save_x=True, residuals=False)
+
+
+def test_plan_takes_the_cluster_passes_where_they_fit():
+  """``Config.cluster_state_passes`` on the GPU default: the plan's state passes are the cluster
+  ones (and the op's kernel functions are theirs) where ``supported`` takes the sizes; else the
+  value-split passes with the reason, as on the CPU interpreter."""
+  from triadic.pallas import ops as pops
+  from triadic.pallas import plan as plan_lib
+  gpu = dataclasses.replace(pops.default_config("gpu", 8, 64, hopper=True), cluster_state_passes=True)
+  plan = plan_lib.resolve(gpu, d=128, vd=128, c=64, e=8, dtype=BF16)
+  assert plan.cluster_state_passes and plan.mosaic_state_kernels
+  assert "a cluster of 8 blocks" in plan.forward.tiles and "cluster" in plan.backward_states.tiles
+  q, v, k2 = jnp.zeros((1, 1, 64, 128), BF16), jnp.zeros((1, 1, 64, 128), BF16), jnp.zeros(
+      (1, 1, 64, 8), F32)
+  fwd, bwd = pops.state_pass_kernels(gpu, q, v, k2, save_x=True, heads=2)
+  assert fwd.func is mosaic_cluster.state_pass and fwd.keywords["heads"] == 2
+  assert bwd.func is mosaic_cluster.reverse_state_pass
+  # E = 2 with the Mosaic chunk backward (which reads X): refused, the value-split passes run.
+  plan = plan_lib.resolve(gpu, d=128, vd=128, c=64, e=2, dtype=BF16)
+  assert not plan.cluster_state_passes and "not as clusters: " in plan.forward.reason
+  assert "E >= 4" in plan.forward.reason
+  cpu = dataclasses.replace(gpu, platform="cpu")
+  plan = plan_lib.resolve(cpu, d=128, vd=128, c=64, e=8, dtype=BF16)
+  assert not plan.cluster_state_passes and "no rule for DSMEM" in plan.forward.reason
+  assert not plan_lib.resolve(pops.default_config("gpu", 8, 64, hopper=True), d=128, vd=128, c=64, e=8,
+                              dtype=BF16).cluster_state_passes
+
+
+def test_op_lowers_for_cuda_with_the_cluster_passes():
+  """The whole op, forward and backward, with ``cluster_state_passes``: the cluster kernels run
+  in place of the value-split state passes, beside the Mosaic chunk backward, token-major."""
+  from testkit.triadic import cuda_lowering_text
+  from triadic.pallas import ops as pops
+  cfg = dataclasses.replace(pops.default_config("gpu", 8, 64, hopper=True), cluster_state_passes=True)
+  text = cuda_lowering_text(cfg, 1, 256, 2, 128, 128, 8)
+  for kernel in ("triadic_forward_cluster", "triadic_backward_states_cluster",
+                 "triadic_chunk_backward_slices"):
+    assert kernel in text, kernel
+  assert "triadic_forward_mgpu" not in text and "triadic_backward_states_mgpu" not in text
