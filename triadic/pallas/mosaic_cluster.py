@@ -1,21 +1,23 @@
-"""Hopper (Mosaic GPU) forward state pass with one thread block per slice: per (batch, head) a
-cluster of E blocks, block e holding S_e whole (D x V float32 in the registers of two
-warpgroups), the blocks coupled each chunk through distributed shared memory (DSMEM).
+"""Hopper (Mosaic GPU) state passes with one thread block per slice: per (batch, head) a cluster
+of E blocks, block e holding S_e (dS_e in the reverse pass) whole, D x V float32 in the
+registers of two warpgroups, the blocks coupled each chunk through distributed shared memory
+(DSMEM). Drop-ins for ``mosaic.state_pass`` and ``mosaic.reverse_state_pass`` (same operands and
+outputs) where ``supported`` takes the sizes; ``Config.cluster_state_passes`` selects them.
 
 Why this structure. The value-split kernels (``mosaic``) give each program all E slices of one
 D x BV column block of the state, so the e-dependent products are E*BV wide and the sums over e
 (of diag(f_e) K S_e, diag(f_e) Q S_e) and the expansion over e (of diag(fw_e) U) are register
 work repeated in every value block; keeping dS on the chip in the backward needs a program that
 owns a whole slice (benchmarks/RESULTS.md, "What bounds E = 8"). Here block e owns S_e and each
-sum over e is a reduce-scatter through DSMEM. Per chunk (C = 64 tokens; fe = beta k2 a,
-fq = q2 a, fw = k2 b, lam = exp(gc_C) as in ``mosaic``), with V split into E column blocks of
-BW = V / E, block e's block of columns being ``own``:
+sum over e is a reduce-scatter through DSMEM. Per chunk of the forward (C = 64 tokens;
+c = k2 a, fe = beta c, fq = q2 a, fw = k2 b, lam = exp(gc_C) as in ``mosaic``), with V split
+into E column blocks of BW = V / E, block e's block of columns being ``own``:
 
-  products    R_e = diag(fe_e) K S_e (warpgroup 0),  Y_e = diag(fq_e) Q S_e (warpgroup 1)
+  products    R_e = diag(c_e) K S_e (warpgroup 0),  Y_e = diag(fq_e) Q S_e (warpgroup 1)
   exchange 1  column block j of R_e and Y_e to block j (``plgpu.async_store_smem``: st.async into
               the peer's SMEM, completing on the peer's mbarrier), so block j holds every
               slice's part of its columns
-  own columns rhs = beta V_own - sum_e R_e[:, own]; U_own = A rhs;
+  own columns X_own = V_own - sum_e R_e[:, own]; U_own = A (beta X_own);
               o_own = scale (sum_e Y_e[:, own] + P U_own)            (C x BW, wgmma N = BW)
   exchange 2  U_own to every block of the cluster (all-gather): U (C x V) in each block's SMEM
   update      S_e <- lam_e S_e + (diag(fw_e) K)^T U                  (warpgroup w: its 64 rows)
@@ -25,7 +27,9 @@ How, and why each choice:
 * Two warpgroups, warpgroup w holding rows [64 w, 64 w + 64) of S_e (64 x V float32: V / 2
   registers a thread). The chunk starts with both writing their rows of S_e as the bf16 wgmma
   operand (``s_s``, two (64, V) pieces) and meeting; R (and Y) is then two wgmmas over the two
-  pieces accumulating into one C x V accumulator.
+  pieces accumulating into one C x V accumulator. Warpgroup 0 rewrites its piece at the next
+  chunk's start only after warpgroup 1's Y has read it (``y_read``, a one-way barrier);
+  warpgroup 1 rewrites its own after U's exchange, which follows warpgroup 0's R.
 * Warpgroup 0 forms R, sends it, reduces its column block, and forms rhs and U_own, which it
   sends to all; warpgroup 1 forms Y, sends it, reduces its column block and forms o_own once U
   has arrived. Both form their diag(fw_e) K piece (``w_s``) while the exchanges are in flight and
@@ -39,7 +43,9 @@ How, and why each choice:
   U of chunk n + 1 is sent after R of chunk n + 1 arrived from every block, which each block sends
   after its chunk-n update is complete. The Y parts are read by warpgroup 1, which may still be
   reading chunk n's when a peer sends chunk n + 1's: hence two buffers. By the same chain no
-  barrier sees a round's arrivals before its previous round completed.
+  barrier sees a round's arrivals before its previous round completed. st.async writes through
+  the generic proxy, so a warpgroup fences (``commit_smem``) after the barrier wait and before
+  a wgmma reads what peers stored (U, G).
 * Every barrier a peer arrives on is in the kernel's scratch, which Mosaic GPU initialises
   before a cluster-wide sync; each block waits for everything sent to it, so no block ends while
   a peer still writes into its SMEM. A peer may send its first chunk's parts while this block
@@ -50,15 +56,17 @@ How, and why each choice:
   parity), refilled for chunk n + 1 right after chunk n's first meeting (both warpgroups are done
   with chunk n - 1's); V and A are refilled by warpgroup 0 after their last read, Q and P by
   warpgroup 1. The factor rows are this slice's (fe, fq, fw, beta, lam repeated C times: as a
-  row vector of 64 entries it scales a warpgroup's 64 state rows by lam_e).
+  row vector of 64 entries it scales a warpgroup's 64 state rows by lam_e; c).
 * Swizzles: K, Q and the S_e pieces share the 128-byte swizzle of a 64-column bf16 row; the
   own-column operands (A, P, rhs, U, V, diag(fw_e) K) share the swizzle of a BW-wide row, so a
   column block of U is whole SMEM tiles (what a DSMEM store into U's column block needs).
 
 Cluster size E <= 8 (the portable limit), E * 16 <= V: E in (2, 4, 8) at V = 128. D = 128 (two
-64-row pieces), C = 64, bf16 inputs. Outputs as ``mosaic.state_pass`` without ``save_x``: o, U
-(warpgroup 0 stores its own columns) and the chunk-start states (each warpgroup its rows, from
-the bf16 operand), or with ``residuals=False`` o and the final state only. The kernel runs on a
+64-row pieces), C = 64, bf16 inputs. Outputs as ``mosaic.state_pass``: o, U (warpgroup 0 stores
+its own columns), X with ``save_x`` (E >= 4: at E = 2 the own-column buffers are 64 wide and
+leave no SMEM for it), the chunk-start states (each warpgroup its rows, from the bf16 operand),
+or with ``residuals=False`` o and the final state only; q, k, v, o in either layout (``heads``,
+``pieces``). The reverse pass is described above ``reverse_state_pass``. The kernels run on a
 GPU only: the CPU interpreter has no rule for DSMEM stores; the CUDA lowering is tested.
 """
 
@@ -364,12 +372,14 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
 #   exchange 2  G_own to every block (erase)
 #   update      dS_e <- lam_e dS_e + (scale diag(fq_e) Q)^T dO - (diag(fe_e) K)^T G
 #
-# Warpgroup 0 forms Z, reduces its column block and forms dU (stored) and G; both warpgroups form
-# their 64 columns of scale diag(fq_e) Q and -diag(fe_e) K while the exchanges are in flight.
-# Only warpgroup 0 reads the dS_e operand, before it sends Z (which warpgroup 1 waits for, through
-# G's exchange, before it rewrites its piece). K and the factor rows have two buffers (chunk
-# parity) as in the forward; Q and dO, read by both updates, are refilled at the next chunk's
-# first meeting; A and P by warpgroup 0 after their reads.
+# Warpgroup 0 forms Z, reduces its column block and forms dU (stored in ``du_dtype``), G from dU
+# rounded as stored (as the value-split pass) and, with ``save_drhs``, the own columns of A^T dU
+# and dV = beta A^T dU; both warpgroups form their 64 columns of scale diag(fq_e) Q and
+# -diag(fe_e) K while the exchanges are in flight. Only warpgroup 0 reads the dS_e operand,
+# before it sends Z; warpgroup 1 rewrites its piece after G's exchange (without erase, Z's).
+# K and the factor rows have two buffers (chunk parity) as in the forward; Q and dO, read by
+# both warpgroups, are refilled at the next chunk's first meeting; A and P by warpgroup 0 after
+# their reads.
 
 _N_BARRIERS_REV = 10                  # k 0-1, f 2-3, q 4, do 5, a 6, p 7, state rows 8-9
 
