@@ -9,7 +9,7 @@ First the accuracy of the cluster passes against the value-split ones on the sam
 instead of diag(fw_e) U as the rounded operand), then the time of both at the benchmark shape,
 and the ratio. GPU only (H100 / H200).
 
-  python benchmarks/cluster_pass.py --e 8 4 --t 16384
+  python benchmarks/cluster_pass.py --e 8 4 --t 16384 --passes forward
 """
 
 from __future__ import annotations
@@ -84,6 +84,9 @@ def main():
   ap.add_argument("--d", type=int, default=128)
   ap.add_argument("--reps", type=int, default=20)
   ap.add_argument("--no-erase", action="store_true")
+  ap.add_argument("--passes", nargs="+", choices=("forward", "reverse"),
+                  default=["forward", "reverse"],
+                  help="which passes (one per call: a pass that hangs then stops only itself)")
   args = ap.parse_args()
   erase = not args.no_erase
   scale = args.d ** -0.5
@@ -93,19 +96,21 @@ def main():
   print("|---|---|---|---|---|---|---|---|---|---|")
   cases = ((1, 4, 2048, 1.0), (1, 2, 1024, 30.0))      # (B, H, T, decay scale) of the checks
   for e in args.e:
-    # The forward first: checked, then timed (the reverse pass after it).
-    split, cluster, _ = passes(e, args.d, erase=erase, scale=scale, residuals=True)
     checks = [operands(jax.random.key(e), b, t, h, args.d, e, erase=erase, decay=decay)
               for b, h, t, decay in cases]
-    for (b, h, t, decay), ops in zip(cases, checks):
-      rels = " | ".join(f"{rel(x, y):.1e}" for x, y in zip(cluster(*ops), split(*ops)))
-      print(f"| {e} | forward rel RMS, B{b} H{h} T{t} g x{decay:g} | {rels} | | | | |",
-            flush=True)
     ops = operands(jax.random.key(0), args.b, args.t, args.h, args.d, e, erase=erase, decay=1.0)
-    for residuals in (False, True):
-      split, cluster, tiles = passes(e, args.d, erase=erase, scale=scale, residuals=residuals)
-      timed(e, f"forward {'with residuals' if residuals else 'primal'}", args, tiles, split,
-            cluster, ops)
+    if "forward" in args.passes:        # checked, then timed
+      split, cluster, _ = passes(e, args.d, erase=erase, scale=scale, residuals=True)
+      for (b, h, t, decay), ops_c in zip(cases, checks):
+        rels = " | ".join(f"{rel(x, y):.1e}" for x, y in zip(cluster(*ops_c), split(*ops_c)))
+        print(f"| {e} | forward rel RMS, B{b} H{h} T{t} g x{decay:g} | {rels} | | | | |",
+              flush=True)
+      for residuals in (False, True):
+        split, cluster, tiles = passes(e, args.d, erase=erase, scale=scale, residuals=residuals)
+        timed(e, f"forward {'with residuals' if residuals else 'primal'}", args, tiles, split,
+              cluster, ops)
+    if "reverse" not in args.passes:
+      continue
     split_r, cluster_r, tiles = reverse_passes(e, args.d, erase=erase, scale=scale)
     for (b, h, t, decay), ops_c in zip(cases, checks):
       rops = reverse_operands(ops_c, jax.random.key(e + 100))
@@ -120,6 +125,7 @@ def timed(e, what, args, tiles, split, cluster, ops):
   ms_cluster = median_ms(cluster, ops, reps=args.reps)
   print(f"| {e} | {what}, B{args.b} H{args.h} T{args.t} (value split: {tiles}) | | | | | | "
         f"{ms_split:.3f} | {ms_cluster:.3f} | {ms_cluster / ms_split:.2f}x |", flush=True)
+
 
 if __name__ == "__main__":
   main()
