@@ -105,7 +105,7 @@ class Config:
   cluster_state_passes: with ``mosaic_gpu``, run the state passes as clusters of E thread blocks,
   one a slice of the state, their sums over slices through distributed shared memory
   (``mosaic_cluster``), where they take the sizes (bf16, C = 64, D = 128, E in 2, 4, 8 (4, 8
-  where the Mosaic chunk backward reads X), V <= 128 a multiple of 16 E; a GPU, not the
+  where the Mosaic chunk backward reads X), V in (64, 128) a multiple of 16 E; a GPU, not the
   interpreter) instead of the value-split passes. Off by default: not yet timed
   (benchmarks/RESULTS.md).
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started

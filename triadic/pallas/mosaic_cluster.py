@@ -61,7 +61,8 @@ How, and why each choice:
   own-column operands (A, P, rhs, U, V, diag(fw_e) K) share the swizzle of a BW-wide row, so a
   column block of U is whole SMEM tiles (what a DSMEM store into U's column block needs).
 
-Cluster size E <= 8 (the portable limit), E * 16 <= V: E in (2, 4, 8) at V = 128. D = 128 (two
+Cluster size E <= 8 (the portable limit), V in (64, 128) with E * 16 <= V: E in (2, 4, 8) at
+V = 128, (2, 4) at V = 64. D = 128 (two
 64-row pieces), C = 64, bf16 inputs. Outputs as ``mosaic.state_pass``: o, U (warpgroup 0 stores
 its own columns), X with ``save_x`` (E >= 4: at E = 2 the own-column buffers are 64 wide and
 leave no SMEM for it), the chunk-start states (each warpgroup its rows, from the bf16 operand),
@@ -104,8 +105,9 @@ def supported(d: int, vd: int, c: int, e: int, dtype, save_x: bool = False) -> s
     return f"the cluster state pass needs D = {2 * HALF}, got {d}"
   if e not in (2, 4, 8):
     return f"the cluster state pass takes E in (2, 4, 8) (one block a slice), got {e}"
-  if vd > 128 or vd % (16 * e):
-    return f"the cluster state pass needs V <= 128, a multiple of 16 * E = {16 * e}, got {vd}"
+  if vd not in (64, 128) or vd % (16 * e):
+    return (f"the cluster state pass needs V in (64, 128) (its state pieces are rows of whole "
+            f"128-byte swizzle tiles), a multiple of 16 * E = {16 * e}, got {vd}")
   if save_x and e < 4:
     return f"the cluster forward saves X at E >= 4 (its SMEM at E = {e} has no room for it)"
   return None
