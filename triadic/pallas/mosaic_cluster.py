@@ -42,8 +42,11 @@ How, and why each choice:
   from every block, and block j sends its U part of chunk n after it has read chunk n's R parts;
   U of chunk n + 1 is sent after R of chunk n + 1 arrived from every block, which each block sends
   after its chunk-n update is complete. The Y parts are read by warpgroup 1, which may still be
-  reading chunk n's when a peer sends chunk n + 1's: hence two buffers. By the same chain no
-  barrier sees a round's arrivals before its previous round completed. st.async writes through
+  reading chunk n's when a peer sends chunk n + 1's: hence two buffers. Without erase nothing
+  precedes U's exchange (U = beta V), so a block may send chunk n + 1's U while a peer's update
+  still reads chunk n's: U and its barrier then go by chunk parity too (no block is two chunks
+  ahead: chunk n + 2's U follows chunk n + 1's from every block). By the same chains no barrier
+  sees a round's arrivals before its previous round completed. st.async writes through
   the generic proxy, so a warpgroup fences (``commit_smem``) after the barrier wait and before
   a wgmma reads what peers stored (U, G).
 * Every barrier a peer arrives on is in the kernel's scratch, which Mosaic GPU initialises
@@ -195,7 +198,13 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
     pl.when(w == 1)(lambda: cp.start(("q", "p"), 0))
 
   def chunk(n, s, q_s, k_s, v_s, a_s, p_s, f_s, s_s, w_s, rhs_s, o_s, *rest, stage):
-    *x_s, u_s, recv_r, recv_y = rest
+    x_s, rest = rest[:save_x], rest[save_x:]
+    if erase:
+      u_s, recv_r, recv_y = rest
+      u_bar = got_u.at[0]
+    else:                               # U by chunk parity (``state_pass``' no-erase note)
+      u_bufs, recv_y = rest
+      u_s, u_bar, recv_r = u_bufs.at[n % 2], got_u.at[n % 2], None
     cp = copies(q_s, k_s, v_s, a_s, p_s, f_s)
     k_n, f_n = cp.ref("k", n), cp.ref("f", n)
     stage("wait update")
@@ -267,7 +276,7 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
         cp.start_next(("v",), n)
       u16 = u.astype(BF16)
       for j in range(e_dim):
-        plgpu.async_store_smem(u16, u_s.at[:, own], got_u, cluster_idx=j, cluster_dim="slice")
+        plgpu.async_store_smem(u16, u_s.at[:, own], u_bar, cluster_idx=j, cluster_dim="slice")
       if residuals:                     # rhs_s is free: the product U = A rhs is complete
         rhs_s[...] = u16
         plgpu.commit_smem()
@@ -280,7 +289,7 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
       for x in range(e_dim):
         part = ops.acc(recv_y.at[n % 2, x][...].astype(F32))
         y_own = part if y_own is None else y_own + part
-      plgpu.barrier_wait(got_u)
+      plgpu.barrier_wait(u_bar)
       plgpu.commit_smem()               # U, written by DSMEM stores, for the wgmma (async proxy)
       cp.wait("p", n)
       out = ops.mm(p_s, u_s.at[:, own]) + y_own
@@ -290,7 +299,7 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
       plgpu.copy_smem_to_gmem(o_s, at(o_g, n, own))
 
     stage("update")
-    pl.when(w == 0)(lambda: plgpu.barrier_wait(got_u))
+    pl.when(w == 0)(lambda: plgpu.barrier_wait(u_bar))
     plgpu.commit_smem()                 # this warpgroup's W piece and U, for its wgmma
     decayed = ops.rowvec(f_n, LAM, vd) * s
     wt = plgpu.transpose_ref(w_s.at[w], (1, 0))
@@ -335,14 +344,15 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
       _smem((2, c, HALF), BF16, sw_own),          # diag(fw_e) K, a 64-column piece each
       _smem((c, bw), BF16, sw_own),               # rhs, then U's own columns (residuals)
       _smem((c, bw), q.dtype, sw_own),            # o, own columns
-  ] + [_smem((c, bw), q.dtype, sw_own)] * save_x + [     # X, own columns
+  ] + [_smem((c, bw), q.dtype, sw_own)] * save_x + ([     # X, own columns
       # written by the peers:
       _smem((c, vd), BF16, sw_own),               # U (all-gathered)
       _smem((e_dim, c, bw), F32, _swizzle(bw, F32)),       # R parts received, one per slice
-      _smem((2, e_dim, c, bw), BF16, sw_own),     # Y parts received (chunk parity)
-  ]
+  ] if erase else [
+      _smem((2, c, vd), BF16, sw_own),            # U (all-gathered), by chunk parity
+  ]) + [_smem((2, e_dim, c, bw), BF16, sw_own)]   # Y parts received (chunk parity)
   rows_buf = _smem((2, HALF, vd), F32, _swizzle(vd, F32))
-  _check_received_last(scratch, -3, rows_buf)
+  _check_received_last(scratch, -3 if erase else -2, rows_buf)
   kernel = functools.partial(_kernel, scratch=scratch, rows_buf=rows_buf, nc=nc, e_dim=e_dim,
                              scale=scale, erase=erase, residuals=bool(residuals), save_x=save_x,
                              heads=heads, pieces=pieces)
@@ -358,7 +368,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
                      plgpu.Barrier(),
                      plgpu.Barrier(num_arrivals=arrivals),
                      plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
-                     plgpu.Barrier(num_arrivals=arrivals)],
+                     plgpu.Barrier(num_arrivals=arrivals, num_barriers=2)],
       grid=(bh,), grid_names=("bh",), cluster=(e_dim,), cluster_names=("slice",),
       num_threads=2, thread_name="wg", compiler_params=_compiler_params(),
       kernel_name="triadic_forward_cluster",
@@ -379,6 +389,8 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
 # and dV = beta A^T dU; both warpgroups form their 64 columns of scale diag(fq_e) Q and
 # -diag(fe_e) K while the exchanges are in flight. Only warpgroup 0 reads the dS_e operand,
 # before it sends Z; warpgroup 1 rewrites its piece after G's exchange (without erase, Z's).
+# Without erase no exchange follows Z's, so a block may send step + 1's Z parts while a peer
+# still reads step's: the Z parts and their barrier then go by step parity (as the forward's U).
 # K and the factor rows have two buffers (chunk parity) as in the forward; Q and dO, read by
 # both warpgroups, are refilled at the next chunk's first meeting; A and P by warpgroup 0 after
 # their reads.
@@ -413,8 +425,13 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, dht_g, *outs_and_bars, scratc
     cp = copies(*refs[:6])
     pl.when(w == 0)(lambda: cp.start(first0, 0))
 
-  def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, ds_s, xq_s, zk_s, du_s, *rest, stage):
-    *rhs_s, g_s, recv_z = rest
+  def chunk(step, ds, k_s, q_s, do_s, a_s, p_s, f_s, ds_s, xq_s, du_s, *rest, stage):
+    if erase:
+      zk_s, *rhs_s, g_s, recv_z = rest
+      z_bar = got_z.at[0]
+    else:                               # Z parts by chunk parity (the no-erase note above)
+      (recv_z,), rhs_s, z_bar = rest, (), got_z.at[step % 2]
+      recv_z = recv_z.at[step % 2]
     cp = copies(k_s, q_s, do_s, a_s, p_s, f_s)
     n = order(step)
     k_n, f_n = cp.ref("k", step), cp.ref("f", step)
@@ -436,7 +453,7 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, dht_g, *outs_and_bars, scratc
     def _():
       pieces = [(k_n.at[:, pl.ds(x * HALF, HALF)], ds_s.at[x]) for x in range(2)]
       z = ops.rowvec(f_n, FW, vd) * _mm_sum(pieces, c, vd)
-      _scatter(z, recv_z.at[e], got_z, bw, e_dim)
+      _scatter(z, recv_z.at[e], z_bar, bw, e_dim)
 
     stage("operands")
     cp.wait("q", step)
@@ -457,7 +474,7 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, dht_g, *outs_and_bars, scratc
       cp.wait("p", step)
       cp.wait("do", step)
       pt = plgpu.transpose_ref(p_s, (1, 0))
-      plgpu.barrier_wait(got_z)
+      plgpu.barrier_wait(z_bar)
       z_own = None
       for x in range(e_dim):
         part = ops.acc(recv_z.at[x][...])
@@ -490,7 +507,7 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, dht_g, *outs_and_bars, scratc
     if erase:
       plgpu.barrier_wait(got_g)
     else:
-      pl.when(w == 1)(lambda: plgpu.barrier_wait(got_z))
+      pl.when(w == 1)(lambda: plgpu.barrier_wait(z_bar))
     plgpu.commit_smem()                 # this warpgroup's operands and G, for its wgmma
     pairs = [(plgpu.transpose_ref(xq_s.at[w], (1, 0)), do_s)]
     if erase:
@@ -530,15 +547,20 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
       _smem((2, f.shape[-2], c), F32),            # factor rows (chunk parity)
       _smem((2, HALF, vd), BF16, sw_d),           # dS_e (bf16 operand), a 64-row piece each
       _smem((2, c, HALF), BF16, sw_own),          # scale diag(fq_e) Q, a 64-column piece each
-      _smem((2, c, HALF), BF16, sw_own),          # -diag(fe_e) K, a 64-column piece each
       _smem((c, bw), du_type, _swizzle(bw, du_type)),   # dU, own columns
-  ] + [_smem((c, bw), q.dtype, sw_own) for _ in range(2 * save_drhs)] + [   # A^T dU, dV
-      # written by the peers:
-      _smem((c, vd), BF16, sw_own),               # G = A^T dU (all-gathered)
-      _smem((e_dim, c, bw), F32, _swizzle(bw, F32)),    # Z parts received, one per slice
   ]
+  if erase:
+    scratch += [
+        _smem((2, c, HALF), BF16, sw_own),        # -diag(fe_e) K, a 64-column piece each
+    ] + [_smem((c, bw), q.dtype, sw_own) for _ in range(2 * save_drhs)] + [   # A^T dU, dV
+        # written by the peers:
+        _smem((c, vd), BF16, sw_own),             # G = A^T dU (all-gathered)
+        _smem((e_dim, c, bw), F32, _swizzle(bw, F32)),  # Z parts received, one per slice
+    ]
+  else:                                           # Z parts received, by chunk parity
+    scratch.append(_smem((2, e_dim, c, bw), F32, _swizzle(bw, F32)))
   rows_buf = _smem((2, HALF, vd), F32, _swizzle(vd, F32))
-  _check_received_last(scratch, -2, rows_buf)
+  _check_received_last(scratch, -2 if erase else -1, rows_buf)
   kernel = functools.partial(_reverse_kernel, scratch=scratch, rows_buf=rows_buf, nc=nc,
                              e_dim=e_dim, scale=scale, erase=erase, save_drhs=save_drhs,
                              heads=heads, pieces=pieces)
@@ -551,7 +573,8 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   return plgpu.kernel(
       kernel, out_type=out_type,
       scratch_types=[plgpu.Barrier(num_barriers=_N_BARRIERS_REV), plgpu.Barrier(num_arrivals=2),
-                     plgpu.Barrier(num_arrivals=arrivals), plgpu.Barrier(num_arrivals=arrivals)],
+                     plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
+                     plgpu.Barrier(num_arrivals=arrivals)],
       grid=(bh,), grid_names=("bh",), cluster=(e_dim,), cluster_names=("slice",),
       num_threads=2, thread_name="wg", compiler_params=_compiler_params(),
       kernel_name="triadic_backward_states_cluster",
