@@ -1,8 +1,10 @@
 """The cluster state passes (``triadic.pallas.mosaic_cluster``): the slice factors against
-``mosaic``'s rows, the sizes they refuse, and the CUDA lowering of both passes (layouts, swizzles,
-the DSMEM stores into peer blocks' SMEM, the cluster launch). The CPU interpreter has no rule for
-DSMEM stores, so their numbers are checked on a GPU (``benchmarks/cluster_pass.py`` against the
-value-split passes)."""
+``mosaic``'s rows, the sizes they refuse, the CUDA lowering of both passes (layouts, swizzles,
+the DSMEM stores into peer blocks' SMEM, the cluster launch; with and without erase, residuals,
+X, A^T dU and dV, the caller's layout and pieces), the plan's choice under
+``Config.cluster_state_passes`` and the whole op's CUDA lowering with them. The CPU interpreter
+has no rule for DSMEM stores, so their numbers are checked on a GPU
+(``benchmarks/cluster_pass.py`` against the value-split passes)."""
 
 from __future__ import annotations
 
