@@ -16,15 +16,20 @@ from __future__ import annotations
 
 import argparse
 import functools
+import os
+import sys
 
-import jax
-import jax.numpy as jnp
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.common import machine, median_ms, triadic_inputs
-from triadic.pallas import mosaic, mosaic_cluster
-from triadic.pallas.chunk_prep import chunk_prep
-from triadic.pallas.common import Config
-from triadic.pallas.ops import kernel_layout
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+from benchmarks.common import machine, median_ms, triadic_inputs  # noqa: E402
+from testkit import rel_rms as rel  # noqa: E402
+from triadic.pallas import mosaic, mosaic_cluster  # noqa: E402
+from triadic.pallas.chunk_prep import chunk_prep  # noqa: E402
+from triadic.pallas.common import Config  # noqa: E402
+from triadic.pallas.ops import kernel_layout  # noqa: E402
 
 C = 64
 
@@ -68,11 +73,6 @@ def reverse_operands(ops, key):
   do = jax.random.normal(key, v.shape, jnp.float32).astype(v.dtype)
   dht = jax.random.normal(jax.random.fold_in(key, 1), h0.shape, jnp.float32)
   return (q, k, do, *rest, dht)
-
-
-def rel(x, y):
-  x, y = x.astype(jnp.float32), y.astype(jnp.float32)
-  return float(jnp.linalg.norm(x - y) / jnp.linalg.norm(y))
 
 
 def main():

@@ -106,8 +106,8 @@ class Config:
   one a slice of the state, their sums over slices through distributed shared memory
   (``mosaic_cluster``), where they take the sizes (bf16, C = 64, D = 128, E in 2, 4, 8 (4, 8
   where the Mosaic chunk backward reads X), V in (64, 128) a multiple of 16 E; a GPU, not the
-  interpreter) instead of the value-split passes. Off by default: not yet timed
-  (benchmarks/RESULTS.md).
+  interpreter) instead of the value-split passes. Off by default (benchmarks/RESULTS.md has
+  their measurements).
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as

@@ -164,6 +164,24 @@ def _scatter(x, recv, bar, bw, e_dim):
                            cluster_dim="slice")
 
 
+def _received_sum(ops, recv, bar):
+  """Once ``bar`` says every block's part has landed: the float32 sum of the E parts in
+  ``recv`` (E, C, BW), this block's columns of a sum over slices."""
+  plgpu.barrier_wait(bar)
+  total = None
+  for x in range(recv.shape[0]):
+    part = ops.acc(recv.at[x][...].astype(F32))
+    total = part if total is None else total + part
+  return total
+
+
+def _all_gather(x, dst, bar, e_dim):
+  """This block's (C, BW) ``x`` into ``dst`` (this block's columns of a (C, V) buffer) of every
+  block of the cluster, itself included."""
+  for j in range(e_dim):
+    plgpu.async_store_smem(x, dst, bar, cluster_idx=j, cluster_dim="slice")
+
+
 def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_buf, nc, e_dim,
             scale, erase, residuals, save_x, heads, pieces):
   if not residuals:                     # o and the final state only
@@ -256,10 +274,7 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
       beta = ops.rowvec(f_n, BETA, bw)
       v = ops.acc(v_s[...].astype(F32))
       if erase:                         # X = V - sum_e c_e R_e, rhs = beta X
-        plgpu.barrier_wait(got_r)
-        x = v
-        for part in range(e_dim):
-          x = x - ops.acc(recv_r.at[part][...])
+        x = v - _received_sum(ops, recv_r, got_r)
         rhs_s[...] = (beta * x).astype(BF16)
         if save_x:
           x_s[0][...] = x.astype(x_s[0].dtype)
@@ -275,8 +290,7 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
         plgpu.commit_smem()
         cp.start_next(("v",), n)
       u16 = u.astype(BF16)
-      for j in range(e_dim):
-        plgpu.async_store_smem(u16, u_s.at[:, own], u_bar, cluster_idx=j, cluster_dim="slice")
+      _all_gather(u16, u_s.at[:, own], u_bar, e_dim)
       if residuals:                     # rhs_s is free: the product U = A rhs is complete
         rhs_s[...] = u16
         plgpu.commit_smem()
@@ -284,11 +298,7 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, h0_g, *outs_and_bars, scratch, rows_bu
 
     @pl.when(w == 1)
     def _():
-      plgpu.barrier_wait(got_y.at[n % 2])
-      y_own = None
-      for x in range(e_dim):
-        part = ops.acc(recv_y.at[n % 2, x][...].astype(F32))
-        y_own = part if y_own is None else y_own + part
+      y_own = _received_sum(ops, recv_y.at[n % 2], got_y.at[n % 2])
       plgpu.barrier_wait(u_bar)
       plgpu.commit_smem()               # U, written by DSMEM stores, for the wgmma (async proxy)
       cp.wait("p", n)
@@ -474,11 +484,7 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, dht_g, *outs_and_bars, scratc
       cp.wait("p", step)
       cp.wait("do", step)
       pt = plgpu.transpose_ref(p_s, (1, 0))
-      plgpu.barrier_wait(z_bar)
-      z_own = None
-      for x in range(e_dim):
-        part = ops.acc(recv_z.at[x][...])
-        z_own = part if z_own is None else z_own + part
+      z_own = _received_sum(ops, recv_z, z_bar)
       du = scale * ops.mm(pt, do_s.at[:, own]) + z_own
       du_s[...] = du.astype(du_s.dtype)
       plgpu.commit_smem()
@@ -489,8 +495,7 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, dht_g, *outs_and_bars, scratc
         drhs = ops.mm(plgpu.transpose_ref(a_s, (1, 0)), du_s)
         cp.start_next(("a",), step)
         g16 = drhs.astype(BF16)
-        for j in range(e_dim):
-          plgpu.async_store_smem(g16, g_s.at[:, own], got_g, cluster_idx=j, cluster_dim="slice")
+        _all_gather(g16, g_s.at[:, own], got_g, e_dim)
         if save_drhs:
           drhs_s, dv_s = rhs_s
           drhs_s[...] = g16.astype(drhs_s.dtype)

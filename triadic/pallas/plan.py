@@ -269,7 +269,8 @@ def sequence_pieces(cfg: Config, *, bh: int, nc: int, d: int, vd: int, c: int, e
                     ) -> pieces.Pieces:
   """How the state passes of a call with B*H = ``bh`` over ``nc`` chunks are cut
   (``Config.sequence_pieces``, ``pieces.choose``); its programs are bh times the forward state
-  pass's value blocks. Logged once per distinct answer."""
+  pass's value blocks (its E blocks, for the cluster passes). Logged once per distinct
+  answer."""
   plan = resolve(cfg, d=d, vd=vd, c=c, e=e, dtype=dtype)
   if plan.cluster_state_passes:
     programs = bh * e
