@@ -28,8 +28,7 @@ from benchmarks.common import machine, median_ms, triadic_inputs  # noqa: E402
 from testkit import rel_rms as rel  # noqa: E402
 from triadic.pallas import mosaic, mosaic_cluster  # noqa: E402
 from triadic.pallas.chunk_prep import chunk_prep  # noqa: E402
-from triadic.pallas.common import Config  # noqa: E402
-from triadic.pallas.ops import kernel_layout  # noqa: E402
+from triadic.pallas.ops import default_config, kernel_layout  # noqa: E402
 
 C = 64
 
@@ -42,7 +41,8 @@ def operands(key, b, t, h, d, e, *, erase, decay):
   merge = lambda x: x.reshape(b * h, *x.shape[2:])
   q, k, v = (merge(kernel_layout(x, nc, C)) for x in (q, k, v))
   k2, q2, g, beta = (merge(kernel_layout(x.astype(jnp.float32), nc, C)) for x in (k2, q2, g, beta))
-  prep = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=Config("gpu"))
+  cfg = default_config("gpu", e, v.shape[-1], hopper=True)
+  prep = chunk_prep(q, k, k2, q2, g, beta, erase=erase, cfg=cfg)
   gc, a, p = prep[0], prep[2], prep[3]
   h0 = 0.3 * jax.random.normal(jax.random.fold_in(key, 1), (b * h, e, d, d), jnp.float32)
   return q, k, v, k2, q2, gc, beta, a, p, h0

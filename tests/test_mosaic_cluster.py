@@ -162,13 +162,17 @@ def test_plan_takes_the_cluster_passes_where_they_fit():
                               dtype=BF16).cluster_state_passes
 
 
-def test_op_lowers_for_cuda_with_the_cluster_passes():
+@pytest.mark.parametrize("pieces,t", [(1, 256), (2, 4096)])
+def test_op_lowers_for_cuda_with_the_cluster_passes(pieces, t):
   """The whole op, forward and backward, with ``cluster_state_passes``: the cluster kernels run
-  in place of the value-split state passes, beside the Mosaic chunk backward, token-major."""
+  in place of the value-split state passes, beside the Mosaic chunk backward, token-major; with
+  two sequence pieces, under ``pieces``' cond between the split and the whole sequence (whose
+  branches must return the same tuple)."""
   from testkit.triadic import cuda_lowering_text
   from triadic.pallas import ops as pops
-  cfg = dataclasses.replace(pops.default_config("gpu", 8, 64, hopper=True), cluster_state_passes=True)
-  text = cuda_lowering_text(cfg, 1, 256, 2, 128, 128, 8)
+  cfg = dataclasses.replace(pops.default_config("gpu", 8, 64, hopper=True), cluster_state_passes=True,
+                            sequence_pieces=pieces)
+  text = cuda_lowering_text(cfg, 1, t, 2, 128, 128, 8)
   for kernel in ("triadic_forward_cluster", "triadic_backward_states_cluster",
                  "triadic_chunk_backward_slices"):
     assert kernel in text, kernel

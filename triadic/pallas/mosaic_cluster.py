@@ -373,7 +373,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
            if residuals else [])
   out_type = [o_type, *saved, jax.ShapeDtypeStruct((bh, e_dim, d, vd), F32)]
   return plgpu.kernel(
-      kernel, out_type=out_type,
+      kernel, out_type=tuple(out_type),
       scratch_types=[plgpu.Barrier(num_barriers=_N_BARRIERS), plgpu.Barrier(num_arrivals=2),
                      plgpu.Barrier(),
                      plgpu.Barrier(num_arrivals=arrivals),
@@ -576,7 +576,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
                  jax.ShapeDtypeStruct((bh, e_dim, d, vd), F32)])
   arrivals = e_dim * WARPGROUP
   return plgpu.kernel(
-      kernel, out_type=out_type,
+      kernel, out_type=tuple(out_type),
       scratch_types=[plgpu.Barrier(num_barriers=_N_BARRIERS_REV), plgpu.Barrier(num_arrivals=2),
                      plgpu.Barrier(num_arrivals=arrivals, num_barriers=2),
                      plgpu.Barrier(num_arrivals=arrivals)],
