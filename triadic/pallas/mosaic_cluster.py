@@ -35,7 +35,8 @@ How, and why each choice:
   has arrived. Both form their diag(fw_e) K piece (``w_s``) while the exchanges are in flight and
   issue their rows' update once U has arrived.
 * DSMEM stores come from registers (st.async, each completing its bytes on the peer's barrier);
-  a receiving barrier counts E senders' arrivals a round (``_arrivals_per_store``). Received
+  a receiving barrier counts E sending warpgroups a round (a Pallas barrier counts warpgroups:
+  in lane semantics it is made with 128 arrivals for each). Received
   buffers: the R parts once (float32, C x V in all), the Y parts in bf16 (they only form o, which
   is bf16) by chunk parity, U (bf16, the update's operand) once. A buffer is rewritten only after
   its reader has moved on: block e sends chunk n + 1's R parts after U of chunk n has arrived
@@ -92,14 +93,8 @@ from triadic.pallas.mosaic import (HALF, SMEM_ALIGN, _check_heads, _check_pieces
 
 F32, BF16 = jnp.float32, jnp.bfloat16
 FE, FQ, FW, BETA, LAM, CA = range(6)  # rows of a slice's factors (CA: c = k2 a)
-WARPGROUP = 128                       # threads
 
 
-def _arrivals_per_store() -> int:
-  """Arrivals one ``plgpu.async_store_smem`` of a warpgroup makes on the receiving barrier: one
-  per thread in jax 0.10 (each expects its share of the bytes), one per warpgroup from 0.11
-  (a barrier counting 128 there never completes)."""
-  return WARPGROUP if jax.__version_info__ < (0, 11) else 1
 _N_BARRIERS = 10                      # q 0, k 1-2, v 3, a 4, p 5, f 6-7, state rows 8-9
 _ROWS_BAR = 8
 
@@ -373,7 +368,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   kernel = functools.partial(_kernel, scratch=scratch, rows_buf=rows_buf, nc=nc, e_dim=e_dim,
                              scale=scale, erase=erase, residuals=bool(residuals), save_x=save_x,
                              heads=heads, pieces=pieces)
-  arrivals = e_dim * _arrivals_per_store()
+  arrivals = e_dim
   per_chunk = jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype)
   o_type = per_chunk if heads is None else jax.ShapeDtypeStruct((*q.shape[:3], vd), q.dtype)
   saved = ([per_chunk] * (1 + save_x) + [jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype)]
@@ -581,7 +576,7 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   out_type = ([jax.ShapeDtypeStruct((bh, nc, c, vd), du_type)] + [per_chunk, dv] * save_drhs
               + [jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
                  jax.ShapeDtypeStruct((bh, e_dim, d, vd), F32)])
-  arrivals = e_dim * _arrivals_per_store()
+  arrivals = e_dim
   return plgpu.kernel(
       kernel, out_type=tuple(out_type),
       scratch_types=[plgpu.Barrier(num_barriers=_N_BARRIERS_REV), plgpu.Barrier(num_arrivals=2),
