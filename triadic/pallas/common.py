@@ -102,12 +102,6 @@ class Config:
   each segment's end state and composite map instead of every visible chunk-start state (the
   (B*H, VIS, D, V) stack). A differentiated call runs the stack forward regardless, as the
   backward needs the states. On in the GPU default (``merlin.pallas.plan.default_config``).
-  cluster_state_passes: with ``mosaic_gpu``, run the state passes as clusters of E thread blocks,
-  one a slice of the state, their sums over slices through distributed shared memory
-  (``mosaic_cluster``), where they take the sizes (bf16, C = 64, D = 128, E in 2, 4, 8 (4, 8
-  where the Mosaic chunk backward reads X), V in (64, 128) a multiple of 16 E; a GPU, not the
-  interpreter) instead of the value-split passes. Off by default (benchmarks/RESULTS.md has
-  their measurements).
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -136,7 +130,6 @@ class Config:
   partials_in_bf16: bool = True
   slice_unroll_max_e: int | None = None
   query_walk: bool = False
-  cluster_state_passes: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -149,7 +142,7 @@ class Config:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
     for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass",
-                 "partials_in_bf16", "query_walk", "cluster_state_passes"):
+                 "partials_in_bf16", "query_walk"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from layers import partition
 from layers.platform import default_platform
 from triadic.pallas import backward as bwd_kernels
-from triadic.pallas import mosaic, mosaic_backward, mosaic_cluster, pieces, recurrent
+from triadic.pallas import mosaic, mosaic_backward, pieces, recurrent
 from triadic.pallas import plan as plan_lib
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import F32, PLATFORMS, Config
@@ -239,13 +239,7 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None, save_drhs=False,
   operands are token-major (``plan.layout``). ``residuals=False``: the forward returns o and the
   final state only (``_core``'s primal): the Mosaic forward then writes nothing else; the
   Triton / TPU one still writes U and the chunk-start states, which are dropped."""
-  plan = _plan(cfg, q, v, k2)
-  if plan.cluster_state_passes:
-    kw = {} if heads is None else {"heads": heads}
-    return (functools.partial(mosaic_cluster.state_pass, save_x=save_x, residuals=residuals,
-                              **kw),
-            functools.partial(mosaic_cluster.reverse_state_pass, save_drhs=save_drhs, **kw))
-  if plan.mosaic_state_kernels:
+  if _plan(cfg, q, v, k2).mosaic_state_kernels:
     sizes = dict(d=q.shape[-1], vd=v.shape[-1], c=k2.shape[-2], e=k2.shape[-1])
     tiles = plan_lib.state_tiles(cfg, **sizes)
     kw = dict(interpret=cfg.platform == "cpu", block_v=tiles.block_v)

@@ -16,7 +16,7 @@ import logging
 
 import jax.numpy as jnp
 
-from triadic.pallas import chunk_prep, mosaic, mosaic_backward, mosaic_cluster, pieces
+from triadic.pallas import chunk_prep, mosaic, mosaic_backward, pieces
 from triadic.pallas.common import Config
 
 log = logging.getLogger("triadic.pallas")
@@ -43,7 +43,6 @@ class Plan:
   masks_in_prep: bool = False     # the prep kernel forms M, M' itself (``Config.masks_in_prep``)
   saves_masks: bool = False       # the forward keeps M', M for the split tail (Config.save_masks)
   drhs_in_reverse_pass: bool = False  # Config.drhs_in_reverse_pass, read by ``saves_drhs``
-  cluster_state_passes: bool = False  # the Mosaic state passes are ``mosaic_cluster``'s
 
   @property
   def stages(self) -> tuple[Stage, ...]:
@@ -145,11 +144,6 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                       "Config.mosaic_gpu_backward" + tail_reason + wg_reason)
   else:
     chunk_bwd = Stage("chunk_gradients", base, f"bwd_block_v {cfg.bwd_block_v}", cb_reason)
-  cluster = False
-  if state_reason is None and cfg.cluster_state_passes:
-    forward, bwd_states, cluster = _cluster_stages(cfg, forward, bwd_states, d=d, vd=vd, c=c,
-                                                   e=e, dtype=dtype,
-                                                   save_x=cb_reason is None)
   if state_reason is None and cb_reason is None and cfg.drhs_in_reverse_pass:
     bwd_states = dataclasses.replace(
         bwd_states, tiles=bwd_states.tiles + "; with erase also A^T dU and dV",
@@ -158,28 +152,9 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
   saves_masks = (cb_reason is None and not fused and refused is not None and cfg.save_masks)
   plan = Plan(sizes, prep, forward, bwd_states, chunk_bwd, masks_in_prep=refused is None,
-              saves_masks=saves_masks, drhs_in_reverse_pass=cfg.drhs_in_reverse_pass,
-              cluster_state_passes=cluster)
+              saves_masks=saves_masks, drhs_in_reverse_pass=cfg.drhs_in_reverse_pass)
   _log_once(plan)
   return plan
-
-
-def _cluster_stages(cfg: Config, forward: Stage, bwd_states: Stage, *, d: int, vd: int, c: int,
-                    e: int, dtype, save_x: bool) -> tuple[Stage, Stage, bool]:
-  """The state passes under ``Config.cluster_state_passes``: ``mosaic_cluster``'s where it takes
-  the sizes (``save_x``: the Mosaic chunk backward reads X) on a GPU, else the value-split
-  passes with the reason."""
-  refused = ("the CPU interpreter has no rule for DSMEM stores" if cfg.platform == "cpu" else
-             mosaic_cluster.supported(d, vd, c, e, dtype, save_x=save_x))
-  if refused:
-    why = f"; not as clusters: {refused}"
-    return (dataclasses.replace(forward, reason=forward.reason + why),
-            dataclasses.replace(bwd_states, reason=bwd_states.reason + why), False)
-  tiles = (f"a cluster of {e} blocks, one a slice ({d} x {vd} float32 over 2 warpgroups), "
-           f"sums over e through DSMEM, own columns {vd // e}")
-  return (Stage("forward", "mosaic_gpu", tiles + "; without gradients o and the final state "
-                "only", "Config.cluster_state_passes"),
-          Stage("backward_states", "mosaic_gpu", tiles, "Config.cluster_state_passes"), True)
 
 
 @functools.lru_cache(maxsize=None)
@@ -269,16 +244,12 @@ def sequence_pieces(cfg: Config, *, bh: int, nc: int, d: int, vd: int, c: int, e
                     ) -> pieces.Pieces:
   """How the state passes of a call with B*H = ``bh`` over ``nc`` chunks are cut
   (``Config.sequence_pieces``, ``pieces.choose``); its programs are bh times the forward state
-  pass's value blocks (its E blocks, for the cluster passes). Logged once per distinct
-  answer."""
+  pass's value blocks. Logged once per distinct answer."""
   plan = resolve(cfg, d=d, vd=vd, c=c, e=e, dtype=dtype)
-  if plan.cluster_state_passes:
-    programs = bh * e
-  else:
-    bv = (state_tiles(cfg, d=d, vd=vd, c=c, e=e).block_v if plan.mosaic_state_kernels
-          else cfg.block_v)
-    programs = bh * max(1, vd // bv)
-  choice = pieces.choose(cfg.sequence_pieces, cfg.warmup_chunks, programs=programs, nc=nc)
+  bv = (state_tiles(cfg, d=d, vd=vd, c=c, e=e).block_v if plan.mosaic_state_kernels
+        else cfg.block_v)
+  choice = pieces.choose(cfg.sequence_pieces, cfg.warmup_chunks, programs=bh * max(1, vd // bv),
+                         nc=nc)
   _log_pieces_once(plan.sizes, bh, nc, choice)
   return choice
 
