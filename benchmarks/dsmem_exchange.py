@@ -1,0 +1,161 @@
+"""What one exchange through distributed shared memory (DSMEM) costs on this GPU: the reduce-scatter
+a cluster of E blocks would run every chunk if each block held one slice of the triadic state.
+
+Each block holds a (C, V) float32 tile in registers (the WGMMA layout, as a product leaves it);
+column block j (V / E wide) of every block's tile is summed in block j. One round is that exchange
+and the sum; a kernel runs ``rounds`` of them back to back, each round's tile depending on the
+round, as a chunk loop would. Mechanisms:
+
+  st.async   each block stores its pieces from registers into the peers' SMEM
+             (``plgpu.async_store_smem``), completing on the receiver's barrier
+  push       plain stores into the peers' SMEM (``plgpu.cluster_ref``), then a cluster barrier
+  pull       each block stores its whole tile into its own SMEM; after a cluster barrier it
+             loads its column block from every peer's SMEM
+  local      no exchange: the block sums the E column blocks of its own tile (the round's
+             register work without the cluster), the floor under the others
+
+Receive buffers alternate by round parity, so a round's stores never overwrite what a slower
+block still reads: a block starts round r + 2 only once every peer has finished round r. A block
+ends only once nothing more is sent to it or read from it.
+
+Each row gives the time a round from kernels of R and 2R rounds (their difference, so the launch
+drops out), for 32 clusters (the op's B * H at B = 2, H = 16). It is wall time, with the clusters
+in as many waves as the state passes' blocks. Every block's sum is checked. GPU only (Hopper).
+
+  python benchmarks/dsmem_exchange.py --e 8 4 --rounds 256
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+from jax import lax  # noqa: E402
+from jax.experimental import pallas as pl  # noqa: E402
+from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+
+from benchmarks.common import machine, median_ms  # noqa: E402
+from triadic.pallas.mosaic import _smem, _swizzle  # noqa: E402
+
+F32 = jnp.float32
+MECHANISMS = ("st.async", "push", "pull", "local")
+
+
+def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clusters: int):
+  """A kernel of ``rounds`` reduce-scatters over clusters of ``e`` blocks. Returns every block's
+  sum over rounds of its column block of the summed tiles, (clusters, e, c, v / e) float32;
+  block s's tile in round r is (s + 1) (r + 1) everywhere."""
+  if mechanism not in MECHANISMS:
+    raise ValueError(f"mechanism must be one of {MECHANISMS}, got {mechanism!r}")
+  if v % e or (v // e) % 8:
+    raise ValueError(f"v / e must be a multiple of 8, got v={v}, e={e}")
+  bw = v // e
+  part = _smem((2, e, c, bw), F32, _swizzle(bw, F32))      # received parts, by round parity
+  whole = _smem((2, c, v), F32, _swizzle(bw, F32))   # pull: its tile, by parity (BW-wide tiles)
+  if mechanism == "st.async":
+    bar = plgpu.Barrier(num_arrivals=e, num_barriers=2)    # E sending warpgroups a round
+  else:
+    bar = plgpu.ClusterBarrier(collective_axes=("slice",), num_barriers=2)
+
+  def body(out_g, part_s, whole_s, bar_s, out_s):
+    s = lax.axis_index("slice")
+    ones = plgpu.layout_cast(jnp.full((c, v), 1.0, F32), plgpu.Layout.WGMMA)
+    tile0 = ones * (s + 1).astype(F32)
+
+    def one_round(r, acc):
+      x = tile0 * (r + 1).astype(F32)
+      par = r % 2
+      if mechanism == "local":
+        parts = [x[:, j * bw:(j + 1) * bw] for j in range(e)]
+        total = parts[0]
+        for p in parts[1:]:
+          total = total + p
+        return acc + total
+      if mechanism == "st.async":
+        for j in range(e):
+          plgpu.async_store_smem(x[:, j * bw:(j + 1) * bw], part_s.at[par, s], bar_s.at[par],
+                                 cluster_idx=j, cluster_dim="slice")
+        plgpu.barrier_wait(bar_s.at[par])
+        src = [part_s.at[par, j] for j in range(e)]
+      elif mechanism == "push":
+        for j in range(e):
+          peer = plgpu.cluster_ref(part_s, {"slice": j})
+          peer.at[par, s][...] = x[:, j * bw:(j + 1) * bw]
+        plgpu.barrier_arrive(bar_s.at[par])
+        plgpu.barrier_wait(bar_s.at[par])
+        src = [part_s.at[par, j] for j in range(e)]
+      else:                                                # pull
+        whole_s.at[par][...] = x
+        plgpu.barrier_arrive(bar_s.at[par])
+        plgpu.barrier_wait(bar_s.at[par])
+        src = [plgpu.cluster_ref(whole_s, {"slice": j}).at[par, :, pl.ds(s * bw, bw)]
+               for j in range(e)]
+      total = plgpu.layout_cast(src[0][...], plgpu.Layout.WGMMA)
+      for ref in src[1:]:
+        total = total + plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA)
+      return acc + total
+
+    acc = lax.fori_loop(0, rounds, one_round,
+                        plgpu.layout_cast(jnp.zeros((c, bw), F32), plgpu.Layout.WGMMA))
+    out_s[...] = acc
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(out_s, out_g.at[lax.axis_index("cluster"), s])
+    plgpu.wait_smem_to_gmem(0)
+    if mechanism == "pull":                  # no block leaves while a peer may still read it
+      plgpu.barrier_arrive(bar_s.at[rounds % 2])
+      plgpu.barrier_wait(bar_s.at[rounds % 2])
+
+  return plgpu.kernel(
+      body, out_type=jax.ShapeDtypeStruct((clusters, e, c, bw), F32),
+      scratch_types=[part, whole, bar, _smem((c, bw), F32, _swizzle(bw, F32))],
+      grid=(clusters,), grid_names=("cluster",), cluster=(e,), cluster_names=("slice",),
+      kernel_name=f"dsmem_{mechanism.replace('.', '_')}")
+
+
+def expected(e, c, v, rounds, clusters):
+  """Every block's column block summed over the E tiles and the rounds: sum_s (s + 1) *
+  sum_r (r + 1)."""
+  value = e * (e + 1) / 2 * rounds * (rounds + 1) / 2
+  return np.full((clusters, e, c, v // e), value, np.float32)
+
+
+def main(argv=None):
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--e", type=int, nargs="+", default=[8, 4])
+  ap.add_argument("--c", type=int, default=64)
+  ap.add_argument("--v", type=int, default=128)
+  ap.add_argument("--rounds", type=int, default=256)
+  ap.add_argument("--clusters", type=int, default=32)
+  ap.add_argument("--mechanisms", nargs="+", default=list(MECHANISMS), choices=MECHANISMS)
+  ap.add_argument("--reps", type=int, default=10)
+  args = ap.parse_args(argv)
+  print(f"# {machine()}")
+  print(f"# C = {args.c}, V = {args.v} float32 a block; {args.clusters} clusters; time a round "
+        f"from kernels of {args.rounds} and {2 * args.rounds} rounds")
+  print("| E | mechanism | KiB a block and round | us a round | sum right |")
+  print("|---|---|---|---|---|")
+  for e in args.e:
+    kib = args.c * args.v * 4 / 1024 * (e - 1) / e
+    for mech in args.mechanisms:
+      ms = []
+      ok = True
+      for rounds in (args.rounds, 2 * args.rounds):
+        fn = jax.jit(exchange_kernel(mech, e=e, c=args.c, v=args.v, rounds=rounds,
+                                     clusters=args.clusters))
+        out = np.asarray(fn())
+        ok &= bool(np.allclose(out, expected(e, args.c, args.v, rounds, args.clusters),
+                               rtol=1e-5))
+        ms.append(median_ms(fn, (), reps=args.reps))
+      us = 1e3 * (ms[1] - ms[0]) / args.rounds
+      print(f"| {e} | {mech} | {kib if mech != 'local' else 0:.0f} | {us:.2f} | {ok} |",
+            flush=True)
+
+
+if __name__ == "__main__":
+  main()
