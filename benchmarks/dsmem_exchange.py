@@ -9,6 +9,8 @@ round, as a chunk loop would. Mechanisms:
   st.async   each block stores its pieces from registers into the peers' SMEM
              (``plgpu.async_store_smem``), completing on the receiver's barrier
   push       plain stores into the peers' SMEM (``plgpu.cluster_ref``), then a cluster barrier
+             (``plgpu.ClusterBarrier``: one thread arrives for the warpgroup, after a
+             warpgroup barrier)
   pull       each block stores its whole tile into its own SMEM; after a cluster barrier it
              loads its column block from every peer's SMEM
   local      no exchange: the block sums the E column blocks of its own tile (the round's
@@ -87,11 +89,13 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
         for j in range(e):
           peer = plgpu.cluster_ref(part_s, {"slice": j})
           peer.at[par, s][...] = x[:, j * bw:(j + 1) * bw]
+        plgpu.commit_smem()                  # every thread's stores before the one arrival
         plgpu.barrier_arrive(bar_s.at[par])
         plgpu.barrier_wait(bar_s.at[par])
         src = [part_s.at[par, j] for j in range(e)]
       else:                                                # pull
         whole_s.at[par][...] = x
+        plgpu.commit_smem()
         plgpu.barrier_arrive(bar_s.at[par])
         plgpu.barrier_wait(bar_s.at[par])
         src = [plgpu.cluster_ref(whole_s, {"slice": j}).at[par, :, pl.ds(s * bw, bw)]
@@ -108,6 +112,7 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
     plgpu.copy_smem_to_gmem(out_s, out_g.at[lax.axis_index("cluster"), s])
     plgpu.wait_smem_to_gmem(0)
     if mechanism == "pull":                  # no block leaves while a peer may still read it
+      plgpu.commit_smem()
       plgpu.barrier_arrive(bar_s.at[rounds % 2])
       plgpu.barrier_wait(bar_s.at[rounds % 2])
 
