@@ -58,12 +58,21 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
   if v % e or (v // e) % 8:
     raise ValueError(f"v / e must be a multiple of 8, got v={v}, e={e}")
   bw = v // e
+  # Every mechanism allocates both buffers (132 KiB at E = 8), so each runs one block a
+  # multiprocessor, as the state passes (about 200 KiB) would.
   part = _smem((2, e, c, bw), F32, _swizzle(bw, F32))      # received parts, by round parity
   whole = _smem((2, c, v), F32, _swizzle(bw, F32))   # pull: its tile, by parity (BW-wide tiles)
   if mechanism == "st.async":
     bar = plgpu.Barrier(num_arrivals=e, num_barriers=2)    # E sending warpgroups a round
   else:
     bar = plgpu.ClusterBarrier(collective_axes=("slice",), num_barriers=2)
+
+  def meet(bar):
+    """Every thread's stores done, then the warpgroup's one arrival in every block, and the
+    wait for all blocks' arrivals."""
+    plgpu.commit_smem()
+    plgpu.barrier_arrive(bar)
+    plgpu.barrier_wait(bar)
 
   def body(out_g, part_s, whole_s, bar_s, out_s):
     s = lax.axis_index("slice")
@@ -75,35 +84,26 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
       par = r % 2
       if mechanism == "local":
         parts = [x[:, j * bw:(j + 1) * bw] for j in range(e)]
-        total = parts[0]
-        for p in parts[1:]:
-          total = total + p
-        return acc + total
-      if mechanism == "st.async":
+      elif mechanism == "st.async":
         for j in range(e):
           plgpu.async_store_smem(x[:, j * bw:(j + 1) * bw], part_s.at[par, s], bar_s.at[par],
                                  cluster_idx=j, cluster_dim="slice")
         plgpu.barrier_wait(bar_s.at[par])
-        src = [part_s.at[par, j] for j in range(e)]
+        parts = [part_s.at[par, j][...] for j in range(e)]
       elif mechanism == "push":
         for j in range(e):
           peer = plgpu.cluster_ref(part_s, {"slice": j})
           peer.at[par, s][...] = x[:, j * bw:(j + 1) * bw]
-        plgpu.commit_smem()                  # every thread's stores before the one arrival
-        plgpu.barrier_arrive(bar_s.at[par])
-        plgpu.barrier_wait(bar_s.at[par])
-        src = [part_s.at[par, j] for j in range(e)]
+        meet(bar_s.at[par])
+        parts = [part_s.at[par, j][...] for j in range(e)]
       else:                                                # pull
         whole_s.at[par][...] = x
-        plgpu.commit_smem()
-        plgpu.barrier_arrive(bar_s.at[par])
-        plgpu.barrier_wait(bar_s.at[par])
-        src = [plgpu.cluster_ref(whole_s, {"slice": j}).at[par, :, pl.ds(s * bw, bw)]
-               for j in range(e)]
-      total = plgpu.layout_cast(src[0][...], plgpu.Layout.WGMMA)
-      for ref in src[1:]:
-        total = total + plgpu.layout_cast(ref[...], plgpu.Layout.WGMMA)
-      return acc + total
+        meet(bar_s.at[par])
+        parts = [plgpu.cluster_ref(whole_s, {"slice": j}).at[par, :, pl.ds(s * bw, bw)][...]
+                 for j in range(e)]
+      for part in parts:
+        acc = acc + plgpu.layout_cast(part, plgpu.Layout.WGMMA)
+      return acc
 
     acc = lax.fori_loop(0, rounds, one_round,
                         plgpu.layout_cast(jnp.zeros((c, bw), F32), plgpu.Layout.WGMMA))
@@ -112,9 +112,7 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
     plgpu.copy_smem_to_gmem(out_s, out_g.at[lax.axis_index("cluster"), s])
     plgpu.wait_smem_to_gmem(0)
     if mechanism == "pull":                  # no block leaves while a peer may still read it
-      plgpu.commit_smem()
-      plgpu.barrier_arrive(bar_s.at[rounds % 2])
-      plgpu.barrier_wait(bar_s.at[rounds % 2])
+      meet(bar_s.at[rounds % 2])
 
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((clusters, e, c, bw), F32),
