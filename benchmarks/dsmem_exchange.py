@@ -20,6 +20,9 @@ Receive buffers alternate by round parity, so a round's stores never overwrite w
 block still reads: a block starts round r + 2 only once every peer has finished round r. A block
 ends only once nothing more is sent to it or read from it.
 
+The kernels lower with Lane semantics: Warpgroup semantics (JAX's default from 0.11) has no
+lowering for plain stores to, or loads from, a peer's SMEM.
+
 Each row gives the time a round from kernels of R and 2R rounds (their difference, so the launch
 drops out), for 32 clusters (the op's B * H at B = 2, H = 16). It is wall time, with the clusters
 in as many waves as the state passes' blocks. Every block's sum is checked. GPU only (Hopper).
@@ -118,14 +121,17 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
       body, out_type=jax.ShapeDtypeStruct((clusters, e, c, bw), F32),
       scratch_types=[part, whole, bar, _smem((c, bw), F32, _swizzle(bw, F32))],
       grid=(clusters,), grid_names=("cluster",), cluster=(e,), cluster_names=("slice",),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
       kernel_name=f"dsmem_{mechanism.replace('.', '_')}")
 
 
-def expected(e, c, v, rounds, clusters):
+def expected(mechanism, e, c, v, rounds, clusters):
   """Every block's column block summed over the E tiles and the rounds: sum_s (s + 1) *
+  sum_r (r + 1); for ``local``, block s's E column blocks of its own tile: E (s + 1) *
   sum_r (r + 1)."""
-  value = e * (e + 1) / 2 * rounds * (rounds + 1) / 2
-  return np.full((clusters, e, c, v // e), value, np.float32)
+  per_round = np.full(e, e * (e + 1) / 2) if mechanism != "local" else e * np.arange(1, e + 1)
+  value = per_round * rounds * (rounds + 1) / 2
+  return np.broadcast_to(value[None, :, None, None], (clusters, e, c, v // e)).astype(np.float32)
 
 
 def main(argv=None):
@@ -152,7 +158,7 @@ def main(argv=None):
         fn = jax.jit(exchange_kernel(mech, e=e, c=args.c, v=args.v, rounds=rounds,
                                      clusters=args.clusters))
         out = np.asarray(fn())
-        ok &= bool(np.allclose(out, expected(e, args.c, args.v, rounds, args.clusters),
+        ok &= bool(np.allclose(out, expected(mech, e, args.c, args.v, rounds, args.clusters),
                                rtol=1e-5))
         ms.append(median_ms(fn, (), reps=args.reps))
       us = 1e3 * (ms[1] - ms[0]) / args.rounds

@@ -382,12 +382,15 @@ def test_triton_registers_compiles_a_kernel():
 @pytest.mark.parametrize("mechanism", ["st.async", "push", "pull", "local"])
 def test_dsmem_exchange_kernels_lower_for_cuda(mechanism):
   """``dsmem_exchange.py``'s kernels (a cluster of 8 blocks, 16-column parts) pass the Mosaic GPU
-  lowering; the expected sums are sum_s (s + 1) * sum_r (r + 1)."""
+  lowering; the expected sums are sum_s (s + 1) * sum_r (r + 1), or for ``local`` E (s + 1) *
+  sum_r (r + 1)."""
   import jax
   from benchmarks import dsmem_exchange as dx
   fn = dx.exchange_kernel(mechanism, e=8, c=64, v=128, rounds=3, clusters=2)
   text = jax.jit(fn).trace().lower(lowering_platforms=("cuda",)).as_text()
   assert f"dsmem_{mechanism.replace('.', '_')}" in text
-  assert dx.expected(8, 64, 128, 3, 2)[0, 0, 0, 0] == 36 * 6
+  want = dx.expected(mechanism, 8, 64, 128, 3, 2)[1, :, 5, 7]
+  assert want.tolist() == ([8 * (s + 1) * 6 for s in range(8)] if mechanism == "local"
+                           else [36 * 6] * 8)
   with pytest.raises(ValueError, match="mechanism"):
     dx.exchange_kernel("bulk", e=8, c=64, v=128, rounds=3, clusters=2)

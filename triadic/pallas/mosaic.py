@@ -680,12 +680,17 @@ def trace_regions(directory: str, regions: int):
     jax.clear_caches()
 
 
-def _compiler_params():
+def _compiler_params(*, regions: bool = True):
+  """The kernels' compiler parameters: the regions recording inside ``trace_regions`` (where
+  ``regions``), and the lowering semantics named rather than left to JAX's default, which is
+  Lane up to jax 0.10 and Warpgroup from 0.11, so that the CPU's CUDA lowering tests (jax 0.10)
+  lower the kernels the way the GPU's JAX does."""
+  semantics = plgpu.LoweringSemantics.Warpgroup
   trace = _TRACE.get()
-  if trace is None:
-    return plgpu.CompilerParams()
-  directory, regions = trace
-  return plgpu.CompilerParams(profile_space=regions, profile_dir=directory)
+  if trace is None or not regions:
+    return plgpu.CompilerParams(lowering_semantics=semantics)
+  directory, n = trace
+  return plgpu.CompilerParams(profile_space=n, profile_dir=directory, lowering_semantics=semantics)
 
 
 # ------------------------------------------------------------------------------------------------

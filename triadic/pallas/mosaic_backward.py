@@ -103,8 +103,8 @@ from triadic.pallas import masks
 from triadic.pallas.backward import chunk_local, coef_columns, ut_after, ut_before
 from triadic.pallas.common import (F32, Config, call, check_heads, chunk_block, head_major, mm,
                                    over_value_blocks, rowsum, token_block, token_major)
-from triadic.pallas.mosaic import (SMEM_LIMIT, _chunk_box, _Ops, _interpret_params, _load, _smem,
-                                   _swizzle, _wait)
+from triadic.pallas.mosaic import (SMEM_LIMIT, _chunk_box, _compiler_params, _Ops,
+                                   _interpret_params, _load, _smem, _swizzle, _wait)
 
 BF16 = jnp.bfloat16
 
@@ -235,7 +235,7 @@ def _launch(kernel, operands, out_type, *, grid, n_pieces, warpgroups, interpret
       kernel, out_type=out_type,
       scratch_types=[plgpu.Barrier(num_barriers=2 * n_pieces + 4 + 4 * warpgroups),
                      plgpu.Barrier(num_arrivals=warpgroups)],
-      grid=grid, grid_names=("bh", "n"), compiler_params=plgpu.CompilerParams(),
+      grid=grid, grid_names=("bh", "n"), compiler_params=_compiler_params(regions=False),
       interpret=_interpret_params(interpret), kernel_name="triadic_chunk_backward_slices",
       **threads,
   )(*operands)
