@@ -10,7 +10,9 @@ round, as a chunk loop would. Mechanisms:
              (``plgpu.async_store_smem``), completing on the receiver's barrier
   push       plain stores into the peers' SMEM (``plgpu.cluster_ref``), then a cluster barrier
              (``plgpu.ClusterBarrier``: one thread arrives for the warpgroup, after a
-             warpgroup barrier)
+             warpgroup barrier). Nothing orders the other threads' stores before that arrival
+             at cluster scope (it releases at CTA scope), so a sum can be wrong (the table's
+             last column says so); a cluster-scope fence would make it right, at a cost
   pull       each block stores its whole tile into its own SMEM; after a cluster barrier it
              loads its column block from every peer's SMEM
   local      no exchange: the block sums the E column blocks of its own tile (the round's
@@ -20,8 +22,10 @@ Receive buffers alternate by round parity, so a round's stores never overwrite w
 block still reads: a block starts round r + 2 only once every peer has finished round r. A block
 ends only once nothing more is sent to it or read from it.
 
-The kernels lower with Lane semantics: Warpgroup semantics (JAX's default from 0.11) has no
-lowering for plain stores to, or loads from, a peer's SMEM.
+Push and pull lower with Lane semantics, since Warpgroup semantics (JAX's default from 0.11) has
+no plain stores to, or loads from, a peer's SMEM; st.async and local with Warpgroup semantics,
+whose st.async completes once per sending warpgroup on the receiver's barrier (the count its
+``plgpu.Barrier(num_arrivals=E)`` asks for; in Lane semantics the kernel fails to launch).
 
 Each row gives the time a round from kernels of R and 2R rounds (their difference, so the launch
 drops out), for 32 clusters (the op's B * H at B = 2, H = 16). It is wall time, with the clusters
@@ -50,6 +54,8 @@ from triadic.pallas.mosaic import _smem, _swizzle  # noqa: E402
 
 F32 = jnp.float32
 MECHANISMS = ("st.async", "push", "pull", "local")
+SEMANTICS = {"st.async": plgpu.LoweringSemantics.Warpgroup, "push": plgpu.LoweringSemantics.Lane,
+             "pull": plgpu.LoweringSemantics.Lane, "local": plgpu.LoweringSemantics.Warpgroup}
 
 
 def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clusters: int):
@@ -121,7 +127,7 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
       body, out_type=jax.ShapeDtypeStruct((clusters, e, c, bw), F32),
       scratch_types=[part, whole, bar, _smem((c, bw), F32, _swizzle(bw, F32))],
       grid=(clusters,), grid_names=("cluster",), cluster=(e,), cluster_names=("slice",),
-      compiler_params=plgpu.CompilerParams(lowering_semantics=plgpu.LoweringSemantics.Lane),
+      compiler_params=plgpu.CompilerParams(lowering_semantics=SEMANTICS[mechanism]),
       kernel_name=f"dsmem_{mechanism.replace('.', '_')}")
 
 
