@@ -15,6 +15,10 @@ round, as a chunk loop would. Mechanisms:
              last column says so); a cluster-scope fence would make it right, at a cost
   pull       each block stores its whole tile into its own SMEM; after a cluster barrier it
              loads its column block from every peer's SMEM
+  bulk       each block stores its E pieces into its own SMEM, and one thread sends each with
+             one ``cp.async.bulk`` to shared::cluster, completing its bytes on the receiver's
+             barrier (one completion a copy; inline PTX, as Pallas has no primitive for it); a
+             cluster barrier after the reads frees the buffers for round r + 2
   local      no exchange: the block sums the E column blocks of its own tile (the round's
              register work without the cluster), the floor under the others
 
@@ -23,8 +27,9 @@ block still reads: a block starts round r + 2 only once every peer has finished 
 ends only once nothing more is sent to it or read from it.
 
 Push and pull lower with Lane semantics, since Warpgroup semantics (JAX's default from 0.11) has
-no plain stores to, or loads from, a peer's SMEM; st.async and local with Warpgroup semantics,
-whose st.async completes once per sending warpgroup on the receiver's barrier (the count its
+no plain stores to, or loads from, a peer's SMEM; bulk too (its inline PTX is written, and
+lowering-tested, there). St.async and local lower with Warpgroup semantics, in which st.async
+completes once per sending warpgroup on the receiver's barrier (the count its
 ``plgpu.Barrier(num_arrivals=E)`` asks for; in Lane semantics the kernel fails to launch).
 
 Each row gives the time a round from kernels of R and 2R rounds (their difference, so the launch
@@ -48,14 +53,81 @@ import numpy as np  # noqa: E402
 from jax import lax  # noqa: E402
 from jax.experimental import pallas as pl  # noqa: E402
 from jax.experimental.pallas import mosaic_gpu as plgpu  # noqa: E402
+from jax.experimental.mosaic.gpu import utils as mgpu_utils  # noqa: E402
+from jax._src.lib.mlir import ir  # noqa: E402
+from jax._src.lib.mlir.dialects import arith, llvm  # noqa: E402
 
 from benchmarks.common import machine, median_ms  # noqa: E402
 from triadic.pallas.mosaic import _smem, _swizzle  # noqa: E402
 
 F32 = jnp.float32
-MECHANISMS = ("st.async", "push", "pull", "local")
-SEMANTICS = {"st.async": plgpu.LoweringSemantics.Warpgroup, "push": plgpu.LoweringSemantics.Lane,
-             "pull": plgpu.LoweringSemantics.Lane, "local": plgpu.LoweringSemantics.Warpgroup}
+MECHANISMS = ("st.async", "push", "pull", "bulk", "local")
+_LANE, _WG = plgpu.LoweringSemantics.Lane, plgpu.LoweringSemantics.Warpgroup
+SEMANTICS = {"st.async": _WG, "push": _LANE, "pull": _LANE, "bulk": _LANE, "local": _WG}
+
+
+def _asm(operands, text, constraints):
+  llvm.inline_asm(ir.Type.parse("!llvm.void"), operands, text, constraints,
+                  has_side_effects=True)
+
+
+def _address(ref):
+  """A shared-memory ref's 32-bit shared::cta address."""
+  return llvm.ptrtoint(ir.IntegerType.get_signless(32), mgpu_utils.memref_ptr(ref))
+
+
+def _first_thread():
+  i32 = ir.IntegerType.get_signless(32)
+  tid = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, 128))
+  return arith.cmpi(arith.CmpIPredicate.eq, tid, arith.constant(i32, 0))
+
+
+@plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
+def _init_barriers(ctx, bars):
+  """Two mbarriers of one arrival at ``bars``' rows 0 and 1 (128 bytes apart), visible to the
+  cluster before any block goes on."""
+  del ctx
+  i32 = ir.IntegerType.get_signless(32)
+  base = _address(bars)
+  for i in range(2):
+    addr = arith.addi(base, arith.constant(i32, 128 * i))
+    _asm([_first_thread(), addr], "@$0 mbarrier.init.shared::cta.b64 [$1], 1;", "b,r")
+  _asm([], "fence.mbarrier_init.release.cluster;\n"
+       "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;", "")
+
+
+def _bulk_round(stage, part, bars, r, *, e: int, nbytes: int, swizzle: int):
+  """Round r: block s's piece j (``stage`` row j) goes to block j's ``part`` row s by one bulk
+  copy (its own piece included), completing on block j's barrier r % 2; then every thread waits
+  for its own barrier's E pieces."""
+  tiled = plgpu.RefType(transforms=(plgpu.TilingTransform((8, swizzle // 4)),
+                                    plgpu.SwizzleTransform(swizzle)))   # as ``_smem`` makes them
+  @plgpu.inline_mgpu(arg_types=(tiled, tiled, plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))
+  def send_and_wait(ctx, stage, part, bars, r):
+    del ctx
+    i32 = ir.IntegerType.get_signless(32)
+    r = r.registers.item()
+    par = arith.andi(r, arith.constant(i32, 1))
+    parity = arith.andi(arith.shrui(r, arith.constant(i32, 1)), arith.constant(i32, 1))
+    bar = arith.addi(_address(bars), arith.muli(par, arith.constant(i32, 128)))
+    rank = llvm.inline_asm(i32, [], "mov.u32 $0, %cluster_ctarank;", "=r")
+    dst = arith.addi(_address(part), arith.muli(rank, arith.constant(i32, nbytes)))
+    first = _first_thread()
+    _asm([first, bar, arith.constant(i32, e * nbytes)],
+         "@$0 mbarrier.arrive.expect_tx.shared::cta.b64 _, [$1], $2;", "b,r,r")
+    src0 = _address(stage)
+    for j in range(e):
+      src = arith.addi(src0, arith.constant(i32, j * nbytes))
+      _asm([first, dst, bar, arith.constant(i32, j), src, arith.constant(i32, nbytes)],
+           "{\n.reg .b32 d, b;\nmapa.shared::cluster.u32 d, $1, $3;\n"
+           "mapa.shared::cluster.u32 b, $2, $3;\n"
+           "@$0 cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes "
+           "[d], [$4], $5, [b];\n}", "b,r,r,r,r,r")
+    _asm([bar, parity],
+         "{\n.reg .pred p;\nWAIT:\nmbarrier.try_wait.parity.shared::cta.b64 p, [$0], $1;\n"
+         "@!p bra WAIT;\n}", "r,r")
+
+  send_and_wait(stage, part, bars, r)
 
 
 def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clusters: int):
@@ -71,6 +143,8 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
   # multiprocessor, as the state passes (about 200 KiB) would.
   part = _smem((2, e, c, bw), F32, _swizzle(bw, F32))      # received parts, by round parity
   whole = _smem((2, c, v), F32, _swizzle(bw, F32))   # pull: its tile, by parity (BW-wide tiles)
+  if mechanism == "bulk":                            # the pieces to send, laid out as received
+    whole = part
   if mechanism == "st.async":
     bar = plgpu.Barrier(num_arrivals=e, num_barriers=2)    # E sending warpgroups a round
   else:
@@ -83,8 +157,12 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
     plgpu.barrier_arrive(bar)
     plgpu.barrier_wait(bar)
 
-  def body(out_g, part_s, whole_s, bar_s, out_s):
+  def body(out_g, part_s, whole_s, bar_s, out_s, recv_s):
     s = lax.axis_index("slice")
+    if mechanism == "bulk":
+      _init_barriers(recv_s)
+      plgpu.barrier_arrive(bar_s.at[0])              # rounds -2 and -1 "read": 0 and 1 may send
+      plgpu.barrier_arrive(bar_s.at[1])
     ones = plgpu.layout_cast(jnp.full((c, v), 1.0, F32), plgpu.Layout.WGMMA)
     tile0 = ones * (s + 1).astype(F32)
 
@@ -105,6 +183,16 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
           peer.at[par, s][...] = x[:, j * bw:(j + 1) * bw]
         meet(bar_s.at[par])
         parts = [part_s.at[par, j][...] for j in range(e)]
+      elif mechanism == "bulk":
+        plgpu.barrier_wait(bar_s.at[par])          # every block has read round r - 2's parts
+        for j in range(e):
+          whole_s.at[par, j][...] = x[:, j * bw:(j + 1) * bw]
+        plgpu.commit_smem()                        # the stores visible to the bulk copies
+        _bulk_round(whole_s.at[par], part_s.at[par], recv_s, r, e=e, nbytes=c * bw * 4,
+                    swizzle=_swizzle(bw, F32))
+        parts = [part_s.at[par, j][...] for j in range(e)]
+        plgpu.commit_smem()                        # every thread's reads done, then free them
+        plgpu.barrier_arrive(bar_s.at[par])
       else:                                                # pull
         whole_s.at[par][...] = x
         meet(bar_s.at[par])
@@ -122,10 +210,14 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
     plgpu.wait_smem_to_gmem(0)
     if mechanism == "pull":                  # no block leaves while a peer may still read it
       meet(bar_s.at[rounds % 2])
+    if mechanism == "bulk":                  # nor while its copies may still be in flight
+      plgpu.barrier_wait(bar_s.at[rounds % 2])
+      plgpu.barrier_wait(bar_s.at[(rounds + 1) % 2])
 
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((clusters, e, c, bw), F32),
-      scratch_types=[part, whole, bar, _smem((c, bw), F32, _swizzle(bw, F32))],
+      scratch_types=[part, whole, bar, _smem((c, bw), F32, _swizzle(bw, F32)),
+                     _smem((2, 32), jnp.int32)],
       grid=(clusters,), grid_names=("cluster",), cluster=(e,), cluster_names=("slice",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=SEMANTICS[mechanism]),
       kernel_name=f"dsmem_{mechanism.replace('.', '_')}")

@@ -379,7 +379,7 @@ def test_triton_registers_compiles_a_kernel():
   assert 0 < use.registers <= 255 and use.shared > 0 and use.spill_stores >= 0
 
 
-@pytest.mark.parametrize("mechanism", ["st.async", "push", "pull", "local"])
+@pytest.mark.parametrize("mechanism", ["st.async", "push", "pull", "bulk", "local"])
 def test_dsmem_exchange_kernels_lower_for_cuda(mechanism):
   """``dsmem_exchange.py``'s kernels (a cluster of 8 blocks, 16-column parts) pass the Mosaic GPU
   lowering; the expected sums are sum_s (s + 1) * sum_r (r + 1), or for ``local`` E (s + 1) *
@@ -393,4 +393,8 @@ def test_dsmem_exchange_kernels_lower_for_cuda(mechanism):
   assert want.tolist() == ([8 * (s + 1) * 6 for s in range(8)] if mechanism == "local"
                            else [36 * 6] * 8)
   with pytest.raises(ValueError, match="mechanism"):
-    dx.exchange_kernel("bulk", e=8, c=64, v=128, rounds=3, clusters=2)
+    dx.exchange_kernel("tma", e=8, c=64, v=128, rounds=3, clusters=2)
+  if mechanism == "bulk":                    # 32-column parts: another swizzle for the copies
+    fn = dx.exchange_kernel(mechanism, e=4, c=64, v=128, rounds=3, clusters=2)
+    assert "cp.async.bulk.shared::cluster" in jax.jit(fn).trace().lower(
+        lowering_platforms=("cuda",)).as_text()
