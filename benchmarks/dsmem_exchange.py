@@ -77,31 +77,32 @@ def _address(ref):
 
 
 def _first_thread():
-  i32 = ir.IntegerType.get_signless(32)
-  tid = arith.remui(mgpu_utils.thread_idx(), arith.constant(i32, 128))
-  return arith.cmpi(arith.CmpIPredicate.eq, tid, arith.constant(i32, 0))
+  return mgpu_utils.single_thread_predicate(mgpu_utils.ThreadSubset.WARPGROUP)
+
+
+_BAR_BYTES = 128       # the receive barriers' row stride (an mbarrier and its padding)
 
 
 @plgpu.inline_mgpu(arg_types=(plgpu.RefType(),))
 def _init_barriers(ctx, bars):
-  """Two mbarriers of one arrival at ``bars``' rows 0 and 1 (128 bytes apart), visible to the
-  cluster before any block goes on."""
+  """Two mbarriers of one arrival at ``bars``' rows 0 and 1, visible to the cluster before any
+  block goes on."""
   del ctx
   i32 = ir.IntegerType.get_signless(32)
   base = _address(bars)
   for i in range(2):
-    addr = arith.addi(base, arith.constant(i32, 128 * i))
+    addr = arith.addi(base, arith.constant(i32, _BAR_BYTES * i))
     _asm([_first_thread(), addr], "@$0 mbarrier.init.shared::cta.b64 [$1], 1;", "b,r")
   _asm([], "fence.mbarrier_init.release.cluster;\n"
        "barrier.cluster.arrive.release.aligned;\nbarrier.cluster.wait.acquire.aligned;", "")
 
 
-def _bulk_round(stage, part, bars, r, *, e: int, nbytes: int, swizzle: int):
+def _bulk_round(stage, part, bars, r, *, e: int, nbytes: int, transforms):
   """Round r: block s's piece j (``stage`` row j) goes to block j's ``part`` row s by one bulk
   copy (its own piece included), completing on block j's barrier r % 2; then every thread waits
-  for its own barrier's E pieces."""
-  tiled = plgpu.RefType(transforms=(plgpu.TilingTransform((8, swizzle // 4)),
-                                    plgpu.SwizzleTransform(swizzle)))   # as ``_smem`` makes them
+  for its own barrier's E pieces. ``transforms``: ``stage``'s and ``part``'s, as allocated."""
+  tiled = plgpu.RefType(transforms=transforms)
+
   @plgpu.inline_mgpu(arg_types=(tiled, tiled, plgpu.RefType(), plgpu.Layout.WG_SPLAT(shape=())))
   def send_and_wait(ctx, stage, part, bars, r):
     del ctx
@@ -109,7 +110,7 @@ def _bulk_round(stage, part, bars, r, *, e: int, nbytes: int, swizzle: int):
     r = r.registers.item()
     par = arith.andi(r, arith.constant(i32, 1))
     parity = arith.andi(arith.shrui(r, arith.constant(i32, 1)), arith.constant(i32, 1))
-    bar = arith.addi(_address(bars), arith.muli(par, arith.constant(i32, 128)))
+    bar = arith.addi(_address(bars), arith.muli(par, arith.constant(i32, _BAR_BYTES)))
     rank = llvm.inline_asm(i32, [], "mov.u32 $0, %cluster_ctarank;", "=r")
     dst = arith.addi(_address(part), arith.muli(rank, arith.constant(i32, nbytes)))
     first = _first_thread()
@@ -189,7 +190,7 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
           whole_s.at[par, j][...] = x[:, j * bw:(j + 1) * bw]
         plgpu.commit_smem()                        # the stores visible to the bulk copies
         _bulk_round(whole_s.at[par], part_s.at[par], recv_s, r, e=e, nbytes=c * bw * 4,
-                    swizzle=_swizzle(bw, F32))
+                    transforms=part.transforms)
         parts = [part_s.at[par, j][...] for j in range(e)]
         plgpu.commit_smem()                        # every thread's reads done, then free them
         plgpu.barrier_arrive(bar_s.at[par])
@@ -198,8 +199,8 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
         meet(bar_s.at[par])
         parts = [plgpu.cluster_ref(whole_s, {"slice": j}).at[par, :, pl.ds(s * bw, bw)][...]
                  for j in range(e)]
-      for part in parts:
-        acc = acc + plgpu.layout_cast(part, plgpu.Layout.WGMMA)
+      for piece in parts:
+        acc = acc + plgpu.layout_cast(piece, plgpu.Layout.WGMMA)
       return acc
 
     acc = lax.fori_loop(0, rounds, one_round,
@@ -217,7 +218,7 @@ def exchange_kernel(mechanism: str, *, e: int, c: int, v: int, rounds: int, clus
   return plgpu.kernel(
       body, out_type=jax.ShapeDtypeStruct((clusters, e, c, bw), F32),
       scratch_types=[part, whole, bar, _smem((c, bw), F32, _swizzle(bw, F32)),
-                     _smem((2, 32), jnp.int32)],
+                     _smem((2, _BAR_BYTES // 4), jnp.int32)],
       grid=(clusters,), grid_names=("cluster",), cluster=(e,), cluster_names=("slice",),
       compiler_params=plgpu.CompilerParams(lowering_semantics=SEMANTICS[mechanism]),
       kernel_name=f"dsmem_{mechanism.replace('.', '_')}")
