@@ -7,6 +7,11 @@ through DLPack, so both sides read the same numbers.
 
 FLA 0.6 would route grad-free bf16 calls to FlashQLA when it is importable; ``FLA_FLASH_QLA=0``
 is set before importing it so that the "fla" row is always FLA's own Triton path.
+
+Beside those GDN kernels (E = 1), the triadic paper's authors' own kernels run at every E
+(``AUTHORS``: ``cute-triadic-gdn``, CuTe DSL, Hopper only, D = V = 128, E in {1, 2, 4, 8, 12,
+16}; it needs ``nvidia-cutlass-dsl`` 4.7.1; benchmarks/RESULTS.md says how it was installed on
+the GPU machine). ``time_authors`` times them on the same inputs as our triadic op.
 """
 
 from __future__ import annotations
@@ -16,6 +21,8 @@ import os
 import statistics
 
 PEERS = ("fla", "flashqla")
+AUTHORS = "cute-triadic-gdn"
+AUTHORS_E = (1, 2, 4, 8, 12, 16)
 
 
 def _torch():
@@ -89,6 +96,48 @@ def time_gdn_peers(q, k, v, g, beta, reps: int, peers=PEERS) -> dict:
       out[name] = f"{type(err).__name__}: {err}"[:200]
     torch.cuda.empty_cache()
   return out
+
+
+def authors_fn():
+  """(the authors' ``chunk_gdn_joint``, None) or (None, why it is missing)."""
+  # torch is imported first (``_torch``): cutlass appends a folder with its own torch.py to
+  # sys.path.
+  if _torch() is None:
+    return None, "torch with CUDA not importable"
+  try:
+    from cute_triadic_gdn import chunk_gdn_joint
+  except ImportError as err:
+    return None, f"{type(err).__name__}: {err}"[:200]
+  return chunk_gdn_joint, None
+
+
+def time_authors(q, k, v, k2, q2, g, beta, reps: int):
+  """(fwd ms, fwd+bwd ms) or the reason string, of the authors' triadic kernels on the JAX inputs
+  of our op: q, k (B, T, H, 128), v (B, T, H, 128) in bf16, k2, q2, g (B, T, H, E), beta (B, T,
+  H). Their contract asks k2, q2, g and beta in float32 and T a multiple of 64. The forward is
+  timed without gradients (their plain autograd function then saves nothing, as our primal);
+  the forward+backward pulls back ones through o (they have no final-state output)."""
+  fn, why = authors_fn()
+  if fn is None:
+    return why
+  e = k2.shape[-1]
+  if e not in AUTHORS_E or q.shape[-1] != 128 or v.shape[-1] != 128 or q.shape[1] % 64:
+    return f"E={e}, D={q.shape[-1]}, V={v.shape[-1]}, T={q.shape[1]}: outside their kernels' sizes"
+  torch = _torch()
+  qt, kt, vt = (torch.from_dlpack(x).to(torch.bfloat16).contiguous() for x in (q, k, v))
+  k2t, q2t, gt, bt = (torch.from_dlpack(x).float().contiguous() for x in (k2, q2, g, beta))
+  scale = q.shape[-1] ** -0.5
+  try:
+    with torch.no_grad():
+      fwd = _time_cuda(torch, lambda: fn(qt, kt, vt, k2t, q2t, gt, bt, scale=scale), reps)
+    leaves = [x.detach().requires_grad_(True) for x in (qt, kt, vt, k2t, q2t, gt, bt)]
+    do = torch.ones_like(vt)
+    fb = _time_cuda(torch, lambda: fn(*leaves, scale=scale).backward(do), reps)
+  except Exception as err:  # reported, not fatal
+    return f"{type(err).__name__}: {err}"[:200]
+  finally:
+    torch.cuda.empty_cache()
+  return fwd, fb
 
 
 def warm(shapes, h=16, d=128, peers=PEERS) -> None:

@@ -4,7 +4,8 @@ The setting: bf16, H = 16, D = V = 128, 32768 tokens per batch (B=8 at T=4096, B
 65536), E in {1, 2, 4, 8}, chunk 64. The op table gives milliseconds (median of --reps timed calls
 after a warm-up) for forward and forward+backward, the ratio to our E = 1, and the ratio to the
 fastest of FLA's Triton chunk GDN and FlashQLA (``benchmarks/peers.py``), timed in the same process
-on the E = 1 slice of the same inputs when torch and those packages import (else reported missing).
+on the E = 1 slice of the same inputs when torch and those packages import (else reported missing),
+and the triadic paper's authors' kernels (``cute-triadic-gdn``) at every E on the same inputs.
 
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py                 # the full table (GPU)
   PYTHONPATH=. python3 benchmarks/triadic_kernels.py --check         # GPU correctness first
@@ -571,6 +572,9 @@ def main():
   parser.add_argument("--peers", nargs="*", default=list(peers.PEERS),
                       help="PyTorch GDN kernels timed on the same inputs (E = 1 slices of ours); "
                            "missing packages are reported and skipped; none: --peers")
+  parser.add_argument("--no-authors", action="store_true",
+                      help="op table: skip the triadic paper's authors' kernels (cute-triadic-gdn, "
+                           "timed at every E on the same inputs where it imports)")
   parser.add_argument("--op-variants", nargs="*", default=[],
                       help="op table: also the op with these Config fields set over the "
                            "default (which depends on B*H), one comma-joined set per pair of "
@@ -704,7 +708,8 @@ def op_table(args):
   """The whole op, forward and forward+backward, at every (T, E): pallas (the device's defaults;
   with --op-variants also those Config variants), on Hopper the Triton-only kernels,
   the chunked JAX form, cuDNN attention, and the PyTorch peers on the E = 1 slice of the same
-  inputs, with the ratios to the fastest peer."""
+  inputs, with the ratios to the fastest peer, and the authors' kernels at this E (``--no-authors``
+  skips them)."""
   h, d, vd = 16, 128, 128
   hopper = pops.is_hopper()
   nan = float("nan")
@@ -715,7 +720,7 @@ def op_table(args):
   cols = ("B | T | E | pallas fwd | pallas f+b | f+b vs E=1 |" + extra
           + " pallas-triton fwd | pallas-triton f+b | chunked fwd | chunked f+b | cudnn fwd"
           " | cudnn f+b | best peer fwd | best peer f+b | fwd vs peer | f+b vs peer"
-          " | pallas TFLOP/s fwd / f+b")
+          " | authors fwd | authors f+b | f+b vs authors | pallas TFLOP/s fwd / f+b")
   from triadic.pallas import plan as plan_lib
   print("| " + cols + " |")
   print("|" + "---|" * (cols.count("|") + 1))
@@ -761,12 +766,19 @@ def op_table(args):
       if not args.no_chunked:
         cf, cfb = triadic_fns("chunked")
         chk = (timeit(cf, xs, args.reps), timeit(cfb, xs, args.reps))
+      authors = (nan, nan)
+      if not args.no_authors:
+        res = peers.time_authors(*xs, reps=args.reps)
+        cell = f"{res[0]:.2f} / {res[1]:.2f} ms" if isinstance(res, tuple) else f"missing ({res})"
+        print(f"# peer {peers.AUTHORS} B={b} T={t} E={e}: fwd / f+b {cell}")
+        authors = res if isinstance(res, tuple) else authors
       fl = chunked_flops(b, t, h, d, vd, e)
       tf = lambda ms, mult: mult * fl / (ms * 1e-3) / 1e12
       vs1 = f"{pal[1] / e1:.2f}x" if e1 else "-"
       cells = ([b, t, e, f"{pal[0]:.2f}", f"{pal[1]:.2f}", vs1] + [f"{x:.2f}" for x in variants]
                + [f"{x:.2f}" for x in (*tri, *chk, *att, *best)]
                + [f"{pal[0] / best[0]:.2f}x", f"{pal[1] / best[1]:.2f}x",
+                  f"{authors[0]:.2f}", f"{authors[1]:.2f}", f"{pal[1] / authors[1]:.2f}x",
                   f"{tf(pal[0], 1):.0f} / {tf(pal[1], 3):.0f}"])
       print("| " + " | ".join(str(x) for x in cells) + " |")
       sys.stdout.flush()
