@@ -140,6 +140,34 @@ def time_authors(q, k, v, k2, q2, g, beta, reps: int):
   return fwd, fb
 
 
+def authors_kernels(q, k, v, k2, q2, g, beta, reps: int = 5):
+  """The authors' forward+backward under the PyTorch profiler, on the inputs of ``time_authors``:
+  [(kernel, launches per call, device ms per call)], longest first, or the reason string."""
+  fn, why = authors_fn()
+  if fn is None:
+    return why
+  torch = _torch()
+  from torch.profiler import ProfilerActivity, profile
+  leaves = [x.detach().requires_grad_(True) for x in
+            (*(torch.from_dlpack(x).to(torch.bfloat16).contiguous() for x in (q, k, v)),
+             *(torch.from_dlpack(x).float().contiguous() for x in (k2, q2, g, beta)))]
+  do = torch.ones_like(leaves[2])
+  step = lambda: fn(*leaves, scale=q.shape[-1] ** -0.5).backward(do)
+  try:
+    for _ in range(2):
+      step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+      for _ in range(reps):
+        step()
+      torch.cuda.synchronize()
+  except Exception as err:  # reported, not fatal
+    return f"{type(err).__name__}: {err}"[:200]
+  rows = [(e.key, e.count / reps, e.device_time_total / 1e3 / reps)
+          for e in prof.key_averages() if e.device_time_total > 0]
+  return sorted(rows, key=lambda r: -r[2])
+
+
 def warm(shapes, h=16, d=128, peers=PEERS) -> None:
   """Compile each peer's forward and backward at every (B, T) of ``shapes`` (random bf16 inputs,
   one call each) so that a later run in the same TileLang / Triton caches times, not compiles."""

@@ -573,8 +573,8 @@ def main():
                       help="PyTorch GDN kernels timed on the same inputs (E = 1 slices of ours); "
                            "missing packages are reported and skipped; none: --peers")
   parser.add_argument("--no-authors", action="store_true",
-                      help="op table: skip the triadic paper's authors' kernels (cute-triadic-gdn, "
-                           "timed at every E on the same inputs where it imports)")
+                      help="op table and --profile: skip the triadic paper's authors' kernels "
+                           "(cute-triadic-gdn, run at every E on the same inputs where it imports)")
   parser.add_argument("--op-variants", nargs="*", default=[],
                       help="op table: also the op with these Config fields set over the "
                            "default (which depends on B*H), one comma-joined set per pair of "
@@ -602,7 +602,7 @@ def main():
     layouts(args.t, args.e, args.reps)
     return
   if args.profile:
-    profile(args.t[0], args.e, args.reps, args.op_variants)
+    profile(args.t[0], args.e, args.reps, args.op_variants, authors=not args.no_authors)
     return
   if args.regions:
     regions(args.t[0], args.b, args.e, args.op_variants, args.regions_out)
@@ -610,10 +610,11 @@ def main():
   op_table(args)
 
 
-def profile(t, e_list, reps, variants=()):
+def profile(t, e_list, reps, variants=(), authors=True):
   """Per E, the op's forward+backward (bf16, H = 16, D = V = 128, 32768 tokens) under the JAX
   profiler, default config and each ``variants`` set: a table of every kernel and XLA fusion
-  with its launches and device ms per call (``common.kernel_profile``)."""
+  with its launches and device ms per call (``common.kernel_profile``); with ``authors``, the
+  authors' kernels on the same inputs under the PyTorch profiler (``peers.authors_kernels``)."""
   h, d, vd = 16, 128, 128
   b = SHAPES.get(t, max(1, 32768 // t))
   for e in e_list:
@@ -624,6 +625,16 @@ def profile(t, e_list, reps, variants=()):
       rows, wall = kernel_profile(fwd_bwd, xs, reps=reps)
       print(f"\n## f+b B={b} T={t} E={e} {variant or 'default'}\n")
       print(profile_table(rows, wall))
+      sys.stdout.flush()
+    if authors:
+      rows = peers.authors_kernels(*xs, reps=reps)
+      print(f"\n## {peers.AUTHORS} f+b B={b} T={t} E={e}\n")
+      if isinstance(rows, str):
+        print(f"missing ({rows})")
+        continue
+      print("| kernel | launches | ms |\n|---|---|---|")
+      print("\n".join(f"| {name[:80]} | {n:g} | {ms:.3f} |" for name, n, ms in rows))
+      print(f"| total | {sum(r[1] for r in rows):g} | {sum(r[2] for r in rows):.3f} |")
       sys.stdout.flush()
 
 
