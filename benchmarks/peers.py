@@ -10,8 +10,9 @@ is set before importing it so that the "fla" row is always FLA's own Triton path
 
 Beside those GDN kernels (E = 1), the triadic paper's authors' own kernels run at every E
 (``AUTHORS``: ``cute-triadic-gdn``, CuTe DSL, Hopper only, D = V = 128, E in {1, 2, 4, 8, 12,
-16}; it needs ``nvidia-cutlass-dsl`` 4.7.1; benchmarks/RESULTS.md says how it was installed on
-the GPU machine). ``time_authors`` times them on the same inputs as our triadic op.
+16}; it needs ``nvidia-cutlass-dsl`` 4.7.1: ``pack_authors.sh`` packs both for the GPU machine
+and says how to install them there). ``time_authors`` times them on the same inputs as our
+triadic op.
 """
 
 from __future__ import annotations
