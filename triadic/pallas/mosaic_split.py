@@ -1,0 +1,333 @@
+"""Hopper (Mosaic GPU) forward state pass with the E slices split between warpgroups and the
+chunk's other work on warpgroups of its own: a drop-in for ``mosaic.state_pass`` (same operands and
+outputs) at D = 128, V a multiple of 32, even E, bf16.
+
+Why this structure. ``mosaic.state_pass`` runs a chunk's whole chain on one warpgroup (two at
+most, splitting the state's D rows, so that every product over D leaves partial sums to
+exchange): the state update, the products with the state, U, and the output, one after another.
+Here, as in the triadic paper's authors' Hopper kernels, one program (grid (B*H, V / 32)) runs four
+warpgroups, each with one role:
+
+  warpgroups 0, 1  ("state") each hold E / 2 whole slices S_e (D x 32 float32, one array each).
+                   Per chunk they write them to SMEM in bf16 (the snapshot, which is also the
+                   TMA source of the chunk-start states), then decay them and add K^T W_e. Their
+                   only products are their own slices' updates; nothing is exchanged between them.
+  warpgroup 2      ("values") forms rhs = beta V - sum_e diag(fe_e) K S_e from the snapshot (E
+                   wgmmas of N = 32), U = A rhs and W_e = diag(fw_e) U for every slice.
+  warpgroup 3      ("output") forms o = scale (sum_e diag(fq_e) Q S_e + P U), off the chain.
+
+A chunk's chain is snapshot -> products -> U -> W -> update; the output overlaps it. The value
+block is 32 columns (``BLOCK_V``): at B = 2, H = 16, V = 128 that is 128 programs, one wave on
+132 multiprocessors, where the one-warpgroup pass at E = 8 runs 16 columns in two waves.
+``plgpu.set_max_registers`` gives the state warpgroups ``STATE_REGISTERS`` a thread (E / 2 slices
+of 32 registers at E = 8) and the others ``OTHER_REGISTERS``.
+
+Hand-offs (barriers with one arrival a warpgroup; each waiter waits every phase once, in order,
+and no barrier can run two phases ahead of a waiter, as the comments in the roles say):
+  ``h_ready`` (2 arrivals: the state warpgroups) the chunk's snapshot is in SMEM;
+  ``h_free``  (2: values, output) both are done reading it: the next one may be written;
+  ``w_ready`` (1: values) W and U are in SMEM;
+  ``u_free``  (1: output) the output has read U: the next one may be written.
+W is rewritten only after the next ``h_ready``, which the state warpgroups arrive at after their
+update (which read W) has completed. Each input is copied by the warpgroup that reads it (K by
+the values warpgroup, which shares it with the state warpgroups' K^T: two buffers by the chunk's
+parity, chunk n + 1's copied once ``h_ready`` of chunk n shows chunk n - 1's updates complete).
+Interpret mode on a CPU runs the roles as simulated threads; there K^T is an explicit transpose
+(``_Ops.transposed``) and register counts are not set.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import mosaic_gpu as plgpu
+
+from triadic.pallas.mosaic import (BARRIER_BYTES, BF16, F32, SMEM_ALIGN, _check_heads,
+                                   _check_pieces, _chunk_box, _compiler_params, _factors,
+                                   _interpret_params, _Ops, _partial, _smem, _swizzle, _t,
+                                   _wait_stores, sizes_reason)
+
+BLOCK_V = 32
+WARPGROUPS = 4
+STATE_REGISTERS = 168      # 2 x 168 + 2 x 88 = 512 registers a thread-quad: 65,536 a program
+OTHER_REGISTERS = 88
+SMEM_MAX = 227 * 1024      # what a block may have on Hopper
+# TMA barrier slots: K by parity (2), V, A, the row factors, Q, P, fq, lam and h0 staging per
+# state warpgroup (2 each).
+_K, _V, _A, _F, _Q, _P, _FQ, _LAM, _STAGE = 0, 2, 3, 4, 5, 6, 7, 8, 10
+_N_BARRIERS = 12
+
+
+def smem_bytes(d: int, c: int, e: int, save_x: bool, interpret: bool = False) -> int:
+  """SMEM of the kernel on hardware: every buffer rounded up to SMEM_ALIGN, then the barriers."""
+  bv = BLOCK_V
+  bufs = [2 * c * d * 2, c * d * 2,          # K (two buffers), Q
+          c * bv * 2, c * c * 2, c * c * 2,  # V block, A, P
+          (4 * e + 1) * c * 4, e * c * 4,    # row factors (with save_x's rows), fq rows
+          e * bv * 4,                        # lam, per slice and column
+          e * d * bv * 2,                    # snapshot (2, E / 2, D, 32) bf16
+          e * c * bv * 2,                    # W (2, E / 2, C, 32) bf16
+          2 * d * bv * 4,                    # h0 / final state staging, a slice per state wg
+          c * bv * 2, c * bv * 2, c * bv * 2,   # rhs, U, o
+          c * bv * 2 * save_x]               # X
+  bufs += [2 * d * c * 2] * interpret        # K^T per state warpgroup (interpret mode)
+  return (sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in bufs)
+          + (_N_BARRIERS + 4) * BARRIER_BYTES)
+
+
+def supported(d: int, vd: int, c: int, e: int, dtype, save_x: bool = True) -> str | None:
+  """Why the slice-split forward cannot take these sizes, or None if it can."""
+  reason = sizes_reason(d, vd, c, e, dtype, BLOCK_V, (BLOCK_V,), "the slice-split forward")
+  if reason:
+    return reason
+  if d != 128:
+    return f"the slice-split forward needs D = 128, got {d}"
+  if e % 2:
+    return f"the slice-split forward needs an even E (E / 2 slices a state warpgroup), got {e}"
+  need = smem_bytes(d, c, e, save_x)
+  if need > SMEM_MAX:
+    return f"the slice-split forward at E={e} needs {need} B of SMEM > {SMEM_MAX} B"
+  return None
+
+
+def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, erase,
+               save_x=False, heads=None, pieces=1, residuals=True, interpret=False):
+  """``mosaic.state_pass`` (same operands, outputs and ``heads`` / ``pieces`` layouts) by the
+  slice-split kernel; raises ValueError where ``supported`` refuses the sizes."""
+  vd = v.shape[-1]
+  _check_pieces(heads, pieces)
+  shape = (q if heads is None else _check_heads(heads, pieces, k2_col, q, k=k, v=v)).shape
+  bh, nc, c, d = shape
+  e_dim = k2_col.shape[-1]
+  save_x = bool(save_x and erase)
+  if save_x and not residuals:
+    raise ValueError("save_x needs residuals=True (X is a residual for the backward)")
+  reason = supported(d, vd, c, e_dim, q.dtype, save_x)
+  if reason:
+    raise ValueError(reason)
+  residuals = bool(residuals)
+  f, lam = _factors(gc_col, k2_col, q2_col, beta_col)
+  if save_x:
+    f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
+  lam = jnp.repeat(lam[..., None], BLOCK_V, axis=-1)                  # (BH, NC, E, 32)
+  sw = _swizzle(BLOCK_V)
+  scratch = [
+      _smem((2, c, d), BF16, sw),                    # K, by the chunk's parity
+      _smem((c, d), BF16, sw),                       # Q
+      _smem((c, BLOCK_V), BF16, sw),                 # V block
+      _smem((c, c), BF16, sw),                       # A
+      _smem((c, c), BF16, sw),                       # P
+      _smem((f.shape[2], c), F32),                   # row factors: fe, fq, fw, beta [, c]
+      _smem((e_dim, c), F32),                        # fq rows (the output's copy)
+      _smem((2, e_dim // 2, BLOCK_V), F32),          # lam per state warpgroup, slice, column
+      _smem((e_dim, d, BLOCK_V), BF16, sw),          # the snapshot, slice by slice
+      _smem((e_dim, c, BLOCK_V), BF16, sw),          # W_e = diag(fw_e) U
+      _smem((2, d, BLOCK_V), F32, _swizzle(BLOCK_V, F32)),   # h0 / final state staging
+      _smem((c, BLOCK_V), BF16, sw),                 # rhs (bf16 operand)
+      _smem((c, BLOCK_V), BF16, sw),                 # U (bf16 operand)
+      _smem((c, BLOCK_V), q.dtype, sw),              # o
+  ] + ([_smem((c, BLOCK_V), q.dtype, sw)] if save_x else []) + (      # X
+      [_smem((2, d, c), BF16, sw)] if interpret else [])              # K^T (interpret mode)
+  kernel = functools.partial(_kernel, scratch=scratch, nc=nc, e_dim=e_dim, scale=scale,
+                             erase=erase, save_x=save_x, interpret=bool(interpret), heads=heads,
+                             pieces=pieces, residuals=residuals)
+  per_chunk = jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype)
+  o_type = per_chunk if heads is None else jax.ShapeDtypeStruct((*q.shape[:3], vd), q.dtype)
+  saved = ([per_chunk] + [per_chunk] * save_x
+           + [jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype)]) if residuals else []
+  return tuple(plgpu.kernel(
+      kernel, out_type=[o_type, *saved, jax.ShapeDtypeStruct((bh, e_dim, d, vd), F32)],
+      scratch_types=[plgpu.Barrier(num_barriers=_N_BARRIERS), plgpu.Barrier(num_arrivals=2),
+                     plgpu.Barrier(num_arrivals=2), plgpu.Barrier(num_arrivals=1),
+                     plgpu.Barrier(num_arrivals=1)],
+      grid=(bh, vd // BLOCK_V), grid_names=("bh", "v"), num_threads=WARPGROUPS,
+      thread_name="wg", compiler_params=_compiler_params(regions=False),
+      interpret=_interpret_params(interpret), kernel_name="triadic_forward_mgpu_split",
+  )(q, k, v, a.astype(BF16), p.astype(BF16), f, lam, h0.astype(F32)))
+
+
+def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, nc, e_dim, scale,
+            erase, save_x, interpret, heads, pieces, residuals):
+  *outs, bars, h_ready, h_free, w_ready, u_free = outs_and_bars
+  if not residuals:                   # o and the final state only
+    (o_g, ht_g), u_g, x_g, st_g = outs, None, None, None
+  elif save_x:
+    o_g, u_g, x_g, st_g, ht_g = outs
+  else:
+    (o_g, u_g, st_g, ht_g), x_g = outs, None
+  ops = _Ops(interpret)
+  i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
+  bv, half = BLOCK_V, e_dim // 2
+  cols = pl.ds(j * bv, bv)
+  c = f_g.shape[-1]
+  at = _chunk_box(heads, i, c, pieces, nc)    # chunk n of q, k, v, o
+  # Row factors: fe (erase: rhs = beta V - sum fe_e R_e) or, with save_x, c (X = V - sum c_e R_e,
+  # rhs = beta X); fq; fw; beta.
+  r_rows = 3 * e_dim + 1 if save_x else 0
+  fw_rows, beta_row = 2 * e_dim, 3 * e_dim
+
+  def copy(src, dst, slot):
+    plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
+
+  def wait(slot):
+    plgpu.barrier_wait(bars.at[slot])
+
+  def copy_next(n, pairs):
+    """Chunk n + 1's copies (none after the last chunk)."""
+    @pl.when(n + 1 < nc)
+    def _():
+      for src, dst, slot in pairs(n + 1):
+        copy(src, dst, slot)
+
+  def body(k_s, q_s, v_s, a_s, p_s, f_s, fq_s, lam_s, snap_s, w_s, stage_s, rhs_s, u16_s, o_s,
+           *extra):
+    x_s = extra[0] if save_x else None
+    interp = extra[save_x:]               # K^T per state warpgroup (interpret mode)
+    k_at = lambda n: (at(k_g, n), k_s.at[n % 2], _K + n % 2)
+
+    @pl.when(w < 2)
+    def _state():
+      if not interpret:
+        plgpu.set_max_registers(STATE_REGISTERS, action="increase")
+      first = w * half                    # this warpgroup's slices: first, ..., first + half - 1
+      lam_at = lambda n: (lam_g.at[i, n, pl.ds(first, half)], lam_s.at[w], _LAM + w)
+      copy(*lam_at(0))
+      states = []
+      for e in range(half):               # h0, a slice at a time through the staging buffer
+        copy(h0_g.at[i, first + e, :, cols], stage_s.at[w], _STAGE + w)
+        wait(_STAGE + w)
+        states.append(ops.acc(stage_s.at[w][...]))
+        plgpu.commit_smem()               # every thread has read it before the next copy
+
+      def chunk(n, states):
+        plgpu.wgmma_wait(0)               # the updates of chunk n - 1 are complete
+        # The values and output warpgroups are done with snapshot n - 1 (they arrive at h_free
+        # before waiting for anything of chunk n, so it cannot run a phase ahead of this wait).
+        pl.when(n > 0)(lambda: plgpu.barrier_wait(h_free))
+        _wait_stores()                    # the chunk-start states' stores have read it
+        for e in range(half):
+          snap_s.at[first + e][...] = states[e].astype(BF16)
+        plgpu.commit_smem()
+        if residuals:
+          for e in range(half):
+            plgpu.copy_smem_to_gmem(snap_s.at[first + e], st_g.at[i, n, first + e, :, cols])
+        plgpu.barrier_arrive(h_ready)
+        wait(_LAM + w)
+        decayed = [ops.colvec(lam_s.at[w].at[e], states[e].shape[0]) * states[e]
+                   for e in range(half)]
+        plgpu.commit_smem()               # every thread has read lam
+        copy_next(n, lambda m: [lam_at(m)])
+        # W of chunk n (w_ready cannot run ahead: the next one needs this chunk's h_ready of
+        # both state warpgroups after their updates), and K of chunk n.
+        plgpu.barrier_wait(w_ready)
+        wait(_K + n % 2)
+        kt = ops.transposed(k_s.at[n % 2], interp[0].at[w] if interp else None)
+        # (W's block by a traced index: a static one inside the update's run_state does not lower)
+        return tuple(ops.mm_add(decayed[e], [(kt, w_s.at[first + e])]) for e in range(half))
+
+      states = lax.fori_loop(0, nc, chunk, tuple(states))
+      plgpu.barrier_wait(h_free)          # the last chunk's phase (every phase is waited for)
+      plgpu.wgmma_wait(0)
+      _wait_stores()
+      for e in range(half):               # the final state, a slice at a time
+        stage_s.at[w][...] = states[e]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage_s.at[w], ht_g.at[i, first + e, :, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(w == 2)
+    def _values():
+      if not interpret:
+        plgpu.set_max_registers(OTHER_REGISTERS, action="decrease")
+      v_at = lambda n: (at(v_g, n, cols), v_s, _V)
+      a_at = lambda n: (a_g.at[i, n], a_s, _A)
+      f_at = lambda n: (f_g.at[i, n], f_s, _F)
+      for pair in (k_at(0), v_at(0), f_at(0)) + ((a_at(0),) if erase else ()):
+        copy(*pair)
+
+      def chunk(n, carry):
+        _wait_stores()                    # U's and X's stores of chunk n - 1 have read them
+        wait(_F)
+        wait(_V)
+        wait(_K + n % 2)
+        plgpu.barrier_wait(h_ready)       # snapshot n (h_ready cannot run ahead: the next one
+        # needs this warpgroup's h_free below)
+        # K of chunk n + 1 into the other buffer, whose chunk n - 1 the state warpgroups' updates
+        # have read (they wrote snapshot n after them).
+        copy_next(n, lambda m: [k_at(m)])
+        beta = ops.rowvec(f_s, beta_row, bv)
+        v = ops.acc(v_s[...].astype(F32))
+        if erase:
+          r = _partial(ops, k_s.at[n % 2], snap_s, f_s, r_rows, bv)
+        plgpu.barrier_arrive(h_free)      # done with snapshot n
+        if erase:
+          if save_x:
+            x = v - r
+            x_s[...] = x.astype(x_s.dtype)
+            rhs = beta * x
+          else:
+            rhs = beta * v - r
+          rhs_s[...] = rhs.astype(BF16)
+          plgpu.commit_smem()             # every thread has read V
+          copy_next(n, lambda m: [v_at(m)])
+          if save_x:
+            plgpu.copy_smem_to_gmem(x_s, x_g.at[i, n, :, cols])
+          wait(_A)
+          u = ops.mm(a_s, rhs_s)
+          copy_next(n, lambda m: [a_at(m)])
+        else:
+          u = beta * v
+        # U of chunk n - 1 has been read by the output (u_free cannot run ahead: the next one
+        # needs this chunk's w_ready).
+        pl.when(n > 0)(lambda: plgpu.barrier_wait(u_free))
+        u16_s[...] = u.astype(BF16)
+        for e in range(e_dim):
+          w_s.at[e][...] = (ops.rowvec(f_s, fw_rows + e, bv) * u).astype(BF16)
+        plgpu.commit_smem()               # also: every thread has read V (no erase) and f
+        plgpu.barrier_arrive(w_ready)
+        copy_next(n, lambda m: [f_at(m)] + ([] if erase else [v_at(m)]))
+        if residuals:
+          plgpu.copy_smem_to_gmem(u16_s, u_g.at[i, n, :, cols])
+        return carry
+
+      lax.fori_loop(0, nc, chunk, None)
+      plgpu.barrier_wait(u_free)          # the last chunk's phase (every phase is waited for)
+      plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(w == 3)
+    def _output():
+      if not interpret:
+        plgpu.set_max_registers(OTHER_REGISTERS, action="decrease")
+      q_at = lambda n: (at(q_g, n), q_s, _Q)
+      p_at = lambda n: (p_g.at[i, n], p_s, _P)
+      fq_at = lambda n: (f_g.at[i, n, pl.ds(e_dim, e_dim)], fq_s, _FQ)
+      for pair in (q_at(0), p_at(0), fq_at(0)):
+        copy(*pair)
+
+      def chunk(n, carry):
+        _wait_stores()                    # o of chunk n - 1 has been stored
+        wait(_Q)
+        wait(_FQ)
+        plgpu.barrier_wait(h_ready)
+        y = _partial(ops, q_s, snap_s, fq_s, 0, bv)
+        plgpu.barrier_arrive(h_free)
+        plgpu.commit_smem()               # every thread has read fq
+        copy_next(n, lambda m: [q_at(m), fq_at(m)])
+        wait(_P)
+        plgpu.barrier_wait(w_ready)
+        out = ops.mm(p_s, u16_s) + y
+        plgpu.barrier_arrive(u_free)
+        copy_next(n, lambda m: [p_at(m)])
+        o_s[...] = (scale * out).astype(o_s.dtype)
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(o_s, at(o_g, n, cols))
+        return carry
+
+      lax.fori_loop(0, nc, chunk, None)
+      plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(body, *scratch, collective_axes=("wg",))
