@@ -152,6 +152,20 @@ def test_one_warpgroup_save_x_matches_recurrent():
                   heads=(b, h))
 
 
+def check_forward(fargs, got, want, save_x):
+  """A forward pass's outputs ``got`` against ``recurrent``'s ``want`` (``check_close``), and with
+  ``save_x`` its X (after U) against X formed from the reference's chunk-start states. Returns
+  ``got`` without X."""
+  if save_x:
+    x, got = got[2], got[:2] + got[3:]
+    q, k, v, k2, _, gc_col = fargs[:6]
+    want_x = jax.jit(mosaic_backward.x_from_states)(k, v, want[2], k2, gc_col)
+    assert x.shape == want_x.shape and x.dtype == q.dtype
+    assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
+  check_close(FORWARD_OUTPUTS, got, want)
+  return got
+
+
 SPLIT_CASES = [
     # b, t, h, v, e, erase, save_x, heads   (D = 128, C = 64, 32 value columns a program; NC = 3)
     pytest.param(1, 150, 1, 32, 2, True, True, False, id="E2-erase-saveX"),
@@ -171,16 +185,9 @@ def test_split_forward_matches_recurrent(b, t, h, vdim, e, erase, save_x, heads)
   for bit."""
   fargs = build(b, t, h, 128, vdim, e, 64, erase)[0]
   kw = dict(scale=SCALE, erase=erase, interpret=True)
-  got = mosaic_split.state_pass(*fargs, save_x=save_x, **kw)
-  want = reference(recurrent.state_pass, *fargs, scale=SCALE, erase=erase)
-  full = got
-  if save_x:
-    x, got = got[2], got[:2] + got[3:]
-    q, k, v, k2, _, gc_col = fargs[:6]
-    want_x = jax.jit(mosaic_backward.x_from_states)(k, v, want[2], k2, gc_col)
-    assert x.shape == want_x.shape and x.dtype == q.dtype
-    assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
-  check_close(FORWARD_OUTPUTS, got, want)
+  full = mosaic_split.state_pass(*fargs, save_x=save_x, **kw)
+  got = check_forward(fargs, full, reference(recurrent.state_pass, *fargs, scale=SCALE,
+                                             erase=erase), save_x)
   if not save_x:   # (with save_x, rhs = beta X: the same sum, rounded another way)
     lean = mosaic_split.state_pass(*fargs, residuals=False, **kw)
     assert len(lean) == 2
@@ -243,15 +250,8 @@ def match_recurrent(built, erase, save_x, kernel_kw, heads=None):
   kw = dict(scale=SCALE, erase=erase)
   run = (lambda f: f) if kernel_kw.get("warpgroups", 1) == 2 else jax.jit
   mk = dict(kw, interpret=True, **kernel_kw)
-  fwd = got = run(functools.partial(mosaic.state_pass, save_x=save_x, **mk))(*fargs)
-  want = reference(recurrent.state_pass, *fargs, **kw)
-  if save_x:
-    x, got = got[2], got[:2] + got[3:]
-    q, k, v, k2, _, gc_col = fargs[:6]
-    want_x = jax.jit(mosaic_backward.x_from_states)(k, v, want[2], k2, gc_col)
-    assert x.shape == want_x.shape and x.dtype == q.dtype
-    assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
-  check_close(FORWARD_OUTPUTS, got, want)
+  fwd = run(functools.partial(mosaic.state_pass, save_x=save_x, **mk))(*fargs)
+  check_forward(fargs, fwd, reference(recurrent.state_pass, *fargs, **kw), save_x)
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
   bwd = got = run(functools.partial(mosaic.reverse_state_pass, save_drhs=save_x, **mk))(*bargs)
   if save_x:

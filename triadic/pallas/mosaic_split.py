@@ -53,7 +53,7 @@ from triadic.pallas.mosaic import (BARRIER_BYTES, BF16, F32, SMEM_ALIGN, _check_
 
 BLOCK_V = 32
 WARPGROUPS = 4
-STATE_REGISTERS = 168      # 2 x 168 + 2 x 88 = 512 registers a thread-quad: 65,536 a program
+STATE_REGISTERS = 168      # 128 threads x (2 x 168 + 2 x 88) = 65,536, the register file
 OTHER_REGISTERS = 88
 SMEM_MAX = 227 * 1024      # what a block may have on Hopper
 # TMA barrier slots: K by parity (2), V, A, the row factors, Q, P, fq, lam and h0 staging per
