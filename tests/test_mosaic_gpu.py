@@ -217,6 +217,57 @@ def test_split_forward_lowers_for_cuda(e, erase, save_x, residuals, heads):
   assert not transposes_an_argument(text)
 
 
+SPLIT_REVERSE_CASES = [
+    # b, t, h, v, e, erase, save_drhs, heads   (D = 128, C = 64; NC = 3)
+    pytest.param(1, 150, 1, 32, 2, True, True, False, id="E2-erase-drhs"),
+    pytest.param(1, 150, 1, 32, 4, False, False, False, id="E4-noerase"),
+    pytest.param(2, 192, 2, 64, 2, True, True, True, id="B2-H2-E2-erase-drhs-heads"),
+]
+
+
+@pytest.mark.parametrize("b,t,h,vdim,e,erase,save_drhs,heads", SPLIT_REVERSE_CASES)
+def test_split_reverse_matches_recurrent(b, t, h, vdim, e, erase, save_drhs, heads):
+  """The split reverse pass (``mosaic_split.reverse_state_pass``: three warpgroups, eager)
+  against ``recurrent``: dU, the chunk-end state gradients and dh0; with save_drhs, A^T dU and
+  dV = beta A^T dU against their definition on the pass's own dU; with ``heads``, the
+  (B, T, H, X) layout gives every output bit for bit (dV in (B, T, H, V))."""
+  fargs, do, dht = build(b, t, h, 128, vdim, e, 64, erase)
+  bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
+  kw = dict(scale=SCALE, erase=erase, interpret=True)
+  full = got = mosaic_split.reverse_state_pass(*bargs, save_drhs=save_drhs, **kw)
+  if save_drhs:
+    du, drhs, dv, *got = got
+    got = (du, *got)
+    want_drhs = jax.jit(functools.partial(mosaic_backward.rhs_gradient, erase=True))(fargs[7], du)
+    for name, x, want in (("A^T dU", drhs, want_drhs), ("dV", dv, fargs[6] * want_drhs)):
+      assert x.shape == du.shape and x.dtype == fargs[0].dtype, name
+      assert rel_rms(x, want) < 4e-3, f"{name}: rel RMS {rel_rms(x, want):.2e}"
+  check_close(BACKWARD_OUTPUTS, got, reference(recurrent.reverse_state_pass, *bargs,
+                                               scale=SCALE, erase=erase))
+  if heads:
+    tok = lambda x: token_major(x, b, h)
+    by_heads = mosaic_split.reverse_state_pass(tok(bargs[0]), tok(bargs[1]), tok(bargs[2]),
+                                               *bargs[3:], heads=h, save_drhs=save_drhs, **kw)
+    want = (*full[:2], tok(full[2]), *full[3:]) if save_drhs else full
+    for x, y in zip(by_heads, want, strict=True):
+      assert x.shape == y.shape and bool(jnp.all(x == y))
+
+
+@pytest.mark.parametrize("e,erase,save_drhs,heads", [
+    (4, True, True, False), (2, False, False, False), (4, True, True, True)])
+def test_split_reverse_lowers_for_cuda(e, erase, save_drhs, heads):
+  """The split reverse pass passes the Mosaic GPU lowering in either layout; nothing runs."""
+  bh, nc, c, d, vdim = 2, 4, 64, 128, 128
+  qkv = [(1, nc * c, 2, d)] * 2 + [(1, nc * c, 2, vdim)] if heads else (
+      [(bh, nc, c, d)] * 2 + [(bh, nc, c, vdim)])
+  args = kernel_arg_specs(qkv, bh=bh, nc=nc, c=c, d=d, vdim=vdim, e=e)
+  bwd = jax.jit(functools.partial(mosaic_split.reverse_state_pass, scale=SCALE, erase=erase,
+                                  save_drhs=save_drhs, heads=2 if heads else None))
+  text = bwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "triadic_backward_states_mgpu_split" in text
+  assert not transposes_an_argument(text)
+
+
 def test_split_forward_supported():
   bf16 = jnp.bfloat16
   assert mosaic_split.supported(128, 128, 64, 8, bf16) is None
@@ -232,6 +283,12 @@ def test_split_forward_supported():
   assert odd.split_forward
   narrow = pops.explain(64, 128, 8, 64, bf16, config=cfg)
   assert not narrow.split_forward and "not split: " in narrow.forward.reason
+  assert mosaic_split.reverse_supported(128, 128, 64, 4, bf16) is None
+  assert "SMEM" in mosaic_split.reverse_supported(128, 128, 64, 8, bf16)
+  both = dataclasses.replace(cfg, split_reverse=True)
+  assert pops.explain(128, 128, 4, 64, bf16, config=both).split_reverse
+  at_8 = pops.explain(128, 128, 8, 64, bf16, config=both)
+  assert not at_8.split_reverse and "not split: " in at_8.backward_states.reason
   with pytest.raises(ValueError, match="even E"):
     x = jnp.zeros((1, 1, 64, 128), bf16)
     rest = (jnp.zeros((1, 1, 64, 3)),) * 3 + (jnp.zeros((1, 1, 64, 1)),) + (

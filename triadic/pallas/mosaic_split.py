@@ -1,6 +1,8 @@
-"""Hopper (Mosaic GPU) forward state pass with the E slices split between warpgroups and the
-chunk's other work on warpgroups of its own: a drop-in for ``mosaic.state_pass`` (same operands and
-outputs) at D = 128, V a multiple of 32, even E, bf16.
+"""Hopper (Mosaic GPU) state passes with the E slices split between warpgroups and the chunk's
+other work on warpgroups of their own: drop-ins for ``mosaic.state_pass`` and
+``mosaic.reverse_state_pass`` (same operands and outputs) at D = 128, V a multiple of 32, even E,
+bf16 (the reverse pass where its SMEM fits: E <= 4). The forward is described here, the reverse
+pass above its kernel.
 
 Why this structure. ``mosaic.state_pass`` runs a chunk's whole chain on one warpgroup (two at
 most, splitting the state's D rows, so that every product over D leaves partial sums to
@@ -46,10 +48,12 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
+from triadic.pallas.common import du_dtype
 from triadic.pallas.mosaic import (BARRIER_BYTES, BF16, F32, SMEM_ALIGN, _check_heads,
                                    _check_pieces, _chunk_box, _compiler_params, _factors,
-                                   _interpret_params, _Ops, _partial, _smem, _swizzle, _t,
-                                   _wait_stores, sizes_reason)
+                                   _interpret_params, _Ops, _partial, _rhs_boxes, _rhs_buffers,
+                                   _rhs_gradients, _smem, _swizzle, _t, _wait_stores,
+                                   sizes_reason)
 
 BLOCK_V = 32
 WARPGROUPS = 4
@@ -328,6 +332,230 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, 
         return carry
 
       lax.fori_loop(0, nc, chunk, None)
+      plgpu.wait_smem_to_gmem(0)
+
+  pl.run_scoped(body, *scratch, collective_axes=("wg",))
+
+
+# ------------------------------------------------------------------------------------------------
+# The reverse pass, split the same way: warpgroups 0 and 1 hold E / 2 slices of dS each, warpgroup
+# 2 forms dU = scale P^T dO + sum_e diag(fw_e) K dS_e from their bf16 snapshot, X_e = scale
+# diag(fq_e) dO and Z_e = -diag(fe_e) A^T dU; the state warpgroups then add Q^T X_e + K^T Z_e to
+# their decayed slices. Three warpgroups share the register file evenly (no reallocation).
+# Hand-offs as in the forward: ``h_ready`` (2 arrivals), ``h_free`` (1: the
+# values warpgroup), ``xz_ready`` (1). Q and K have two buffers by the step's parity, copied by
+# the values warpgroup once ``h_ready`` of step s shows the updates of step s - 1 complete.
+
+_RK, _RQ, _RDO, _RA, _RP, _RF, _RLAM, _RSTAGE = 0, 2, 4, 5, 6, 7, 8, 10
+_R_BARRIERS = 12
+
+
+def reverse_smem_bytes(d: int, c: int, e: int, save_drhs: bool, interpret: bool = False) -> int:
+  """SMEM of the split reverse pass on hardware, as ``smem_bytes``."""
+  bv = BLOCK_V
+  bufs = [2 * c * d * 2, 2 * c * d * 2,      # K, Q (two buffers each)
+          c * bv * 2, c * c * 2, c * c * 2,  # dO block, A, P
+          (3 * e + 1) * c * 4, e * bv * 4,   # row factors, lam
+          e * d * bv * 2,                    # snapshot
+          2 * e * c * bv * 2,                # X_e, Z_e
+          2 * d * bv * 4,                    # dht / dh0 staging
+          c * bv * 4]                        # dU (at most float32)
+  bufs += [c * bv * 2] * (2 * save_drhs)     # A^T dU, dV
+  bufs += [2 * d * c * 2 * 2, 2 * c * c * 2] * interpret   # K^T, Q^T a state wg, A^T, P^T
+  return (sum(-(-b // SMEM_ALIGN) * SMEM_ALIGN for b in bufs)
+          + (_R_BARRIERS + 3) * BARRIER_BYTES)
+
+
+def reverse_supported(d: int, vd: int, c: int, e: int, dtype, save_drhs: bool = True
+                      ) -> str | None:
+  """Why the split reverse pass cannot take these sizes, or None if it can."""
+  reason = supported(d, vd, c, e, dtype, save_x=False)
+  if reason:
+    return reason.replace("slice-split forward", "split reverse pass")
+  need = reverse_smem_bytes(d, c, e, save_drhs)
+  if need > SMEM_MAX:
+    return f"the split reverse pass at E={e} needs {need} B of SMEM > {SMEM_MAX} B"
+  return None
+
+
+def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *, scale, erase,
+                       heads=None, pieces=1, save_drhs=False, interpret=False):
+  """``mosaic.reverse_state_pass`` (same operands, outputs and layouts) by the split kernel;
+  raises ValueError where ``reverse_supported`` refuses the sizes."""
+  vd = do.shape[-1]
+  _check_pieces(heads, pieces)
+  shape = (q if heads is None else _check_heads(heads, pieces, k2_col, q, k=k, do=do)).shape
+  bh, nc, c, d = shape
+  e_dim = k2_col.shape[-1]
+  save_drhs = bool(save_drhs and erase)
+  reason = reverse_supported(d, vd, c, e_dim, q.dtype, save_drhs)
+  if reason:
+    raise ValueError(reason)
+  f, lam = _factors(gc_col, k2_col, q2_col, beta_col)
+  lam = jnp.repeat(lam[..., None], BLOCK_V, axis=-1)                  # (BH, NC, E, 32)
+  sw = _swizzle(BLOCK_V)
+  du_type = du_dtype(q.dtype, erase)
+  scratch = [
+      _smem((2, c, d), BF16, sw),                    # K, by the step's parity
+      _smem((2, c, d), BF16, sw),                    # Q, likewise
+      _smem((c, BLOCK_V), BF16, sw),                 # dO block
+      _smem((c, c), BF16, sw),                       # A
+      _smem((c, c), BF16, sw),                       # P
+      _smem((f.shape[2], c), F32),                   # row factors: fe, fq, fw, beta
+      _smem((2, e_dim // 2, BLOCK_V), F32),          # lam per state warpgroup, slice, column
+      _smem((e_dim, d, BLOCK_V), BF16, sw),          # the snapshot of dS, slice by slice
+      _smem((e_dim, c, BLOCK_V), BF16, sw),          # X_e = scale diag(fq_e) dO
+      _smem((e_dim, c, BLOCK_V), BF16, sw),          # Z_e = -diag(fe_e) A^T dU
+      _smem((2, d, BLOCK_V), F32, _swizzle(BLOCK_V, F32)),   # dht / dh0 staging
+      _smem((c, BLOCK_V), du_type, _swizzle(BLOCK_V, du_type)),   # dU
+  ] + _rhs_buffers(c, BLOCK_V, q.dtype, save_drhs) + (
+      [_smem((2, 2, d, c), BF16, sw), _smem((2, c, c), BF16, sw)]   # K^T, Q^T; A^T, P^T
+      if interpret else [])                                           # (interpret mode)
+  kernel = functools.partial(_reverse_kernel, scratch=scratch, nc=nc, e_dim=e_dim, scale=scale,
+                             erase=erase, save_drhs=save_drhs, interpret=bool(interpret),
+                             heads=heads, pieces=pieces)
+  per_chunk = jax.ShapeDtypeStruct((bh, nc, c, vd), q.dtype)
+  dv = per_chunk if heads is None else jax.ShapeDtypeStruct((*q.shape[:3], vd), q.dtype)
+  out_type = ([jax.ShapeDtypeStruct((bh, nc, c, vd), du_type)] + [per_chunk, dv] * save_drhs
+              + [jax.ShapeDtypeStruct((bh, nc, e_dim, d, vd), q.dtype),
+                 jax.ShapeDtypeStruct((bh, e_dim, d, vd), F32)])
+  return tuple(plgpu.kernel(
+      kernel, out_type=out_type,
+      scratch_types=[plgpu.Barrier(num_barriers=_R_BARRIERS), plgpu.Barrier(num_arrivals=2),
+                     plgpu.Barrier(num_arrivals=1), plgpu.Barrier(num_arrivals=1)],
+      grid=(bh, vd // BLOCK_V), grid_names=("bh", "v"), num_threads=3, thread_name="wg",
+      compiler_params=_compiler_params(regions=False),
+      interpret=_interpret_params(interpret), kernel_name="triadic_backward_states_mgpu_split",
+  )(k, q, do.astype(q.dtype), a.astype(BF16), p.astype(BF16), f, lam, dht.astype(F32)))
+
+
+def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and_bars, scratch,
+                    nc, e_dim, scale, erase, save_drhs, interpret, heads, pieces):
+  rhs_g = outs_and_bars[:2 * save_drhs]        # save_drhs: A^T dU and dV = beta A^T dU
+  dst_g, dh0_g, bars, h_ready, h_free, xz_ready = outs_and_bars[2 * save_drhs:]
+  ops = _Ops(interpret)
+  i, j, w = lax.axis_index("bh"), lax.axis_index("v"), lax.axis_index("wg")
+  bv, half = BLOCK_V, e_dim // 2
+  cols = pl.ds(j * bv, bv)
+  c = f_g.shape[-1]
+  at = _chunk_box(heads, i, c, pieces, nc)    # chunk n of k, q, dO (and dV)
+  rhs_at = _rhs_boxes(rhs_g, at, i, cols)
+  erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
+  chunk_of = lambda step: nc - 1 - step
+
+  def copy(src, dst, slot):
+    plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
+
+  def wait(slot):
+    plgpu.barrier_wait(bars.at[slot])
+
+  def copy_next(step, pairs):
+    @pl.when(step + 1 < nc)
+    def _():
+      for src, dst, slot in pairs(step + 1):
+        copy(src, dst, slot)
+
+  def body(k_s, q_s, do_s, a_s, p_s, f_s, lam_s, snap_s, x_s, z_s, stage_s, du_s, *extra):
+    rhs_s, interp = extra[:2 * save_drhs], extra[2 * save_drhs:]
+    k_at = lambda st: (at(k_g, chunk_of(st)), k_s.at[st % 2], _RK + st % 2)
+    q_at = lambda st: (at(q_g, chunk_of(st)), q_s.at[st % 2], _RQ + st % 2)
+
+    @pl.when(w < 2)
+    def _state():
+      first = w * half
+      lam_at = lambda st: (lam_g.at[i, chunk_of(st), pl.ds(first, half)], lam_s.at[w],
+                           _RLAM + w)
+      copy(*lam_at(0))
+      states = []
+      for e in range(half):               # dht, a slice at a time through the staging buffer
+        copy(dht_g.at[i, first + e, :, cols], stage_s.at[w], _RSTAGE + w)
+        wait(_RSTAGE + w)
+        states.append(ops.acc(stage_s.at[w][...]))
+        plgpu.commit_smem()
+
+      def step_fn(step, states):
+        n = chunk_of(step)
+        plgpu.wgmma_wait(0)               # the updates of step - 1 are complete
+        pl.when(step > 0)(lambda: plgpu.barrier_wait(h_free))
+        _wait_stores()
+        for e in range(half):
+          snap_s.at[first + e][...] = states[e].astype(BF16)
+        plgpu.commit_smem()
+        for e in range(half):             # the chunk-end state gradients
+          plgpu.copy_smem_to_gmem(snap_s.at[first + e], dst_g.at[i, n, first + e, :, cols])
+        plgpu.barrier_arrive(h_ready)
+        wait(_RLAM + w)
+        decayed = [ops.colvec(lam_s.at[w].at[e], states[e].shape[0]) * states[e]
+                   for e in range(half)]
+        plgpu.commit_smem()
+        copy_next(step, lambda st: [lam_at(st)])
+        plgpu.barrier_wait(xz_ready)
+        wait(_RQ + step % 2)
+        wait(_RK + step % 2)
+        slot = interp[0].at[w] if interp else None
+        qt = ops.transposed(q_s.at[step % 2], None if slot is None else slot.at[0])
+        kt = ops.transposed(k_s.at[step % 2], None if slot is None else slot.at[1])
+        # (X's and Z's blocks by a traced index: a static one inside run_state does not lower)
+        return tuple(ops.mm_add(decayed[e], [(qt, x_s.at[first + e])]
+                                + ([(kt, z_s.at[first + e])] if erase else []))
+                     for e in range(half))
+
+      states = lax.fori_loop(0, nc, step_fn, tuple(states))
+      plgpu.barrier_wait(h_free)          # the last step's phase (every phase is waited for)
+      plgpu.wgmma_wait(0)
+      _wait_stores()
+      for e in range(half):
+        stage_s.at[w][...] = states[e]
+        plgpu.commit_smem()
+        plgpu.copy_smem_to_gmem(stage_s.at[w], dh0_g.at[i, first + e, :, cols])
+        plgpu.wait_smem_to_gmem(0)
+
+    @pl.when(w == 2)
+    def _values():
+      do_at = lambda st: (at(do_g, chunk_of(st), cols), do_s, _RDO)
+      a_at = lambda st: (a_g.at[i, chunk_of(st)], a_s, _RA)
+      p_at = lambda st: (p_g.at[i, chunk_of(st)], p_s, _RP)
+      f_at = lambda st: (f_g.at[i, chunk_of(st)], f_s, _RF)
+      for pair in (k_at(0), q_at(0), do_at(0), p_at(0), f_at(0)) + ((a_at(0),) if erase else ()):
+        copy(*pair)
+      tr = lambda ref, at_: ops.transposed(ref, interp[1].at[at_] if interp else None)
+
+      def step_fn(step, carry):
+        n = chunk_of(step)
+        _wait_stores()                    # dU's (and A^T dU's, dV's) stores of step - 1
+        wait(_RK + step % 2)
+        wait(_RP)
+        wait(_RDO)
+        wait(_RF)
+        plgpu.barrier_wait(h_ready)
+        # K and Q of step + 1 into the other buffers: the state warpgroups' updates of step - 1,
+        # their last readers, are complete (they wrote this step's snapshot after them).
+        copy_next(step, lambda st: [k_at(st), q_at(st)])
+        r = _partial(ops, k_s.at[step % 2], snap_s, f_s, write_rows, bv)
+        plgpu.barrier_arrive(h_free)
+        du = scale * ops.mm(tr(p_s, 1), do_s) + r
+        du_s[...] = du.astype(du_s.dtype)
+        do = ops.acc(do_s[...].astype(F32))
+        for e in range(e_dim):
+          x_s.at[e][...] = (scale * ops.rowvec(f_s, read_rows + e, bv) * do).astype(BF16)
+        if erase:
+          plgpu.commit_smem()             # dU is A^T dU's operand
+          wait(_RA)
+          drhs = ops.mm(tr(a_s, 0), du_s)
+          for e in range(e_dim):
+            z_s.at[e][...] = (-ops.rowvec(f_s, erase_rows + e, bv) * drhs).astype(BF16)
+          if save_drhs:
+            _rhs_gradients(ops, rhs_s, drhs, f_s, beta_row, bv)
+        plgpu.commit_smem()               # also: every thread has read dO, P, A and f
+        plgpu.barrier_arrive(xz_ready)
+        copy_next(step, lambda st: [do_at(st), p_at(st), f_at(st)]
+                  + ([a_at(st)] if erase else []))
+        plgpu.copy_smem_to_gmem(du_s, du_g.at[i, n, :, cols])
+        for out_s, out_at in zip(rhs_s, rhs_at):
+          plgpu.copy_smem_to_gmem(out_s, out_at(n))
+        return carry
+
+      lax.fori_loop(0, nc, step_fn, None)
       plgpu.wait_smem_to_gmem(0)
 
   pl.run_scoped(body, *scratch, collective_axes=("wg",))

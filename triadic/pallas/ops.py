@@ -239,7 +239,8 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None, save_drhs=False,
   operands are token-major (``plan.layout``). ``residuals=False``: the forward returns o and the
   final state only (``_core``'s primal): the Mosaic forward then writes nothing else; the
   Triton / TPU one still writes U and the chunk-start states, which are dropped. The Mosaic
-  forward is the slice-split kernel where the plan says (``Config.split_forward``)."""
+  forward and reverse passes are the slice-split kernels where the plan says
+  (``Config.split_forward``, ``Config.split_reverse``)."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_state_kernels:
     sizes = dict(d=q.shape[-1], vd=v.shape[-1], c=k2.shape[-2], e=k2.shape[-1])
@@ -250,10 +251,11 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None, save_drhs=False,
     forward = (functools.partial(mosaic_split.state_pass, **kw) if plan.split_forward else
                functools.partial(mosaic.state_pass, block_v=tiles.block_v,
                                  warpgroups=tiles.forward_warpgroups, **kw))
-    kw["block_v"] = tiles.block_v
+    reverse = (functools.partial(mosaic_split.reverse_state_pass, **kw) if plan.split_reverse
+               else functools.partial(mosaic.reverse_state_pass, block_v=tiles.block_v,
+                                      warpgroups=tiles.reverse_warpgroups, **kw))
     return (functools.partial(forward, save_x=save_x, residuals=residuals),
-            functools.partial(mosaic.reverse_state_pass, warpgroups=tiles.reverse_warpgroups,
-                              save_drhs=save_drhs, **kw))
+            functools.partial(reverse, save_drhs=save_drhs))
   forward = functools.partial(recurrent.state_pass, cfg=cfg)
   return (forward if residuals else functools.partial(_outputs_only, forward),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))

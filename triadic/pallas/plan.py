@@ -44,6 +44,7 @@ class Plan:
   saves_masks: bool = False       # the forward keeps M', M for the split tail (Config.save_masks)
   drhs_in_reverse_pass: bool = False  # Config.drhs_in_reverse_pass, read by ``saves_drhs``
   split_forward: bool = False     # the forward by the slice-split kernel (Config.split_forward)
+  split_reverse: bool = False     # the reverse pass likewise (Config.split_reverse)
 
   @property
   def stages(self) -> tuple[Stage, ...]:
@@ -122,8 +123,18 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
         forward, tiles=forward.tiles + "; without gradients o and the final state only")
     bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, "at chunk start",
                               "K^T Q^T A^T P^T")
+    split_rev = (mosaic_split.reverse_supported(d, vd, c, e, dtype) if cfg.split_reverse
+                 else "Config.split_reverse off")
+    if split_rev is None:
+      bwd_states = Stage("backward_states", "mosaic_gpu" + interp,
+                         f"slice split: block_v {mosaic_split.BLOCK_V}, 3 warpgroups (2 x "
+                         f"{e // 2} slices of dS; dU, X and Z), K^T Q^T A^T P^T as transposed "
+                         "SMEM views", "Config.split_reverse")
+    elif cfg.split_reverse:
+      bwd_states = dataclasses.replace(bwd_states,
+                                       reason=bwd_states.reason + f"; not split: {split_rev}")
   else:
-    split = state_reason
+    split = split_rev = state_reason
     tiles = f"block_v {cfg.block_v}, {loop}"
     forward = Stage("forward", base, tiles, state_reason)
     bwd_states = Stage("backward_states", base, tiles, state_reason)
@@ -164,7 +175,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   saves_masks = (cb_reason is None and not fused and refused is not None and cfg.save_masks)
   plan = Plan(sizes, prep, forward, bwd_states, chunk_bwd, masks_in_prep=refused is None,
               saves_masks=saves_masks, drhs_in_reverse_pass=cfg.drhs_in_reverse_pass,
-              split_forward=split is None)
+              split_forward=split is None, split_reverse=split_rev is None)
   _log_once(plan)
   return plan
 
