@@ -21,8 +21,8 @@ warpgroups, each with one role:
 A chunk's chain is snapshot -> products -> U -> W -> update; the output overlaps it. The value
 block is 32 columns (``BLOCK_V``): at B = 2, H = 16, V = 128 that is 128 programs, one wave on
 132 multiprocessors, where the one-warpgroup pass at E = 8 runs 16 columns in two waves.
-``plgpu.set_max_registers`` gives the state warpgroups ``STATE_REGISTERS`` a thread (E / 2 slices
-of 32 registers at E = 8) and the others ``OTHER_REGISTERS``.
+``plgpu.set_max_registers`` gives the state warpgroups ``STATE_REGISTERS`` a thread (their slices
+take 32 each: 128 at E = 8) and the others ``OTHER_REGISTERS``.
 
 Hand-offs (barriers with one arrival a warpgroup; each waiter waits every phase once, in order,
 and no barrier can run two phases ahead of a waiter, as the comments in the roles say):
@@ -34,8 +34,10 @@ W is rewritten only after the next ``h_ready``, which the state warpgroups arriv
 update (which read W) has completed. Each input is copied by the warpgroup that reads it (K by
 the values warpgroup, which shares it with the state warpgroups' K^T: two buffers by the chunk's
 parity, chunk n + 1's copied once ``h_ready`` of chunk n shows chunk n - 1's updates complete).
-Interpret mode on a CPU runs the roles as simulated threads; there K^T is an explicit transpose
-(``_Ops.transposed``) and register counts are not set.
+Interpret mode on a CPU runs the roles as simulated threads, whose barrier waits need XLA's CPU
+thread pool larger than the warpgroups that can block at once (tests/conftest.py sets
+``NPROC``); there K^T is an explicit transpose (``_Ops.transposed``) and register counts are not
+set.
 """
 
 from __future__ import annotations
