@@ -303,8 +303,7 @@ def test_hopper_op_with_split_passes_matches_scan():
     (64, 4, None, 1, 1),      # D = 64: one warpgroup
     (128, 8, None, 1, 2),     # the default at E = 8: block_v 16, two warpgroups in reverse only
     (128, 8, 2, 2, 2),        # Config.state_warpgroups=2: both passes, block_v 32
-    (128, 8, "split", 4, 2),  # Config.split_forward / split_reverse: the forward split, the
-    (128, 4, "split", 4, 3),  # reverse where its SMEM fits (E <= 4), else the default
+    (128, 8, "split", 4, 3),  # Config.split_forward, split_reverse: both passes slice-split
 ])
 def test_hopper_op_lowers_for_cuda(d, e, state_wgs, fwd_wgs, rev_wgs):
   """The whole op, forward and backward, with the Hopper defaults (the state passes' warpgroups

@@ -75,7 +75,7 @@ class Config:
   128, even E), else as without it.
   split_reverse: likewise the reverse state pass (``mosaic_split.reverse_state_pass``: two
   warpgroups holding E / 2 slices of dS each, one forming dU, X and Z) where
-  ``mosaic_split.reverse_supported`` takes the sizes (its SMEM fits up to E = 4).
+  ``mosaic_split.reverse_supported`` takes the sizes (D = 128, even E up to 8).
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).

@@ -1,8 +1,7 @@
 """Hopper (Mosaic GPU) state passes with the E slices split between warpgroups and the chunk's
 other work on warpgroups of their own: drop-ins for ``mosaic.state_pass`` and
 ``mosaic.reverse_state_pass`` (same operands and outputs) at D = 128, V a multiple of 32, even E,
-bf16 (the reverse pass where its SMEM fits: E <= 4). The forward is described here, the reverse
-pass above its kernel.
+bf16. The forward is described here, the reverse pass above its kernel.
 
 Why this structure. ``mosaic.state_pass`` runs a chunk's whole chain on one warpgroup (two at
 most, splitting the state's D rows, so that every product over D leaves partial sums to
@@ -344,9 +343,10 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, 
 # 2 forms dU = scale P^T dO + sum_e diag(fw_e) K dS_e from their bf16 snapshot, X_e = scale
 # diag(fq_e) dO and Z_e = -diag(fe_e) A^T dU; the state warpgroups then add Q^T X_e + K^T Z_e to
 # their decayed slices. Three warpgroups share the register file evenly (no reallocation).
-# Hand-offs as in the forward: ``h_ready`` (2 arrivals), ``h_free`` (1: the
-# values warpgroup), ``xz_ready`` (1). Q and K have two buffers by the step's parity, copied by
-# the values warpgroup once ``h_ready`` of step s shows the updates of step s - 1 complete.
+# Hand-offs as in the forward: ``h_ready`` (2 arrivals), ``h_free`` (1: the values warpgroup),
+# ``xz_ready`` (1). The values warpgroup copies the inputs; once ``h_ready`` of step s shows the
+# updates of step s - 1 complete, K of step s + 1 (two buffers by the step's parity) and Q of
+# step s (one buffer: the state warpgroups read it last, in their update).
 
 _RK, _RQ, _RDO, _RA, _RP, _RF, _RLAM, _RSTAGE = 0, 2, 4, 5, 6, 7, 8, 10
 _R_BARRIERS = 12
@@ -355,12 +355,12 @@ _R_BARRIERS = 12
 def reverse_smem_bytes(d: int, c: int, e: int, save_drhs: bool, interpret: bool = False) -> int:
   """SMEM of the split reverse pass on hardware, as ``smem_bytes``."""
   bv = BLOCK_V
-  bufs = [2 * c * d * 2, 2 * c * d * 2,      # K, Q (two buffers each)
+  bufs = [2 * c * d * 2, c * d * 2,          # K (two buffers), Q
           c * bv * 2, c * c * 2, c * c * 2,  # dO block, A, P
           (3 * e + 1) * c * 4, e * bv * 4,   # row factors, lam
           e * d * bv * 2,                    # snapshot
-          2 * e * c * bv * 2,                # X_e, Z_e
-          2 * d * bv * 4,                    # dht / dh0 staging
+          max(e * c * bv * 2, 2 * d * bv * 4),   # X_e, or (before and after the loop) staging
+          e * c * bv * 2,                    # Z_e
           c * bv * 4]                        # dU (at most float32)
   bufs += [c * bv * 2] * (2 * save_drhs)     # A^T dU, dV
   bufs += [2 * d * c * 2 * 2, 2 * c * c * 2] * interpret   # K^T, Q^T a state wg, A^T, P^T
@@ -397,18 +397,21 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   lam = jnp.repeat(lam[..., None], BLOCK_V, axis=-1)                  # (BH, NC, E, 32)
   sw = _swizzle(BLOCK_V)
   du_type = du_dtype(q.dtype, erase)
+  x_and_stage = (_smem((e_dim, c, BLOCK_V), BF16, sw),
+                 _smem((2, d, BLOCK_V), F32, _swizzle(BLOCK_V, F32)))
   scratch = [
       _smem((2, c, d), BF16, sw),                    # K, by the step's parity
-      _smem((2, c, d), BF16, sw),                    # Q, likewise
+      _smem((c, d), BF16, sw),                       # Q
       _smem((c, BLOCK_V), BF16, sw),                 # dO block
       _smem((c, c), BF16, sw),                       # A
       _smem((c, c), BF16, sw),                       # P
       _smem((f.shape[2], c), F32),                   # row factors: fe, fq, fw, beta
       _smem((2, e_dim // 2, BLOCK_V), F32),          # lam per state warpgroup, slice, column
       _smem((e_dim, d, BLOCK_V), BF16, sw),          # the snapshot of dS, slice by slice
-      _smem((e_dim, c, BLOCK_V), BF16, sw),          # X_e = scale diag(fq_e) dO
+      # X_e = scale diag(fq_e) dO in the loop; before and after it the dht / dh0 staging (one
+      # SMEM region on hardware; two in interpret mode, whose copies take no aliased refs)
+      (x_and_stage if interpret else plgpu.RefUnion(*x_and_stage)),
       _smem((e_dim, c, BLOCK_V), BF16, sw),          # Z_e = -diag(fe_e) A^T dU
-      _smem((2, d, BLOCK_V), F32, _swizzle(BLOCK_V, F32)),   # dht / dh0 staging
       _smem((c, BLOCK_V), du_type, _swizzle(BLOCK_V, du_type)),   # dU
   ] + _rhs_buffers(c, BLOCK_V, q.dtype, save_drhs) + (
       [_smem((2, 2, d, c), BF16, sw), _smem((2, c, c), BF16, sw)]   # K^T, Q^T; A^T, P^T
@@ -457,10 +460,14 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and
       for src, dst, slot in pairs(step + 1):
         copy(src, dst, slot)
 
-  def body(k_s, q_s, do_s, a_s, p_s, f_s, lam_s, snap_s, x_s, z_s, stage_s, du_s, *extra):
+  def body(k_s, q_s, do_s, a_s, p_s, f_s, lam_s, snap_s, union, z_s, du_s, *extra):
+    # X and the staging share their SMEM: the values warpgroup writes X first after the first
+    # h_ready, which the state warpgroups arrive at once they have read dht; they stage dh0 after
+    # their last update, X's last reader.
+    x_s, stage_s = union
     rhs_s, interp = extra[:2 * save_drhs], extra[2 * save_drhs:]
     k_at = lambda st: (at(k_g, chunk_of(st)), k_s.at[st % 2], _RK + st % 2)
-    q_at = lambda st: (at(q_g, chunk_of(st)), q_s.at[st % 2], _RQ + st % 2)
+    q_at = lambda st: (at(q_g, chunk_of(st)), q_s, _RQ)
 
     @pl.when(w < 2)
     def _state():
@@ -492,10 +499,10 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and
         plgpu.commit_smem()
         copy_next(step, lambda st: [lam_at(st)])
         plgpu.barrier_wait(xz_ready)
-        wait(_RQ + step % 2)
+        wait(_RQ)
         wait(_RK + step % 2)
         slot = interp[0].at[w] if interp else None
-        qt = ops.transposed(q_s.at[step % 2], None if slot is None else slot.at[0])
+        qt = ops.transposed(q_s, None if slot is None else slot.at[0])
         kt = ops.transposed(k_s.at[step % 2], None if slot is None else slot.at[1])
         # (X's and Z's blocks by a traced index: a static one inside run_state does not lower)
         return tuple(ops.mm_add(decayed[e], [(qt, x_s.at[first + e])]
@@ -530,9 +537,10 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and
         wait(_RDO)
         wait(_RF)
         plgpu.barrier_wait(h_ready)
-        # K and Q of step + 1 into the other buffers: the state warpgroups' updates of step - 1,
-        # their last readers, are complete (they wrote this step's snapshot after them).
-        copy_next(step, lambda st: [k_at(st), q_at(st)])
+        # The state warpgroups' updates of step - 1 are complete (they wrote this step's snapshot
+        # after them): K of step + 1 into the buffer they read, and Q of this step into its one.
+        copy_next(step, lambda st: [k_at(st)])
+        pl.when(step > 0)(lambda: copy(*q_at(step)))
         r = _partial(ops, k_s.at[step % 2], snap_s, f_s, write_rows, bv)
         plgpu.barrier_arrive(h_free)
         du = scale * ops.mm(tr(p_s, 1), do_s) + r
