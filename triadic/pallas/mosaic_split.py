@@ -348,8 +348,10 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, 
 # updates of step s - 1 complete, K of step s + 1 (two buffers by the step's parity) and Q of
 # step s (one buffer: the state warpgroups read it last, in their update).
 
-_RK, _RQ, _RDO, _RA, _RP, _RF, _RLAM, _RSTAGE = 0, 2, 4, 5, 6, 7, 8, 10
-_R_BARRIERS = 12
+# TMA barrier slots: K by parity (2), Q, dO, A, P, the row factors, lam and dht staging per state
+# warpgroup (2 each).
+_RK, _RQ, _RDO, _RA, _RP, _RF, _RLAM, _RSTAGE = 0, 2, 3, 4, 5, 6, 7, 9
+_R_BARRIERS = 11
 
 
 def reverse_smem_bytes(d: int, c: int, e: int, save_drhs: bool, interpret: bool = False) -> int:
