@@ -206,14 +206,20 @@ def test_split_forward_matches_recurrent(b, t, h, vdim, e, erase, save_x, heads)
 def test_split_forward_lowers_for_cuda(e, erase, save_x, residuals, heads):
   """The slice-split forward passes the Mosaic GPU lowering (four warpgroups, register counts,
   SMEM within the 227 KiB at E = 8 with every residual), in either layout; nothing runs."""
+  lower_split(mosaic_split.state_pass, "triadic_forward_mgpu_split", e, heads, erase=erase,
+              save_x=save_x, residuals=residuals)
+
+
+def lower_split(fn, kernel, e, heads, **kw):
+  """Lower the split pass ``fn`` for CUDA (B * H = 2, NC = 4, D = V = 128; with ``heads`` B = 1,
+  H = 2 in (B, T, H, X)): the program names ``kernel`` and transposes no argument."""
   bh, nc, c, d, vdim = 2, 4, 64, 128, 128
   qkv = [(1, nc * c, 2, d)] * 2 + [(1, nc * c, 2, vdim)] if heads else (
       [(bh, nc, c, d)] * 2 + [(bh, nc, c, vdim)])
   args = kernel_arg_specs(qkv, bh=bh, nc=nc, c=c, d=d, vdim=vdim, e=e)
-  fwd = jax.jit(functools.partial(mosaic_split.state_pass, scale=SCALE, erase=erase,
-                                  save_x=save_x, residuals=residuals, heads=2 if heads else None))
-  text = fwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triadic_forward_mgpu_split" in text
+  lowered = jax.jit(functools.partial(fn, scale=SCALE, heads=2 if heads else None, **kw))
+  text = lowered.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert kernel in text
   assert not transposes_an_argument(text)
 
 
@@ -260,15 +266,8 @@ def test_split_reverse_lowers_for_cuda(e, erase, save_drhs, heads):
   """The split reverse pass passes the Mosaic GPU lowering in either layout (on hardware X
   shares its SMEM with the dht / dh0 staging, a ``plgpu.RefUnion``, which the interpreter's
   copies do not take: SMEM within the 227 KiB at E = 8); nothing runs."""
-  bh, nc, c, d, vdim = 2, 4, 64, 128, 128
-  qkv = [(1, nc * c, 2, d)] * 2 + [(1, nc * c, 2, vdim)] if heads else (
-      [(bh, nc, c, d)] * 2 + [(bh, nc, c, vdim)])
-  args = kernel_arg_specs(qkv, bh=bh, nc=nc, c=c, d=d, vdim=vdim, e=e)
-  bwd = jax.jit(functools.partial(mosaic_split.reverse_state_pass, scale=SCALE, erase=erase,
-                                  save_drhs=save_drhs, heads=2 if heads else None))
-  text = bwd.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "triadic_backward_states_mgpu_split" in text
-  assert not transposes_an_argument(text)
+  lower_split(mosaic_split.reverse_state_pass, "triadic_backward_states_mgpu_split", e, heads,
+              erase=erase, save_drhs=save_drhs)
 
 
 def test_split_forward_supported():

@@ -155,6 +155,49 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   )(q, k, v, a.astype(BF16), p.astype(BF16), f, lam, h0.astype(F32)))
 
 
+def _copies(bars, nc):
+  """(copy, wait, copy_next) on the TMA barrier slots ``bars``: ``copy(src, dst, slot)``,
+  ``wait(slot)``, and ``copy_next(n, pairs)``, the copies ``pairs(n + 1)`` ((src, dst, slot)
+  triples) of loop step n + 1, none after the last of the ``nc`` steps."""
+  def copy(src, dst, slot):
+    plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
+
+  def wait(slot):
+    plgpu.barrier_wait(bars.at[slot])
+
+  def copy_next(n, pairs):
+    @pl.when(n + 1 < nc)
+    def _():
+      for src, dst, slot in pairs(n + 1):
+        copy(src, dst, slot)
+
+  return copy, wait, copy_next
+
+
+def _load_slices(ops, src_at, stage, slot, count, copy, wait):
+  """``count`` float32 (D, 32) slices ``src_at(e)`` from gmem into registers (WGMMA layout), one
+  at a time through the SMEM ``stage`` and barrier ``slot``."""
+  states = []
+  for e in range(count):
+    copy(src_at(e), stage, slot)
+    wait(slot)
+    states.append(ops.acc(stage[...]))
+    plgpu.commit_smem()                   # every thread has read it before the next copy
+  return states
+
+
+def _store_slices(states, stage, dst_at):
+  """The slices ``states`` to gmem ``dst_at(e)``, one at a time through the SMEM ``stage``, once
+  the last wgmmas that formed them and this warpgroup's stores are complete."""
+  plgpu.wgmma_wait(0)
+  _wait_stores()
+  for e, state in enumerate(states):
+    stage[...] = state
+    plgpu.commit_smem()
+    plgpu.copy_smem_to_gmem(stage, dst_at(e))
+    plgpu.wait_smem_to_gmem(0)
+
+
 def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, nc, e_dim, scale,
             erase, save_x, interpret, heads, pieces, residuals):
   *outs, bars, h_ready, h_free, w_ready, u_free = outs_and_bars
@@ -175,18 +218,7 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, 
   r_rows = 3 * e_dim + 1 if save_x else 0
   fw_rows, beta_row = 2 * e_dim, 3 * e_dim
 
-  def copy(src, dst, slot):
-    plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
-
-  def wait(slot):
-    plgpu.barrier_wait(bars.at[slot])
-
-  def copy_next(n, pairs):
-    """Chunk n + 1's copies (none after the last chunk)."""
-    @pl.when(n + 1 < nc)
-    def _():
-      for src, dst, slot in pairs(n + 1):
-        copy(src, dst, slot)
+  copy, wait, copy_next = _copies(bars, nc)
 
   def body(k_s, q_s, v_s, a_s, p_s, f_s, fq_s, lam_s, snap_s, w_s, stage_s, rhs_s, u16_s, o_s,
            *extra):
@@ -201,12 +233,8 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, 
       first = w * half                    # this warpgroup's slices: first, ..., first + half - 1
       lam_at = lambda n: (lam_g.at[i, n, pl.ds(first, half)], lam_s.at[w], _LAM + w)
       copy(*lam_at(0))
-      states = []
-      for e in range(half):               # h0, a slice at a time through the staging buffer
-        copy(h0_g.at[i, first + e, :, cols], stage_s.at[w], _STAGE + w)
-        wait(_STAGE + w)
-        states.append(ops.acc(stage_s.at[w][...]))
-        plgpu.commit_smem()               # every thread has read it before the next copy
+      states = _load_slices(ops, lambda e: h0_g.at[i, first + e, :, cols], stage_s.at[w],
+                            _STAGE + w, half, copy, wait)
 
       def chunk(n, states):
         plgpu.wgmma_wait(0)               # the updates of chunk n - 1 are complete
@@ -236,13 +264,7 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, 
 
       states = lax.fori_loop(0, nc, chunk, tuple(states))
       plgpu.barrier_wait(h_free)          # the last chunk's phase (every phase is waited for)
-      plgpu.wgmma_wait(0)
-      _wait_stores()
-      for e in range(half):               # the final state, a slice at a time
-        stage_s.at[w][...] = states[e]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage_s.at[w], ht_g.at[i, first + e, :, cols])
-        plgpu.wait_smem_to_gmem(0)
+      _store_slices(states, stage_s.at[w], lambda e: ht_g.at[i, first + e, :, cols])
 
     @pl.when(w == 2)
     def _values():
@@ -450,17 +472,7 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and
   erase_rows, read_rows, write_rows, beta_row = 0, e_dim, 2 * e_dim, 3 * e_dim
   chunk_of = lambda step: nc - 1 - step
 
-  def copy(src, dst, slot):
-    plgpu.copy_gmem_to_smem(src, dst, bars.at[slot])
-
-  def wait(slot):
-    plgpu.barrier_wait(bars.at[slot])
-
-  def copy_next(step, pairs):
-    @pl.when(step + 1 < nc)
-    def _():
-      for src, dst, slot in pairs(step + 1):
-        copy(src, dst, slot)
+  copy, wait, copy_next = _copies(bars, nc)
 
   def body(k_s, q_s, do_s, a_s, p_s, f_s, lam_s, snap_s, union, z_s, du_s, *extra):
     # X and the staging share their SMEM: the values warpgroup writes X first after the first
@@ -477,12 +489,8 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and
       lam_at = lambda st: (lam_g.at[i, chunk_of(st), pl.ds(first, half)], lam_s.at[w],
                            _RLAM + w)
       copy(*lam_at(0))
-      states = []
-      for e in range(half):               # dht, a slice at a time through the staging buffer
-        copy(dht_g.at[i, first + e, :, cols], stage_s.at[w], _RSTAGE + w)
-        wait(_RSTAGE + w)
-        states.append(ops.acc(stage_s.at[w][...]))
-        plgpu.commit_smem()
+      states = _load_slices(ops, lambda e: dht_g.at[i, first + e, :, cols], stage_s.at[w],
+                            _RSTAGE + w, half, copy, wait)
 
       def step_fn(step, states):
         n = chunk_of(step)
@@ -513,13 +521,7 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and
 
       states = lax.fori_loop(0, nc, step_fn, tuple(states))
       plgpu.barrier_wait(h_free)          # the last step's phase (every phase is waited for)
-      plgpu.wgmma_wait(0)
-      _wait_stores()
-      for e in range(half):
-        stage_s.at[w][...] = states[e]
-        plgpu.commit_smem()
-        plgpu.copy_smem_to_gmem(stage_s.at[w], dh0_g.at[i, first + e, :, cols])
-        plgpu.wait_smem_to_gmem(0)
+      _store_slices(states, stage_s.at[w], lambda e: dh0_g.at[i, first + e, :, cols])
 
     @pl.when(w == 2)
     def _values():
