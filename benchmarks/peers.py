@@ -112,21 +112,32 @@ def authors_fn():
   return chunk_gdn_joint, None
 
 
+def _authors_call(q, k, v, k2, q2, g, beta):
+  """(the authors' function, its torch inputs in the dtypes their contract asks: q, k, v bf16,
+  k2, q2, g, beta float32), or (None, why they cannot run on these inputs)."""
+  fn, why = authors_fn()
+  if fn is None:
+    return None, why
+  e = k2.shape[-1]
+  if e not in AUTHORS_E or q.shape[-1] != 128 or v.shape[-1] != 128 or q.shape[1] % 64:
+    return None, (f"E={e}, D={q.shape[-1]}, V={v.shape[-1]}, T={q.shape[1]}: outside their "
+                  "kernels' sizes")
+  torch = _torch()
+  return fn, ([torch.from_dlpack(x).to(torch.bfloat16).contiguous() for x in (q, k, v)]
+              + [torch.from_dlpack(x).float().contiguous() for x in (k2, q2, g, beta)])
+
+
 def time_authors(q, k, v, k2, q2, g, beta, reps: int):
   """(fwd ms, fwd+bwd ms) or the reason string, of the authors' triadic kernels on the JAX inputs
   of our op: q, k (B, T, H, 128), v (B, T, H, 128) in bf16, k2, q2, g (B, T, H, E), beta (B, T,
   H). Their contract asks k2, q2, g and beta in float32 and T a multiple of 64. The forward is
   timed without gradients (their plain autograd function then saves nothing, as our primal);
   the forward+backward pulls back ones through o (they have no final-state output)."""
-  fn, why = authors_fn()
+  fn, inputs = _authors_call(q, k, v, k2, q2, g, beta)
   if fn is None:
-    return why
-  e = k2.shape[-1]
-  if e not in AUTHORS_E or q.shape[-1] != 128 or v.shape[-1] != 128 or q.shape[1] % 64:
-    return f"E={e}, D={q.shape[-1]}, V={v.shape[-1]}, T={q.shape[1]}: outside their kernels' sizes"
+    return inputs
   torch = _torch()
-  qt, kt, vt = (torch.from_dlpack(x).to(torch.bfloat16).contiguous() for x in (q, k, v))
-  k2t, q2t, gt, bt = (torch.from_dlpack(x).float().contiguous() for x in (k2, q2, g, beta))
+  qt, kt, vt, k2t, q2t, gt, bt = inputs
   scale = q.shape[-1] ** -0.5
   try:
     with torch.no_grad():
@@ -144,14 +155,12 @@ def time_authors(q, k, v, k2, q2, g, beta, reps: int):
 def authors_kernels(q, k, v, k2, q2, g, beta, reps: int = 5):
   """The authors' forward+backward under the PyTorch profiler, on the inputs of ``time_authors``:
   [(kernel, launches per call, device ms per call)], longest first, or the reason string."""
-  fn, why = authors_fn()
+  fn, inputs = _authors_call(q, k, v, k2, q2, g, beta)
   if fn is None:
-    return why
+    return inputs
   torch = _torch()
   from torch.profiler import ProfilerActivity, profile
-  leaves = [x.detach().requires_grad_(True) for x in
-            (*(torch.from_dlpack(x).to(torch.bfloat16).contiguous() for x in (q, k, v)),
-             *(torch.from_dlpack(x).float().contiguous() for x in (k2, q2, g, beta)))]
+  leaves = [x.detach().requires_grad_(True) for x in inputs]
   do = torch.ones_like(leaves[2])
   step = lambda: fn(*leaves, scale=q.shape[-1] ** -0.5).backward(do)
   try:

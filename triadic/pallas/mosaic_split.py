@@ -104,10 +104,7 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   """``mosaic.state_pass`` (same operands, outputs and ``heads`` / ``pieces`` layouts) by the
   slice-split kernel; raises ValueError where ``supported`` refuses the sizes."""
   vd = v.shape[-1]
-  _check_pieces(heads, pieces)
-  shape = (q if heads is None else _check_heads(heads, pieces, k2_col, q, k=k, v=v)).shape
-  bh, nc, c, d = shape
-  e_dim = k2_col.shape[-1]
+  bh, nc, c, d, e_dim = _sizes(q, k2_col, heads, pieces, k=k, v=v)
   save_x = bool(save_x and erase)
   if save_x and not residuals:
     raise ValueError("save_x needs residuals=True (X is a residual for the backward)")
@@ -115,10 +112,9 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
   if reason:
     raise ValueError(reason)
   residuals = bool(residuals)
-  f, lam = _factors(gc_col, k2_col, q2_col, beta_col)
+  f, lam = _slice_factors(gc_col, k2_col, q2_col, beta_col)
   if save_x:
     f = jnp.concatenate([f, _t(k2_col * jnp.exp(gc_col))], axis=2)   # rows [.., beta, c (E)]
-  lam = jnp.repeat(lam[..., None], BLOCK_V, axis=-1)                  # (BH, NC, E, 32)
   sw = _swizzle(BLOCK_V)
   scratch = [
       _smem((2, c, d), BF16, sw),                    # K, by the chunk's parity
@@ -153,6 +149,42 @@ def state_pass(q, k, v, k2_col, q2_col, gc_col, beta_col, a, p, h0, *, scale, er
       thread_name="wg", compiler_params=_compiler_params(regions=False),
       interpret=_interpret_params(interpret), kernel_name="triadic_forward_mgpu_split",
   )(q, k, v, a.astype(BF16), p.astype(BF16), f, lam, h0.astype(F32)))
+
+
+def _sizes(q, k2_col, heads, pieces, **per_token):
+  """(BH, NC, C, D, E) of a pass's operands, after ``mosaic.state_pass``'s layout checks (the
+  other ``per_token`` operands of the (B, T, H, X) layout by name)."""
+  _check_pieces(heads, pieces)
+  shape = q if heads is None else _check_heads(heads, pieces, k2_col, q, **per_token)
+  return (*shape.shape, k2_col.shape[-1])
+
+
+def _slice_factors(gc_col, k2_col, q2_col, beta_col):
+  """The row factors (``mosaic._factors``) and each chunk's decay lam repeated over a slice's 32
+  columns, (BH, NC, E, 32): the state warpgroups' column vectors."""
+  f, lam = _factors(gc_col, k2_col, q2_col, beta_col)
+  return f, jnp.repeat(lam[..., None], BLOCK_V, axis=-1)
+
+
+def _write_snapshot(states, snap_s, first, dst_at):
+  """A state warpgroup's slices into the bf16 snapshot (slices first, first + 1, ...) once its
+  stores have read the previous one, then each stored from there to ``dst_at(e)`` by TMA (None:
+  not stored)."""
+  _wait_stores()
+  for e, state in enumerate(states):
+    snap_s.at[first + e][...] = state.astype(BF16)
+  plgpu.commit_smem()
+  if dst_at is not None:
+    for e in range(len(states)):
+      plgpu.copy_smem_to_gmem(snap_s.at[first + e], dst_at(e))
+
+
+def _decayed(ops, lam_s, states):
+  """Each slice times its decay (``lam_s`` (slices, 32)), after which every thread has read lam
+  (a ``commit_smem``): its next copy may start."""
+  out = [ops.colvec(lam_s.at[e], state.shape[0]) * state for e, state in enumerate(states)]
+  plgpu.commit_smem()
+  return out
 
 
 def _copies(bars, nc):
@@ -238,24 +270,17 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, 
 
       def chunk(n, states):
         plgpu.wgmma_wait(0)               # the updates of chunk n - 1 are complete
-        # The values and output warpgroups are done with snapshot n - 1 (they arrive at h_free
-        # before waiting for anything of chunk n, so it cannot run a phase ahead of this wait).
+        # The values and output warpgroups are done with snapshot n - 1. (They arrive at h_free
+        # before waiting for anything of chunk n: its phases stay in step with this wait.)
         pl.when(n > 0)(lambda: plgpu.barrier_wait(h_free))
-        _wait_stores()                    # the chunk-start states' stores have read it
-        for e in range(half):
-          snap_s.at[first + e][...] = states[e].astype(BF16)
-        plgpu.commit_smem()
-        if residuals:
-          for e in range(half):
-            plgpu.copy_smem_to_gmem(snap_s.at[first + e], st_g.at[i, n, first + e, :, cols])
+        _write_snapshot(states, snap_s, first, (lambda e: st_g.at[i, n, first + e, :, cols])
+                        if residuals else None)   # with the chunk-start states
         plgpu.barrier_arrive(h_ready)
         wait(_LAM + w)
-        decayed = [ops.colvec(lam_s.at[w].at[e], states[e].shape[0]) * states[e]
-                   for e in range(half)]
-        plgpu.commit_smem()               # every thread has read lam
+        decayed = _decayed(ops, lam_s.at[w], states)
         copy_next(n, lambda m: [lam_at(m)])
-        # W of chunk n (w_ready cannot run ahead: the next one needs this chunk's h_ready of
-        # both state warpgroups after their updates), and K of chunk n.
+        # W and K of chunk n. (w_ready's next phase needs this chunk's h_ready of both state
+        # warpgroups, after their updates: its phases stay in step with this wait.)
         plgpu.barrier_wait(w_ready)
         wait(_K + n % 2)
         kt = ops.transposed(k_s.at[n % 2], interp[0].at[w] if interp else None)
@@ -281,8 +306,8 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, 
         wait(_F)
         wait(_V)
         wait(_K + n % 2)
-        plgpu.barrier_wait(h_ready)       # snapshot n (h_ready cannot run ahead: the next one
-        # needs this warpgroup's h_free below)
+        plgpu.barrier_wait(h_ready)       # snapshot n (h_ready's next phase needs this
+        # warpgroup's h_free below: its phases stay in step with this wait)
         # K of chunk n + 1 into the other buffer, whose chunk n - 1 the state warpgroups' updates
         # have read (they wrote snapshot n after them).
         copy_next(n, lambda m: [k_at(m)])
@@ -308,8 +333,8 @@ def _kernel(q_g, k_g, v_g, a_g, p_g, f_g, lam_g, h0_g, *outs_and_bars, scratch, 
           copy_next(n, lambda m: [a_at(m)])
         else:
           u = beta * v
-        # U of chunk n - 1 has been read by the output (u_free cannot run ahead: the next one
-        # needs this chunk's w_ready).
+        # U of chunk n - 1 has been read by the output. (u_free's next phase needs this chunk's
+        # w_ready: its phases stay in step with this wait.)
         pl.when(n > 0)(lambda: plgpu.barrier_wait(u_free))
         u16_s[...] = u.astype(BF16)
         for e in range(e_dim):
@@ -409,16 +434,12 @@ def reverse_state_pass(q, k, do, k2_col, q2_col, gc_col, beta_col, a, p, dht, *,
   """``mosaic.reverse_state_pass`` (same operands, outputs and layouts) by the split kernel;
   raises ValueError where ``reverse_supported`` refuses the sizes."""
   vd = do.shape[-1]
-  _check_pieces(heads, pieces)
-  shape = (q if heads is None else _check_heads(heads, pieces, k2_col, q, k=k, do=do)).shape
-  bh, nc, c, d = shape
-  e_dim = k2_col.shape[-1]
+  bh, nc, c, d, e_dim = _sizes(q, k2_col, heads, pieces, k=k, do=do)
   save_drhs = bool(save_drhs and erase)
   reason = reverse_supported(d, vd, c, e_dim, q.dtype, save_drhs)
   if reason:
     raise ValueError(reason)
-  f, lam = _factors(gc_col, k2_col, q2_col, beta_col)
-  lam = jnp.repeat(lam[..., None], BLOCK_V, axis=-1)                  # (BH, NC, E, 32)
+  f, lam = _slice_factors(gc_col, k2_col, q2_col, beta_col)
   sw = _swizzle(BLOCK_V)
   du_type = du_dtype(q.dtype, erase)
   x_and_stage = (_smem((e_dim, c, BLOCK_V), BF16, sw),
@@ -496,17 +517,11 @@ def _reverse_kernel(k_g, q_g, do_g, a_g, p_g, f_g, lam_g, dht_g, du_g, *outs_and
         n = chunk_of(step)
         plgpu.wgmma_wait(0)               # the updates of step - 1 are complete
         pl.when(step > 0)(lambda: plgpu.barrier_wait(h_free))
-        _wait_stores()
-        for e in range(half):
-          snap_s.at[first + e][...] = states[e].astype(BF16)
-        plgpu.commit_smem()
-        for e in range(half):             # the chunk-end state gradients
-          plgpu.copy_smem_to_gmem(snap_s.at[first + e], dst_g.at[i, n, first + e, :, cols])
+        _write_snapshot(states, snap_s, first,    # with the chunk-end state gradients
+                        lambda e: dst_g.at[i, n, first + e, :, cols])
         plgpu.barrier_arrive(h_ready)
         wait(_RLAM + w)
-        decayed = [ops.colvec(lam_s.at[w].at[e], states[e].shape[0]) * states[e]
-                   for e in range(half)]
-        plgpu.commit_smem()
+        decayed = _decayed(ops, lam_s.at[w], states)
         copy_next(step, lambda st: [lam_at(st)])
         plgpu.barrier_wait(xz_ready)
         wait(_RQ)
