@@ -22,7 +22,7 @@ loses every digit in float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g.
 token).
 
 The kernel form: the chunk's ``SUB`` x ``SUB`` diagonal blocks A_ii = (I + L_ii)^-1 by
-substitution in registers (``_diagonal_block_inverses``), then the blocks below the diagonal by
+substitution in registers (``diagonal_block_inverses``), then the blocks below the diagonal by
 block forward substitution, A_ij = -A_ii sum_{j <= m < i} L_im A_mj, as float32 products at
 ``Config.f32_precision``: the same arithmetic as ``unit_lower_inverse`` in another order, so as
 accurate, with L read from HBM once and A written once.
@@ -90,35 +90,46 @@ def masks_in_prep_supported(c: int, e: int, cfg) -> str | None:
   return None
 
 
-def _diagonal_block_inverses(lower_ref, nb):
-  """(I + L_ii)^-1 of the ``nb`` SUB x SUB strictly lower diagonal blocks of ``lower_ref``, by
-  substitution: X = I, then for s = 0, 1, ..: row s of X is final, and every row t > s takes
-  -L_ts X_s (column s of L is loaded as a (SUB, 1) column; row s of X, a register tensor Triton
-  cannot slice, is picked by a masked sum). The blocks are independent chains, stepped together
-  so that each step's work for every block is issued at once."""
+def diagonal_block_inverses(column, nb):
+  """(I + L_ii)^-1 of the ``nb`` SUB x SUB strictly lower diagonal blocks L_ii, by substitution:
+  X = I, then for s = 0, 1, ..: row s of X is final, and every row t > s takes -L_ts X_s.
+  ``column(i, s)`` gives column s of L_ii as a (SUB, 1) float32 column (a load from a ref, or a
+  masked sum of a register block); row s of X, a register tensor Triton cannot slice, is picked by
+  a masked sum. The blocks are independent chains, stepped together so that each step's work for
+  every block is issued at once."""
   r = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 0)
   c = jax.lax.broadcasted_iota(jnp.int32, (SUB, SUB), 1)
   invs = [jnp.where(r == c, 1.0, 0.0).astype(F32)] * nb
   for s in range(SUB - 1):
     for i in range(nb):
-      l_s = lower_ref[pl.ds(i * SUB, SUB), pl.ds(i * SUB + s, 1)].astype(F32)  # (SUB, 1): L_t,s
       x_s = jnp.sum(jnp.where(r == s, invs[i], 0.0), axis=0, keepdims=True)    # (1, SUB): X_s
-      invs[i] = invs[i] - l_s * x_s
+      invs[i] = invs[i] - column(i, s) * x_s
   return invs
 
 
-def _inverse_kernel(lower_ref, a_ref, *low_ref, c, precision):
-  nb = c // SUB
-  blk = lambda i: pl.ds(i * SUB, SUB)
+def blocked_inverse(block, column, nb, precision):
+  """{(i, j): A_ij, j <= i} of A = (I + L)^-1 for a strictly lower L of ``nb`` x ``nb`` SUB x SUB
+  blocks: the diagonal blocks by ``diagonal_block_inverses`` (``column`` as there), then the
+  blocks below the diagonal by block forward substitution, A_ij = -A_ii sum_{j <= m < i} L_im A_mj,
+  float32 products at ``precision``. ``block(i, m)`` gives L_im (SUB, SUB), m < i."""
   f32mm = lambda x, y: mm(x, y, F32, precision=precision)
-  inv = {(i, i): x for i, x in enumerate(_diagonal_block_inverses(lower_ref, nb))}
+  inv = {(i, i): x for i, x in enumerate(diagonal_block_inverses(column, nb))}
   for i in range(1, nb):
-    lower = {m: lower_ref[blk(i), blk(m)] for m in range(i)}
+    lower = {m: block(i, m) for m in range(i)}
     for j in range(i - 1, -1, -1):
       acc = f32mm(lower[j], inv[j, j])
       for m in range(j + 1, i):
         acc = acc + f32mm(lower[m], inv[m, j])
       inv[i, j] = -f32mm(inv[i, i], acc)
+  return inv
+
+
+def _inverse_kernel(lower_ref, a_ref, *low_ref, c, precision):
+  nb = c // SUB
+  blk = lambda i: pl.ds(i * SUB, SUB)
+  inv = blocked_inverse(
+      lambda i, m: lower_ref[blk(i), blk(m)],
+      lambda i, s: lower_ref[blk(i), pl.ds(i * SUB + s, 1)].astype(F32), nb, precision)
   zero = jnp.zeros((SUB, SUB), F32)
   for i in range(nb):
     for j in range(nb):
