@@ -97,29 +97,41 @@ def grads(impl, args, do, **kw):
 
 
 CASES = [
-    # b, t, h, d, v, segment_len, chunk, erase, decay, lam, dtype
-    pytest.param(2, 150, 2, 16, 32, 32, 16, True, "weak", "random", jnp.float32, id="erase-random"),
-    pytest.param(1, 150, 2, 24, 24, 32, 16, True, "strong", "merlin", jnp.float32,
+    # b, t, h, d, v, segment_len, chunk, erase, decay, lam, dtype, intra_kernel
+    pytest.param(2, 150, 2, 16, 32, 32, 16, True, "weak", "random", jnp.float32, False,
+                 id="erase-random"),
+    pytest.param(1, 150, 2, 24, 24, 32, 16, True, "strong", "merlin", jnp.float32, False,
                  id="erase-strong-merlin-D24"),
-    pytest.param(1, 150, 2, 16, 32, 64, 16, False, "weak", "meanpool", jnp.float32,
+    pytest.param(1, 150, 2, 16, 32, 64, 16, False, "weak", "meanpool", jnp.float32, False,
                  id="noerase-meanpool-L64"),
-    pytest.param(1, 150, 2, 32, 16, 32, 16, False, "strong", "position", jnp.float32,
+    pytest.param(1, 150, 2, 32, 16, 32, 16, False, "strong", "position", jnp.float32, False,
                  id="noerase-strong-position"),
-    pytest.param(1, 150, 2, 32, 32, 64, 32, True, "weak", "vanilla", jnp.bfloat16,
+    pytest.param(1, 150, 2, 32, 32, 64, 32, True, "weak", "vanilla", jnp.bfloat16, False,
                  id="erase-bf16-vanilla-C32"),
-    pytest.param(1, 150, 2, 16, 32, 32, 16, False, "weak", "random", jnp.bfloat16,
+    pytest.param(1, 150, 2, 16, 32, 32, 16, False, "weak", "random", jnp.bfloat16, False,
                  id="noerase-bf16-random"),
-    pytest.param(1, 420, 2, 32, 64, 32, 16, True, "strong", "merlin", jnp.bfloat16,
+    pytest.param(1, 420, 2, 32, 64, 32, 16, True, "strong", "merlin", jnp.bfloat16, False,
                  id="erase-bf16-strong-merlin-V64"),
+    pytest.param(1, 150, 2, 24, 24, 32, 16, True, "strong", "merlin", jnp.float32, True,
+                 id="intra-kernel-erase-strong-merlin-D24"),
+    pytest.param(1, 150, 2, 16, 40, 64, 32, False, "weak", "meanpool", jnp.float32, True,
+                 id="intra-kernel-noerase-meanpool-V40-C32"),
+    pytest.param(1, 150, 2, 32, 32, 64, 32, True, "weak", "vanilla", jnp.bfloat16, True,
+                 id="intra-kernel-erase-bf16-vanilla-C32"),
+    pytest.param(1, 150, 2, 16, 32, 32, 16, False, "strong", "random", jnp.bfloat16, True,
+                 id="intra-kernel-noerase-bf16-strong-random"),
 ]
 
 
-@pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype", CASES)
-def test_pallas_matches_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, lam_kind, dtype):
+@pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype,intra_kernel",
+                         CASES)
+def test_pallas_matches_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, lam_kind, dtype,
+                             intra_kernel):
   n = -(-t // segment_len) + 1  # one more state than the tokens need
   args, do = make_inputs(0, b, t, h, d, vd, n, segment_len, decay, lam_kind, dtype)
   kw = dict(segment_len=segment_len, erase=erase, chunk_size=chunk)
-  got, o = grads("pallas", args, do, **kw)
+  config = Config("cpu", block_v=16, bwd_block_v=16, intra_kernel=intra_kernel)
+  got, o = grads("pallas", args, do, config=config, **kw)
   ref_args = tuple(x.astype(jnp.float32) for x in args)
   want, o_ref = grads("scan", ref_args, do, **kw)
   out_bound, grad_bound = BOUNDS[dtype]

@@ -76,6 +76,11 @@ from jax.experimental import pallas as pl
 from triadic.pallas.common import F32, call, mm, over_value_blocks, rowsum, total
 
 
+def padded_width(n: int) -> int:
+  """The kernels' width of a D or V dim of n: the next power of two, at least 16."""
+  return max(16, 1 << (n - 1).bit_length())
+
+
 def num_visible(nc: int, cps: int) -> int:
   """VIS: the number of (segment i, chunk n >= n_i) pairs, the stored states per batch*head."""
   return sum(nc - i * cps for i in range(-(-nc // cps)))

@@ -1,9 +1,11 @@
 """``multistate_pallas``: multi-state linear attention with its state work in Pallas kernels.
 
 The E-independent, state-free part of each chunk (gc, the UT transform A, Uv, W, Qe, Kw, the
-intra-chunk output P Uv and the chunk decay: ``merlin.chunked.intra_chunk``) stays in plain JAX,
-batched over all chunks, float32, differentiated by JAX. Everything whose cost grows with the
-number of segment states N is in ``kernels.py``, behind one ``jax.custom_vjp``:
+intra-chunk output P Uv and the chunk decay: ``merlin.chunked.intra_chunk``) runs in plain JAX,
+batched over all chunks, float32, differentiated by JAX, or, with ``Config.intra_kernel``, as the
+kernels of ``intra.py`` (one forward and one backward program per chunk, behind their own
+``jax.custom_vjp``). Everything whose cost grows with the number of segment states N is in
+``kernels.py``, behind one ``jax.custom_vjp``:
 
   erase     forward: state pass (every visible chunk-start state, grid over segments) ->
             readout; backward: reverse state pass (state gradients, dUv) -> chunk gradients
@@ -41,14 +43,11 @@ import jax.numpy as jnp
 from layers import partition
 from merlin.chunked import intra_chunk
 from merlin.pallas import kernels
+from merlin.pallas.intra import intra_part
+from merlin.pallas.kernels import padded_width
 from merlin.segments import segment_ids
 from triadic.chunked import to_chunks
 from triadic.pallas.common import F32, Config
-
-
-def padded_width(n: int) -> int:
-  """The kernels' width of a D or V dim of n: the next power of two, at least 16."""
-  return max(16, 1 << (n - 1).bit_length())
 
 
 def _merge(x):
@@ -79,8 +78,9 @@ def kernel_layout(operands):
 
 def readout_layout(intra, own, width):
   """The readout's intra (B*H, NC, C, width) and own (B*H, NC, C, 1) from the (B, H, ...) ones.
-  intra arrives with the op's V, so that its pullback (own's sum over V) runs on the real columns
-  only, and is padded to the kernels' V (``width``) here."""
+  intra arrives with the op's V from plain JAX, so that its pullback (own's sum over V) runs on the
+  real columns only, and is padded to the kernels' V (``width``) here; the intra kernel's arrives
+  padded (zero columns)."""
   return _pad_last(_merge(intra), width), _merge(own)[..., None]
 
 
@@ -226,40 +226,40 @@ def _unpad(o, t, vd):
   return o if o.shape[1::2] == (t, vd) else o[:, :t, :, :vd]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
-def _attend(cps, erase, cfg, scale, t, *operands):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
+def _attend(cps, erase, cfg, scale, t, vd, *operands):
   """scale (sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i + own_n intra_n) for every chunk n: the op's
-  output (B, T, H, V) in qe's dtype; operands as ``_forward``'s. This primal runs only where no
+  output (B, T, H, V) in qe's dtype, V = ``vd``; operands as ``_forward``'s. This primal runs only where no
   gradient is taken (``_attend_fwd`` otherwise): there the erase path may read by the query walk
   (``Config.query_walk``), which keeps no states for a backward."""
   if erase and cfg.query_walk:
     o = kernels_walk(cps, cfg, scale, *operands)
   else:
     o = kernels_forward(cps, erase, cfg, scale, *operands)[0]
-  return _unpad(o, t, operands[-2].shape[-1])
+  return _unpad(o, t, vd)
 
 
-def _attend_fwd(cps, erase, cfg, scale, t, *operands):
+def _attend_fwd(cps, erase, cfg, scale, t, vd, *operands):
   o, *states = kernels_forward(cps, erase, cfg, scale, *operands)
-  return _unpad(o, t, operands[-2].shape[-1]), (operands, tuple(states))
+  return _unpad(o, t, vd), (operands, tuple(states))
 
 
-def _attend_bwd(cps, erase, cfg, scale, t, saved, dy):
+def _attend_bwd(cps, erase, cfg, scale, t, vd, saved, dy):
   """The output's cotangent dy (B, T, H, V) in the output dtype gives dO = scale dy (float32,
   (B, H, NC, C, V), zero past T), by the float32 steps of the autodiff of the same output formed
   in plain JAX (cast, pad, relayout, scale), so the gradients are the same to the bit. The kernels
   take the stack read's gradients from dO (V padded as theirs, ``_backward``), ``_intra_part``'s
-  pullback those of intra and own."""
+  pullback those of intra and own (dO with intra's V: the op's, or padded as the kernels')."""
   operands, states = saved
   b, h, nc, c = operands[0].shape[:4]
-  vd = dy.shape[-1]
   dy = dy.astype(F32)
   if nc * c != t:
     dy = jnp.pad(dy, ((0, 0), (0, nc * c - t), (0, 0), (0, 0)))
   do = scale * jnp.moveaxis(dy.reshape(b, nc, c, h, vd), 3, 1)
-  grads = kernels_backward(cps, erase, cfg, *operands[:-2], *states,
-                           _pad_last(do, padded_width(vd)))
-  return (*grads, *jax.vjp(_intra_part, *operands[-2:])[1](do))
+  do_kernels = _pad_last(do, padded_width(vd))
+  grads = kernels_backward(cps, erase, cfg, *operands[:-2], *states, do_kernels)
+  do_intra = do if operands[-2].shape[-1] == vd else do_kernels
+  return (*grads, *jax.vjp(_intra_part, *operands[-2:])[1](do_intra))
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -277,28 +277,43 @@ def _finished_decay(gc_end, cps, ns):
   return jnp.where(after, jnp.exp(jnp.where(after, before_n, 0.0)), 1.0)
 
 
+def chunk_weights(g, lam, *, segment_len: int, chunk_size: int):
+  """The chunks' g (B, H, NC, C) and lam's first NS states (B, H, NC, C, NS), float32,
+  zero-padded at the end of T."""
+  c = chunk_size
+  nc = -(-g.shape[1] // c)
+  ns = -(-nc // (segment_len // c))
+  return to_chunks(g, nc, c), to_chunks(lam[..., :ns], nc, c)
+
+
 def chunk_inputs(q, k, v, g, beta, lam, *, segment_len: int, chunk_size: int):
   """The op's inputs in chunks, float32, zero-padded at the end of T: q, k, v, g, beta as
   ``intra_chunk`` takes them ((B, H, NC, C, ...)) and lam's first NS states (B, H, NC, C, NS)."""
-  c = chunk_size
-  nc = -(-q.shape[1] // c)
-  ns = -(-nc // (segment_len // c))
+  nc = -(-q.shape[1] // chunk_size)
   # Padded tokens have q = k = v = beta = lam = 0 and g = 0: no write, no erase, no decay.
-  qc, kc, vc, lamc = (to_chunks(x, nc, c) for x in (q, k, v, lam[..., :ns]))
-  return qc, kc, vc, to_chunks(g, nc, c), to_chunks(beta, nc, c), lamc
+  qc, kc, vc, betac = (to_chunks(x, nc, chunk_size) for x in (q, k, v, beta))
+  gc, lamc = chunk_weights(g, lam, segment_len=segment_len, chunk_size=chunk_size)
+  return qc, kc, vc, gc, betac, lamc
+
+
+def weight_operands(gc, lamc, *, cps: int, erase: bool):
+  """The readout's weights from the chunks' g (gc) and lam (lamc, (B, H, NC, C, NS)): lam
+  (B, H, NS, NC, C), without erase times the finished states' decay, and own (B, H, NC, C), each
+  token's lam of its own segment."""
+  nc, ns = lamc.shape[2], lamc.shape[-1]
+  owner = jax.nn.one_hot(segment_ids(nc, cps), ns, dtype=F32)  # (NC, NS)
+  own = jnp.einsum("bhncm,nm->bhnc", lamc, owner)
+  lam_k = jnp.moveaxis(lamc, -1, 2)  # (B, H, NS, NC, C)
+  if not erase:  # a finished state is its end state, decayed: the decay goes into its weight
+    lam_k = lam_k * _finished_decay(jnp.sum(gc, axis=-1), cps, ns)[..., None]
+  return lam_k, own
 
 
 def kernel_operands(uv, w, qe, kw, gam, intra, gc, lamc, *, cps: int, erase: bool, dtype):
   """The kernels' operands (``_forward``'s) from ``intra_chunk``'s float32 results, the chunks' g
   (gc) and lam (lamc, (B, H, NC, C, NS)): qe, [w,] kw, uv padded to ``padded_width`` and cast to
-  ``dtype``; gam; lam (B, H, NS, NC, C), without erase times the finished states' decay; intra;
-  own, each token's lam of its own segment."""
-  nc, ns = lamc.shape[2], lamc.shape[-1]
-  owner = jax.nn.one_hot(segment_ids(nc, cps), ns, dtype=F32)  # (NC, NS)
-  own = jnp.einsum("bhncm,nm->bhnc", lamc, owner)  # each token's lam of its own segment
-  lam_k = jnp.moveaxis(lamc, -1, 2)  # (B, H, NS, NC, C)
-  if not erase:  # a finished state is its end state, decayed: the decay goes into its weight
-    lam_k = lam_k * _finished_decay(jnp.sum(gc, axis=-1), cps, ns)[..., None]
+  ``dtype``; gam; lam and own (``weight_operands``); intra."""
+  lam_k, own = weight_operands(gc, lamc, cps=cps, erase=erase)
   dp, vp = padded_width(qe.shape[-1]), padded_width(uv.shape[-1])
   kernel_op = lambda x, width: _pad_last(x, width).astype(dtype)
   mats = [kernel_op(qe, dp)] + ([kernel_op(w, dp)] if erase else [])
@@ -315,11 +330,20 @@ def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, 
   not a multiple of the chunk or V not a power of two >= 16: ``padded_width``).
 
   Its stages, each callable alone: ``chunk_inputs`` -> ``intra_chunk`` -> ``kernel_operands``
-  -> ``_attend`` (``kernels_forward``; backward ``kernels_backward``)."""
+  -> ``_attend`` (``kernels_forward``; backward ``kernels_backward``); with
+  ``Config.intra_kernel``, ``intra_part`` and ``chunk_weights`` -> ``weight_operands`` in place of
+  the first three."""
   cps = segment_len // chunk_size
-  qc, kc, vc, gc, betac, lamc = chunk_inputs(q, k, v, g, beta, lam, segment_len=segment_len,
-                                             chunk_size=chunk_size)
-  uv, w, qe, kw, gam, intra, _, _ = intra_chunk(qc, kc, vc, gc, betac, erase)
-  mats = kernel_operands(uv, w, qe, kw, gam, intra, gc, lamc, cps=cps, erase=erase,
-                         dtype=q.dtype)
-  return _attend(cps, erase, config, float(scale), q.shape[1], *mats)
+  if config.intra_kernel:
+    *mats, gam, intra = intra_part(q, k, v, g, beta, chunk_size=chunk_size, erase=erase,
+                                   cfg=config)
+    gc, lamc = chunk_weights(g, lam, segment_len=segment_len, chunk_size=chunk_size)
+    lam_k, own = weight_operands(gc, lamc, cps=cps, erase=erase)
+    operands = [*mats, gam, lam_k, intra, own]
+  else:
+    qc, kc, vc, gc, betac, lamc = chunk_inputs(q, k, v, g, beta, lam, segment_len=segment_len,
+                                               chunk_size=chunk_size)
+    uv, w, qe, kw, gam, intra, _, _ = intra_chunk(qc, kc, vc, gc, betac, erase)
+    operands = kernel_operands(uv, w, qe, kw, gam, intra, gc, lamc, cps=cps, erase=erase,
+                               dtype=q.dtype)
+  return _attend(cps, erase, config, float(scale), q.shape[1], v.shape[-1], *operands)

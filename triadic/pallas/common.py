@@ -109,6 +109,10 @@ class Config:
   each segment's end state and composite map instead of every visible chunk-start state (the
   (B*H, VIS, D, V) stack). A differentiated call runs the stack forward regardless, as the
   backward needs the states. On in the GPU default (``merlin.pallas.plan.default_config``).
+  intra_kernel: MERLIN's intra-chunk part (``merlin.chunked.intra_chunk``: the UT transform, Uv,
+  W, Qe, Kw, the chunk decay and P Uv) by Triton kernels, one forward and one backward program per
+  (batch*head, chunk), reading q, k, v, g, beta in the caller's layout (``merlin.pallas.intra``),
+  instead of plain float32 JAX over all chunks differentiated by JAX (GPU structure only).
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -139,6 +143,7 @@ class Config:
   partials_in_bf16: bool = True
   slice_unroll_max_e: int | None = None
   query_walk: bool = False
+  intra_kernel: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -151,7 +156,8 @@ class Config:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
     for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass",
-                 "partials_in_bf16", "query_walk", "split_forward", "split_reverse"):
+                 "partials_in_bf16", "query_walk", "split_forward", "split_reverse",
+                 "intra_kernel"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)
