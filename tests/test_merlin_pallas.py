@@ -15,8 +15,11 @@ the output bound), over five or more segments with a last partial one (and over 
 alone), every aggregator's lam, weak and strong decay and weak decay with four tokens at -30
 (strong decay everywhere leaves the finished states nothing to add); under ``jax.grad`` the op
 keeps the stack forward, with gradients identical to the bit to those without the walk.
+With ``Config.intra_kernel`` (the intra-chunk part by ``merlin.pallas.intra``'s kernels, which
+tests/test_merlin_intra.py checks alone) a few cases run again, the same bounds: both erase modes,
+float32 and bf16, odd D or V, strong decay.
 The plan (which impl "auto" picks, and why), the bad-input errors, the Triton lowering of the
-forward and backward for CUDA, what each kernel stores (dtypes; the readout the op's output itself,
+forward and backward for CUDA (with the intra-chunk kernels too), what each kernel stores (dtypes; the readout the op's output itself,
 in the caller's layout) and the per-(B, H)-shard run under jit (a subprocess with 4 fake CPU
 devices) are checked too.
 """
@@ -321,6 +324,30 @@ def test_kernels_lower_for_cuda(erase):
       *op_specs(b, t, h, d, vd, n)).lower(lowering_platforms=("cuda",)).as_text()
   for kernel in KERNELS[erase]:
     assert kernel in text, kernel
+
+
+@pytest.mark.parametrize("erase,dtype", [(True, jnp.bfloat16), (False, jnp.bfloat16),
+                                         (True, jnp.float32)])
+def test_intra_kernels_lower_for_cuda(erase, dtype):
+  """With ``Config.intra_kernel`` the intra-chunk part's forward and backward kernels lower to
+  Triton for CUDA on this CPU machine beside the state kernels (padded D and V, T not a multiple
+  of the chunk): the forward stores Qe, [W,] Kw, Uv in the inputs' dtype and gamma, intra float32
+  (B*H, NC, ...), the backward dq, dk, dv in the inputs' dtype and dg, dbeta float32 in the
+  caller's (B, T, H, X) layout (T padded to whole chunks, D and V to the kernels' widths)."""
+  b, t, h, d, vd, segment_len, n = 1, 300, 2, 48, 80, 128, 3
+  op = pallas_op(erase, segment_len,
+                 config=dataclasses.replace(plan_lib.default_config("gpu"), intra_kernel=True))
+  args = op_specs(b, t, h, d, vd, n, dtype)
+  text = jax.jit(grad_of_sum(op)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  for kernel in ("merlin_intra_forward", "merlin_intra_backward", *KERNELS[erase]):
+    assert kernel in text, kernel
+  found = kernel_outputs(jax.make_jaxpr(grad_of_sum(op))(*args).jaxpr)
+  x, f = jnp.dtype(dtype), jnp.dtype(jnp.float32)
+  chunks = lambda *s, dt=x: ((b * h, 5, *s), dt)  # 5 chunks of 64 tokens; D -> 64, V -> 128
+  assert found["merlin_intra_forward"] == [chunks(64, 64)] * (2 + erase) + [
+      chunks(64, 128), chunks(1, 1, dt=f), chunks(64, 128, dt=f)]
+  tokens = lambda width, dt=x: ((b, 320, h, width), dt)
+  assert found["merlin_intra_backward"] == [tokens(64)] * 2 + [tokens(128)] + [tokens(1, f)] * 2
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
