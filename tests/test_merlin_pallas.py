@@ -443,9 +443,20 @@ SHARDED_SCRIPT = textwrap.dedent("""
       for partitioner in ("shardy", "gspmd"):
         jax.config.update("jax_use_shardy_partitioner", partitioner == "shardy")
         sharded = tuple(map(put, args))
-        f = compiled_grads("pallas", sharded, put(do), **kw)  # the values come from this HLO
-        got, o = f(*sharded)
-        hlo = f.as_text()
+        for intra_kernel in (False, True):
+          f = compiled_grads("pallas", sharded, put(do), **kw,  # the values come from this HLO
+                             config=Config("cpu", block_v=16, bwd_block_v=16,
+                                           intra_kernel=intra_kernel))
+          got, o = f(*sharded)
+          hlo = f.as_text()
+          report[f"{partitioner} erase={erase}" + " intra kernel" * intra_kernel] = dict(
+              errors={"o": rel_rms(o, o_ref), **{"d" + m: rel_rms(clean(x), clean(y))
+                                                  for m, x, y in zip(NAMES, got, ref)}},
+              # the kernels' (B, H, NC, C, X) operands: global (2, 2, 5, 16, .), per device
+              # (1, 1, ..)
+              local_kernel_shape=bool(re.search(r"\\[1,1,5,16,", hlo)),
+              global_kernel_shape=bool(re.search(r"\\[2,2,5,16,", hlo)),
+              all_gathers=len(re.findall(r"all-gather", hlo)))
         if erase:  # the forward alone by the query walk, per shard too
           walk = jax.jit(lambda *a: multistate_attention(
               *a, impl="pallas", config=Config("cpu", block_v=16, bwd_block_v=16,
@@ -456,20 +467,14 @@ SHARDED_SCRIPT = textwrap.dedent("""
               local_kernel_shape=bool(re.search(r"\\[1,1,5,16,", walk_hlo)),
               global_kernel_shape=bool(re.search(r"\\[2,2,5,16,", walk_hlo)),
               all_gathers=len(re.findall(r"all-gather", walk_hlo)))
-        report[f"{partitioner} erase={erase}"] = dict(
-            errors={"o": rel_rms(o, o_ref),
-                    **{"d" + m: rel_rms(clean(x), clean(y)) for m, x, y in zip(NAMES, got, ref)}},
-            # the kernels' (B, H, NC, C, X) operands: global (2, 2, 5, 16, .), per device (1, 1, ..)
-            local_kernel_shape=bool(re.search(r"\\[1,1,5,16,", hlo)),
-            global_kernel_shape=bool(re.search(r"\\[2,2,5,16,", hlo)),
-            all_gathers=len(re.findall(r"all-gather", hlo)))
     print("RESULT", json.dumps(report))
 """)
 
 
 def test_pallas_runs_per_shard_under_jit():
   """Batch over "data" and heads over "tensor" on 4 fake CPU devices, under Shardy and GSPMD,
-  both erase modes and the erase forward by the query walk:
+  both erase modes, with and without the intra-chunk kernels, and the erase forward by the query
+  walk:
   values and gradients match the unsharded scan, and every device runs the kernels on its own
   (B/2, H/2) slice (no all-gather, no array of the global kernel layout)."""
   report = run_on_four_devices(SHARDED_SCRIPT, timeout=600)
