@@ -37,6 +37,14 @@ tile choice is timed against the default by running the same command with and wi
 The GPU default's forward columns time the erase forward by the query walk (the forward where no
 gradient is taken); ``--tiles query_walk=False`` times the stack forward there instead, which is
 the forward a backward always runs.
+``--tiles intra_kernel`` runs the intra-chunk part by its kernels (``merlin.pallas.intra``) in
+the op and pipeline tables; on a GPU, with and without them:
+
+    for v in intra_kernel=False intra_kernel=True; do python benchmarks/merlin_ops.py \
+        --impls pallas --dtype bfloat16 --B 1 --T 16384 --H 16 --D 128 --V 128 --R 128 \
+        --segment-len 256 --chunk 64 --aggregators "" --tiles $v; done
+
+``--parts`` splits the op with the plain-JAX intra-chunk part only (it refuses intra_kernel).
 
 On a CPU shared with other jobs, XLA's multi-threaded kernels stall under oversubscription (the
 chunked form, which has the larger parallel ops, by up to 100x); pin one core for stable numbers:
@@ -594,6 +602,9 @@ def main(argv=None):
                        "plan's)")
   args = ap.parse_args(argv)
   args.config = tiles_config(args.tiles)   # the pallas impl's Config in every table
+  if args.parts and args.config is not None and args.config.intra_kernel:
+    ap.error("--parts times the plain-JAX intra-chunk stage (intra_chunk): drop intra_kernel "
+             "from --tiles, or time the op table with and without it")
 
   lengths = [int(t) for t in args.T.split(",")]
   n = args.max_segments or -(-max(lengths) // args.segment_len)

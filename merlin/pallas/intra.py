@@ -32,7 +32,8 @@ layout (``common.token_block``; g and beta as (B, T, H, 1)), T a multiple of C a
 ``kernels.padded_width`` with zeros (exact: padded columns add nothing and get nothing), both by
 ``intra_part`` in plain JAX where needed; the results and their cotangents are in the state
 kernels' (B*H, NC, C, X) layout. The value axis is walked in blocks of ``bwd_block_v`` columns
-(``common.over_value_blocks``).
+(``common.over_value_blocks``). Both kernels run at ``bwd_num_warps``: several (C, C) float32
+tiles (D, P, A and, backward, K K^T, dP, dL) are live at once.
 
 The UT transform: L's SUB x SUB blocks (``lax.split`` of the register tile; Triton cannot index
 one) give A by ``chunk_prep.blocked_inverse`` (substitution, as accurate as a triangular solve),

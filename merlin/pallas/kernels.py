@@ -1,7 +1,7 @@
 """The Triton Pallas kernels of multi-state linear attention's state work (docs/spec.md section 2).
 
-Per (batch*head), chunk n of C tokens and segment state i, from the plain-JAX chunk prep
-(``merlin.chunked.intra_chunk``): Qe_n, W_n, Kw_n (C, D), Uv_n (C, V), the chunk decay
+Per (batch*head), chunk n of C tokens and segment state i, from the chunk prep
+(``merlin.chunked.intra_chunk`` in plain JAX, or its kernels, ``intra.py``): Qe_n, W_n, Kw_n (C, D), Uv_n (C, V), the chunk decay
 gamma_n = exp(gc_C) and lam_n,i (C, 1). State i is zero before its segment's first chunk
 n_i = i cps (cps = chunks per segment), is written during its cps chunks (up to e_i) and only
 carried after:
@@ -14,7 +14,7 @@ passes put the segment index on the grid: program (bh, value block j, segment i)
 chunks with the (D, block_v) float32 state S^i in registers. The readout is parallel over chunks:
 o_n = sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i, the (C, (s(n)+1) D) x ((s(n)+1) D, V) product over the
 stacked states, walked state by state (``_read``). It stores the op's output, not o:
-scale (o_n + own_n intra_n) with the plain-JAX intra-chunk part intra_n = P_n Uv_n and own_n the
+scale (o_n + own_n intra_n) with the intra-chunk part intra_n = P_n Uv_n and own_n the
 tokens' lam of their own segment (float32), rounded once to the input dtype and written straight
 into the caller's (B, T, H, V) layout (``_readout_call``).
 

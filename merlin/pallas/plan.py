@@ -31,7 +31,8 @@ class Plan:
   ``config`` (pallas only: block_v the forward state pass's value columns per program, num_warps
   its and the readout's warps, bwd_block_v the value columns of the readout and of the backward's
   kernels (reverse state pass, chunk gradients), bwd_num_warps the backward kernels' warps,
-  query_walk the erase forward's readout where no gradient is taken) and why this impl runs."""
+  query_walk the erase forward's readout where no gradient is taken, intra_kernel the intra-chunk
+  part by kernels) and why this impl runs."""
   impl: str
   chunk_size: int | None
   reason: str
@@ -43,7 +44,8 @@ class Plan:
       cfg = self.config
       tiles = (f", {cfg.platform} block_v {cfg.block_v} at {cfg.num_warps} warps, "
                f"bwd_block_v {cfg.bwd_block_v} at {cfg.bwd_num_warps} warps"
-               + (", erase forward-only by the query walk" if cfg.query_walk else ""))
+               + (", erase forward-only by the query walk" if cfg.query_walk else "")
+               + (", intra-chunk part by kernels" if cfg.intra_kernel else ""))
     return f"multistate_attention plan: {self.impl} (chunk {self.chunk_size}{tiles}): {self.reason}"
 
 
