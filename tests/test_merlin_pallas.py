@@ -19,9 +19,10 @@ With ``Config.intra_kernel`` (the intra-chunk part by ``merlin.pallas.intra``'s 
 tests/test_merlin_intra.py checks alone) a few cases run again, the same bounds: both erase modes,
 float32 and bf16, odd D or V, strong decay.
 The plan (which impl "auto" picks, and why), the bad-input errors, the Triton lowering of the
-forward and backward for CUDA (with the intra-chunk kernels too), what each kernel stores (dtypes; the readout the op's output itself,
-in the caller's layout) and the per-(B, H)-shard run under jit (a subprocess with 4 fake CPU
-devices) are checked too.
+forward and backward for CUDA (with the intra-chunk kernels too), what each kernel stores (dtypes;
+the readout the op's output itself, in the caller's layout) and the per-(B, H)-shard run under
+jit (a subprocess with 4 fake CPU devices, with and without the intra-chunk kernels) are checked
+too.
 """
 
 from __future__ import annotations

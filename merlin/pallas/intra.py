@@ -23,8 +23,8 @@ uses inside the chunk)
     dV   = beta dR_v
     dbeta = rowsum(dR_v * V) + a rowsum(dR_k * K) + rowsum(dL * (K K^T) * D)
     d gc = rowsum(dE) - colsum(dE)^T + a da - b db  (+ sum(b db) + gamma dgamma at the last token)
-           dE = (dP * (Q K^T) + beta dL * (K K^T)) * D,  da = rowsum(dQe * Q) + beta rowsum(dR_k * K),
-           db = rowsum(dKw * K)
+    dE   = (dP * (Q K^T) + beta dL * (K K^T)) * D
+    da   = rowsum(dQe * Q) + beta rowsum(dR_k * K)        db = rowsum(dKw * K)
     dg_t = sum_{s >= t} d gc_s
 
 Layout: q, k, v, g, beta are read, and dq, dk, dv, dg, dbeta written, in the caller's (B, T, H, X)
@@ -103,7 +103,7 @@ def _decays(g_ref, c):
 
 def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *outs, c, erase, vd, bv, dtype,
                     precision):
-  qe_ref, kw_ref, uv_ref, gam_ref, intra_ref = (outs[0], *outs[1 + erase:])
+  qe_ref, kw_ref, uv_ref, gam_ref, intra_ref = (outs[0], *outs[1 + erase:])  # outs[1]: W, erase
   a, b, gam, decay = _decays(g_ref, c)
   k = k_ref[...]
   beta = beta_ref[...]
@@ -146,7 +146,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqe_ref, *refs, c, er
     amat = _ut_transform(kk, beta, decay, c=c, precision=precision)
 
   def value_block(cols, carry):
-    """Block ``cols`` of V: dV, and the sums over V of dP, dL and dbeta."""
+    """Block ``cols`` of V: its dV, and its terms of the sums over V of dP, dbeta and (erase)
+    dL (``dl``: [that sum] with erase, else [])."""
     dp, dbeta, *dl = carry
     v = v_ref[:, cols].astype(F32)
     dintra = dintra_ref[:, cols]
@@ -160,8 +161,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqe_ref, *refs, c, er
     return (dp + mm(dintra, uv, dtype, tb=True), dbeta + rowsum(duv * v), *dl)
 
   zeros = jnp.zeros((c, c), F32)
-  dp, dbeta, *dl = over_value_blocks(vd, bv, value_block,
-                                     (zeros, jnp.zeros((c, 1), F32)) + ((zeros,) if erase else ()))
+  dp, dbeta, *dl_v = over_value_blocks(
+      vd, bv, value_block, (zeros, jnp.zeros((c, 1), F32)) + ((zeros,) if erase else ()))
   dqe, dkw = dqe_ref[...].astype(F32), dkw_ref[...].astype(F32)
   dq, da = a * dqe, rowsum(dqe * qf)
   dk, db = b * dkw, rowsum(dkw * kf)
@@ -169,7 +170,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqe_ref, *refs, c, er
     w = mm(amat, beta * a * kf, F32, precision=precision)
     dw = refs[0][...].astype(F32) - mm(p, dqe, dtype, ta=True)
     drk = mm(amat, dw, F32, ta=True, precision=precision)
-    dl = jnp.where(strict, dl[0] - mm(drk, w, F32, tb=True, precision=precision), 0.0)
+    dl = jnp.where(strict, dl_v[0] - mm(drk, w, F32, tb=True, precision=precision), 0.0)
     dp = dp - mm(dqe, w, dtype, tb=True)
     dk = dk + beta * a * drk
     drk_k = rowsum(drk * kf)
@@ -195,7 +196,8 @@ def _backward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, dqe_ref, *refs, c, er
 
 def _specs(c, d, vd, heads):
   """The (B, T, H, X) blocks of q, k, v, g, beta for a (B*H, NC) grid."""
-  return [token_block(c, d, heads)] * 2 + [token_block(c, vd, heads)] + [token_block(c, 1, heads)] * 2
+  return ([token_block(c, d, heads)] * 2 + [token_block(c, vd, heads)]
+          + [token_block(c, 1, heads)] * 2)
 
 
 def _kernel_params(c, q, v, erase, cfg):
@@ -277,10 +279,11 @@ _intra.defvjp(_intra_fwd, _intra_bwd)
 
 def intra_part(q, k, v, g, beta, *, chunk_size: int, erase: bool, cfg):
   """The state kernels' intra-chunk operands from the op's inputs q, k (B, T, H, D), v
-  (B, T, H, V), g, beta (B, T, H) (g clamped): qe, [w (erase),] kw (B, H, NC, C, D'), uv (B, H, NC, C, V') in
-  q's dtype, gam (B, H, NC) and intra (B, H, NC, C, V') float32, NC = ceil(T / chunk_size) and D',
-  V' the kernels' widths (``padded_width``): ``merlin.chunked.intra_chunk``'s values on the chunked
-  inputs, padded and cast as ``merlin.pallas.ops.kernel_operands`` does (intra padded too).
+  (B, T, H, V), g, beta (B, T, H) (g clamped): qe, [w (erase),] kw (B, H, NC, C, D') and uv
+  (B, H, NC, C, V') in q's dtype, gam (B, H, NC) and intra (B, H, NC, C, V') float32, with
+  NC = ceil(T / chunk_size) and D', V' the kernels' widths (``padded_width``):
+  ``merlin.chunked.intra_chunk``'s values on the chunked inputs, padded and cast as
+  ``merlin.pallas.ops.kernel_operands`` does (intra padded too).
   T is padded to whole chunks and D, V to their widths here (zeros: no write, no decay), so the
   kernels read the op's arrays in place where neither is padded."""
   c = chunk_size

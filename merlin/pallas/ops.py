@@ -229,9 +229,9 @@ def _unpad(o, t, vd):
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
 def _attend(cps, erase, cfg, scale, t, vd, *operands):
   """scale (sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i + own_n intra_n) for every chunk n: the op's
-  output (B, T, H, V) in qe's dtype, V = ``vd``; operands as ``_forward``'s. This primal runs only where no
-  gradient is taken (``_attend_fwd`` otherwise): there the erase path may read by the query walk
-  (``Config.query_walk``), which keeps no states for a backward."""
+  output (B, T, H, V) in qe's dtype, V = ``vd``; operands as ``_forward``'s. This primal runs only
+  where no gradient is taken (``_attend_fwd`` otherwise): there the erase path may read by the
+  query walk (``Config.query_walk``), which keeps no states for a backward."""
   if erase and cfg.query_walk:
     o = kernels_walk(cps, cfg, scale, *operands)
   else:
