@@ -22,11 +22,6 @@
   that executable for every thread and grid point: the same program on the same operands, so
   the kernels compute what they did. Without that private function (another JAX) it does
   nothing.
-- ``NPROC=8`` (XLA's CPU thread pool, which that variable sizes, before the backend starts):
-  the interpreter runs each simulated warpgroup's barrier waits as host callbacks on that pool.
-  With the pool no larger than the cores (2 on the CI machine), two warpgroups blocked in waits
-  hold every pool thread, the warpgroups they wait for can no longer run, and a kernel of four
-  warpgroups (``mosaic_split``) never finishes.
 - The files that hold the longest tests are collected first (``FIRST``, longest single test
   first), so that pytest-xdist hands them out at the start and its two workers finish together,
   instead of one of them starting a 30-50 s test when the other has nothing left; with its
@@ -48,8 +43,6 @@ if version("jaxlib").startswith("0.10."):
   os.environ["XLA_FLAGS"] = " ".join(
       (os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0",
        "--xla_cpu_use_fusion_emitters=false", "--xla_cpu_parallel_codegen_split_count=1")).strip()
-
-os.environ.setdefault("NPROC", "8")
 
 import jax  # noqa: E402
 

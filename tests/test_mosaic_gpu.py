@@ -35,7 +35,7 @@ import pytest
 from testkit.triadic import PALLAS_BOUNDS, make_grad_inputs, transposes_an_argument
 from testkit import rel_rms
 from triadic import triadic_gdn
-from triadic.pallas import mosaic, mosaic_backward, mosaic_split, recurrent
+from triadic.pallas import mosaic, mosaic_backward, recurrent
 from triadic.pallas import plan as plan_lib
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import Config, token_major
@@ -164,139 +164,6 @@ def check_forward(fargs, got, want, save_x):
     assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
   check_close(FORWARD_OUTPUTS, got, want)
   return got
-
-
-SPLIT_CASES = [
-    # b, t, h, v, e, erase, save_x, heads   (D = 128, C = 64, 32 value columns a program; NC = 3)
-    pytest.param(1, 150, 1, 32, 2, True, True, False, id="E2-erase-saveX"),
-    pytest.param(1, 150, 1, 32, 8, True, False, False, id="E8-erase"),
-    pytest.param(1, 150, 1, 64, 4, False, False, False, id="E4-noerase-V64"),
-    pytest.param(2, 192, 2, 64, 2, True, True, True, id="B2-H2-E2-erase-saveX-heads"),
-]
-
-
-@pytest.mark.parametrize("b,t,h,vdim,e,erase,save_x,heads", SPLIT_CASES)
-def test_split_forward_matches_recurrent(b, t, h, vdim, e, erase, save_x, heads):
-  """The slice-split forward (``mosaic_split``: four warpgroups, eager) against ``recurrent``:
-  o, U, the chunk-start states and the final state, and with save_x X against X formed from the
-  reference's states; without save_x its lean form (no residuals) gives the same o and final
-  state bit for bit;
-  with ``heads``, the (B, T, H, X) layout (two value blocks, B = H = 2) gives every output bit
-  for bit."""
-  fargs = build(b, t, h, 128, vdim, e, 64, erase)[0]
-  kw = dict(scale=SCALE, erase=erase, interpret=True)
-  full = mosaic_split.state_pass(*fargs, save_x=save_x, **kw)
-  got = check_forward(fargs, full, reference(recurrent.state_pass, *fargs, scale=SCALE,
-                                             erase=erase), save_x)
-  if not save_x:   # (with save_x, rhs = beta X: the same sum, rounded another way)
-    lean = mosaic_split.state_pass(*fargs, residuals=False, **kw)
-    assert len(lean) == 2
-    assert all(bool(jnp.all(x == y)) for x, y in zip(lean, (got[0], got[-1])))
-  if heads:
-    tok = lambda x: token_major(x, b, h)
-    by_heads = mosaic_split.state_pass(*(tok(x) for x in fargs[:3]), *fargs[3:], heads=h,
-                                       save_x=save_x, **kw)
-    for x, y in zip(by_heads, (tok(full[0]), *full[1:]), strict=True):
-      assert x.shape == y.shape and bool(jnp.all(x == y))
-
-
-@pytest.mark.parametrize("e,erase,save_x,residuals,heads", [
-    (8, True, True, True, False), (8, True, False, False, False), (4, False, False, True, False),
-    (8, True, True, True, True)])
-def test_split_forward_lowers_for_cuda(e, erase, save_x, residuals, heads):
-  """The slice-split forward passes the Mosaic GPU lowering (four warpgroups, register counts,
-  SMEM within the 227 KiB at E = 8 with every residual), in either layout; nothing runs."""
-  lower_split(mosaic_split.state_pass, "triadic_forward_mgpu_split", e, heads, erase=erase,
-              save_x=save_x, residuals=residuals)
-
-
-def lower_split(fn, kernel, e, heads, **kw):
-  """Lower the split pass ``fn`` for CUDA (B * H = 2, NC = 4, D = V = 128; with ``heads`` B = 1,
-  H = 2 in (B, T, H, X)): the program names ``kernel`` and transposes no argument."""
-  bh, nc, c, d, vdim = 2, 4, 64, 128, 128
-  qkv = [(1, nc * c, 2, d)] * 2 + [(1, nc * c, 2, vdim)] if heads else (
-      [(bh, nc, c, d)] * 2 + [(bh, nc, c, vdim)])
-  args = kernel_arg_specs(qkv, bh=bh, nc=nc, c=c, d=d, vdim=vdim, e=e)
-  lowered = jax.jit(functools.partial(fn, scale=SCALE, heads=2 if heads else None, **kw))
-  text = lowered.trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert kernel in text
-  assert not transposes_an_argument(text)
-
-
-SPLIT_REVERSE_CASES = [
-    # b, t, h, v, e, erase, save_drhs, heads   (D = 128, C = 64; NC = 3)
-    pytest.param(1, 150, 1, 32, 2, True, True, False, id="E2-erase-drhs"),
-    pytest.param(1, 150, 1, 32, 8, True, True, False, id="E8-erase-drhs"),
-    pytest.param(1, 150, 1, 32, 4, False, False, False, id="E4-noerase"),
-    pytest.param(2, 192, 2, 64, 2, True, True, True, id="B2-H2-E2-erase-drhs-heads"),
-]
-
-
-@pytest.mark.parametrize("b,t,h,vdim,e,erase,save_drhs,heads", SPLIT_REVERSE_CASES)
-def test_split_reverse_matches_recurrent(b, t, h, vdim, e, erase, save_drhs, heads):
-  """The split reverse pass (``mosaic_split.reverse_state_pass``: three warpgroups, eager)
-  against ``recurrent``: dU, the chunk-end state gradients and dh0; with save_drhs, A^T dU and
-  dV = beta A^T dU against their definition on the pass's own dU; with ``heads``, the
-  (B, T, H, X) layout gives every output bit for bit (dV in (B, T, H, V))."""
-  fargs, do, dht = build(b, t, h, 128, vdim, e, 64, erase)
-  bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
-  kw = dict(scale=SCALE, erase=erase, interpret=True)
-  full = got = mosaic_split.reverse_state_pass(*bargs, save_drhs=save_drhs, **kw)
-  if save_drhs:
-    du, drhs, dv, *got = got
-    got = (du, *got)
-    want_drhs = jax.jit(functools.partial(mosaic_backward.rhs_gradient, erase=True))(fargs[7], du)
-    for name, x, want in (("A^T dU", drhs, want_drhs), ("dV", dv, fargs[6] * want_drhs)):
-      assert x.shape == du.shape and x.dtype == fargs[0].dtype, name
-      assert rel_rms(x, want) < 4e-3, f"{name}: rel RMS {rel_rms(x, want):.2e}"
-  check_close(BACKWARD_OUTPUTS, got, reference(recurrent.reverse_state_pass, *bargs,
-                                               scale=SCALE, erase=erase))
-  if heads:
-    tok = lambda x: token_major(x, b, h)
-    by_heads = mosaic_split.reverse_state_pass(tok(bargs[0]), tok(bargs[1]), tok(bargs[2]),
-                                               *bargs[3:], heads=h, save_drhs=save_drhs, **kw)
-    want = (*full[:2], tok(full[2]), *full[3:]) if save_drhs else full
-    for x, y in zip(by_heads, want, strict=True):
-      assert x.shape == y.shape and bool(jnp.all(x == y))
-
-
-@pytest.mark.parametrize("e,erase,save_drhs,heads", [
-    (8, True, True, False), (2, False, False, False), (4, True, True, True)])
-def test_split_reverse_lowers_for_cuda(e, erase, save_drhs, heads):
-  """The split reverse pass passes the Mosaic GPU lowering in either layout (on hardware X
-  shares its SMEM with the dht / dh0 staging, a ``plgpu.RefUnion``, which the interpreter's
-  copies do not take: SMEM within the 227 KiB at E = 8); nothing runs."""
-  lower_split(mosaic_split.reverse_state_pass, "triadic_backward_states_mgpu_split", e, heads,
-              erase=erase, save_drhs=save_drhs)
-
-
-def test_split_forward_supported():
-  bf16 = jnp.bfloat16
-  assert mosaic_split.supported(128, 128, 64, 8, bf16) is None
-  assert "D = 128" in mosaic_split.supported(64, 128, 64, 8, bf16)
-  assert "even E" in mosaic_split.supported(128, 128, 64, 3, bf16)
-  assert "bfloat16" in mosaic_split.supported(128, 128, 64, 8, jnp.float32)
-  assert "multiple of block_v" in mosaic_split.supported(128, 48, 64, 8, bf16)
-  assert mosaic_split.smem_bytes(128, 64, 8, True) <= mosaic_split.SMEM_MAX
-  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, split_forward=True)
-  plan = pops.explain(128, 128, 8, 64, bf16, config=cfg)
-  assert plan.split_forward and "slice split" in plan.forward.tiles
-  odd = pops.explain(128, 128, 3, 64, bf16, config=cfg)      # E = 3 pads to 4: split
-  assert odd.split_forward
-  narrow = pops.explain(64, 128, 8, 64, bf16, config=cfg)
-  assert not narrow.split_forward and "not split: " in narrow.forward.reason
-  assert mosaic_split.reverse_supported(128, 128, 64, 8, bf16) is None
-  assert mosaic_split.reverse_smem_bytes(128, 64, 8, True) <= mosaic_split.SMEM_MAX
-  assert "E * block_v" in mosaic_split.reverse_supported(128, 128, 64, 16, bf16)
-  both = dataclasses.replace(cfg, split_reverse=True)
-  assert pops.explain(128, 128, 8, 64, bf16, config=both).split_reverse
-  at_16 = pops.explain(128, 128, 16, 64, bf16, config=both)
-  assert not at_16.split_reverse and "not split: " in at_16.backward_states.reason
-  with pytest.raises(ValueError, match="even E"):
-    x = jnp.zeros((1, 1, 64, 128), bf16)
-    rest = (jnp.zeros((1, 1, 64, 3)),) * 3 + (jnp.zeros((1, 1, 64, 1)),) + (
-        jnp.zeros((1, 1, 64, 64)),) * 2 + (jnp.zeros((1, 3, 128, 32)),)
-    mosaic_split.state_pass(x, x, x[..., :32], *rest, scale=1.0, erase=True)
 
 
 def match_recurrent(built, erase, save_x, kernel_kw, heads=None):

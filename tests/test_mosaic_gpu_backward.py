@@ -288,41 +288,24 @@ def test_hopper_op_matches_scan():
   check_against_scan(1, 150, 2, 64, 32, 3, 64, True, 1.0, jnp.bfloat16, config=cfg)
 
 
-def test_hopper_op_with_split_passes_matches_scan():
-  """The whole op with both slice-split state passes (``Config.split_forward``,
-  ``Config.split_reverse``, D = 128; the forward's X and the reverse pass's A^T dU and dV read by
-  the slice kernel) against the scan, bf16 bounds of ``test_triadic_pallas``."""
-  cfg = Config("cpu", block_v=16, bwd_block_v=16, mosaic_gpu=True, mosaic_gpu_backward=True,
-               split_forward=True, split_reverse=True)
-  plan = pops.explain(128, 32, 2, 64, jnp.bfloat16, config=cfg)
-  assert plan.split_forward and plan.split_reverse and plan.saves_drhs(True)
-  check_against_scan(1, 150, 1, 128, 32, 2, 64, True, 1.0, jnp.bfloat16, config=cfg)
-
-
 @pytest.mark.parametrize("d,e,state_wgs,fwd_wgs,rev_wgs", [
     (64, 4, None, 1, 1),      # D = 64: one warpgroup
     (128, 8, None, 1, 2),     # the default at E = 8: block_v 16, two warpgroups in reverse only
     (128, 8, 2, 2, 2),        # Config.state_warpgroups=2: both passes, block_v 32
-    (128, 8, "split", 4, 3),  # Config.split_forward, split_reverse: both passes slice-split
 ])
 def test_hopper_op_lowers_for_cuda(d, e, state_wgs, fwd_wgs, rev_wgs):
   """The whole op, forward and backward, with the Hopper defaults (the state passes' warpgroups
-  per pass by ``mosaic.default_state_tiles``, or both set by ``Config.state_warpgroups``, or the
-  forward by the slice-split kernel: ``Config.split_forward``), lowers for CUDA (bf16, C = 64)
-  with the kernels the plan names."""
-  split = state_wgs == "split"
-  state_wgs = None if split else state_wgs
+  per pass by ``mosaic.default_state_tiles``, or both set by ``Config.state_warpgroups``), lowers
+  for CUDA (bf16, C = 64) with the kernels the plan names."""
   b, t, h, vdim = 1, 200, 2, 64
   spec = lambda *s, dt=jnp.bfloat16: jax.ShapeDtypeStruct(s, dt)
   args = [spec(b, t, h, d), spec(b, t, h, d), spec(b, t, h, vdim), spec(b, t, h, e),
           spec(b, t, h, e), spec(b, t, h, e), spec(b, t, h), spec(b, h, e, d, vdim, dt=jnp.float32)]
   cfg = dataclasses.replace(pops.default_config("gpu", e, vdim), mosaic_gpu=True,
-                            mosaic_gpu_backward=True, state_warpgroups=state_wgs,
-                            split_forward=split, split_reverse=split)
+                            mosaic_gpu_backward=True, state_warpgroups=state_wgs)
   plan = pops.explain(d, vdim, e, 64, jnp.bfloat16, config=cfg)
-  assert (f"{fwd_wgs} warpgroups" if split else f"{fwd_wgs} warpgroup(s)") in plan.forward.tiles
-  assert (f"{rev_wgs} warpgroups" if rev_wgs == 3 else f"{rev_wgs} warpgroup(s)"
-          ) in plan.backward_states.tiles
+  assert f"{fwd_wgs} warpgroup(s)" in plan.forward.tiles
+  assert f"{rev_wgs} warpgroup(s)" in plan.backward_states.tiles
   if state_wgs == 2:   # refused at D = 64, with the reason
     narrow = pops.explain(64, vdim, e, 64, jnp.bfloat16, config=cfg).backward_states
     assert "1 warpgroup(s)" in narrow.tiles and "D = 128" in narrow.reason
@@ -337,7 +320,7 @@ def test_hopper_op_lowers_for_cuda(d, e, state_wgs, fwd_wgs, rev_wgs):
   # Not differentiated: the partitioned forward without X.
   assert "triadic_forward_mgpu" in jax.jit(loss).trace(*args).lower(
       lowering_platforms=("cuda",)).as_text()
-  wg2 = lambda wgs: {2: "_wg2", 3: "_split", 4: "_split"}.get(wgs, "")
+  wg2 = lambda wgs: "_wg2" if wgs == 2 else ""
   tail = "fused" if mosaic_backward.default_fused_tail(e) else "ut"
   for kernel in ("triadic_chunk_prep", "triadic_forward_mgpu" + wg2(fwd_wgs),
                  "triadic_backward_states_mgpu" + wg2(rev_wgs), "triadic_chunk_backward_slices",

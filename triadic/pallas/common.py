@@ -69,13 +69,6 @@ class Config:
   ``mosaic.default_block_v`` for their warpgroups; one that ``mosaic.supported`` refuses sends
   them to Triton, as the plan says). Wider blocks read K, Q, A, P fewer times over, with fewer
   programs.
-  split_forward: with ``mosaic_gpu``, the forward state pass by the slice-split kernel
-  (``mosaic_split.py``: four warpgroups, two holding E / 2 slices each, one forming U and W, one
-  the output; 32 value columns a program) where ``mosaic_split.supported`` takes the sizes (D =
-  128, even E), else as without it.
-  split_reverse: likewise the reverse state pass (``mosaic_split.reverse_state_pass``: two
-  warpgroups holding E / 2 slices of dS each, one forming dU, X and Z) where
-  ``mosaic_split.reverse_supported`` takes the sizes (D = 128, even E up to 8).
   ut_kernel: take the prep's UT inverse A = (I + L)^-1 by a kernel, one program per chunk
   (``chunk_prep.unit_lower_inverse_kernel``), instead of the plain-JAX blocked substitution (GPU
   structure only; on by default on GPUs).
@@ -131,8 +124,6 @@ class Config:
   slice_warpgroups: int | None = None
   state_warpgroups: int | None = None
   state_block_v: int | None = None
-  split_forward: bool = False
-  split_reverse: bool = False
   sequence_pieces: int = 1
   warmup_chunks: int = 16
   ut_kernel: bool = False
@@ -156,8 +147,7 @@ class Config:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
     for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass",
-                 "partials_in_bf16", "query_walk", "split_forward", "split_reverse",
-                 "intra_kernel"):
+                 "partials_in_bf16", "query_walk", "intra_kernel"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)

@@ -60,7 +60,7 @@ import jax.numpy as jnp
 from layers import partition
 from layers.platform import default_platform
 from triadic.pallas import backward as bwd_kernels
-from triadic.pallas import mosaic, mosaic_backward, mosaic_split, pieces, recurrent
+from triadic.pallas import mosaic, mosaic_backward, pieces, recurrent
 from triadic.pallas import plan as plan_lib
 from triadic.pallas.chunk_prep import chunk_prep
 from triadic.pallas.common import F32, PLATFORMS, Config
@@ -238,24 +238,17 @@ def state_pass_kernels(cfg, q, v, k2, save_x=False, heads=None, save_drhs=False,
   reverse pass only: pass ``Plan.saves_drhs``). ``heads``: the Mosaic kernels' per-token
   operands are token-major (``plan.layout``). ``residuals=False``: the forward returns o and the
   final state only (``_core``'s primal): the Mosaic forward then writes nothing else; the
-  Triton / TPU one still writes U and the chunk-start states, which are dropped. The Mosaic
-  forward and reverse passes are the slice-split kernels where the plan says
-  (``Config.split_forward``, ``Config.split_reverse``)."""
-  plan = _plan(cfg, q, v, k2)
-  if plan.mosaic_state_kernels:
+  Triton / TPU one still writes U and the chunk-start states, which are dropped."""
+  if _plan(cfg, q, v, k2).mosaic_state_kernels:
     sizes = dict(d=q.shape[-1], vd=v.shape[-1], c=k2.shape[-2], e=k2.shape[-1])
     tiles = plan_lib.state_tiles(cfg, **sizes)
-    kw = dict(interpret=cfg.platform == "cpu")
+    kw = dict(interpret=cfg.platform == "cpu", block_v=tiles.block_v)
     if heads is not None:
       kw["heads"] = heads
-    forward = (functools.partial(mosaic_split.state_pass, **kw) if plan.split_forward else
-               functools.partial(mosaic.state_pass, block_v=tiles.block_v,
-                                 warpgroups=tiles.forward_warpgroups, **kw))
-    reverse = (functools.partial(mosaic_split.reverse_state_pass, **kw) if plan.split_reverse
-               else functools.partial(mosaic.reverse_state_pass, block_v=tiles.block_v,
-                                      warpgroups=tiles.reverse_warpgroups, **kw))
-    return (functools.partial(forward, save_x=save_x, residuals=residuals),
-            functools.partial(reverse, save_drhs=save_drhs))
+    return (functools.partial(mosaic.state_pass, save_x=save_x, residuals=residuals,
+                              warpgroups=tiles.forward_warpgroups, **kw),
+            functools.partial(mosaic.reverse_state_pass, warpgroups=tiles.reverse_warpgroups,
+                              save_drhs=save_drhs, **kw))
   forward = functools.partial(recurrent.state_pass, cfg=cfg)
   return (forward if residuals else functools.partial(_outputs_only, forward),
           functools.partial(recurrent.reverse_state_pass, cfg=cfg))

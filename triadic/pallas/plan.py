@@ -16,7 +16,7 @@ import logging
 
 import jax.numpy as jnp
 
-from triadic.pallas import chunk_prep, mosaic, mosaic_backward, mosaic_split, pieces
+from triadic.pallas import chunk_prep, mosaic, mosaic_backward, pieces
 from triadic.pallas.common import Config
 
 log = logging.getLogger("triadic.pallas")
@@ -43,8 +43,6 @@ class Plan:
   masks_in_prep: bool = False     # the prep kernel forms M, M' itself (``Config.masks_in_prep``)
   saves_masks: bool = False       # the forward keeps M', M for the split tail (Config.save_masks)
   drhs_in_reverse_pass: bool = False  # Config.drhs_in_reverse_pass, read by ``saves_drhs``
-  split_forward: bool = False     # the forward by the slice-split kernel (Config.split_forward)
-  split_reverse: bool = False     # the reverse pass likewise (Config.split_reverse)
 
   @property
   def stages(self) -> tuple[Stage, ...]:
@@ -110,31 +108,11 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
                    "Config.mosaic_gpu; "
                    + _warpgroups_reason(cfg, wgs, d=d, vd=vd, c=c, e=e, bv=st.block_v))
     forward = mosaic_stage("forward", st.forward_warpgroups, "a chunk ahead", "K^T")
-    split = (mosaic_split.supported(d, vd, c, e, dtype) if cfg.split_forward
-             else "Config.split_forward off")
-    if split is None:
-      forward = Stage("forward", "mosaic_gpu" + interp,
-                      f"slice split: block_v {mosaic_split.BLOCK_V}, 4 warpgroups (2 x {e // 2} "
-                      "slices; U and W; the output), K^T as transposed SMEM views",
-                      "Config.split_forward")
-    elif cfg.split_forward:
-      forward = dataclasses.replace(forward, reason=forward.reason + f"; not split: {split}")
     forward = dataclasses.replace(   # the Triton / TPU pass writes U and the states regardless
         forward, tiles=forward.tiles + "; without gradients o and the final state only")
     bwd_states = mosaic_stage("backward_states", st.reverse_warpgroups, "at chunk start",
                               "K^T Q^T A^T P^T")
-    split_rev = (mosaic_split.reverse_supported(d, vd, c, e, dtype) if cfg.split_reverse
-                 else "Config.split_reverse off")
-    if split_rev is None:
-      bwd_states = Stage("backward_states", "mosaic_gpu" + interp,
-                         f"slice split: block_v {mosaic_split.BLOCK_V}, 3 warpgroups (2 x "
-                         f"{e // 2} slices of dS; dU, X and Z), K^T Q^T A^T P^T as transposed "
-                         "SMEM views", "Config.split_reverse")
-    elif cfg.split_reverse:
-      bwd_states = dataclasses.replace(bwd_states,
-                                       reason=bwd_states.reason + f"; not split: {split_rev}")
   else:
-    split = split_rev = state_reason
     tiles = f"block_v {cfg.block_v}, {loop}"
     forward = Stage("forward", base, tiles, state_reason)
     bwd_states = Stage("backward_states", base, tiles, state_reason)
@@ -174,8 +152,7 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
   sizes = f"{cfg.platform}, {jnp.dtype(dtype).name}, D={d}, V={vd}, C={c}, E={e}"
   saves_masks = (cb_reason is None and not fused and refused is not None and cfg.save_masks)
   plan = Plan(sizes, prep, forward, bwd_states, chunk_bwd, masks_in_prep=refused is None,
-              saves_masks=saves_masks, drhs_in_reverse_pass=cfg.drhs_in_reverse_pass,
-              split_forward=split is None, split_reverse=split_rev is None)
+              saves_masks=saves_masks, drhs_in_reverse_pass=cfg.drhs_in_reverse_pass)
   _log_once(plan)
   return plan
 
@@ -269,8 +246,7 @@ def sequence_pieces(cfg: Config, *, bh: int, nc: int, d: int, vd: int, c: int, e
   (``Config.sequence_pieces``, ``pieces.choose``); its programs are bh times the forward state
   pass's value blocks. Logged once per distinct answer."""
   plan = resolve(cfg, d=d, vd=vd, c=c, e=e, dtype=dtype)
-  bv = (mosaic_split.BLOCK_V if plan.split_forward
-        else state_tiles(cfg, d=d, vd=vd, c=c, e=e).block_v if plan.mosaic_state_kernels
+  bv = (state_tiles(cfg, d=d, vd=vd, c=c, e=e).block_v if plan.mosaic_state_kernels
         else cfg.block_v)
   choice = pieces.choose(cfg.sequence_pieces, cfg.warmup_chunks, programs=bh * max(1, vd // bv),
                          nc=nc)
