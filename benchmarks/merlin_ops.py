@@ -37,14 +37,17 @@ tile choice is timed against the default by running the same command with and wi
 The GPU default's forward columns time the erase forward by the query walk (the forward where no
 gradient is taken); ``--tiles query_walk=False`` times the stack forward there instead, which is
 the forward a backward always runs.
-``--tiles intra_kernel`` runs the intra-chunk part by its kernels (``merlin.pallas.intra``) in
-the op and pipeline tables; on a GPU, with and without them:
+The GPU default's forward columns also run the intra-chunk part by its forward kernel
+(``Config.intra_kernel``, ``merlin.pallas.intra``); ``--tiles intra_kernel=False`` runs the
+plain-JAX part there instead, which is the part a differentiated call always runs. On a GPU, with
+and without it:
 
     for v in intra_kernel=False intra_kernel=True; do python benchmarks/merlin_ops.py \
         --impls pallas --dtype bfloat16 --B 1 --T 16384 --H 16 --D 128 --V 128 --R 128 \
         --segment-len 256 --chunk 64 --aggregators "" --tiles $v; done
 
-``--parts`` splits the op with the plain-JAX intra-chunk part only (it refuses intra_kernel).
+``--parts`` splits the op with the plain-JAX intra-chunk part (``intra_kernel`` off in its
+config): the op's f+b runs that part either way, and the forward kernel's time is the op table's.
 
 On a CPU shared with other jobs, XLA's multi-threaded kernels stall under oversubscription (the
 chunked form, which has the larger parallel ops, by up to 100x); pin one core for stable numbers:
@@ -417,8 +420,9 @@ PART_ROWS = {True: ("state pass", "readout", "reverse pass", "chunk gradients"),
 
 def parts_table(args, t, dtype, erase, floor_ms):
   """Where the pallas op's time goes at length t: its stages timed alone on the operands the op
-  hands them (``merlin.pallas.ops``: ``chunk_inputs`` -> ``intra_chunk`` -> ``kernel_operands``
-  -> ``kernels_forward``; backward ``kernels_backward``), each kernel launch alone, the whole op,
+  hands them (``merlin.pallas.ops``: ``chunk_inputs`` -> ``intra_chunk`` -> ``chunk_operands``
+  and ``chunk_weights`` -> ``kernel_operands`` -> ``kernels_forward``; backward
+  ``kernels_backward``), with ``intra_kernel`` off, each kernel launch alone, the whole op,
   and the glue: the op less its stages (relayouts, casts, lam's layout, the output cotangent's
   dO, the autodiff of the plain-JAX steps around the stages). A stage's f+b is its time in the
   op's forward+backward: the kernels' forward runs in both, their backward only in the f+b; the
@@ -429,6 +433,7 @@ def parts_table(args, t, dtype, erase, floor_ms):
   b, h, d, vd, seg = args.B, args.H, args.D, args.V, args.segment_len
   plan = merlin_plan.resolve("pallas", d=d, segment_len=seg, chunk_size=args.chunk,
                              documents=False, config=args.config)
+  plan = dataclasses.replace(plan, config=dataclasses.replace(plan.config, intra_kernel=False))
   c, cfg, scale = plan.chunk_size, plan.config, float(d ** -0.5)
   cps, n, nan = seg // c, -(-t // seg), float("nan")
   x = inputs(jax.random.PRNGKey(t), b, t, h, d, vd, args.R, n, dtype)
@@ -445,16 +450,16 @@ def parts_table(args, t, dtype, erase, floor_ms):
 
   def stage_inputs(q, k, v, g, beta, lam):  # as multistate_attention hands them on
     lam = jnp.where(visible(t, seg, n)[:, None, :], lam.astype(jnp.float32), 0.0)
-    return merlin_pallas.chunk_inputs(q, k, v, clamp_log_decay(g), beta, lam, segment_len=seg,
-                                      chunk_size=c)
+    g = clamp_log_decay(g)
+    return (merlin_pallas.chunk_inputs(q, k, v, g, beta, chunk_size=c),
+            merlin_pallas.chunk_weights(g, lam, segment_len=seg, chunk_size=c))
 
   cot = jax.random.normal(jax.random.PRNGKey(1), (b, t, h, vd))
   # the whole op first, while no stage's arrays hold device memory
   times["op"] = fwd_and_fwd_bwd(op, op_args, cot, repeats, True)[:2]
   times["op, grads only"] = (nan, fwd_and_fwd_bwd(op, op_args, cot, repeats, True,
                                                   keep_output=False)[1])
-  qc, kc, vc, gc, betac, lamc = jax.jit(stage_inputs)(*op_args)
-  intra_args = (qc, kc, vc, gc, betac)
+  intra_args, (gc, lamc) = jax.jit(stage_inputs)(*op_args)
   intra_fn = lambda *a: intra_chunk(*a, erase)[:6]  # uv, w, qe, kw, gam, intra: what the op uses
   def intra_vjp(cot, *a):  # its results too, as the op's f+b needs them
     out, pullback = jax.vjp(intra_fn, *a)
@@ -466,8 +471,9 @@ def parts_table(args, t, dtype, erase, floor_ms):
   census = [census_line(hlo_census(fn, a)) for fn, a in ((intra_fn, intra_args),
                                                          (intra_vjp, (intra_cot, *intra_args)))]
 
-  mats = jax.jit(functools.partial(merlin_pallas.kernel_operands, cps=cps, erase=erase,
-                                   dtype=dtype))(*intra_out, gc, lamc)
+  mats = jax.jit(lambda out, gc, lamc: merlin_pallas.kernel_operands(
+      merlin_pallas.chunk_operands(*out, dtype=dtype), gc, lamc, cps=cps, erase=erase))(
+          intra_out, gc, lamc)
   kfwd, _, (_, *states) = measure(
       functools.partial(merlin_pallas.kernels_forward, cps, erase, cfg, scale), mats, repeats)
   vp = mats[-5].shape[-1]  # uv, padded
@@ -602,9 +608,6 @@ def main(argv=None):
                        "plan's)")
   args = ap.parse_args(argv)
   args.config = tiles_config(args.tiles)   # the pallas impl's Config in every table
-  if args.parts and args.config is not None and args.config.intra_kernel:
-    ap.error("--parts times the plain-JAX intra-chunk stage (intra_chunk): drop intra_kernel "
-             "from --tiles, or time the op table with and without it")
 
   lengths = [int(t) for t in args.T.split(",")]
   n = args.max_segments or -(-max(lengths) // args.segment_len)

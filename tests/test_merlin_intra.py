@@ -1,19 +1,18 @@
-"""The intra-chunk kernels (``merlin.pallas.intra``, interpret mode on the CPU) against plain JAX.
+"""The intra-chunk forward kernel (``merlin.pallas.intra``; interpret mode) against plain JAX.
 
-Reference: ``merlin.chunked.intra_chunk`` on ``merlin.pallas.ops.chunk_inputs``' chunks, padded
-and cast by ``kernel_operands`` (intra padded to the kernels' V with zeros, as the kernel writes
-it): the op's plain-JAX path. The forward's six results are compared with it, and the kernels'
-VJP, all five input gradients (q, k, v, g, beta) for random cotangents of the six results in their
-dtypes, with JAX's autodiff of it. Both erase modes, float32 and bf16 inputs, weak decay and
-strong decay (g down to -30 a token), T not a multiple of the chunk, D and V that are padded
-(24, 40), B and H > 1 (the kernels read the (B, T, H, X) layout by row), chunks of 16 to 64
-(one to four of the UT inverse's 16 x 16 blocks), and keys aligned within each chunk
+Reference: ``merlin.pallas.ops.intra_operands``, the op's plain-JAX intra-chunk part
+(``intra_chunk`` on the chunked inputs, padded and cast as the kernels take them), which a
+differentiated call runs in the kernel's place. The kernel's six results are compared with it
+(shapes, dtypes, zero padded columns, values). Both erase modes, float32 and bf16 inputs, weak
+decay and strong decay (g down to -30 a token), T not a multiple of the chunk, D and V that are
+padded (24, 40), B and H > 1 (the kernel reads the (B, T, H, X) layout by row), chunks of 16 to
+64 (one to four of the UT inverse's 16 x 16 blocks), and keys aligned within each chunk
 (|L_ts| -> 1), where an inverse that is not a substitution loses every digit.
-Error bounds (relative RMS, ||a - b|| / ||b||), those of tests/test_merlin_pallas.py:
-  float32: 1e-5 for every result and gradient.
+Error bounds (relative RMS, ||a - b|| / ||b||), those of tests/test_merlin_pallas.py's outputs:
+  float32: 1e-5 for every result.
   bfloat16 inputs (the reference computes in float32 from the same bf16 values and rounds its
-  results once, as the op does): results 1.5e-2, gradients 2e-2 (bf16 operands of the products
-  not involving A, whose products stay float32).
+  results once, as the op does): 1.5e-2 (bf16 operands of the products not involving A, whose
+  products stay float32).
 """
 
 from __future__ import annotations
@@ -23,7 +22,6 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from merlin.chunked import intra_chunk
 from merlin.pallas import ops
 from merlin.pallas.intra import intra_part
 from testkit import rel_rms
@@ -31,7 +29,7 @@ from triadic.pallas.common import Config
 
 jax.config.update("jax_default_matmul_precision", "highest")
 
-BOUNDS = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (1.5e-2, 2e-2)}
+BOUNDS = {jnp.float32: 1e-5, jnp.bfloat16: 1.5e-2}
 CFG = Config("cpu", block_v=16, bwd_block_v=16)
 RESULTS = {True: ("qe", "w", "kw", "uv", "gam", "intra"),
            False: ("qe", "kw", "uv", "gam", "intra")}
@@ -54,18 +52,6 @@ def make_inputs(seed, b, t, h, d, vd, decay, dtype):
   return q.astype(dtype), k.astype(dtype), v.astype(dtype), g, beta
 
 
-def reference(q, k, v, g, beta, *, chunk, erase):
-  """The op's plain-JAX intra-chunk part, results as ``intra_part``'s (intra padded)."""
-  lam = jnp.zeros((*g.shape, 1))
-  qc, kc, vc, gc, betac, lamc = ops.chunk_inputs(q, k, v, g, beta, lam, segment_len=chunk,
-                                                 chunk_size=chunk)
-  uv, w, qe, kw, gam, intra, _, _ = intra_chunk(qc, kc, vc, gc, betac, erase)
-  *mats, gam, _, intra, _ = ops.kernel_operands(uv, w, qe, kw, gam, intra, gc, lamc, cps=1,
-                                                erase=erase, dtype=q.dtype)
-  vp = mats[-1].shape[-1]
-  return (*mats, gam, jnp.pad(intra, [(0, 0)] * 4 + [(0, vp - intra.shape[-1])]))
-
-
 CASES = [
     # b, t, h, d, v, chunk, erase, decay, dtype
     pytest.param(2, 100, 2, 24, 40, 32, True, "strong", jnp.float32, id="erase-strong-D24-V40"),
@@ -78,35 +64,24 @@ CASES = [
 
 
 @pytest.mark.parametrize("b,t,h,d,vd,chunk,erase,decay,dtype", CASES)
-def test_intra_kernels_match_plain_jax(b, t, h, d, vd, chunk, erase, decay, dtype):
-  """Forward results and the VJP's five input gradients against the plain-JAX part's."""
+def test_intra_kernel_matches_plain_jax(b, t, h, d, vd, chunk, erase, decay, dtype):
+  """The forward kernel's results against the plain-JAX part's."""
   args = make_inputs(0, b, t, h, d, vd, decay, dtype)
-  kernel = lambda *a: intra_part(*a, chunk_size=chunk, erase=erase, cfg=CFG)
-  plain = lambda *a: reference(*a, chunk=chunk, erase=erase)
-  got, pullback = jax.vjp(jax.jit(kernel), *args)
-  want, pullback_ref = jax.vjp(jax.jit(plain), *args)
-  out_bound, grad_bound = BOUNDS[dtype]
+  got = jax.jit(lambda *a: intra_part(*a, chunk_size=chunk, erase=erase, cfg=CFG))(*args)
+  want = jax.jit(lambda *a: ops.intra_operands(*a, chunk_size=chunk, erase=erase))(*args)
   nc, dp, vp = -(-t // chunk), ops.padded_width(d), ops.padded_width(vd)
-  widths = {"gam": None, "uv": vp, "intra": vp}
+  # each result's (width, its real columns): D and V padded, intra with the op's V, gam a scalar
+  widths = {"gam": (None, None), "uv": (vp, vd), "intra": (vd, vd)}
   for name, x, y in zip(RESULTS[erase], got, want, strict=True):
-    width = widths.get(name, dp)
+    width, real = widths.get(name, (dp, d))
     assert x.shape == (b, h, nc) + ((chunk, width) if width else ()), name
     assert x.dtype == (jnp.float32 if name in ("gam", "intra") else dtype), name
     x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
     if width:  # the padded columns are zero
-      assert np.all(x[..., (d if width == dp else vd):] == 0), name
+      assert np.all(x[..., real:] == 0), name
     assert np.all(np.isfinite(x)), name
     assert np.linalg.norm(y) > 0 or name == "gam", name  # gamma underflows under strong decay
-    assert rel_rms(x, y) < out_bound, f"{name}: rel RMS {rel_rms(x, y):.2e}"
-
-  keys = jax.random.split(jax.random.PRNGKey(1), len(want))
-  cots = [jax.random.normal(key, y.shape).astype(y.dtype) for key, y in zip(keys, want)]
-  for name, x, gx, gw in zip("q k v g beta".split(), args, pullback(tuple(cots)),
-                             pullback_ref(tuple(cots)), strict=True):
-    assert gx.shape == x.shape and gx.dtype == x.dtype, name
-    gx, gw = np.asarray(gx, np.float32), np.asarray(gw, np.float32)
-    assert np.all(np.isfinite(gx)) and np.linalg.norm(gw) > 0, name
-    assert rel_rms(gx, gw) < grad_bound, f"d{name}: rel RMS {rel_rms(gx, gw):.2e}"
+    assert rel_rms(x, y) < BOUNDS[dtype], f"{name}: rel RMS {rel_rms(x, y):.2e}"
 
 
 def test_bad_chunk_raises():

@@ -15,14 +15,17 @@ the output bound), over five or more segments with a last partial one (and over 
 alone), every aggregator's lam, weak and strong decay and weak decay with four tokens at -30
 (strong decay everywhere leaves the finished states nothing to add); under ``jax.grad`` the op
 keeps the stack forward, with gradients identical to the bit to those without the walk.
-With ``Config.intra_kernel`` (the intra-chunk part by ``merlin.pallas.intra``'s kernels, which
-tests/test_merlin_intra.py checks alone) a few cases run again, the same bounds: both erase modes,
-float32 and bf16, odd D or V, strong decay.
+The intra-chunk part's forward kernel (``Config.intra_kernel``, taken only where no gradient is;
+tests/test_merlin_intra.py checks it alone) is checked against the scan with the same output
+bounds and against the plain-JAX part's output (float32 1e-5, bf16 the output bound): both erase
+modes, float32 and bf16, padded D or V, strong decay; under ``jax.jit(jax.grad)`` the op runs the
+plain-JAX part, with output and gradients identical to the bit to those without the kernel.
 The plan (which impl "auto" picks, and why), the bad-input errors, the Triton lowering of the
-forward and backward for CUDA (with the intra-chunk kernels too), what each kernel stores (dtypes;
-the readout the op's output itself, in the caller's layout) and the per-(B, H)-shard run under
-jit (a subprocess with 4 fake CPU devices, with and without the intra-chunk kernels) are checked
-too.
+forward and backward for CUDA (the intra-chunk kernel in the forward alone), what each kernel
+stores (dtypes; the readout the op's output itself, in the caller's layout) and the
+per-(B, H)-shard run under jit (a subprocess with 4 fake CPU devices: gradients with and without
+``intra_kernel``, and the forward alone by the intra-chunk kernel and, erase, the query walk) are
+checked too.
 """
 
 from __future__ import annotations
@@ -101,41 +104,29 @@ def grads(impl, args, do, **kw):
 
 
 CASES = [
-    # b, t, h, d, v, segment_len, chunk, erase, decay, lam, dtype, intra_kernel
-    pytest.param(2, 150, 2, 16, 32, 32, 16, True, "weak", "random", jnp.float32, False,
-                 id="erase-random"),
-    pytest.param(1, 150, 2, 24, 24, 32, 16, True, "strong", "merlin", jnp.float32, False,
+    # b, t, h, d, v, segment_len, chunk, erase, decay, lam, dtype
+    pytest.param(2, 150, 2, 16, 32, 32, 16, True, "weak", "random", jnp.float32, id="erase-random"),
+    pytest.param(1, 150, 2, 24, 24, 32, 16, True, "strong", "merlin", jnp.float32,
                  id="erase-strong-merlin-D24"),
-    pytest.param(1, 150, 2, 16, 32, 64, 16, False, "weak", "meanpool", jnp.float32, False,
+    pytest.param(1, 150, 2, 16, 32, 64, 16, False, "weak", "meanpool", jnp.float32,
                  id="noerase-meanpool-L64"),
-    pytest.param(1, 150, 2, 32, 16, 32, 16, False, "strong", "position", jnp.float32, False,
+    pytest.param(1, 150, 2, 32, 16, 32, 16, False, "strong", "position", jnp.float32,
                  id="noerase-strong-position"),
-    pytest.param(1, 150, 2, 32, 32, 64, 32, True, "weak", "vanilla", jnp.bfloat16, False,
+    pytest.param(1, 150, 2, 32, 32, 64, 32, True, "weak", "vanilla", jnp.bfloat16,
                  id="erase-bf16-vanilla-C32"),
-    pytest.param(1, 150, 2, 16, 32, 32, 16, False, "weak", "random", jnp.bfloat16, False,
+    pytest.param(1, 150, 2, 16, 32, 32, 16, False, "weak", "random", jnp.bfloat16,
                  id="noerase-bf16-random"),
-    pytest.param(1, 420, 2, 32, 64, 32, 16, True, "strong", "merlin", jnp.bfloat16, False,
+    pytest.param(1, 420, 2, 32, 64, 32, 16, True, "strong", "merlin", jnp.bfloat16,
                  id="erase-bf16-strong-merlin-V64"),
-    pytest.param(1, 150, 2, 24, 24, 32, 16, True, "strong", "merlin", jnp.float32, True,
-                 id="intra-kernel-erase-strong-merlin-D24"),
-    pytest.param(1, 150, 2, 16, 40, 64, 32, False, "weak", "meanpool", jnp.float32, True,
-                 id="intra-kernel-noerase-meanpool-V40-C32"),
-    pytest.param(1, 150, 2, 32, 32, 64, 32, True, "weak", "vanilla", jnp.bfloat16, True,
-                 id="intra-kernel-erase-bf16-vanilla-C32"),
-    pytest.param(1, 150, 2, 16, 32, 32, 16, False, "strong", "random", jnp.bfloat16, True,
-                 id="intra-kernel-noerase-bf16-strong-random"),
 ]
 
 
-@pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype,intra_kernel",
-                         CASES)
-def test_pallas_matches_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, lam_kind, dtype,
-                             intra_kernel):
+@pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype", CASES)
+def test_pallas_matches_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, lam_kind, dtype):
   n = -(-t // segment_len) + 1  # one more state than the tokens need
   args, do = make_inputs(0, b, t, h, d, vd, n, segment_len, decay, lam_kind, dtype)
   kw = dict(segment_len=segment_len, erase=erase, chunk_size=chunk)
-  config = Config("cpu", block_v=16, bwd_block_v=16, intra_kernel=intra_kernel)
-  got, o = grads("pallas", args, do, config=config, **kw)
+  got, o = grads("pallas", args, do, **kw)
   ref_args = tuple(x.astype(jnp.float32) for x in args)
   want, o_ref = grads("scan", ref_args, do, **kw)
   out_bound, grad_bound = BOUNDS[dtype]
@@ -245,6 +236,69 @@ def test_query_walk_leaves_the_gradients():
   assert set(found) == set(KERNELS[True]), set(found)
 
 
+INTRA_CASES = [
+    # b, t, h, d, v, segment_len, chunk, erase, decay, lam, dtype
+    pytest.param(1, 150, 2, 24, 24, 32, 16, True, "strong", "merlin", jnp.float32,
+                 id="erase-strong-merlin-D24"),
+    pytest.param(1, 150, 2, 16, 40, 64, 32, False, "weak", "meanpool", jnp.float32,
+                 id="noerase-meanpool-V40-C32"),
+    pytest.param(1, 150, 2, 32, 32, 64, 32, True, "weak", "vanilla", jnp.bfloat16,
+                 id="erase-bf16-vanilla-C32"),
+    pytest.param(1, 150, 2, 16, 32, 32, 16, False, "strong", "random", jnp.bfloat16,
+                 id="noerase-bf16-strong-random"),
+]
+
+
+def intra_config(intra_kernel):
+  return Config("cpu", block_v=16, bwd_block_v=16, intra_kernel=intra_kernel)
+
+
+@pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype", INTRA_CASES)
+def test_intra_kernel_matches_scan_and_plain(b, t, h, d, vd, segment_len, chunk, erase, decay,
+                                             lam_kind, dtype):
+  """The output where no gradient is taken, with the intra-chunk part by its forward kernel,
+  against the scan within the output bound and against the plain-JAX part's output (float32
+  1e-5; bf16 the output bound, the two rounding differently); the kernel is traced, beside the
+  state kernels."""
+  n = -(-t // segment_len) + 1
+  args, _ = make_inputs(0, b, t, h, d, vd, n, segment_len, decay, lam_kind, dtype)
+  kw = dict(segment_len=segment_len, erase=erase, chunk_size=chunk)
+  op = lambda intra_kernel: jax.jit(lambda *a: multistate_attention(
+      *a, impl="pallas", config=intra_config(intra_kernel), **kw))
+  got, plain = op(True)(*args), op(False)(*args)
+  want = multistate_attention(*(x.astype(jnp.float32) for x in args), impl="scan", **kw)
+  out_bound = BOUNDS[dtype][0]
+  assert got.dtype == dtype and got.shape == (b, t, h, vd)
+  assert rel_rms(got, want) < out_bound, rel_rms(got, want)
+  assert rel_rms(got, plain) < (1e-5 if dtype == jnp.float32 else out_bound), rel_rms(got, plain)
+  found = kernel_outputs(jax.make_jaxpr(op(True))(*args).jaxpr)
+  assert set(found) == {"merlin_intra_forward", *KERNELS[erase][:2]}, set(found)
+
+
+@pytest.mark.parametrize("erase", [True, False])
+def test_intra_kernel_leaves_the_gradients(erase):
+  """Under ``jax.jit(jax.grad)`` the op with ``Config.intra_kernel`` runs the plain-JAX
+  intra-chunk part (the custom VJP's forward, its pullback the residual): the output and all six
+  gradients are identical to the bit to those without the kernel (padded D and V), and no intra
+  kernel is traced."""
+  b, t, h, d, vd, segment_len, chunk = 1, 150, 2, 24, 40, 32, 16
+  n = -(-t // segment_len) + 1
+  args, do = make_inputs(3, b, t, h, d, vd, n, segment_len, "weak", "merlin", jnp.float32)
+  kw = dict(segment_len=segment_len, erase=erase, chunk_size=chunk)
+  (got, o), (want, o_ref) = (grads("pallas", args, do, config=intra_config(intra_kernel), **kw)
+                             for intra_kernel in (True, False))
+  assert np.array_equal(np.asarray(o), np.asarray(o_ref))
+  for name, gx, gw in zip(NAMES, got, want):
+    assert np.array_equal(np.asarray(gx), np.asarray(gw), equal_nan=True), name
+
+  def loss(*a):
+    o = multistate_attention(*a, impl="pallas", config=intra_config(True), **kw)
+    return jnp.sum(o.astype(jnp.float32) * do)
+
+  found = kernel_outputs(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(6))))(*args).jaxpr)
+  assert set(found) == set(KERNELS[erase]), set(found)
+
+
 def test_plan():
   """"auto" picks the kernels on GPU only, and says why it does not elsewhere."""
   explain = plan_lib.explain
@@ -329,33 +383,34 @@ def test_kernels_lower_for_cuda(erase):
 
 @pytest.mark.parametrize("erase,dtype", [(True, jnp.bfloat16), (False, jnp.bfloat16),
                                          (True, jnp.float32)])
-def test_intra_kernels_lower_for_cuda(erase, dtype):
-  """With ``Config.intra_kernel`` the intra-chunk part's forward and backward kernels lower to
-  Triton for CUDA on this CPU machine beside the state kernels (padded D and V, T not a multiple
-  of the chunk): the forward stores Qe, [W,] Kw, Uv in the inputs' dtype and gamma, intra float32
-  (B*H, NC, ...), the backward dq, dk, dv in the inputs' dtype and dg, dbeta float32 in the
-  caller's (B, T, H, X) layout (T padded to whole chunks, D and V to the kernels' widths)."""
+def test_intra_kernel_lowers_for_cuda(erase, dtype):
+  """The GPU default's forward, where no gradient is taken, runs the intra-chunk part by its
+  kernel, which lowers to Triton for CUDA on this CPU machine beside the state kernels (padded D
+  and V, T not a multiple of the chunk) and stores Qe, [W,] Kw, Uv in the inputs' dtype and
+  gamma, intra float32 (B*H, NC, ...); the gradient's program has no intra kernel."""
   b, t, h, d, vd, segment_len, n = 1, 300, 2, 48, 80, 128, 3
-  op = pallas_op(erase, segment_len,
-                 config=dataclasses.replace(plan_lib.default_config("gpu"), intra_kernel=True))
+  config = plan_lib.default_config("gpu")
+  assert config.intra_kernel
+  op = pallas_op(erase, segment_len, config=config)
   args = op_specs(b, t, h, d, vd, n, dtype)
-  text = jax.jit(grad_of_sum(op)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  for kernel in ("merlin_intra_forward", "merlin_intra_backward", *KERNELS[erase]):
-    assert kernel in text, kernel
-  found = kernel_outputs(jax.make_jaxpr(grad_of_sum(op))(*args).jaxpr)
+  text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "merlin_intra_forward" in text
+  found = kernel_outputs(jax.make_jaxpr(op)(*args).jaxpr)
   x, f = jnp.dtype(dtype), jnp.dtype(jnp.float32)
   chunks = lambda *s, dt=x: ((b * h, 5, *s), dt)  # 5 chunks of 64 tokens; D -> 64, V -> 128
   assert found["merlin_intra_forward"] == [chunks(64, 64)] * (2 + erase) + [
       chunks(64, 128), chunks(1, 1, dt=f), chunks(64, 128, dt=f)]
-  tokens = lambda width, dt=x: ((b, 320, h, width), dt)
-  assert found["merlin_intra_backward"] == [tokens(64)] * 2 + [tokens(128)] + [tokens(1, f)] * 2
+  grad_text = jax.jit(grad_of_sum(op)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
+  assert "merlin_intra" not in grad_text
+  for kernel in KERNELS[erase]:
+    assert kernel in grad_text, kernel
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_query_walk_lowers_for_cuda(dtype):
   """The query-walk forward lowers to Triton for CUDA on this CPU machine (padded D and V, a last
   partial segment), its kernels storing the current and end states and the output in the inputs'
-  dtype, and no stack."""
+  dtype, and no stack (the GPU default's intra-chunk kernel beside them)."""
   b, t, h, d, vd, segment_len, n = 1, 300, 2, 48, 80, 128, 3
   config = plan_lib.default_config("gpu")
   assert config.query_walk
@@ -365,8 +420,9 @@ def test_query_walk_lowers_for_cuda(dtype):
   assert "merlin_walk_readout" in text and "merlin_state_pass" not in text
   found = kernel_outputs(jax.make_jaxpr(op)(*args).jaxpr)
   x = jnp.dtype(dtype)
-  assert found == {"merlin_write_pass": [((b * h, 5, 64, 128), x), ((b * h, 3, 64, 128), x)],
-                   "merlin_walk_readout": [((b, 320, h, 128), x)]}, found
+  assert found.keys() == {"merlin_intra_forward", "merlin_write_pass", "merlin_walk_readout"}
+  assert found["merlin_write_pass"] == [((b * h, 5, 64, 128), x), ((b * h, 3, 64, 128), x)]
+  assert found["merlin_walk_readout"] == [((b, 320, h, 128), x)]
 
 
 # Each kernel's outputs: "x" in the inputs' dtype, "f" float32. The states, the op's output (the
@@ -458,26 +514,28 @@ SHARDED_SCRIPT = textwrap.dedent("""
               local_kernel_shape=bool(re.search(r"\\[1,1,5,16,", hlo)),
               global_kernel_shape=bool(re.search(r"\\[2,2,5,16,", hlo)),
               all_gathers=len(re.findall(r"all-gather", hlo)))
-        if erase:  # the forward alone by the query walk, per shard too
-          walk = jax.jit(lambda *a: multistate_attention(
-              *a, impl="pallas", config=Config("cpu", block_v=16, bwd_block_v=16,
-                                               query_walk=True), **kw)).lower(*sharded).compile()
-          walk_hlo = walk.as_text()
-          report[f"{partitioner} query walk"] = dict(
-              errors={"o": rel_rms(walk(*sharded), o_ref)},
-              local_kernel_shape=bool(re.search(r"\\[1,1,5,16,", walk_hlo)),
-              global_kernel_shape=bool(re.search(r"\\[2,2,5,16,", walk_hlo)),
-              all_gathers=len(re.findall(r"all-gather", walk_hlo)))
+        # the forward alone (no gradient) per shard too: the intra-chunk kernel and, erase, the
+        # query walk
+        fwd = jax.jit(lambda *a: multistate_attention(
+            *a, impl="pallas", config=Config("cpu", block_v=16, bwd_block_v=16,
+                                             query_walk=erase, intra_kernel=True),
+            **kw)).lower(*sharded).compile()
+        fwd_hlo = fwd.as_text()
+        report[f"{partitioner} erase={erase} forward only"] = dict(
+            errors={"o": rel_rms(fwd(*sharded), o_ref)},
+            local_kernel_shape=bool(re.search(r"\\[1,1,5,16,", fwd_hlo)),
+            global_kernel_shape=bool(re.search(r"\\[2,2,5,16,", fwd_hlo)),
+            all_gathers=len(re.findall(r"all-gather", fwd_hlo)))
     print("RESULT", json.dumps(report))
 """)
 
 
 def test_pallas_runs_per_shard_under_jit():
   """Batch over "data" and heads over "tensor" on 4 fake CPU devices, under Shardy and GSPMD,
-  both erase modes, with and without the intra-chunk kernels, and the erase forward by the query
-  walk:
-  values and gradients match the unsharded scan, and every device runs the kernels on its own
-  (B/2, H/2) slice (no all-gather, no array of the global kernel layout)."""
+  both erase modes, gradients with and without ``intra_kernel`` and the forward alone by the
+  intra-chunk kernel (erase: and the query walk): values and gradients match the unsharded scan,
+  and every device runs the kernels on its own (B/2, H/2) slice (no all-gather, no array of the
+  global kernel layout)."""
   report = run_on_four_devices(SHARDED_SCRIPT, timeout=600)
   for partitioner, r in report.items():
     for name, err in r["errors"].items():

@@ -2,9 +2,11 @@
 
 The E-independent, state-free part of each chunk (gc, the UT transform A, Uv, W, Qe, Kw, the
 intra-chunk output P Uv and the chunk decay: ``merlin.chunked.intra_chunk``) runs in plain JAX,
-batched over all chunks, float32, differentiated by JAX, or, with ``Config.intra_kernel``, as the
-kernels of ``intra.py`` (one forward and one backward program per chunk, behind their own
-``jax.custom_vjp``). Everything whose cost grows with the number of segment states N is in
+batched over all chunks, float32, differentiated by JAX (``intra_operands``). With
+``Config.intra_kernel``, where no gradient is taken, it runs instead as the forward kernel of
+``intra.py`` (one program per chunk), the primal of a ``jax.custom_vjp`` whose differentiated
+forward is ``intra_operands`` itself, so a differentiated call's values and gradients are the
+plain-JAX part's. Everything whose cost grows with the number of segment states N is in
 ``kernels.py``, behind one ``jax.custom_vjp``:
 
   erase     forward: state pass (every visible chunk-start state, grid over segments) ->
@@ -78,9 +80,8 @@ def kernel_layout(operands):
 
 def readout_layout(intra, own, width):
   """The readout's intra (B*H, NC, C, width) and own (B*H, NC, C, 1) from the (B, H, ...) ones.
-  intra arrives with the op's V from plain JAX, so that its pullback (own's sum over V) runs on the
-  real columns only, and is padded to the kernels' V (``width``) here; the intra kernel's arrives
-  padded (zero columns)."""
+  intra arrives with the op's V, so that its pullback (own's sum over V) runs on the real columns
+  only, and is padded to the kernels' V (``width``) here."""
   return _pad_last(_merge(intra), width), _merge(own)[..., None]
 
 
@@ -226,40 +227,40 @@ def _unpad(o, t, vd):
   return o if o.shape[1::2] == (t, vd) else o[:, :t, :, :vd]
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4, 5))
-def _attend(cps, erase, cfg, scale, t, vd, *operands):
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2, 3, 4))
+def _attend(cps, erase, cfg, scale, t, *operands):
   """scale (sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i + own_n intra_n) for every chunk n: the op's
-  output (B, T, H, V) in qe's dtype, V = ``vd``; operands as ``_forward``'s. This primal runs only
-  where no gradient is taken (``_attend_fwd`` otherwise): there the erase path may read by the
-  query walk (``Config.query_walk``), which keeps no states for a backward."""
+  output (B, T, H, V) in qe's dtype; operands as ``_forward``'s. This primal runs only where no
+  gradient is taken (``_attend_fwd`` otherwise): there the erase path may read by the query walk
+  (``Config.query_walk``), which keeps no states for a backward."""
   if erase and cfg.query_walk:
     o = kernels_walk(cps, cfg, scale, *operands)
   else:
     o = kernels_forward(cps, erase, cfg, scale, *operands)[0]
-  return _unpad(o, t, vd)
+  return _unpad(o, t, operands[-2].shape[-1])
 
 
-def _attend_fwd(cps, erase, cfg, scale, t, vd, *operands):
+def _attend_fwd(cps, erase, cfg, scale, t, *operands):
   o, *states = kernels_forward(cps, erase, cfg, scale, *operands)
-  return _unpad(o, t, vd), (operands, tuple(states))
+  return _unpad(o, t, operands[-2].shape[-1]), (operands, tuple(states))
 
 
-def _attend_bwd(cps, erase, cfg, scale, t, vd, saved, dy):
+def _attend_bwd(cps, erase, cfg, scale, t, saved, dy):
   """The output's cotangent dy (B, T, H, V) in the output dtype gives dO = scale dy (float32,
   (B, H, NC, C, V), zero past T), by the float32 steps of the autodiff of the same output formed
   in plain JAX (cast, pad, relayout, scale), so the gradients are the same to the bit. The kernels
   take the stack read's gradients from dO (V padded as theirs, ``_backward``), ``_intra_part``'s
-  pullback those of intra and own (dO with intra's V: the op's, or padded as the kernels')."""
+  pullback those of intra and own."""
   operands, states = saved
   b, h, nc, c = operands[0].shape[:4]
+  vd = dy.shape[-1]
   dy = dy.astype(F32)
   if nc * c != t:
     dy = jnp.pad(dy, ((0, 0), (0, nc * c - t), (0, 0), (0, 0)))
   do = scale * jnp.moveaxis(dy.reshape(b, nc, c, h, vd), 3, 1)
-  do_kernels = _pad_last(do, padded_width(vd))
-  grads = kernels_backward(cps, erase, cfg, *operands[:-2], *states, do_kernels)
-  do_intra = do if operands[-2].shape[-1] == vd else do_kernels
-  return (*grads, *jax.vjp(_intra_part, *operands[-2:])[1](do_intra))
+  grads = kernels_backward(cps, erase, cfg, *operands[:-2], *states,
+                           _pad_last(do, padded_width(vd)))
+  return (*grads, *jax.vjp(_intra_part, *operands[-2:])[1](do))
 
 
 _attend.defvjp(_attend_fwd, _attend_bwd)
@@ -286,14 +287,50 @@ def chunk_weights(g, lam, *, segment_len: int, chunk_size: int):
   return to_chunks(g, nc, c), to_chunks(lam[..., :ns], nc, c)
 
 
-def chunk_inputs(q, k, v, g, beta, lam, *, segment_len: int, chunk_size: int):
-  """The op's inputs in chunks, float32, zero-padded at the end of T: q, k, v, g, beta as
-  ``intra_chunk`` takes them ((B, H, NC, C, ...)) and lam's first NS states (B, H, NC, C, NS)."""
+def chunk_inputs(q, k, v, g, beta, *, chunk_size: int):
+  """The op's q, k, v, g, beta in chunks as ``intra_chunk`` takes them ((B, H, NC, C, ...)),
+  float32, zero-padded at the end of T."""
   nc = -(-q.shape[1] // chunk_size)
-  # Padded tokens have q = k = v = beta = lam = 0 and g = 0: no write, no erase, no decay.
-  qc, kc, vc, betac = (to_chunks(x, nc, chunk_size) for x in (q, k, v, beta))
-  gc, lamc = chunk_weights(g, lam, segment_len=segment_len, chunk_size=chunk_size)
-  return qc, kc, vc, gc, betac, lamc
+  # Padded tokens have q = k = v = beta = 0 and g = 0: no write, no erase, no decay.
+  return tuple(to_chunks(x, nc, chunk_size) for x in (q, k, v, g, beta))
+
+
+def chunk_operands(uv, w, qe, kw, gam, intra, *, dtype):
+  """The state kernels' intra-chunk operands from ``intra_chunk``'s float32 results: qe, [w,] kw,
+  uv padded to ``padded_width`` and cast to ``dtype``; gam; intra (float32, the op's V)."""
+  dp, vp = padded_width(qe.shape[-1]), padded_width(uv.shape[-1])
+  kernel_op = lambda x, width: _pad_last(x, width).astype(dtype)
+  mats = [kernel_op(qe, dp)] + ([] if w is None else [kernel_op(w, dp)])
+  return (*mats, kernel_op(kw, dp), kernel_op(uv, vp), gam, intra)
+
+
+def intra_operands(q, k, v, g, beta, *, chunk_size: int, erase: bool):
+  """The intra-chunk part in plain JAX, float32 over all chunks, differentiated by JAX:
+  ``chunk_inputs`` -> ``intra_chunk`` -> ``chunk_operands``, on the op's inputs (g clamped).
+  Results as ``intra.intra_part``'s."""
+  uv, w, qe, kw, gam, intra, _, _ = intra_chunk(*chunk_inputs(q, k, v, g, beta,
+                                                              chunk_size=chunk_size), erase)
+  return chunk_operands(uv, w, qe, kw, gam, intra, dtype=q.dtype)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
+def _intra_by_kernel(chunk_size, erase, cfg, *inputs):
+  """``intra_operands``' results by the forward kernel (``intra.intra_part``). This primal runs
+  only where no gradient is taken; a differentiated call runs ``intra_operands`` itself
+  (``_intra_by_kernel_fwd``), so its values and gradients are the plain-JAX part's."""
+  return intra_part(*inputs, chunk_size=chunk_size, erase=erase, cfg=cfg)
+
+
+def _intra_by_kernel_fwd(chunk_size, erase, cfg, *inputs):
+  """``intra_operands``' results and, as the residual, its pullback (a pytree of arrays)."""
+  return jax.vjp(functools.partial(intra_operands, chunk_size=chunk_size, erase=erase), *inputs)
+
+
+def _intra_by_kernel_bwd(chunk_size, erase, cfg, pullback, cotangents):
+  return pullback(cotangents)
+
+
+_intra_by_kernel.defvjp(_intra_by_kernel_fwd, _intra_by_kernel_bwd)
 
 
 def weight_operands(gc, lamc, *, cps: int, erase: bool):
@@ -309,15 +346,13 @@ def weight_operands(gc, lamc, *, cps: int, erase: bool):
   return lam_k, own
 
 
-def kernel_operands(uv, w, qe, kw, gam, intra, gc, lamc, *, cps: int, erase: bool, dtype):
-  """The kernels' operands (``_forward``'s) from ``intra_chunk``'s float32 results, the chunks' g
-  (gc) and lam (lamc, (B, H, NC, C, NS)): qe, [w,] kw, uv padded to ``padded_width`` and cast to
-  ``dtype``; gam; lam and own (``weight_operands``); intra."""
+def kernel_operands(part, gc, lamc, *, cps: int, erase: bool):
+  """The kernels' operands (``_forward``'s): the intra-chunk part's results ``part`` (qe, [w,]
+  kw, uv, gam, intra: ``intra_operands``') and the readout's weights from the chunks' g (gc) and
+  lam (lamc) (``weight_operands``), in ``_forward``'s order."""
+  *mats, gam, intra = part
   lam_k, own = weight_operands(gc, lamc, cps=cps, erase=erase)
-  dp, vp = padded_width(qe.shape[-1]), padded_width(uv.shape[-1])
-  kernel_op = lambda x, width: _pad_last(x, width).astype(dtype)
-  mats = [kernel_op(qe, dp)] + ([kernel_op(w, dp)] if erase else [])
-  return mats + [kernel_op(kw, dp), kernel_op(uv, vp), gam, lam_k, intra, own]
+  return [*mats, gam, lam_k, intra, own]
 
 
 def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, erase: bool,
@@ -329,21 +364,16 @@ def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, 
   o (B, T, H, V) in q's dtype, written by the readout kernel (a slice of its output where T is
   not a multiple of the chunk or V not a power of two >= 16: ``padded_width``).
 
-  Its stages, each callable alone: ``chunk_inputs`` -> ``intra_chunk`` -> ``kernel_operands``
-  -> ``_attend`` (``kernels_forward``; backward ``kernels_backward``); with
-  ``Config.intra_kernel``, ``intra_part`` and ``chunk_weights`` -> ``weight_operands`` in place of
-  the first three."""
+  Its stages, each callable alone: ``intra_operands`` (``chunk_inputs`` -> ``intra_chunk`` ->
+  ``chunk_operands``) and ``chunk_weights`` -> ``kernel_operands`` -> ``_attend``
+  (``kernels_forward``; backward ``kernels_backward``); with ``Config.intra_kernel``, where no
+  gradient is taken, ``intra.intra_part`` in place of ``intra_operands``."""
   cps = segment_len // chunk_size
+  inputs = (q, k, v, g, beta)
   if config.intra_kernel:
-    *mats, gam, intra = intra_part(q, k, v, g, beta, chunk_size=chunk_size, erase=erase,
-                                   cfg=config)
-    gc, lamc = chunk_weights(g, lam, segment_len=segment_len, chunk_size=chunk_size)
-    lam_k, own = weight_operands(gc, lamc, cps=cps, erase=erase)
-    operands = [*mats, gam, lam_k, intra, own]
+    part = _intra_by_kernel(chunk_size, erase, config, *inputs)
   else:
-    qc, kc, vc, gc, betac, lamc = chunk_inputs(q, k, v, g, beta, lam, segment_len=segment_len,
-                                               chunk_size=chunk_size)
-    uv, w, qe, kw, gam, intra, _, _ = intra_chunk(qc, kc, vc, gc, betac, erase)
-    operands = kernel_operands(uv, w, qe, kw, gam, intra, gc, lamc, cps=cps, erase=erase,
-                               dtype=q.dtype)
-  return _attend(cps, erase, config, float(scale), q.shape[1], v.shape[-1], *operands)
+    part = intra_operands(*inputs, chunk_size=chunk_size, erase=erase)
+  gc, lamc = chunk_weights(g, lam, segment_len=segment_len, chunk_size=chunk_size)
+  operands = kernel_operands(part, gc, lamc, cps=cps, erase=erase)
+  return _attend(cps, erase, config, float(scale), q.shape[1], *operands)

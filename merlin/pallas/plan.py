@@ -32,7 +32,7 @@ class Plan:
   its and the readout's warps, bwd_block_v the value columns of the readout and of the backward's
   kernels (reverse state pass, chunk gradients), bwd_num_warps the backward kernels' warps,
   query_walk the erase forward's readout where no gradient is taken, intra_kernel the intra-chunk
-  part by kernels) and why this impl runs."""
+  part by a kernel where no gradient is taken) and why this impl runs."""
   impl: str
   chunk_size: int | None
   reason: str
@@ -45,25 +45,32 @@ class Plan:
       tiles = (f", {cfg.platform} block_v {cfg.block_v} at {cfg.num_warps} warps, "
                f"bwd_block_v {cfg.bwd_block_v} at {cfg.bwd_num_warps} warps"
                + (", erase forward-only by the query walk" if cfg.query_walk else "")
-               + (", intra-chunk part by kernels" if cfg.intra_kernel else ""))
+               + (", intra-chunk part by a kernel where no gradient is taken"
+                  if cfg.intra_kernel else ""))
     return f"multistate_attention plan: {self.impl} (chunk {self.chunk_size}{tiles}): {self.reason}"
 
 
 def default_config(platform: str) -> Config:
   """GPU: the forward state pass at 32 value columns a program (a (D, 32) float32 state, 16 KiB at
   D = 128) and 4 warps, the readout at 64 columns and 4 warps; the backward's kernels (reverse
-  state pass, chunk gradients) at 64 columns and 8 warps. Each state-pass program re-reads its
+  state pass, chunk gradients) at 64 columns and 4 warps. Each state-pass program re-reads its
   chunk's Qe, W, Kw at every chunk step, so wider value blocks halve that traffic; the profile
   (benchmarks/RESULTS.md) finds the wider blocks faster for the reverse pass, which carries more
-  per-step work, and slower for the forward pass and the readout. No kernel spills at these
-  tiles (benchmarks/triton_registers.py --merlin). Where no gradient is taken, the erase
-  forward reads the states by the query walk (``Config.query_walk``): as fast as the stack forward
-  (benchmarks/RESULTS.md), and its memory grows with T, where the stack of visible chunk-start
-  states grows with T^2. CPU (interpret): 16 columns, so small test shapes still run several
-  value blocks."""
+  per-step work, and slower for the forward pass and the readout; it finds the backward's kernels
+  faster at 4 warps than at 8. The forward's state and readout kernels do not spill at these
+  tiles (benchmarks/triton_registers.py --merlin); the backward's kernels at 4 warps and the
+  intra-chunk kernel are unchecked. Where no gradient is taken, the erase forward reads the states
+  by the query walk (``Config.query_walk``): as fast as the stack forward (benchmarks/RESULTS.md),
+  and its memory grows with T, where the stack of visible chunk-start states grows with T^2; and
+  the intra-chunk part runs as one forward kernel (``Config.intra_kernel``, at ``bwd_block_v``
+  columns and ``bwd_num_warps``), faster than the plain-JAX part (benchmarks/RESULTS.md). A
+  differentiated call runs the stack forward and the plain-JAX intra-chunk part regardless: the
+  backward needs the stack's states, and the intra-chunk part's gradient is JAX's autodiff of
+  the plain-JAX part. CPU (interpret): 16 columns, so small test shapes still run several value
+  blocks."""
   if platform == "gpu":
-    return Config("gpu", block_v=32, num_warps=4, bwd_block_v=64, bwd_num_warps=8,
-                  query_walk=True)
+    return Config("gpu", block_v=32, num_warps=4, bwd_block_v=64, bwd_num_warps=4,
+                  query_walk=True, intra_kernel=True)
   return Config("cpu", block_v=16, bwd_block_v=16)
 
 
