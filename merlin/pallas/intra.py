@@ -147,8 +147,6 @@ def _forward(c, erase, cfg, q, k, v, g, beta):
   return (*mats, gam[..., 0, 0], intra)
 
 
-
-
 # Shardy: b, h may be sharded on any mesh axes; tokens t, chunks n, c, D, V and g's unit dim o
 # must be whole on every device (the kernel walks them).
 _PARTITIONED = {
