@@ -3,6 +3,7 @@
     PYTHONPATH=. python benchmarks/triton_registers.py                          # triadic, E = 1 2 4 8
     PYTHONPATH=. python benchmarks/triton_registers.py --e 1 2 --op-variants masks_in_prep
     PYTHONPATH=. python benchmarks/triton_registers.py --merlin --no-triadic    # the MERLIN kernels
+    PYTHONPATH=. python benchmarks/triton_registers.py --merlin --no-triadic --merlin-variants bwd_num_warps=8
     PYTHONPATH=. python benchmarks/triton_registers.py --conv --no-triadic --b 4 --t 4096
 
 Lowers the op's forward and backward for CUDA on this machine (the triadic op with the Hopper
@@ -242,13 +243,14 @@ def merlin_args(b, t, h, d, vd, segment_len):
           spec(b, t, h, dtype=f32), spec(b, t, h, n, dtype=f32)]
 
 
-def merlin_grad(b, t, h, d, vd, segment_len, erase):
-  """(fn, specs): the gradients of the MERLIN op (its GPU kernels) in its six inputs."""
+def merlin_grad(b, t, h, d, vd, segment_len, erase, cfg=None):
+  """(fn, specs): the gradients of the MERLIN op (its GPU kernels; ``cfg`` None: the GPU
+  default) in its six inputs."""
   args = merlin_args(b, t, h, d, vd, segment_len)
 
   def loss(*a):
     o = multistate_attention(*a, segment_len=segment_len, erase=erase, impl="pallas",
-                             platform="gpu")
+                             platform="gpu", config=cfg)
     return jnp.sum(o.astype(jnp.float32))
 
   return jax.grad(loss, argnums=tuple(range(6))), args
@@ -309,6 +311,9 @@ def main(argv=None):
   ap.add_argument("--no-erase", action="store_true")
   ap.add_argument("--no-triadic", action="store_true")
   ap.add_argument("--merlin", action="store_true", help="also the MERLIN op's kernels")
+  ap.add_argument("--merlin-variants", nargs="*", default=[],
+                  help="with --merlin: also the gradient under these Config variants of MERLIN's "
+                       "GPU default (the --op-variants syntax), e.g. bwd_num_warps=8")
   ap.add_argument("--segment-len", type=int, default=256)
   ap.add_argument("--conv", action="store_true",
                   help="also the short convolution's kernels (C = 3 H D, width 4)")
@@ -327,9 +332,12 @@ def main(argv=None):
         lowerings.append((label + " primal", *triadic_primal(args.b, args.t, args.h, args.d,
                                                               args.v, e, erase, cfg)))
   if args.merlin:
-    lowerings.append((f"MERLIN segment {args.segment_len}",
-                      *merlin_grad(args.b, args.t, args.h, args.d, args.v, args.segment_len,
-                                   erase)))
+    for variant in ["", *args.merlin_variants]:
+      cfg = (dataclasses.replace(merlin_plan.default_config("gpu"), **variant_fields(variant))
+             if variant else None)
+      lowerings.append((f"MERLIN segment {args.segment_len}" + (f" {variant}" if variant else ""),
+                        *merlin_grad(args.b, args.t, args.h, args.d, args.v, args.segment_len,
+                                     erase, cfg)))
     if erase:
       lowerings.append(("MERLIN query walk",
                         *merlin_walk(args.b, args.t, args.h, args.d, args.v, args.segment_len)))

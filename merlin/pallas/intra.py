@@ -8,14 +8,14 @@ decay mask D_ts = exp(gc_t - gc_s) (s <= t, else 0):
     Uv = A R_v,  R_v = beta V        W = A R_k,  R_k = beta a K       (no erase: A = I, no W)
     Qe = a Q - P W        Kw = b K        gamma = exp(gc_C)        intra = P Uv
 
-The kernel reads q, k, v, g, beta and writes Qe, [W,] Kw, Uv in the input dtype (the state
+The kernel reads q, k, v, gc, beta and writes Qe, [W,] Kw, Uv in the input dtype (the state
 kernels' operands) and gamma, intra float32 (the readout adds intra in float32); it keeps nothing
 for a backward: it runs only where no gradient is taken (``Config.intra_kernel``), and a
 differentiated call runs the plain-JAX part, whose gradient JAX forms
 (``merlin.pallas.ops.intra_operands``).
 
-Layout: q, k, v, g, beta are read in the caller's (B, T, H, X) layout (``common.token_block``; g
-and beta as (B, T, H, 1)), T a multiple of C and D, V padded to ``kernels.padded_width`` with
+Layout: q, k, v, gc, beta are read in the caller's (B, T, H, X) layout (``common.token_block``;
+gc and beta as (B, T, H, 1)), T a multiple of C and D, V padded to ``kernels.padded_width`` with
 zeros (exact: padded columns add nothing), both by ``intra_part`` in plain JAX where needed; the
 results are in the state kernels' (B*H, NC, C, X) layout. The value axis is walked in blocks of
 ``bwd_block_v`` columns (``common.over_value_blocks``). The kernel runs at ``bwd_num_warps``:
@@ -76,20 +76,20 @@ def _ut_transform(kk, beta, decay, *, c, precision):
                 for i in range(nb)], axis=0)
 
 
-def _decays(g_ref, c):
-  """gc's per-chunk quantities from g (C, 1): a = exp(gc) (C, 1), b = exp(gc_C - gc) (C, 1),
+def _decays(gc_ref, c):
+  """gc's per-chunk quantities from gc (C, 1): a = exp(gc) (C, 1), b = exp(gc_C - gc) (C, 1),
   gamma = exp(gc_C) (1, 1) and the decay mask D (C, C)."""
   causal, _, _, _ = masks(c)
-  gc = jnp.cumsum(g_ref[...], axis=0)
+  gc = gc_ref[...]
   is_last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
   gl = colsum(jnp.where(is_last, gc, 0.0))  # gc_C, picked (exact)
   return jnp.exp(gc), jnp.exp(gl - gc), jnp.exp(gl), decay_mask(gc, gc.T, causal)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *outs, c, erase, vd, bv, dtype,
+def _forward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *outs, c, erase, vd, bv, dtype,
                     precision):
   qe_ref, kw_ref, uv_ref, gam_ref, intra_ref = (outs[0], *outs[1 + erase:])  # outs[1]: W, erase
-  a, b, gam, decay = _decays(g_ref, c)
+  a, b, gam, decay = _decays(gc_ref, c)
   k = k_ref[...]
   beta = beta_ref[...]
   p = mm(q_ref[...], k, dtype, tb=True) * decay
@@ -116,7 +116,7 @@ def _forward_kernel(q_ref, k_ref, v_ref, g_ref, beta_ref, *outs, c, erase, vd, b
 
 
 def _specs(c, d, vd, heads):
-  """The (B, T, H, X) blocks of q, k, v, g, beta for a (B*H, NC) grid."""
+  """The (B, T, H, X) blocks of q, k, v, gc, beta for a (B*H, NC) grid."""
   return ([token_block(c, d, heads)] * 2 + [token_block(c, vd, heads)]
           + [token_block(c, 1, heads)] * 2)
 
@@ -129,7 +129,7 @@ def _kernel_params(c, q, v, erase, cfg):
               precision=cfg.f32_precision)
 
 
-def _forward(c, erase, cfg, q, k, v, g, beta):
+def _forward(c, erase, cfg, q, k, v, gc, beta):
   """The forward kernel on ``intra_part``'s operands: qe, [w,] kw (B, H, NC, C, D) and uv
   (B, H, NC, C, V) in q's dtype, gam (B, H, NC) and intra (B, H, NC, C, V) float32."""
   b, t, h, d = q.shape
@@ -142,7 +142,7 @@ def _forward(c, erase, cfg, q, k, v, g, beta):
               out_shape=[shape(d)] * (2 + erase) + [
                   shape(vd), jax.ShapeDtypeStruct((b * h, nc, 1, 1), F32), shape(vd, F32)],
               semantics=("parallel", "parallel"), name="merlin_intra_forward",
-              num_warps=cfg.bwd_num_warps)(q, k, v, g, beta)
+              num_warps=cfg.bwd_num_warps)(q, k, v, gc, beta)
   *mats, gam, intra = (x.reshape(b, h, *x.shape[1:]) for x in outs)
   return (*mats, gam[..., 0, 0], intra)
 
@@ -166,7 +166,9 @@ def intra_part(q, k, v, g, beta, *, chunk_size: int, erase: bool, cfg):
   (``padded_width``): ``merlin.chunked.intra_chunk``'s values on the chunked inputs, padded and
   cast as ``merlin.pallas.ops.kernel_operands`` does. Per (B, H) shard under jit.
   T is padded to whole chunks and D, V to their widths here (zeros: no write, no decay), so the
-  kernel reads the op's arrays in place where neither is padded; intra is sliced back to V.
+  kernel reads the op's arrays in place where neither is padded; intra is sliced back to V. gc,
+  the chunk-local cumulative sum of g, is formed here too (a scan inside a Triton kernel is
+  the one construct of these kernels that not every Triton lowers).
   The op calls it only where no gradient is taken; a differentiated call runs the plain-JAX part
   instead (``merlin.pallas.ops.intra_operands``)."""
   c = chunk_size
@@ -181,7 +183,9 @@ def intra_part(q, k, v, g, beta, *, chunk_size: int, erase: bool, cfg):
     return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, width - x.shape[-1])))
 
   dp, vp = padded_width(q.shape[-1]), padded_width(vd)
-  inputs = (padded(q, dp), padded(k, dp), padded(v, vp),
-            *(padded(x.astype(F32)[..., None], 1) for x in (g, beta)))
+  g, beta = (padded(x.astype(F32)[..., None], 1) for x in (g, beta))
+  b, _, h, _ = g.shape
+  gc = jnp.cumsum(g.reshape(b, tp // c, c, h, 1), axis=2).reshape(g.shape)  # chunk-local
+  inputs = (padded(q, dp), padded(k, dp), padded(v, vp), gc, beta)
   *mats, gam, intra = _PARTITIONED[erase](c, erase, cfg, *inputs)
   return (*mats, gam, intra if vp == vd else intra[..., :vd])

@@ -57,17 +57,17 @@ def default_config(platform: str) -> Config:
   chunk's Qe, W, Kw at every chunk step, so wider value blocks halve that traffic; the profile
   (benchmarks/RESULTS.md) finds the wider blocks faster for the reverse pass, which carries more
   per-step work, and slower for the forward pass and the readout; it finds the backward's kernels
-  faster at 4 warps than at 8. The forward's state and readout kernels do not spill at these
-  tiles (benchmarks/triton_registers.py --merlin); the backward's kernels at 4 warps and the
-  intra-chunk kernel are unchecked. Where no gradient is taken, the erase forward reads the states
-  by the query walk (``Config.query_walk``): as fast as the stack forward (benchmarks/RESULTS.md),
-  and its memory grows with T, where the stack of visible chunk-start states grows with T^2; and
-  the intra-chunk part runs as one forward kernel (``Config.intra_kernel``, at ``bwd_block_v``
-  columns and ``bwd_num_warps``), faster than the plain-JAX part (benchmarks/RESULTS.md). A
-  differentiated call runs the stack forward and the plain-JAX intra-chunk part regardless: the
-  backward needs the stack's states, and the intra-chunk part's gradient is JAX's autodiff of
-  the plain-JAX part. CPU (interpret): 16 columns, so small test shapes still run several value
-  blocks."""
+  faster at 4 warps than at 8, although at 4 the reverse state pass and the chunk gradients spill
+  registers and at 8 they do not (benchmarks/triton_registers.py --merlin, which also lists the
+  intra-chunk kernel's). The forward's state and readout kernels do not spill at these tiles.
+  Where no gradient is taken, the erase forward reads the states by the query walk
+  (``Config.query_walk``): as fast as the stack forward (benchmarks/RESULTS.md), and its memory
+  grows with T, where the stack of visible chunk-start states grows with T^2; and the intra-chunk
+  part runs as one forward kernel (``Config.intra_kernel``, at ``bwd_block_v`` columns and
+  ``bwd_num_warps``), faster than the plain-JAX part (benchmarks/RESULTS.md). A differentiated
+  call runs the stack forward and the plain-JAX intra-chunk part regardless: the backward needs
+  the stack's states, and the intra-chunk part's gradient is JAX's autodiff of the plain-JAX
+  part. CPU (interpret): 16 columns, so small test shapes still run several value blocks."""
   if platform == "gpu":
     return Config("gpu", block_v=32, num_warps=4, bwd_block_v=64, bwd_num_warps=4,
                   query_walk=True, intra_kernel=True)
