@@ -184,8 +184,27 @@ WALK_CASES = [
 ]
 
 
-def walk_config(query_walk):
-  return Config("cpu", block_v=16, bwd_block_v=16, query_walk=query_walk)
+def option_config(field, on):
+  """The CPU test tiles with the forward-only Config option ``field`` (query_walk, intra_kernel)
+  on or off."""
+  return Config("cpu", block_v=16, bwd_block_v=16, **{field: on})
+
+
+def check_forward_only(field, args, kw, dtype, kernels):
+  """The op with ``field`` on, where no gradient is taken, against the scan within the output
+  bound and against the op with it off (float32 1e-5; bf16 the output bound, the two rounding
+  differently); the kernels traced are ``kernels``."""
+  op = lambda on: jax.jit(lambda *a: multistate_attention(
+      *a, impl="pallas", config=option_config(field, on), **kw))
+  got, without = op(True)(*args), op(False)(*args)
+  want = multistate_attention(*(x.astype(jnp.float32) for x in args), impl="scan", **kw)
+  out_bound = BOUNDS[dtype][0]
+  assert got.dtype == dtype and got.shape == args[2].shape
+  assert rel_rms(got, want) < out_bound, rel_rms(got, want)
+  bound = 1e-5 if dtype == jnp.float32 else out_bound
+  assert rel_rms(got, without) < bound, rel_rms(got, without)
+  found = kernel_outputs(jax.make_jaxpr(op(True))(*args).jaxpr)
+  assert set(found) == set(kernels), set(found)
 
 
 @pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,decay,lam_kind,dtype", WALK_CASES)
@@ -201,39 +220,7 @@ def test_query_walk_matches_scan_and_stack(b, t, h, d, vd, segment_len, chunk, d
     # segments' finished states still reach the last chunks (strong decay everywhere erases them)
     args = (*args[:3], args[3].at[:, segment_len + 8:segment_len + 12].set(-30.0), *args[4:])
   kw = dict(segment_len=segment_len, erase=True, chunk_size=chunk)
-  op = lambda walk: jax.jit(lambda *a: multistate_attention(
-      *a, impl="pallas", config=walk_config(walk), **kw))
-  walk, stack = op(True)(*args), op(False)(*args)
-  want = multistate_attention(*(x.astype(jnp.float32) for x in args), impl="scan", **kw)
-  out_bound = BOUNDS[dtype][0]
-  assert walk.dtype == dtype and walk.shape == (b, t, h, vd)
-  assert rel_rms(walk, want) < out_bound, rel_rms(walk, want)
-  assert rel_rms(walk, stack) < (1e-5 if dtype == jnp.float32 else out_bound), rel_rms(walk, stack)
-  found = kernel_outputs(jax.make_jaxpr(op(True))(*args).jaxpr)
-  assert set(found) == {"merlin_write_pass", "merlin_walk_readout"}, set(found)
-
-
-def test_query_walk_leaves_the_gradients():
-  """Under ``jax.grad`` the op runs the stack forward with or without ``query_walk`` (the custom
-  VJP's forward, not its primal): the output and all six gradients are identical to the bit, and
-  no walk kernel is traced."""
-  b, t, h, d, vd, segment_len, chunk = 1, 150, 2, 16, 32, 32, 16
-  n = -(-t // segment_len) + 1
-  args, do = make_inputs(2, b, t, h, d, vd, n, segment_len, "weak", "merlin", jnp.float32)
-  kw = dict(segment_len=segment_len, erase=True, chunk_size=chunk)
-  (got, o), (want, o_ref) = (grads("pallas", args, do, config=walk_config(walk), **kw)
-                             for walk in (True, False))
-  assert np.array_equal(np.asarray(o, np.float32), np.asarray(o_ref, np.float32))
-  for name, gx, gw in zip(NAMES, got, want):
-    gx, gw = np.asarray(gx, np.float32), np.asarray(gw, np.float32)
-    assert np.array_equal(gx, gw, equal_nan=True), name
-
-  def loss(*a):
-    o = multistate_attention(*a, impl="pallas", config=walk_config(True), **kw)
-    return jnp.sum(o.astype(jnp.float32) * do)
-
-  found = kernel_outputs(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(6))))(*args).jaxpr)
-  assert set(found) == set(KERNELS[True]), set(found)
+  check_forward_only("query_walk", args, kw, dtype, {"merlin_write_pass", "merlin_walk_readout"})
 
 
 INTRA_CASES = [
@@ -249,50 +236,38 @@ INTRA_CASES = [
 ]
 
 
-def intra_config(intra_kernel):
-  return Config("cpu", block_v=16, bwd_block_v=16, intra_kernel=intra_kernel)
-
-
 @pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype", INTRA_CASES)
 def test_intra_kernel_matches_scan_and_plain(b, t, h, d, vd, segment_len, chunk, erase, decay,
                                              lam_kind, dtype):
   """The output where no gradient is taken, with the intra-chunk part by its forward kernel,
-  against the scan within the output bound and against the plain-JAX part's output (float32
-  1e-5; bf16 the output bound, the two rounding differently); the kernel is traced, beside the
-  state kernels."""
+  against the scan and against the plain-JAX part's output (``check_forward_only``); the kernel
+  is traced, beside the state kernels."""
   n = -(-t // segment_len) + 1
   args, _ = make_inputs(0, b, t, h, d, vd, n, segment_len, decay, lam_kind, dtype)
   kw = dict(segment_len=segment_len, erase=erase, chunk_size=chunk)
-  op = lambda intra_kernel: jax.jit(lambda *a: multistate_attention(
-      *a, impl="pallas", config=intra_config(intra_kernel), **kw))
-  got, plain = op(True)(*args), op(False)(*args)
-  want = multistate_attention(*(x.astype(jnp.float32) for x in args), impl="scan", **kw)
-  out_bound = BOUNDS[dtype][0]
-  assert got.dtype == dtype and got.shape == (b, t, h, vd)
-  assert rel_rms(got, want) < out_bound, rel_rms(got, want)
-  assert rel_rms(got, plain) < (1e-5 if dtype == jnp.float32 else out_bound), rel_rms(got, plain)
-  found = kernel_outputs(jax.make_jaxpr(op(True))(*args).jaxpr)
-  assert set(found) == {"merlin_intra_forward", *KERNELS[erase][:2]}, set(found)
+  check_forward_only("intra_kernel", args, kw, dtype,
+                     {"merlin_intra_forward", *KERNELS[erase][:2]})
 
 
-@pytest.mark.parametrize("erase", [True, False])
-def test_intra_kernel_leaves_the_gradients(erase):
-  """Under ``jax.jit(jax.grad)`` the op with ``Config.intra_kernel`` runs the plain-JAX
-  intra-chunk part (the custom VJP's forward, its pullback the residual): the output and all six
-  gradients are identical to the bit to those without the kernel (padded D and V), and no intra
-  kernel is traced."""
+@pytest.mark.parametrize("field,erase", [("query_walk", True), ("intra_kernel", True),
+                                         ("intra_kernel", False)])
+def test_forward_only_options_leave_the_gradients(field, erase):
+  """Under ``jax.jit(jax.grad)`` the op with a forward-only option (``Config.query_walk``,
+  ``Config.intra_kernel``) runs what it runs without it (the custom VJPs' forward rules, not
+  their primals): the output and all six gradients are identical to the bit (padded D and V),
+  and only the kernels of the op without the option are traced."""
   b, t, h, d, vd, segment_len, chunk = 1, 150, 2, 24, 40, 32, 16
   n = -(-t // segment_len) + 1
   args, do = make_inputs(3, b, t, h, d, vd, n, segment_len, "weak", "merlin", jnp.float32)
   kw = dict(segment_len=segment_len, erase=erase, chunk_size=chunk)
-  (got, o), (want, o_ref) = (grads("pallas", args, do, config=intra_config(intra_kernel), **kw)
-                             for intra_kernel in (True, False))
+  (got, o), (want, o_ref) = (grads("pallas", args, do, config=option_config(field, on), **kw)
+                             for on in (True, False))
   assert np.array_equal(np.asarray(o), np.asarray(o_ref))
   for name, gx, gw in zip(NAMES, got, want):
     assert np.array_equal(np.asarray(gx), np.asarray(gw), equal_nan=True), name
 
   def loss(*a):
-    o = multistate_attention(*a, impl="pallas", config=intra_config(True), **kw)
+    o = multistate_attention(*a, impl="pallas", config=option_config(field, True), **kw)
     return jnp.sum(o.astype(jnp.float32) * do)
 
   found = kernel_outputs(jax.make_jaxpr(jax.grad(loss, argnums=tuple(range(6))))(*args).jaxpr)
