@@ -22,7 +22,7 @@ loses every digit in float32 once keys in a chunk are aligned (|L_ts| -> 1, e.g.
 token).
 
 The kernel form: the chunk's ``SUB`` x ``SUB`` diagonal blocks A_ii = (I + L_ii)^-1 by
-substitution in registers (``diagonal_block_inverses``), then the blocks below the diagonal by
+substitution in registers (``_diagonal_block_inverses``), then the blocks below the diagonal by
 block forward substitution, A_ij = -A_ii sum_{j <= m < i} L_im A_mj, as float32 products at
 ``Config.f32_precision``: the same arithmetic as ``unit_lower_inverse`` in another order, so as
 accurate, with L read from HBM once and A written once.
@@ -90,7 +90,7 @@ def masks_in_prep_supported(c: int, e: int, cfg) -> str | None:
   return None
 
 
-def diagonal_block_inverses(column, nb):
+def _diagonal_block_inverses(column, nb):
   """(I + L_ii)^-1 of the ``nb`` SUB x SUB strictly lower diagonal blocks L_ii, by substitution:
   X = I, then for s = 0, 1, ..: row s of X is final, and every row t > s takes -L_ts X_s.
   ``column(i, s)`` gives column s of L_ii as a (SUB, 1) float32 column (a load from a ref, or a
@@ -109,11 +109,11 @@ def diagonal_block_inverses(column, nb):
 
 def blocked_inverse(block, column, nb, precision):
   """{(i, j): A_ij, j <= i} of A = (I + L)^-1 for a strictly lower L of ``nb`` x ``nb`` SUB x SUB
-  blocks: the diagonal blocks by ``diagonal_block_inverses`` (``column`` as there), then the
+  blocks: the diagonal blocks by ``_diagonal_block_inverses`` (``column`` as there), then the
   blocks below the diagonal by block forward substitution, A_ij = -A_ii sum_{j <= m < i} L_im A_mj,
   float32 products at ``precision``. ``block(i, m)`` gives L_im (SUB, SUB), m < i."""
   f32mm = lambda x, y: mm(x, y, F32, precision=precision)
-  inv = {(i, i): x for i, x in enumerate(diagonal_block_inverses(column, nb))}
+  inv = {(i, i): x for i, x in enumerate(_diagonal_block_inverses(column, nb))}
   for i in range(1, nb):
     lower = {m: block(i, m) for m in range(i)}
     for j in range(i - 1, -1, -1):
