@@ -152,20 +152,6 @@ def test_one_warpgroup_save_x_matches_recurrent():
                   heads=(b, h))
 
 
-def check_forward(fargs, got, want, save_x):
-  """A forward pass's outputs ``got`` against ``recurrent``'s ``want`` (``check_close``), and with
-  ``save_x`` its X (after U) against X formed from the reference's chunk-start states. Returns
-  ``got`` without X."""
-  if save_x:
-    x, got = got[2], got[:2] + got[3:]
-    q, k, v, k2, _, gc_col = fargs[:6]
-    want_x = jax.jit(mosaic_backward.x_from_states)(k, v, want[2], k2, gc_col)
-    assert x.shape == want_x.shape and x.dtype == q.dtype
-    assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
-  check_close(FORWARD_OUTPUTS, got, want)
-  return got
-
-
 def match_recurrent(built, erase, save_x, kernel_kw, heads=None):
   """The Mosaic forward (with ``save_x``) and reverse passes with ``kernel_kw`` against
   ``recurrent`` on ``build``'s operands; with save_x, X against X formed from the reference's
@@ -177,8 +163,15 @@ def match_recurrent(built, erase, save_x, kernel_kw, heads=None):
   kw = dict(scale=SCALE, erase=erase)
   run = (lambda f: f) if kernel_kw.get("warpgroups", 1) == 2 else jax.jit
   mk = dict(kw, interpret=True, **kernel_kw)
-  fwd = run(functools.partial(mosaic.state_pass, save_x=save_x, **mk))(*fargs)
-  check_forward(fargs, fwd, reference(recurrent.state_pass, *fargs, **kw), save_x)
+  fwd = got = run(functools.partial(mosaic.state_pass, save_x=save_x, **mk))(*fargs)
+  want = reference(recurrent.state_pass, *fargs, **kw)
+  if save_x:
+    x, got = got[2], got[:2] + got[3:]
+    q, k, v, k2, _, gc_col = fargs[:6]
+    want_x = jax.jit(mosaic_backward.x_from_states)(k, v, want[2], k2, gc_col)
+    assert x.shape == want_x.shape and x.dtype == q.dtype
+    assert rel_rms(x, want_x) < BOUND, f"X: rel RMS {rel_rms(x, want_x):.2e}"
+  check_close(FORWARD_OUTPUTS, got, want)
   bargs = (fargs[0], fargs[1], do, *fargs[3:9], dht)
   bwd = got = run(functools.partial(mosaic.reverse_state_pass, save_drhs=save_x, **mk))(*bargs)
   if save_x:

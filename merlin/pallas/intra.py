@@ -121,14 +121,6 @@ def _specs(c, d, vd, heads):
           + [token_block(c, 1, heads)] * 2)
 
 
-def _kernel_params(c, q, v, erase, cfg):
-  """The kernel's static parameters: the chunk, the mode, V and its value block, the matmul
-  operands' dtype and A's products' precision."""
-  vd = v.shape[-1]
-  return dict(c=c, erase=erase, vd=vd, bv=min(cfg.bwd_block_v, vd), dtype=q.dtype,
-              precision=cfg.f32_precision)
-
-
 def _forward(c, erase, cfg, q, k, v, gc, beta):
   """The forward kernel on ``intra_part``'s operands: qe, [w,] kw (B, H, NC, C, D) and uv
   (B, H, NC, C, V) in q's dtype, gam (B, H, NC) and intra (B, H, NC, C, V) float32."""
@@ -136,7 +128,9 @@ def _forward(c, erase, cfg, q, k, v, gc, beta):
   vd, nc = v.shape[-1], t // c
   shape = lambda x, dtype=q.dtype: jax.ShapeDtypeStruct((b * h, nc, c, x), dtype)
   mats = [chunk_block(c, d)] * (2 + erase)
-  kernel = functools.partial(_forward_kernel, **_kernel_params(c, q, v, erase, cfg))
+  kernel = functools.partial(_forward_kernel, c=c, erase=erase, vd=vd,
+                             bv=min(cfg.bwd_block_v, vd), dtype=q.dtype,
+                             precision=cfg.f32_precision)
   outs = call(kernel, cfg=cfg, grid=(b * h, nc), in_specs=_specs(c, d, vd, h),
               out_specs=mats + [chunk_block(c, vd), chunk_block(1, 1), chunk_block(c, vd)],
               out_shape=[shape(d)] * (2 + erase) + [

@@ -104,10 +104,10 @@ class Config:
   backward needs the states. On in the GPU default (``merlin.pallas.plan.default_config``).
   intra_kernel: MERLIN's forward-only intra-chunk part (``merlin.chunked.intra_chunk``: the UT
   transform, Uv, W, Qe, Kw, the chunk decay and P Uv): where no gradient is taken, a Triton kernel,
-  one program per (batch*head, chunk), reading q, k, v, g, beta in the caller's layout
-  (``merlin.pallas.intra``), instead of plain float32 JAX over all chunks. A differentiated call
-  runs the plain-JAX part regardless, whose gradient JAX forms (``merlin.pallas.ops``). On in the
-  GPU default (``merlin.pallas.plan.default_config``).
+  one program per (batch*head, chunk), reading q, k, v, beta and g's chunk-local cumulative sum
+  in the caller's layout (``merlin.pallas.intra``), instead of plain float32 JAX over all
+  chunks. A differentiated call runs the plain-JAX part regardless, whose gradient JAX forms
+  (``merlin.pallas.ops``). On in the GPU default (``merlin.pallas.plan.default_config``).
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
