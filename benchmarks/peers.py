@@ -127,6 +127,15 @@ def _authors_call(q, k, v, k2, q2, g, beta):
               + [torch.from_dlpack(x).float().contiguous() for x in (k2, q2, g, beta)])
 
 
+def _authors_backward(fn, inputs, scale):
+  """A call of the authors' forward+backward on leaf copies of ``inputs``, pulling ones back
+  through o (they have no final-state output)."""
+  torch = _torch()
+  leaves = [x.detach().requires_grad_(True) for x in inputs]
+  do = torch.ones_like(leaves[2])
+  return lambda: fn(*leaves, scale=scale).backward(do)
+
+
 def time_authors(q, k, v, k2, q2, g, beta, reps: int):
   """(fwd ms, fwd+bwd ms) or the reason string, of the authors' triadic kernels on the JAX inputs
   of our op: q, k (B, T, H, 128), v (B, T, H, 128) in bf16, k2, q2, g (B, T, H, E), beta (B, T,
@@ -137,14 +146,11 @@ def time_authors(q, k, v, k2, q2, g, beta, reps: int):
   if fn is None:
     return inputs
   torch = _torch()
-  qt, kt, vt, k2t, q2t, gt, bt = inputs
   scale = q.shape[-1] ** -0.5
   try:
     with torch.no_grad():
-      fwd = _time_cuda(torch, lambda: fn(qt, kt, vt, k2t, q2t, gt, bt, scale=scale), reps)
-    leaves = [x.detach().requires_grad_(True) for x in (qt, kt, vt, k2t, q2t, gt, bt)]
-    do = torch.ones_like(vt)
-    fb = _time_cuda(torch, lambda: fn(*leaves, scale=scale).backward(do), reps)
+      fwd = _time_cuda(torch, lambda: fn(*inputs, scale=scale), reps)
+    fb = _time_cuda(torch, _authors_backward(fn, inputs, scale), reps)
   except Exception as err:  # reported, not fatal
     return f"{type(err).__name__}: {err}"[:200]
   finally:
@@ -160,9 +166,7 @@ def authors_kernels(q, k, v, k2, q2, g, beta, reps: int = 5):
     return inputs
   torch = _torch()
   from torch.profiler import ProfilerActivity, profile
-  leaves = [x.detach().requires_grad_(True) for x in inputs]
-  do = torch.ones_like(leaves[2])
-  step = lambda: fn(*leaves, scale=q.shape[-1] ** -0.5).backward(do)
+  step = _authors_backward(fn, inputs, q.shape[-1] ** -0.5)
   try:
     for _ in range(2):
       step()
