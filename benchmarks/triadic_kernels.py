@@ -507,8 +507,8 @@ def tail_variants(cbw_args, reps):
   drhs = mb.rhs_gradient(a, du, True)
   low = lambda y: y.astype(q.dtype)
   dqp = jnp.zeros(q.shape, jnp.float32)
-  coef = jnp.full(k2_col.shape, 0.01, jnp.float32)
-  args = (q, k, v, do, low(u), low(du), low(drhs), dqp, dqp, coef, coef, coef,
+  coef = jnp.full((*k2_col.shape[:-1], 3 * e_dim), 0.01, jnp.float32)
+  args = (q, k, v, do, low(u), low(du), low(drhs), dqp, dqp, coef,
           jnp.zeros(k2_col.shape[:2] + (e_dim,), jnp.float32), k2_col, k2_row, q2_col, gc_col,
           gc_row, beta_col, a)
   rows = []

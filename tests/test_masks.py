@@ -7,6 +7,7 @@ dqcoef q2 a, dkcoef k2 b, dlam exp(gc_C); a = exp(gc), b = exp(gc_C - gc)), diff
 JAX in float64 with respect to k2, q2 and gc. Inputs: C = 64, E = 3 (not a power of two), strong
 decay (g down to -30 per token, where only masking before exp keeps the upper triangle finite)
 and weak, with and without erase. Bound: relative RMS 1e-5 (float32 against float64).
+``mask_grads_kernel`` (Pallas interpret mode) is held to the same oracle and bound.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import pytest
 from testkit import rel_rms
 from triadic.chunked import chunk_masks
 from triadic.pallas import masks
+from triadic.pallas.common import Config
 
 BOUND = 1e-5
 C, E = 64, 3
@@ -79,3 +81,20 @@ def test_masks_and_gradients_match_float64_oracle(decay, erase):
     assert x.dtype == jnp.float32 and x.shape == y.shape, name
     assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
 
+
+
+@pytest.mark.parametrize("decay,erase", [(30.0, True), (0.05, False)])
+def test_mask_grads_kernel_matches_float64_oracle(decay, erase):
+  """The kernel's summed dk2, dq2, d gc, its row coefficients in a wider (C, 3E + 2) matrix as
+  the slice kernel hands them over."""
+  cols, cots = operands(decay, seed=1)
+  dm, dmq, dcoef, dqcoef, dkcoef, dlam = cots
+  pad = jnp.zeros((*dcoef.shape[:-1], 2), jnp.float32)
+  coef = jnp.concatenate([dcoef, dqcoef, dkcoef, pad], axis=-1)
+  got = masks.mask_grads_kernel(dmq, dm if erase else None, coef, dlam, *cols, erase=erase,
+                                cfg=Config("cpu", block_v=16, bwd_block_v=16))
+  with jax.enable_x64(True):
+    want = oracle(cols, cots, erase)
+  for name, x, y in zip(("dk2", "dq2", "dgc"), got, want, strict=True):
+    assert x.dtype == jnp.float32 and x.shape == y.shape, name
+    assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"

@@ -6,9 +6,8 @@ Inputs are built as ``ops._backward`` sees them: chunked bf16 q, k, v, do, float
 (Pallas interpret mode) for realistic U, chunk-start states, dU and chunk-end state gradients.
 The slice kernel runs in Mosaic GPU interpret mode (simulated SMEM, TMA, barriers, wgmma), the
 tail kernel in Pallas interpret mode and the mask work (``masks.py``) in plain JAX.
-Error bound (relative RMS, ||a - b|| / ||b||): 1e-2 for every output, 2e-2 for dk2 and dgc's
-column parts (they collect the row sums, which the two kernels form from differently rounded bf16
-products). Cases cover E unrolled and as a loop (E > ``UNROLL_MAX_E``), E not a power of two, X
+Error bound (relative RMS, ||a - b|| / ||b||): 1e-2 for every output, 2e-2 for dk2 and d gc
+(they collect the row sums, which the two kernels form from differently rounded bf16 products). Cases cover E unrolled and as a loop (E > ``UNROLL_MAX_E``), E not a power of two, X
 from the forward or formed in plain JAX, with and without erase, strong decay (g down to -20 per
 token, which only the masking before exp keeps finite) and weak decay (where the chunk-end term
 dlam exp(gc_C) of d gc is not negligible), one and two warpgroups. Lowering tests compile the
@@ -41,8 +40,8 @@ from triadic.pallas.ops import kernel_layout
 
 SCALE = 0.125
 CPU = Config("cpu", block_v=16, bwd_block_v=16)
-NAMES = ("dq", "dk", "dv", "dk2_col", "dk2_row", "dq2_col", "dgc_col", "dgc_row", "dbeta")
-BOUNDS = dict.fromkeys(NAMES, 1e-2) | {"dk2_col": 2e-2, "dgc_col": 2e-2}
+NAMES = ("dq", "dk", "dv", "dk2", "dq2", "dgc", "dbeta")
+BOUNDS = dict.fromkeys(NAMES, 1e-2) | {"dk2": 2e-2, "dgc": 2e-2}
 
 pytestmark = pytest.mark.skipif(not mosaic.interpret_available(),
                                 reason="Mosaic GPU interpret mode unavailable in this JAX")
@@ -129,22 +128,26 @@ def test_unrolled_items_match_loop():
   check_outputs(loop, triton_structure(args, True), BOUNDS)
 
 
-@pytest.mark.parametrize("e,erase,decay,fused,bf16_partials", [
+@pytest.mark.parametrize("e,erase,decay,fused,bf16_partials,grads_kernel", [
     # (E = 1 with the split tail: ``test_matches_triton_structure[E1-erase]``)
-    (2, False, 20.0, None, False),  # the default (fused) without erase
-    (4, True, 20.0, True, False),   # E = 4 takes the split tail by default: the fused one here
-    (3, True, 20.0, False, False),  # the split tail at an E that is no power of two
-    (1, True, 20.0, None, True),    # the slice kernel's dq, dk partials in bf16: fused tail
+    (2, False, 20.0, None, False, False),  # the default (fused) without erase
+    (4, True, 20.0, True, False, False),   # E = 4 takes the split tail by default: fused here
+    (3, True, 20.0, False, False, False),  # the split tail at an E that is no power of two
+    (1, True, 20.0, None, True, False),    # the slice kernel's dq, dk partials in bf16: fused
     # (and split: ``test_unrolled_items_match_loop``)
+    (3, True, 20.0, False, True, True),    # the split tail's mask gradients by their kernel
+    (4, False, 0.02, False, True, True),   # ... without erase, weak decay
 ])
-def test_tail_variants_match_triton_structure(e, erase, decay, fused, bf16_partials):
-  """Both tails (``fused_tail_kernel``; masks in JAX around ``tail_kernel``), D = 64, V = 32,
-  reading the slice kernel's dq, dk partials in float32 or bf16 (``Config.partials_in_bf16``)."""
+def test_tail_variants_match_triton_structure(e, erase, decay, fused, bf16_partials,
+                                              grads_kernel):
+  """Both tails (``fused_tail_kernel``; masks in JAX around ``tail_kernel``, the mask gradients
+  in plain JAX or by ``masks.mask_grads_kernel``), D = 64, V = 32, reading the slice kernel's
+  dq, dk partials in float32 or bf16 (``Config.partials_in_bf16``)."""
   args = backward_operands(1, 150, 2, 64, 32, e, erase, decay)
   want = triton_structure(args, erase)
   got = jax.jit(functools.partial(mosaic_backward.chunk_gradients, scale=SCALE, erase=erase,
                                   fused_tail=fused, partials_in_bf16=bf16_partials,
-                                  interpret=True))(*args)
+                                  mask_grads_kernel=grads_kernel, interpret=True))(*args)
   check_outputs(got, want, BOUNDS)
 
 

@@ -164,17 +164,19 @@ def token_major_config(**fields):
                 ut_kernel=True, token_major=True, **fields)
 
 
-@pytest.mark.parametrize("e,erase,fused_tail", [(3, True, None), (2, False, False)])
-def test_token_major_matches_kernel_layout(e, erase, fused_tail):
+@pytest.mark.parametrize("e,erase,fused_tail,grads_kernel", [(3, True, None, True),
+                                                              (2, False, False, False)])
+def test_token_major_matches_kernel_layout(e, erase, fused_tail, grads_kernel):
   """``Config.token_major`` (q, k, v, o, dO and dq, dk, dv read and written in the caller's
   (B, T, H, X) by the kernels) computes what the relayouted kernels compute: output, final state
   and every gradient to float32 rounding, B = H = 2 (b = i // H, h = i % H), two chunks; and the
-  scan's values within the bf16 bounds."""
+  scan's values within the bf16 bounds. E = 3 (padded to 4) takes the split tail, there with the
+  mask gradients by their kernel (``Config.mask_grads_kernel``)."""
   from triadic.pallas import mosaic
   if not mosaic.interpret_available():
     pytest.skip("Mosaic GPU interpret mode unavailable in this JAX")
   b, t, h, d, vdim = 2, 128, 2, 64, 32
-  cfg = token_major_config(fused_tail=fused_tail)
+  cfg = token_major_config(fused_tail=fused_tail, mask_grads_kernel=grads_kernel)
   assert pops.explain_layout(b, t, h, d, vdim, e, 64, jnp.bfloat16, config=cfg).token_major
   args, do, ds = make_grad_inputs(0, b, t, h, d, vdim, e, decay=1.0, dtype=jnp.bfloat16)
   got = value_and_grads("pallas", args, do, ds, erase=erase, chunk_size=64, config=cfg)
@@ -207,14 +209,18 @@ def test_token_major_layout_reasons():
 def test_token_major_lowers_for_cuda_without_relayouts():
   """With ``token_major`` the whole op (forward and backward) lowers for CUDA with no transpose
   of a q-sized bf16 array (D = V = 128): the kernels read q, k, v, dO and write o, dq, dk in
-  place. The relayouted op has them (so the count can fail)."""
+  place. The relayouted op has them (so the count can fail). The mask gradients' kernel, which
+  the Hopper default takes at this E, lowers too."""
   b, t, h, d = 2, 256, 2, 128
+  assert pops.default_config("gpu", 8, d, hopper=True).mask_grads_kernel
+  assert not pops.default_config("gpu", 4, d, hopper=True).mask_grads_kernel
   cfg = dataclasses.replace(pops.default_config("gpu", 8, d), mosaic_gpu=True,
-                            mosaic_gpu_backward=True, token_major=True)
+                            mosaic_gpu_backward=True, token_major=True, mask_grads_kernel=True)
   assert pops.explain_layout(b, t, h, d, d, 8, 64, jnp.bfloat16, config=cfg).token_major
   text = cuda_lowering_text(cfg, b, t, h, d, d, 8)
   for kernel in ("triadic_chunk_prep", "triadic_forward_mgpu", "triadic_backward_states_mgpu",
-                 "triadic_chunk_backward_slices", "triadic_chunk_backward_tail"):
+                 "triadic_chunk_backward_slices", "triadic_chunk_backward_tail",
+                 "triadic_mask_grads"):
     assert kernel in text, kernel
   assert bf16_transposes(text, b, t, h, d) == 0
   relayouted = cuda_lowering_text(dataclasses.replace(cfg, token_major=False), b, t, h, d, d, 8)

@@ -267,8 +267,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
                     beta_col, a, *, scale, erase, cfg):
   """Run the chunk-parallel backward. Layout (BH, NC, ...) as the forward kernels.
 
-  Returns float32 dq, dk (BH,NC,C,D), dv (BH,NC,C,V), dk2 column and row parts ((C,E), (E,C)),
-  dq2 (C,E), d gc column and row parts, dbeta (C,1).
+  Returns float32 dq, dk (BH,NC,C,D), dv (BH,NC,C,V), dk2, dq2 and d gc (C,E), dbeta (C,1)
+  (the kernel writes dk2 and d gc as column (C,E) and row (E,C) parts, summed here).
   """
   bh, nc, c, d = q.shape
   vd, e_dim = v.shape[-1], k2_col.shape[-1]
@@ -280,7 +280,7 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
                              # Slices as loops on the GPU structure (registers); Mosaic TPU would
                              # need dynamic lane slices for a traced slice index.
                              loop=not cfg.chunk_grid)
-  return call(
+  dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = call(
       kernel, cfg=cfg, grid=(bh, nc),
       in_specs=[spec(c, d), spec(c, d), spec(c, vd), spec(c, vd), spec(c, vd), spec(c, vd),
                 spec(e_dim, d, vd), spec(e_dim, d, vd), spec(c, e_dim), spec(e_dim, c),
@@ -292,3 +292,5 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
       semantics=("parallel", "parallel"), name="triadic_chunk_backward",
       num_warps=cfg.bwd_num_warps,
   )(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a)
+  rows = lambda y: jnp.swapaxes(y, -1, -2)
+  return dq, dk, dv, dk2_col + rows(dk2_row), dq2, dgc_col + rows(dgc_row), dbeta

@@ -96,6 +96,10 @@ class Config:
   slice_unroll_max_e: up to this E the Mosaic slice kernel's state items (a slice's 64-row piece
   of S_e and dS_e) are unrolled; above it they run as a loop per piece, which keeps the compiler
   from holding several items' values in registers at once (None: ``mosaic_backward.UNROLL_MAX_E``).
+  mask_grads_kernel: the split tail's per-slice mask gradients (dk2, dq2, d gc from dM', dM) by
+  the kernel ``masks.mask_grads_kernel`` (one program per chunk, one exponential per (token,
+  token, slice) shared by the four sums, no cross-thread reductions) instead of plain JAX, where
+  XLA takes each of the four sums with its own exponentials (Mosaic GPU chunk backward only).
   query_walk: MERLIN's forward-only readout in the erase mode (``merlin.pallas.kernels``,
   ``walk_readout``): where no gradient is taken, each chunk's query walks back through the chunk
   maps and reads only the segments' end states, so the forward stores each chunk's current state,
@@ -135,6 +139,7 @@ class Config:
   drhs_in_reverse_pass: bool = True
   partials_in_bf16: bool = True
   slice_unroll_max_e: int | None = None
+  mask_grads_kernel: bool = False
   query_walk: bool = False
   intra_kernel: bool = False
 
@@ -149,7 +154,7 @@ class Config:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
     for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass",
-                 "partials_in_bf16", "query_walk", "intra_kernel"):
+                 "partials_in_bf16", "mask_grads_kernel", "query_walk", "intra_kernel"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)

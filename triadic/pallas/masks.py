@@ -29,11 +29,27 @@ Layout: as the kernels, (BH, NC, C, E) columns and (BH, NC, E, C) rows. M and M'
 sum over e of elementwise (BH, NC, C, C) terms (one loop fusion, no reduction); each per-slice sum
 is over the minor axis of a (BH, NC, E, C, C) broadcast expression with its own decay mask, so
 that each reduction fuses its exponentials instead of reading one materialised E x C x C mask.
+
+``mask_grads_kernel`` computes the same gradients as one Pallas kernel (``triadic_mask_grads``,
+grid (BH, NC), Triton on the GPU, interpret mode on the CPU; ``Config.mask_grads_kernel``), laid
+out so that no reduction crosses threads: the program's (C, E) tile holds one (token, slice) pair
+per element, and a loop over the chunk's tokens j adds, to row t's sums, the terms of pair
+(t, s = j) (rq, rk) and of pair (s = t, t = j) (cq, ck). Either pair's decay is exp(gc_t - gc_s)
+for its own orientation, one exponential per element and step, which all four sums share; the
+weights dM'_tj, dM'_jt (and dM's) are (C, 1) column loads, masked to their causal half. It
+returns the summed dk2, dq2 and d gc, with the row-coefficient terms, so XLA only takes the
+chunk-wise cumulative sum of d gc afterwards.
 """
 
 from __future__ import annotations
 
+import functools
+
+import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from triadic.pallas.common import F32, call, chunk_block
 
 
 def _cols(x):
@@ -130,3 +146,81 @@ def _factor_grads(dcoef, dqcoef, dkcoef, dlam, k2_col, q2_col, gc_col, *, erase)
   dgl = jnp.sum(dkcoef * k2_col * b, axis=-2) + dlam * jnp.exp(gl[..., 0, :])   # (BH, NC, E)
   return dk2, dq2, dgc.at[..., c - 1, :].add(dgl)
 
+
+
+def mask_grads_kernel(dmq, dm, coef, dlam, k2_col, q2_col, gc_col, *, erase, cfg, num_warps=4):
+  """``mask_grads`` as one kernel (module docstring), the parts summed: dk2, dq2 and d gc, each
+  (BH, NC, C, E) float32 (d gc before the chunk-wise cumulative sum that turns it into dg).
+
+  dmq, dm (BH, NC, C, C) float32 as ``mask_grads`` takes them (dm None without erase); ``coef``
+  the slice kernel's row sums (BH, NC, C, W): dcoef, dqcoef, dkcoef in columns [0, E), [E, 2E),
+  [2E, 3E); dlam (BH, NC, E); k2, q2, gc in the column layout (BH, NC, C, E). ``cfg``: the
+  platform's ``Config`` (Triton on the GPU, interpret mode on the CPU)."""
+  bh, nc, c, e_dim = gc_col.shape
+  if coef.shape[:3] != (bh, nc, c) or coef.shape[-1] < 3 * e_dim:
+    raise ValueError(f"coef must be (BH, NC, C, >= 3E) = ({bh}, {nc}, {c}, >= {3 * e_dim}), got "
+                     f"{coef.shape}")
+  if (dm is not None) != erase:
+    raise ValueError(f"dm must be given exactly with erase, got dm {dm is not None}, "
+                     f"erase={erase}")
+  kernel = functools.partial(_mask_grads_kernel, c=c, e_dim=e_dim, erase=erase)
+  masks_in = (dmq, dm) if erase else (dmq,)
+  out = jax.ShapeDtypeStruct((bh, nc, c, e_dim), F32)
+  return call(
+      kernel, cfg=cfg, grid=(bh, nc),
+      in_specs=[chunk_block(c, c)] * len(masks_in)
+               + [chunk_block(c, coef.shape[-1]), chunk_block(1, e_dim)]
+               + [chunk_block(c, e_dim)] * 3,
+      out_specs=[chunk_block(c, e_dim)] * 3, out_shape=[out] * 3,
+      semantics=("parallel", "parallel"), name="triadic_mask_grads", num_warps=num_warps,
+  )(*masks_in, coef, dlam[:, :, None, :], k2_col, q2_col, gc_col)
+
+
+def _mask_grads_kernel(dmq_ref, *refs, c, e_dim, erase):
+  """One chunk of ``mask_grads_kernel``: the loop over tokens j (module docstring), then the
+  row-coefficient terms (``_factor_grads``)."""
+  if erase:
+    dm_ref, coef_ref, dlam_ref, k2_ref, q2_ref, gc_ref, dk2_ref, dq2_ref, dgc_ref = refs
+  else:
+    dm_ref = None
+    coef_ref, dlam_ref, k2_ref, q2_ref, gc_ref, dk2_ref, dq2_ref, dgc_ref = refs
+  t = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0)      # this element's token
+  gc = gc_ref[...]
+
+  def weights(ref, j):
+    """dX_tj (s = j <= t) and dX_jt (t = j >= s) for every t, as (C, 1) columns."""
+    return (jnp.where(j <= t, ref[:, pl.ds(j, 1)], 0.0),
+            jnp.where(j >= t, ref[j, t], 0.0))
+
+  def step(j, sums):
+    gj, kj, qj = (ref[pl.ds(j, 1), :] for ref in (gc_ref, k2_ref, q2_ref))   # (1, E)
+    diff = gc - gj
+    dec = jnp.exp(jnp.where(j <= t, diff, -diff))          # exp(gc_t - gc_s) of either pair
+    dec_k = dec * kj
+    mq_ts, mq_st = weights(dmq_ref, j)
+    rq, cq = sums[0] + mq_ts * dec_k, sums[1] + mq_st * (dec * qj)
+    if not erase:
+      return rq, cq
+    m_ts, m_st = weights(dm_ref, j)
+    return rq, cq, sums[2] + m_ts * dec_k, sums[3] + m_st * dec_k
+
+  zeros = jnp.zeros((c, e_dim), F32)
+  sums = jax.lax.fori_loop(0, c, step, (zeros,) * (4 if erase else 2))
+  rq, cq = sums[:2]
+  k2, q2 = k2_ref[...], q2_ref[...]
+  dqcoef, dkcoef = (coef_ref[:, pl.ds(i * e_dim, e_dim)] for i in (1, 2))
+  a = jnp.exp(gc)
+  gl = gc_ref[pl.ds(c - 1, 1), :]                          # (1, E)
+  b = jnp.exp(gl - gc)
+  dq2 = dqcoef * a + rq
+  dk2 = dkcoef * b + cq
+  dgc = dqcoef * q2 * a - dkcoef * k2 * b + q2 * rq - k2 * cq
+  if erase:
+    rk, ck = sums[2:]
+    dcoef = coef_ref[:, pl.ds(0, e_dim)]
+    dk2 = dk2 + dcoef * a + rk + ck
+    dgc = dgc + dcoef * k2 * a + k2 * rk - k2 * ck
+  dgl = jnp.sum(dkcoef * k2 * b, axis=0, keepdims=True) + dlam_ref[...] * jnp.exp(gl)
+  dq2_ref[...] = dq2
+  dk2_ref[...] = dk2
+  dgc_ref[...] = dgc + jnp.where(t == c - 1, dgl, 0.0)

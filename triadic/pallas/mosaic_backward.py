@@ -25,9 +25,10 @@ the row sums from the same three C x D products). What runs where:
   dq, dk from M and M', written in the inputs' dtype), writing dM' = dP * (Q K^T) and
   dM = dL * beta * (K K^T) (float32 C x C each); at small E (``default_fused_tail``) one kernel
   ``triadic_chunk_backward_tail_fused`` that also does the mask work below.
-* plain JAX around the tail (``masks.py``): M and M' before, and the per-slice elementwise
-  gradients (dk2, dq2, d gc through exp(gc_t - gc_s)) after, over all chunks at once, which XLA
-  fuses into its reductions.
+* around the tail (``masks.py``): M and M' before (plain JAX), and the per-slice gradients
+  (dk2, dq2, d gc through exp(gc_t - gc_s)) after, by the kernel ``triadic_mask_grads``
+  (``masks.mask_grads_kernel``, ``mask_grads_kernel=True``) or in plain JAX over all chunks at
+  once, which XLA fuses into its reductions.
 
 Layout: every operand is in the kernel layout (BH, NC, C, X) of ``ops.kernel_layout``, or, with
 ``heads=H`` (``chunk_gradients``, ``slices_pass``, ``tail`` and the tail kernels), q, k, v, dO
@@ -633,37 +634,47 @@ def default_fused_tail(e: int) -> bool:
   return e <= FUSED_TAIL_MAX_E
 
 
-def tail(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
-         gc_col, gc_row, beta_col, a, *, scale, erase, cfg, fused, heads=None, mq=None, m=None):
+def tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row,
+         beta_col, a, *, scale, erase, cfg, fused, mask_grads_kernel=False, heads=None, mq=None,
+         m=None):
   """Everything after the slice kernel. ``fused``: ``fused_tail_kernel``; else the masks M, M'
-  (plain JAX), the E-independent tail kernel, and the per-slice mask gradients (plain JAX,
-  ``masks.py``).
-  ``dcoef``, ``dqcoef``, ``dkcoef`` (BH,NC,C,E) and ``dlam`` (BH,NC,E) are the slice kernel's row
-  sums. Returns dq, dk (BH,NC,C,D) in q's dtype and, float32, dk2 column (C,E) and row (E,C)
-  parts, dq2 (C,E), d gc column and row parts and dbeta (C,1). ``heads=H``: q, k, dO in and dq,
-  dk out in the caller's (B, T, H, X) layout (the tail kernels' ``heads``); x and the rest keep
-  the kernel layout. ``mq``, ``m``: M' and M (erase) as the forward formed them, for the split
-  tail (else formed here)."""
+  (plain JAX), the E-independent tail kernel, and the per-slice mask gradients (``masks.py``: the
+  kernel ``mask_grads_kernel`` where ``mask_grads_kernel``, else plain JAX).
+  ``coef`` (BH,NC,C,W) holds the slice kernel's row sums dcoef, dqcoef, dkcoef in columns
+  [0, E), [E, 2E), [2E, 3E), ``dlam`` (BH,NC,E) its traces. Returns dq, dk (BH,NC,C,D) in q's
+  dtype and, float32, dk2, dq2 and d gc (C,E) and dbeta (C,1). ``heads=H``: q, k, dO in and
+  dq, dk out in the caller's (B, T, H, X) layout (the tail kernels' ``heads``); x and the rest
+  keep the kernel layout. ``mq``, ``m``: M' and M (erase) as the forward formed them, for the
+  split tail (else formed here)."""
+  e_dim = k2_col.shape[-1]
+  dcoef, dqcoef, dkcoef = (coef[..., j * e_dim:(j + 1) * e_dim] for j in range(3))
+  rows = lambda y: jnp.swapaxes(y, -1, -2)
   if fused:
-    return tuple(fused_tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef,
-                                   dlam, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a,
-                                   scale=scale, erase=erase, cfg=cfg, heads=heads))
+    dq, dk, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = fused_tail_kernel(
+        q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
+        gc_col, gc_row, beta_col, a, scale=scale, erase=erase, cfg=cfg, heads=heads)
+    return dq, dk, dk2_col + rows(dk2_row), dq2, dgc_col + rows(dgc_row), dbeta
   if mq is None:
     m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   dq, dk, dbeta, dmq, dm = tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a,
                                        scale=scale, erase=erase, cfg=cfg, heads=heads)
-  dk2_col, dk2_row, dq2_col, dgc_col, dgc_row = masks.mask_grads(
+  if mask_grads_kernel:
+    dk2, dq2, dgc = masks.mask_grads_kernel(dmq, dm, coef, dlam, k2_col, q2_col, gc_col,
+                                            erase=erase, cfg=cfg)
+    return dq, dk, dk2, dq2, dgc, dbeta
+  dk2_col, dk2_row, dq2, dgc_col, dgc_row = masks.mask_grads(
       dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
-  return dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta
+  return dq, dk, dk2_col + rows(dk2_row), dq2, dgc_col + rows(dgc_row), dbeta
 
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
                     beta_col, a, x=None, *, scale, erase, slice_warpgroups=1, fused_tail=None,
                     heads=None, a_operand=None, mq=None, m=None, drhs=None, dv=None,
-                    partials_in_bf16=False, slice_unroll_max_e=None, interpret=False):
+                    partials_in_bf16=False, slice_unroll_max_e=None, mask_grads_kernel=False,
+                    interpret=False):
   """``backward.chunk_gradients`` on Hopper: same operands (layout (BH, NC, ...)), same outputs
-  but in q's dtype for dq, dk and dv (BH,NC,C,V), the rest float32: dk2 column and row parts
-  ((C,E), (E,C)), dq2 (C,E), d gc column and row parts, dbeta (C,1).
+  but in q's dtype for dq, dk and dv (BH,NC,C,V), the rest float32: dk2, dq2 and d gc (C,E),
+  dbeta (C,1).
 
   ``heads=H``: q, k, v, dO in the caller's (B, T, H, X) layout (T = NC * C, B * H = BH;
   ``common.check_heads``) and dq, dk, dv returned in it; the rest as above. The slice and tail
@@ -682,7 +693,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   here. ``slice_warpgroups``, ``partials_in_bf16``, ``slice_unroll_max_e``: the slice kernel's
   warpgroups, the dtype of the dq, dk partials it hands the tail and up to which E its items are
   unrolled (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
-  ``default_fused_tail``). ``interpret=True``: Mosaic GPU interpret mode for the slice kernel
+  ``default_fused_tail``). ``mask_grads_kernel``: the split tail's mask gradients by
+  ``masks.mask_grads_kernel`` (``Config.mask_grads_kernel``). ``interpret=True``: Mosaic GPU interpret mode for the slice kernel
   and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c = k2_col.shape[:3]
   d, vd, e_dim = q.shape[-1], v.shape[-1], k2_col.shape[-1]
@@ -713,14 +725,14 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
     x = v if heads is None else head_major(v, c)
   elif x is None:
     x = x_from_states(k, v, states, k2_col, gc_col, heads=heads)
-  dcoef, dqcoef, dkcoef = (coef[..., j * e_dim:(j + 1) * e_dim] for j in range(3))
   dlam = jnp.sum(lam, axis=2)[..., :e_dim]            # (BH, NC, E): the sum over the rows
   # The tail kernel's products over V take bf16 operands anyway (``mm``), so its C x V inputs
   # travel in the inputs' dtype (half the kernel's traffic; dbeta's rowsum(drhs X) then sees
   # bf16-rounded factors, summed in float32).
   fused = default_fused_tail(e_dim) if fused_tail is None else fused_tail
-  dq, dk, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta = tail(
-      q, k, low(x), do, low(u), low(du), low(drhs), dqp, dkp, dcoef, dqcoef, dkcoef, dlam,
-      k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a, scale=scale, erase=erase,
-      cfg=tail_config(interpret, fused), fused=fused, heads=heads, mq=mq, m=m)
-  return dq, dk, dv, dk2_col, dk2_row, dq2_col, dgc_col, dgc_row, dbeta
+  dq, dk, dk2, dq2, dgc, dbeta = tail(
+      q, k, low(x), do, low(u), low(du), low(drhs), dqp, dkp, coef, dlam, k2_col, k2_row,
+      q2_col, gc_col, gc_row, beta_col, a, scale=scale, erase=erase,
+      cfg=tail_config(interpret, fused), fused=fused, mask_grads_kernel=mask_grads_kernel,
+      heads=heads, mq=mq, m=m)
+  return dq, dk, dv, dk2, dq2, dgc, dbeta

@@ -67,6 +67,7 @@ from triadic.pallas.common import F32, PLATFORMS, Config
 
 CHUNK_SIZES = (16, 32, 64, 128)
 MAX_D = 256
+MASK_GRADS_KERNEL_MIN_E = 8   # the Hopper default takes ``Config.mask_grads_kernel`` from this E
 
 
 def unsupported(d: int, vd: int, chunk_size: int) -> str | None:
@@ -99,8 +100,9 @@ def default_config(platform: str, e: int, vd: int, bh: int | None = None, *,
   64-column state blocks (``state_block_v``):
   each chunk's K, Q, A, P are then read half as often and the pieces give the programs back
   (faster at B = 1, T = 65536, slower in the forward at B = 2, T = 16384, where 32-column blocks
-  fill the device: benchmarks/RESULTS.md). TPU (Mosaic, chunks on the grid,
-  one chunk per VMEM block, state in VMEM scratch): whole V per program (Mosaic tiles are (8, 128)
+  fill the device: benchmarks/RESULTS.md); from E = ``MASK_GRADS_KERNEL_MIN_E`` the split
+  tail's mask gradients by their kernel (``mask_grads_kernel``; faster than XLA's fusions at
+  E = 8, slower at E = 4). TPU (Mosaic, chunks on the grid, one chunk per VMEM block, state in VMEM scratch): whole V per program (Mosaic tiles are (8, 128)
   or the full dimension; at D = V = 128, C = 64, E = 8 a program's double-buffered blocks and
   state scratch take about 3.6 MiB of VMEM, whatever T). CPU (interpret mode, the GPU
   structure): 16, so that small test shapes still run several value blocks. ``hopper``: take the
@@ -114,7 +116,8 @@ def default_config(platform: str, e: int, vd: int, bh: int | None = None, *,
             and 2 * bh * (vd // 32) <= pieces.device_sms())
     return Config("gpu", block_v=16 if e >= 8 else 32, bwd_block_v=32, mosaic_gpu=hopper,
                   mosaic_gpu_backward=hopper, sequence_pieces=0 if hopper else 1,
-                  state_block_v=64 if wide else None, ut_kernel=True)
+                  state_block_v=64 if wide else None, ut_kernel=True,
+                  mask_grads_kernel=hopper and e >= MASK_GRADS_KERNEL_MIN_E)
   if platform == "tpu":
     return Config("tpu", block_v=vd, bwd_block_v=vd)
   return Config("cpu", block_v=16, bwd_block_v=16)
@@ -270,7 +273,7 @@ def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
 def chunk_gradients_kernel(cfg, q, v, k2, heads=None):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel with
   ``cfg.slice_warpgroups``, ``cfg.fused_tail``, ``cfg.partials_in_bf16``,
-  ``cfg.slice_unroll_max_e``; ``heads``: token-major per-token operands) or
+  ``cfg.slice_unroll_max_e``, ``cfg.mask_grads_kernel``; ``heads``: token-major per-token operands) or
   ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
@@ -278,7 +281,7 @@ def chunk_gradients_kernel(cfg, q, v, k2, heads=None):
         mosaic_backward.chunk_gradients, interpret=cfg.platform == "cpu",
         slice_warpgroups=mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, q.shape[-1]),
         fused_tail=cfg.fused_tail, partials_in_bf16=cfg.partials_in_bf16,
-        slice_unroll_max_e=cfg.slice_unroll_max_e,
+        slice_unroll_max_e=cfg.slice_unroll_max_e, mask_grads_kernel=cfg.mask_grads_kernel,
         **({} if heads is None else {"heads": heads}))
   return functools.partial(bwd_kernels.chunk_gradients, cfg=cfg)
 
@@ -343,13 +346,11 @@ def _backward(scale, erase, cfg, heads, *, q, k, v, k2, q2, beta, gc_col, gc_row
   if save_drhs:
     mosaic_only["drhs"], mosaic_only["dv"] = rhs_grads
   chunk_gradients = chunk_gradients_kernel(cfg, q, v, k2, heads=heads)
-  dq, dk, dv, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = chunk_gradients(
+  dq, dk, dv, dk2, dq2, dgc, dbeta = chunk_gradients(
       q=q, k=k, v=v, do=do, u=u, du=du, states=states, dstates=dstates, k2_col=k2,
       k2_row=_rows(k2), q2_col=q2, gc_col=gc_col, gc_row=gc_row, beta_col=beta, a=a,
       **mosaic_only, scale=scale, erase=erase)
-  dgc = dgc_col + _rows(dgc_row)
   dg = jnp.flip(jnp.cumsum(jnp.flip(dgc, 2), axis=2), 2)  # gc is a cumsum over the chunk axis
-  dk2 = dk2_col + _rows(dk2_row)
   dq, dk, dv, dk2, dq2, dbeta = (y.astype(dt) for y, dt in zip((dq, dk, dv, dk2, dq2, dbeta),
                                                                  dtypes))
   per_token = {"dq": dq, "dk": dk, "dv": dv}

@@ -125,8 +125,10 @@ def resolve(cfg: Config, *, d: int, vd: int, c: int, e: int, dtype) -> Plan:
     keep = "M, M' kept from the forward: Config.save_masks"
   else:
     keep = "M, M' formed again: Config.save_masks off"
+  grads_by = ("by the triadic_mask_grads kernel (Config.mask_grads_kernel)"
+              if cfg.mask_grads_kernel else "in plain JAX")
   tail = ("fused tail" if fused else
-          f"split tail between the mask work ({keep}; mask gradients in plain JAX)")
+          f"split tail between the mask work ({keep}; mask gradients {grads_by})")
   tail_reason = ("" if cfg.fused_tail is not None else
                  f"; tail fused iff E <= {mosaic_backward.FUSED_TAIL_MAX_E}")
   slice_wgs = mosaic_backward.slice_warpgroups(cfg.slice_warpgroups, d)
