@@ -150,8 +150,9 @@ def summarise(results: dict[str, dict | None], all_runs: list[sweep.Run]) -> dic
 
 
 def plot(summary: dict, train_len: int, title: str) -> Figure:
-  """Perplexity against position (log x), one line per mixer, the mean over seeds of each plot bin,
-  drawn at the bin's geometric centre; a dashed line at the training length."""
+  """Perplexity against position (log x and y: attention past its training length would
+  otherwise flatten the rest), one line per mixer, the mean over seeds of each plot bin, drawn at
+  the bin's geometric centre; a dashed line at the training length."""
   fig = Figure(figsize=(7, 4.3))
   ax = fig.subplots()
   for key, s in summary.items():
@@ -161,6 +162,7 @@ def plot(summary: dict, train_len: int, title: str) -> Figure:
     ax.plot(centre, s["curve_perplexity_mean"], "-", lw=1.8, label=f"{key} (mean of {n})")
   ax.axvline(train_len, color="gray", lw=0.8, ls="--")
   ax.set_xscale("log")
+  ax.set_yscale("log")
   ax.set(xlabel="position in the document (tokens of context)", ylabel="perplexity", title=title)
   ax.grid(alpha=0.3)
   ax.legend(fontsize=8)
