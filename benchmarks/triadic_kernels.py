@@ -339,10 +339,11 @@ def stages(t, e_list, reps, variants=False, tails=False, fields=()):
     print("\nThe Mosaic chunk backward by part (ms): plain-JAX prologue (A^T dU, factor rows; "
           "the op takes A^T dU from the reverse pass where Plan.saves_drhs), the Mosaic slice "
           "kernel, the tail (masks M, M' in plain JAX, which the op keeps from the forward where "
-          "Plan.saves_masks, the E-independent tail kernel, the mask gradients in plain JAX)")
+          "Plan.saves_masks, the E-independent tail kernel, the mask gradients in plain JAX, "
+          "and instead by their kernel at 4 / 8 warps: Config.mask_grads_kernel)")
     print("| E | slice kernel | prologue | slice kernel | masks | tail kernel "
-          "| mask grads |")
-    print("|---|---|---|---|---|---|---|")
+          "| mask grads | mask grads kernel |")
+    print("|---|---|---|---|---|---|---|---|")
     for e, cells in parts:
       print(f"| {e} | " + " | ".join(cells) + " |")
   if tail_rows:
@@ -451,7 +452,8 @@ def prep_parts(prep_args, reps):
 def mosaic_backward_parts(cbw_args, x, reps, cfg):
   """Table cells: the times of the parts of ``mosaic_backward.chunk_gradients`` (erase=True,
   scale 0.1) under ``cfg`` (``x``: X as the forward saved it, or None; the masks and their
-  gradients in plain JAX; the masks are not the op's backward's where ``Plan.saves_masks``)."""
+  gradients in plain JAX, then by ``masks.mask_grads_kernel`` at 4 and 8 warps in one cell; the
+  masks are not the op's backward's where ``Plan.saves_masks``)."""
   from triadic.pallas import masks
   from triadic.pallas import mosaic_backward as mb
   q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args
@@ -481,13 +483,17 @@ def mosaic_backward_parts(cbw_args, x, reps, cfg):
   tk_args = (q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a)
   _, _, _, dmq, dm = tk(*tk_args)
   cols = coef[..., :e_dim]
+  dlam = jnp.zeros_like(k2_col[..., 0, :])
   mg = jax.jit(functools.partial(masks.mask_grads, erase=True))
-  mg_args = (dmq, dm, cols, cols, cols, jnp.zeros_like(k2_col[..., 0, :]), k2_col, k2_row, q2_col,
-             gc_col, gc_row)
+  mg_args = (dmq, dm, cols, cols, cols, dlam, k2_col, k2_row, q2_col, gc_col, gc_row)
+  mg_kernels = [jax.jit(functools.partial(masks.mask_grads_kernel, erase=True, num_warps=w,
+                                          cfg=mb.tail_config(False))) for w in (4, 8)]
+  mgk_args = (dmq, dm, coef, dlam, k2_col, q2_col, gc_col)
   times = [timeit(fn, xs, reps) for fn, xs in ((pro, (a, du, gc_col, k2_col, q2_col, beta_col)),
                                                (sk, sk_args), (msk, msk_args), (tk, tk_args),
                                                (mg, mg_args))]
-  return [label] + [f"{x:.2f}" for x in times]
+  kernel_times = " / ".join(f"{timeit(fn, mgk_args, reps):.2f}" for fn in mg_kernels)
+  return [label] + [f"{x:.2f}" for x in times] + [kernel_times]
 
 
 TAIL_VARIANTS = ({}, {"bwd_block_v": 128, "num_stages": 1}, {"bwd_block_v": 32},
