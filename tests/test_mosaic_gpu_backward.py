@@ -5,10 +5,12 @@ Inputs are built as ``ops._backward`` sees them: chunked bf16 q, k, v, do, float
 ``chunk_prep`` for gc, A, P, then ``recurrent.state_pass`` / ``recurrent.reverse_state_pass``
 (Pallas interpret mode) for realistic U, chunk-start states, dU and chunk-end state gradients.
 The slice kernel runs in Mosaic GPU interpret mode (simulated SMEM, TMA, barriers, wgmma), the
-tail kernel in Pallas interpret mode and the mask work (``masks.py``) in plain JAX.
+tail kernel in Pallas interpret mode and the mask work (``masks.py``) in plain JAX, or the mask
+gradients by their kernel (Pallas interpret mode) where a case says so.
 Error bound (relative RMS, ||a - b|| / ||b||): 1e-2 for every output, 2e-2 for dk2 and d gc
-(they collect the row sums, which the two kernels form from differently rounded bf16 products). Cases cover E unrolled and as a loop (E > ``UNROLL_MAX_E``), E not a power of two, X
-from the forward or formed in plain JAX, with and without erase, strong decay (g down to -20 per
+(they collect the row sums, which the two kernels form from differently rounded bf16 products).
+Cases cover E unrolled and as a loop (E > ``UNROLL_MAX_E``), E not a power of two, X from the
+forward or formed in plain JAX, with and without erase, strong decay (g down to -20 per
 token, which only the masking before exp keeps finite) and weak decay (where the chunk-end term
 dlam exp(gc_C) of d gc is not negligible), one and two warpgroups. Lowering tests compile the
 whole function for "cuda" (Mosaic GPU layout inference, wgmma / TMA operand checks, the SMEM

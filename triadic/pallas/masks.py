@@ -147,7 +147,6 @@ def _factor_grads(dcoef, dqcoef, dkcoef, dlam, k2_col, q2_col, gc_col, *, erase)
   return dk2, dq2, dgc.at[..., c - 1, :].add(dgl)
 
 
-
 def mask_grads_kernel(dmq, dm, coef, dlam, k2_col, q2_col, gc_col, *, erase, cfg, num_warps=4):
   """``mask_grads`` as one kernel (module docstring), the parts summed: dk2, dq2 and d gc, each
   (BH, NC, C, E) float32 (d gc before the chunk-wise cumulative sum that turns it into dg).

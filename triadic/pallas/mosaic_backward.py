@@ -694,8 +694,8 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
   warpgroups, the dtype of the dq, dk partials it hands the tail and up to which E its items are
   unrolled (``slices_pass``). ``fused_tail``: the tail as one kernel (None:
   ``default_fused_tail``). ``mask_grads_kernel``: the split tail's mask gradients by
-  ``masks.mask_grads_kernel`` (``Config.mask_grads_kernel``). ``interpret=True``: Mosaic GPU interpret mode for the slice kernel
-  and Pallas interpret mode for the tail (CPU tests)."""
+  ``masks.mask_grads_kernel`` (``Config.mask_grads_kernel``). ``interpret=True``: Mosaic GPU
+  interpret mode for the slice kernel and Pallas interpret mode for the tail (CPU tests)."""
   bh, nc, c = k2_col.shape[:3]
   d, vd, e_dim = q.shape[-1], v.shape[-1], k2_col.shape[-1]
   if heads is not None:

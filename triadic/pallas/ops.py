@@ -102,9 +102,10 @@ def default_config(platform: str, e: int, vd: int, bh: int | None = None, *,
   (faster at B = 1, T = 65536, slower in the forward at B = 2, T = 16384, where 32-column blocks
   fill the device: benchmarks/RESULTS.md); from E = ``MASK_GRADS_KERNEL_MIN_E`` the split
   tail's mask gradients by their kernel (``mask_grads_kernel``; faster than XLA's fusions at
-  E = 8, slower at E = 4). TPU (Mosaic, chunks on the grid, one chunk per VMEM block, state in VMEM scratch): whole V per program (Mosaic tiles are (8, 128)
-  or the full dimension; at D = V = 128, C = 64, E = 8 a program's double-buffered blocks and
-  state scratch take about 3.6 MiB of VMEM, whatever T). CPU (interpret mode, the GPU
+  E = 8, slower at E = 4). TPU (Mosaic, chunks on the grid, one chunk per VMEM block, state in
+  VMEM scratch): whole V per program (Mosaic tiles are (8, 128) or the full dimension; at
+  D = V = 128, C = 64, E = 8 a program's double-buffered blocks and state scratch take about
+  3.6 MiB of VMEM, whatever T). CPU (interpret mode, the GPU
   structure): 16, so that small test shapes still run several value blocks. ``hopper``: take the
   GPU's Hopper defaults or not (None: whether the default device is a Hopper GPU), so that a
   machine without one can lower them."""
@@ -273,8 +274,8 @@ def sequence_pieces(cfg, q, v, k2) -> pieces.Pieces:
 def chunk_gradients_kernel(cfg, q, v, k2, heads=None):
   """The plan's chunk-parallel backward: ``mosaic_backward`` (the slice kernel with
   ``cfg.slice_warpgroups``, ``cfg.fused_tail``, ``cfg.partials_in_bf16``,
-  ``cfg.slice_unroll_max_e``, ``cfg.mask_grads_kernel``; ``heads``: token-major per-token operands) or
-  ``backward.chunk_gradients``."""
+  ``cfg.slice_unroll_max_e``, ``cfg.mask_grads_kernel``; ``heads``: token-major per-token
+  operands) or ``backward.chunk_gradients``."""
   plan = _plan(cfg, q, v, k2)
   if plan.mosaic_chunk_gradients:
     return functools.partial(
