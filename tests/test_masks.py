@@ -98,3 +98,17 @@ def test_mask_grads_kernel_matches_float64_oracle(decay, erase):
   for name, x, y in zip(("dk2", "dq2", "dgc"), got, want, strict=True):
     assert x.dtype == jnp.float32 and x.shape == y.shape, name
     assert rel_rms(x, y) < BOUND, f"{name}: rel RMS {rel_rms(x, y):.2e}"
+
+
+def test_mask_grads_kernel_rejects_bad_operands():
+  """A row-sum matrix narrower than 3E, or dM given without erase (or missing with it), is a
+  ValueError naming the operand."""
+  (k2, q2, gc), (dm, dmq, _, _, _, dlam) = operands(1.0)
+  cfg = Config("cpu", block_v=16, bwd_block_v=16)
+  with pytest.raises(ValueError, match="coef must be"):
+    masks.mask_grads_kernel(dmq, dm, jnp.zeros((*k2.shape[:-1], 3 * E - 1)), dlam, k2, q2, gc,
+                            erase=True, cfg=cfg)
+  coef = jnp.zeros((*k2.shape[:-1], 3 * E))
+  for given, erase in ((dm, False), (None, True)):
+    with pytest.raises(ValueError, match="dm must be given exactly with erase"):
+      masks.mask_grads_kernel(dmq, given, coef, dlam, k2, q2, gc, erase=erase, cfg=cfg)
