@@ -147,15 +147,18 @@ def _factor_grads(dcoef, dqcoef, dkcoef, dlam, k2_col, q2_col, gc_col, *, erase)
   return dk2, dq2, dgc.at[..., c - 1, :].add(dgl)
 
 
-def mask_grads_kernel(dmq, dm, coef, dlam, k2_col, q2_col, gc_col, *, erase, cfg, num_warps=4):
+def mask_grads_kernel(dmq, dm, coef, dlam, k2_col, q2_col, gc_col, *, erase, cfg,
+                      num_warps=None):
   """``mask_grads`` as one kernel (module docstring), the parts summed: dk2, dq2 and d gc, each
   (BH, NC, C, E) float32 (d gc before the chunk-wise cumulative sum that turns it into dg).
 
   dmq, dm (BH, NC, C, C) float32 as ``mask_grads`` takes them (dm None without erase); ``coef``
   the slice kernel's row sums (BH, NC, C, W): dcoef, dqcoef, dkcoef in columns [0, E), [E, 2E),
   [2E, 3E); dlam (BH, NC, E); k2, q2, gc in the column layout (BH, NC, C, E). ``cfg``: the
-  platform's ``Config`` (Triton on the GPU, interpret mode on the CPU)."""
+  platform's ``Config`` (Triton on the GPU, interpret mode on the CPU). ``num_warps`` None: 8 up
+  to E = 4, where a program's tile is small, else 4 (measured: benchmarks/RESULTS.md)."""
   bh, nc, c, e_dim = gc_col.shape
+  num_warps = num_warps or (8 if e_dim <= 4 else 4)
   if coef.shape[:3] != (bh, nc, c) or coef.shape[-1] < 3 * e_dim:
     raise ValueError(f"coef must be (BH, NC, C, >= 3E) = ({bh}, {nc}, {c}, >= {3 * e_dim}), got "
                      f"{coef.shape}")
