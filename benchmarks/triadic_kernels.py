@@ -452,8 +452,9 @@ def prep_parts(prep_args, reps):
 def mosaic_backward_parts(cbw_args, x, reps, cfg):
   """Table cells: the times of the parts of ``mosaic_backward.chunk_gradients`` (erase=True,
   scale 0.1) under ``cfg`` (``x``: X as the forward saved it, or None; the masks and their
-  gradients in plain JAX, then by ``masks.mask_grads_kernel`` at 4 and 8 warps in one cell; the
-  masks are not the op's backward's where ``Plan.saves_masks``)."""
+  gradients in plain JAX, then the gradients by ``masks.mask_grads_kernel`` at 4 and 8 warps in
+  one cell, both with the same results; the masks are not the op's backward's where
+  ``Plan.saves_masks``)."""
   from triadic.pallas import masks
   from triadic.pallas import mosaic_backward as mb
   q, k, v, do, u, du, st, dst, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a = cbw_args

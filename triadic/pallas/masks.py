@@ -106,8 +106,8 @@ def mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_
 
   dmq = dM' (BH, NC, C, C), dm = dM (None without erase); the slice kernel's row coefficients
   dcoef (unused without erase), dqcoef, dkcoef (BH, NC, C, E) and dlam (BH, NC, E); k2, q2, gc
-  in the kernels' column (C, E) and row (E, C) layouts. Returns float32 dk2 column (C, E), dk2
-  row (E, C), dq2 (C, E), d gc column (C, E) and d gc row (E, C) parts, each (BH, NC, ...)."""
+  in the kernels' column (C, E) and row (E, C) layouts. Returns float32 dk2, dq2 and d gc, each
+  (BH, NC, C, E), as ``mask_grads_kernel`` does (the column and row parts summed)."""
   rows = lambda x: jnp.swapaxes(x, -1, -2)
   # Per-token factors along the minor axis: s of (E, C_t, C_s), t of the transposed (E, C_s, C_t).
   k2_minor, q2_minor = _rows(k2_row), _rows(rows(q2_col))
@@ -127,7 +127,7 @@ def mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_
     dk2_row = dk2_row + ck
     dgc_col = dgc_col + k2_col * rows(rk)
   dgc_row = -(k2_row * dk2_row)                                 # -sum_t dG_ts = -k2_s dk2 row_s
-  return dk2_col, dk2_row, dq2, dgc_col, dgc_row
+  return dk2_col + rows(dk2_row), dq2, dgc_col + rows(dgc_row)
 
 
 def _factor_grads(dcoef, dqcoef, dkcoef, dlam, k2_col, q2_col, gc_col, *, erase):
@@ -149,7 +149,7 @@ def _factor_grads(dcoef, dqcoef, dkcoef, dlam, k2_col, q2_col, gc_col, *, erase)
 
 def mask_grads_kernel(dmq, dm, coef, dlam, k2_col, q2_col, gc_col, *, erase, cfg,
                       num_warps=None):
-  """``mask_grads`` as one kernel (module docstring), the parts summed: dk2, dq2 and d gc, each
+  """``mask_grads`` as one kernel (module docstring), with its results: dk2, dq2 and d gc, each
   (BH, NC, C, E) float32 (d gc before the chunk-wise cumulative sum that turns it into dg).
 
   dmq, dm (BH, NC, C, C) float32 as ``mask_grads`` takes them (dm None without erase); ``coef``

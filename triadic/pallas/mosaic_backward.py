@@ -648,11 +648,11 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, dlam, k2_col, k2_row, q2_col,
   split tail (else formed here)."""
   e_dim = k2_col.shape[-1]
   dcoef, dqcoef, dkcoef = (coef[..., j * e_dim:(j + 1) * e_dim] for j in range(3))
-  rows = lambda y: jnp.swapaxes(y, -1, -2)
   if fused:
     dq, dk, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = fused_tail_kernel(
         q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
         gc_col, gc_row, beta_col, a, scale=scale, erase=erase, cfg=cfg, heads=heads)
+    rows = lambda y: jnp.swapaxes(y, -1, -2)
     return dq, dk, dk2_col + rows(dk2_row), dq2, dgc_col + rows(dgc_row), dbeta
   if mq is None:
     m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
@@ -661,10 +661,10 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, dlam, k2_col, k2_row, q2_col,
   if mask_grads_kernel:
     dk2, dq2, dgc = masks.mask_grads_kernel(dmq, dm, coef, dlam, k2_col, q2_col, gc_col,
                                             erase=erase, cfg=cfg)
-    return dq, dk, dk2, dq2, dgc, dbeta
-  dk2_col, dk2_row, dq2, dgc_col, dgc_row = masks.mask_grads(
-      dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
-  return dq, dk, dk2_col + rows(dk2_row), dq2, dgc_col + rows(dgc_row), dbeta
+  else:
+    dk2, dq2, dgc = masks.mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row,
+                                     q2_col, gc_col, gc_row, erase=erase)
+  return dq, dk, dk2, dq2, dgc, dbeta
 
 
 def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row,
