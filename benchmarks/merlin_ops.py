@@ -32,8 +32,9 @@ T = 2048:
 fusion with its device time, from the JAX profiler (the same sizes, ``--impls pallas``).
 
 ``--tiles block_v=32,num_warps=4`` runs every table's pallas impl with those fields of the plan's
-``default_config`` replaced (the state passes' value block and warps, ``bwd_block_v``, ...), so a
-tile choice is timed against the default by running the same command with and without it.
+``default_config`` replaced (the state passes' value block and warps, ``bwd_block_v``, ...);
+``--op-variants bwd_block_v=32 bwd_num_warps=8`` adds a row to the op table per set instead, so
+that tile choices are timed beside the default in one process.
 The GPU default's forward columns time the erase forward by the query walk (the forward where no
 gradient is taken); ``--tiles query_walk=False`` times the stack forward there instead, which is
 the forward a backward always runs.
@@ -132,13 +133,13 @@ def attention(impl, segment_len, chunk, config=None):
   return run
 
 
-def tiles_config(tiles):
-  """The pallas Config of ``--tiles`` ("block_v=32,num_warps=4", "query_walk=True": fields of the
-  platform's default ``merlin.pallas.plan.default_config`` replaced), or None for the default
-  itself."""
+def tiles_config(tiles, base=None):
+  """The pallas Config of ``--tiles`` ("block_v=32,num_warps=4", "query_walk=True": fields of
+  ``base``, by default the platform's ``merlin.pallas.plan.default_config``, replaced), or
+  ``base`` itself (None: the default) without fields."""
   if not tiles:
-    return None
-  return dataclasses.replace(merlin_plan.default_config(default_platform()),
+    return base
+  return dataclasses.replace(base or merlin_plan.default_config(default_platform()),
                              **variant_fields(tiles))
 
 
@@ -352,9 +353,14 @@ def op_table(args, lengths, dtype, floor_ms):
                             args.repeats, backward)
       ref = res[3] if ref is None else ref
       rows.append((f"multistate {impl}", res, cost))
+    for variant in args.op_variants:   # the pallas impl again, a Config set over --tiles' config
+      res = fwd_and_fwd_bwd(attention("pallas", args.segment_len, args.chunk,
+                                      tiles_config(variant, base=config)),
+                            (x, lam), cot, args.repeats, backward)
+      rows.append((f"pallas {variant}", res, cost))
     for name, (fwd, fb, _, out), (fl, by) in rows:
       ffwd, ffb = floor_ms(fl, by, 1), floor_ms(fl, by, 3)
-      err = rel_err(out, ref) if name.startswith("multistate") else np.nan
+      err = np.nan if name.startswith("gdn") else rel_err(out, ref)
       print(" | ".join(fmt(v) for v in (name, t, 1e3 * fwd, 1e3 * fb, ffwd, ffb, 1e3 * fb / ffb,
                                          fb / gdn[1], err)), flush=True)
     peer = fla_log_linear(x, args.repeats)
@@ -606,6 +612,10 @@ def main(argv=None):
                   help="the pallas impl's Config fields replaced in the plan's default, e.g. "
                        "block_v=32,num_warps=4 or query_walk=True (every table; default: the "
                        "plan's)")
+  ap.add_argument("--op-variants", nargs="*", default=[],
+                  help="the op table only: also the pallas impl with each of these sets of "
+                       "Config fields (--tiles' syntax) over its config, a row each, so that a "
+                       "tile choice is timed beside the default in one process")
   args = ap.parse_args(argv)
   args.config = tiles_config(args.tiles)   # the pallas impl's Config in every table
 

@@ -216,17 +216,24 @@ def test_merlin_ops_table_runs(capsys):
 
 def test_merlin_ops_query_walk_tiles(capsys):
   """``--tiles query_walk=True --no-backward`` times the erase forward by the query walk: the
-  flag parses as a bool and the printed plan says the walk is on."""
+  flag parses as a bool and the printed plan says the walk is on; ``--op-variants`` adds a
+  pallas row per set, its fields over --tiles' config."""
   from benchmarks import merlin_ops
   assert merlin_ops.tiles_config("query_walk=True,block_v=16").query_walk is True
   assert merlin_ops.tiles_config("query_walk=False").query_walk is False
+  walk = merlin_ops.tiles_config("query_walk=True")
+  both = merlin_ops.tiles_config("block_v=8", base=walk)
+  assert (both.query_walk, both.block_v) == (True, 8)
+  assert merlin_ops.tiles_config("", base=walk) is walk
   merlin_ops.main(["--T", "80", "--H", "1", "--D", "16", "--V", "16", "--R", "8",
                    "--segment-len", "32", "--chunk", "16", "--impls", "pallas",
                    "--aggregators", "merlin", "--repeats", "1", "--no-floors", "--no-backward",
-                   "--tiles", "query_walk=True"])
+                   "--tiles", "query_walk=True", "--op-variants", "block_v=8"])
   out = capsys.readouterr().out
   assert "query walk): --tiles query_walk=True" in out
   assert "multistate pallas |" in out
+  row = next(line for line in out.splitlines() if line.strip().startswith("pallas block_v=8 |"))
+  assert float(row.split("|")[-1]) < 1e-5    # the same function as the first pallas row
 
 
 def test_merlin_parts_table_runs(capsys):
