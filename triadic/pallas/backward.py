@@ -24,8 +24,8 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from triadic.pallas.common import (F32, call, chunk_block, col, colsum, decay_mask, last, masks, mm,
-                                   over_value_blocks, row, rowsum, total)
+from triadic.pallas.common import (F32, call, chunk_block, col, col_plus_row, colsum, decay_mask,
+                                   last, masks, mm, over_value_blocks, row, rowsum, total)
 
 
 SLICE_GROUP = 4     # decay_sums(loop=True): slices unrolled per loop step (ptxas, RESULTS.md)
@@ -292,5 +292,4 @@ def chunk_gradients(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col,
       semantics=("parallel", "parallel"), name="triadic_chunk_backward",
       num_warps=cfg.bwd_num_warps,
   )(q, k, v, do, u, du, states, dstates, k2_col, k2_row, q2_col, gc_col, gc_row, beta_col, a)
-  rows = lambda y: jnp.swapaxes(y, -1, -2)
-  return dq, dk, dv, dk2_col + rows(dk2_row), dq2, dgc_col + rows(dgc_row), dbeta
+  return dq, dk, dv, col_plus_row(dk2_col, dk2_row), dq2, col_plus_row(dgc_col, dgc_row), dbeta

@@ -314,6 +314,12 @@ def rowsum(x):
   return jnp.sum(x, axis=1, keepdims=True)
 
 
+def col_plus_row(col_part, row_part):
+  """A per-token (..., C, E) gradient from its column (..., C, E) and row (..., E, C) parts, as
+  the kernels that sum over both orientations of a token pair write them."""
+  return col_part + jnp.swapaxes(row_part, -1, -2)
+
+
 def colsum(x):
   return jnp.sum(x, axis=0, keepdims=True)
 

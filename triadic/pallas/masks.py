@@ -49,7 +49,7 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
-from triadic.pallas.common import F32, call, chunk_block
+from triadic.pallas.common import F32, call, chunk_block, col_plus_row
 
 
 def _cols(x):
@@ -127,7 +127,7 @@ def mask_grads(dmq, dm, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col, gc_
     dk2_row = dk2_row + ck
     dgc_col = dgc_col + k2_col * rows(rk)
   dgc_row = -(k2_row * dk2_row)                                 # -sum_t dG_ts = -k2_s dk2 row_s
-  return dk2_col + rows(dk2_row), dq2, dgc_col + rows(dgc_row)
+  return col_plus_row(dk2_col, dk2_row), dq2, col_plus_row(dgc_col, dgc_row)
 
 
 def _factor_grads(dcoef, dqcoef, dkcoef, dlam, k2_col, q2_col, gc_col, *, erase):

@@ -102,8 +102,9 @@ from jax.experimental.pallas import mosaic_gpu as plgpu
 
 from triadic.pallas import masks
 from triadic.pallas.backward import chunk_local, coef_columns, ut_after, ut_before
-from triadic.pallas.common import (F32, Config, call, check_heads, chunk_block, head_major, mm,
-                                   over_value_blocks, rowsum, token_block, token_major)
+from triadic.pallas.common import (F32, Config, call, check_heads, chunk_block, col_plus_row,
+                                   head_major, mm, over_value_blocks, rowsum, token_block,
+                                   token_major)
 from triadic.pallas.mosaic import (SMEM_LIMIT, _chunk_box, _compiler_params, _Ops,
                                    _interpret_params, _load, _smem, _swizzle, _wait)
 
@@ -652,8 +653,7 @@ def tail(q, k, x, do, u, du, drhs, dqp, dkp, coef, dlam, k2_col, k2_row, q2_col,
     dq, dk, dk2_col, dk2_row, dq2, dgc_col, dgc_row, dbeta = fused_tail_kernel(
         q, k, x, do, u, du, drhs, dqp, dkp, dcoef, dqcoef, dkcoef, dlam, k2_col, k2_row, q2_col,
         gc_col, gc_row, beta_col, a, scale=scale, erase=erase, cfg=cfg, heads=heads)
-    rows = lambda y: jnp.swapaxes(y, -1, -2)
-    return dq, dk, dk2_col + rows(dk2_row), dq2, dgc_col + rows(dgc_row), dbeta
+    return dq, dk, col_plus_row(dk2_col, dk2_row), dq2, col_plus_row(dgc_col, dgc_row), dbeta
   if mq is None:
     m, mq = masks.decay_masks(k2_col, k2_row, q2_col, gc_col, gc_row, erase=erase)
   dq, dk, dbeta, dmq, dm = tail_kernel(q, k, x, do, u, du, drhs, dqp, dkp, mq, m, beta_col, a,
