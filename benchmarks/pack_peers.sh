@@ -2,7 +2,8 @@
 # Pack the PyTorch peers (FLA, FlashQLA + TileLang) and the project's own wheels for the GPU machine
 # (Python 3.12, x86-64) as one archive, .peers/site.txz (~41 MB, under one device call's 64 MiB),
 # from the wheels that ../shared/device/wheels.sh qla downloads. Run from the project root.
-# On the GPU machine (carry .peers):
+# On the GPU machine (carry .peers; benchmarks/device_steps.sh does the unpacking and the cache
+# variables):
 #   mkdir -p /tmp/site && tar -C /tmp/site -xJf .peers/site.txz && export PYTHONPATH=.:/tmp/site
 # To keep the peers' compiled kernels between calls, run once there with
 #   TILELANG_CACHE_DIR=/tmp/cache/tl TRITON_CACHE_DIR=/tmp/cache/tr \
