@@ -40,6 +40,9 @@ import os
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# The E = 8 block's f+b at T = 65536 needs about 57 GB of XLA temporaries: more than JAX's
+# default pool (75% of the card) leaves beside the inputs on an 80 GB H100.
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
 
 from triadic.xla_flags import apply_cpu_workaround  # noqa: E402
 
