@@ -405,3 +405,26 @@ def test_dsmem_exchange_kernels_lower_for_cuda(mechanism):
     fn = dx.exchange_kernel(mechanism, e=4, c=64, v=128, rounds=3, clusters=2)
     assert "cp.async.bulk.shared::cluster" in jax.jit(fn).trace().lower(
         lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.slow
+def test_loss_curves_of_pallas_and_chunked_agree_and_a_changed_run_does_not(tmp_path, capsys):
+  """The MQAR job's first training steps: the Pallas op (interpret mode) trains the model that the
+  chunked op trains, to float32 rounding; a run with another learning rate is told apart."""
+  from benchmarks import loss_curves
+  curves = loss_curves.main(["--steps", "6", "--log-every", "2", "--workdir", str(tmp_path),
+                             "--out", str(tmp_path / "curves.png"), "--variants",
+                             "model.impl=chunked", "model.impl=pallas",
+                             "model.impl=chunked,train.learning_rate=0.02"])
+  diffs = loss_curves.differences(curves)
+  assert sorted(next(iter(curves.values()))) == [2, 4, 6]
+  assert diffs["model.impl=pallas"][0] < 1e-4
+  assert diffs["model.impl=chunked,train.learning_rate=0.02"][0] > 1e-2
+  out = capsys.readouterr().out
+  assert "| against model.impl=chunked |" in out and (tmp_path / "curves.png").stat().st_size > 0
+
+
+def test_loss_curves_reject_a_variant_without_a_value():
+  from benchmarks import loss_curves
+  with pytest.raises(ValueError, match="key=value"):
+    loss_curves.variant_config("configs/mqar.py", [], "model.impl", 2, 1)
