@@ -29,7 +29,7 @@ import tempfile
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from benchmarks.train_step import _set, load_config  # noqa: E402  (applies the CPU workaround)
+from benchmarks.train_step import assign, load_config  # noqa: E402  (applies the CPU workaround)
 
 DEFAULT_VARIANTS = ("model.impl=chunked", "model.impl=scan", "model.impl=pallas")
 
@@ -41,7 +41,7 @@ def variant_config(spec: str, common: list[str], variant: str, steps: int, log_e
   for assignment in common + [a for a in variant.split(",") if a]:
     if "=" not in assignment:
       raise ValueError(f"expected key=value, got {assignment!r}")
-    _set(config, assignment)
+    assign(config, assignment)
   config.train.update(num_steps=steps, log_every=log_every, checkpoint_every=steps,
                       warmup_steps=min(config.train.warmup_steps, max(steps - 1, 0)))
   return config

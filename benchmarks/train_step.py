@@ -74,7 +74,7 @@ def load_config(spec: str):
   return module.get_config(arg) if arg else module.get_config()
 
 
-def _set(config, assignment: str):
+def assign(config, assignment: str):
   """``a.b=value`` (value a Python literal, else a string) on a ConfigDict."""
   key, _, text = assignment.partition("=")
   try:
@@ -119,7 +119,7 @@ def build_config(job: dict):
   if job["remat"]:
     c.model.remat = job["remat"]
   for assignment in job["set"]:
-    _set(c, assignment)
+    assign(c, assignment)
   return config
 
 
