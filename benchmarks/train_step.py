@@ -76,7 +76,9 @@ def load_config(spec: str):
 
 def assign(config, assignment: str):
   """``a.b=value`` (value a Python literal, else a string) on a ConfigDict."""
-  key, _, text = assignment.partition("=")
+  key, eq, text = assignment.partition("=")
+  if not eq:
+    raise ValueError(f"expected key=value, got {assignment!r}")
   try:
     value = ast.literal_eval(text)
   except (ValueError, SyntaxError):
