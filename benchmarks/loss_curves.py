@@ -59,8 +59,13 @@ def run_variants(args) -> dict[str, dict[int, float]]:
     workdir = os.path.join(root, f"run{i}")
     config = variant_config(args.config, args.set, variant, args.steps, args.log_every)
     print(f"# run {i}: {variant or '(the config as it is)'} -> {workdir}", flush=True)
-    train_loop.train(config, workdir)
+    last = train_loop.train(config, workdir)
     curves[variant or "(as is)"] = read_losses(workdir)
+    if last.get("step", 0) < args.steps:   # the loop saved and returned on a preemption signal
+      print(f"# run {i} stopped at step {last.get('step', 0)} of {args.steps} (preempted): no "
+            "further run starts, and the table compares the steps that every run logged",
+            flush=True)
+      break
   return curves
 
 
@@ -77,13 +82,18 @@ def differences(curves: dict[str, dict[int, float]]) -> dict[str, tuple[float, f
 
 
 def table(curves: dict[str, dict[int, float]], rows: int = 10) -> str:
+  """Up to ``rows`` of the steps every run logged, then each variant's differences to the first
+  over all of them (their range is named, so a run cut short shows)."""
   names = list(curves)
   steps = sorted(set.intersection(*(set(c) for c in curves.values())))
+  compared = (f"over steps {steps[0]}-{steps[-1]} ({len(steps)} logged by every run)" if steps
+              else "no step logged by every run")
   if len(steps) > rows:
     steps = [steps[round(i * (len(steps) - 1) / (rows - 1))] for i in range(rows)]
   lines = ["| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
   lines += [f"| {s} | " + " | ".join(f"{curves[n][s]:.4f}" for n in names) + " |" for s in steps]
-  lines += ["", f"| against {names[0]} | largest abs. difference | mean abs. difference |",
+  lines += ["", compared, "",
+            f"| against {names[0]} | largest abs. difference | mean abs. difference |",
             "|---|---|---|"]
   lines += [f"| {n} | {big:.2e} | {mean:.2e} |" for n, (big, mean) in differences(curves).items()]
   return "\n".join(lines)
