@@ -10,11 +10,16 @@
 #   present, into /tmp/cache); without it the project's own code runs alone (peers are skipped);
 # - PYTHONPATH gets the project, /tmp/site and the authors' kernels where pack_authors.sh's calls
 #   staged them (/tmp/authors_site);
+# - JAX's persistent compilation cache is /tmp/cache/jax (unless JAX_COMPILATION_CACHE_DIR is set),
+#   so that a later step or call on the same warm machine does not compile the same program again
+#   (compile times a benchmark prints, e.g. train_step.py's first step, are then a cache hit's);
 # - TO (seconds, default 280) bounds each step; a step's own `timeout N` can cut it shorter;
 # - each step's output goes to $OUT/stepN.log (complete) and to stdout without warning lines.
 set -u
 export PYTHONPATH=.:/tmp/site:/tmp/authors_site:/tmp/authors_site/nvidia_cutlass_dsl/dsl_packages${PYTHONPATH:+:$PYTHONPATH}
 export TILELANG_CACHE_DIR=/tmp/cache/tl TRITON_CACHE_DIR=/tmp/cache/tr
+export JAX_COMPILATION_CACHE_DIR=${JAX_COMPILATION_CACHE_DIR:-/tmp/cache/jax}
+export JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=${JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS:-1}
 mkdir -p /tmp/site /tmp/cache
 if [ -f .peers/site.txz ] && [ ! -f /tmp/site/.unpacked ]; then
   t0=$(date +%s)
