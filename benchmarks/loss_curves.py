@@ -69,21 +69,29 @@ def run_variants(args) -> dict[str, dict[int, float]]:
   return curves
 
 
+def shared_steps(curves: dict[str, dict[int, float]], name: str) -> list[int]:
+  """The steps that both ``name``'s run and the reference (the first) logged, sorted."""
+  return sorted(set(next(iter(curves.values()))) & set(curves[name]))
+
+
 def differences(curves: dict[str, dict[int, float]]) -> dict[str, tuple[float, float]]:
-  """Per variant after the first: (largest, mean) |loss - reference loss| over the shared steps."""
+  """Per variant after the first: (largest, mean) |loss - reference loss| over ``shared_steps``."""
   ref_name, *others = curves
   ref = curves[ref_name]
   out = {}
   for name in others:
-    steps = sorted(set(ref) & set(curves[name]))
-    diffs = [abs(curves[name][s] - ref[s]) for s in steps]
+    diffs = [abs(curves[name][s] - ref[s]) for s in shared_steps(curves, name)]
     out[name] = (max(diffs), sum(diffs) / len(diffs)) if diffs else (float("nan"),) * 2
   return out
 
 
+def _span(steps: list[int]) -> str:
+  return f"{steps[0]}-{steps[-1]} ({len(steps)})" if steps else "none"
+
+
 def table(curves: dict[str, dict[int, float]], rows: int = 10) -> str:
   """Up to ``rows`` of the steps every run logged, then each variant's differences to the first
-  over all of them (their range is named, so a run cut short shows)."""
+  over the steps both logged (each range is named, so a run cut short shows)."""
   names = list(curves)
   steps = sorted(set.intersection(*(set(c) for c in curves.values())))
   compared = (f"over steps {steps[0]}-{steps[-1]} ({len(steps)} logged by every run)" if steps
@@ -93,9 +101,10 @@ def table(curves: dict[str, dict[int, float]], rows: int = 10) -> str:
   lines = ["| step | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
   lines += [f"| {s} | " + " | ".join(f"{curves[n][s]:.4f}" for n in names) + " |" for s in steps]
   lines += ["", compared, "",
-            f"| against {names[0]} | largest abs. difference | mean abs. difference |",
-            "|---|---|---|"]
-  lines += [f"| {n} | {big:.2e} | {mean:.2e} |" for n, (big, mean) in differences(curves).items()]
+            f"| against {names[0]} | steps (logged) | largest abs. difference | "
+            "mean abs. difference |", "|---|---|---|---|"]
+  lines += [f"| {n} | {_span(shared_steps(curves, n))} | {big:.2e} | {mean:.2e} |"
+            for n, (big, mean) in differences(curves).items()]
   return "\n".join(lines)
 
 
@@ -109,7 +118,7 @@ def plot(curves: dict[str, dict[int, float]], path: str, title: str) -> None:
     steps = sorted(curve)
     line, = top.plot(steps, [curve[s] for s in steps], label=name)
     if name != ref_name:
-      shared = [s for s in steps if s in curves[ref_name]]
+      shared = shared_steps(curves, name)
       # Equal losses (a difference of 0) are drawn at 1e-8, the bottom of the log axis.
       bottom.plot(shared, [max(abs(curve[s] - curves[ref_name][s]), 1e-8) for s in shared],
                   color=line.get_color(), marker=".", label=name)

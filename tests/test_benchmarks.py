@@ -436,14 +436,13 @@ def test_loss_curves_stop_after_a_preempted_run(tmp_path, capsys, monkeypatch):
   the table names the steps it compared."""
   from benchmarks import loss_curves
   from lm import train_loop
-  calls = []
+  real_train, calls = train_loop.train, []
 
   def train(config, workdir):
     calls.append(workdir)
     stop_at = (lambda step: step >= 4) if len(calls) == 2 else None
     return real_train(config, workdir, stop_at=stop_at)
 
-  real_train = train_loop.train
   monkeypatch.setattr(train_loop, "train", train)
   curves = loss_curves.main(["--steps", "6", "--log-every", "2", "--workdir", str(tmp_path),
                              "--variants", "model.impl=chunked", "train.learning_rate=0.02",
@@ -453,3 +452,4 @@ def test_loss_curves_stop_after_a_preempted_run(tmp_path, capsys, monkeypatch):
   assert sorted(curves["train.learning_rate=0.02"]) == [2, 4]
   assert "# run 1 stopped at step 4 of 6 (preempted)" in out
   assert "over steps 2-4 (2 logged by every run)" in out
+  assert "| train.learning_rate=0.02 | 2-4 (2) |" in out
