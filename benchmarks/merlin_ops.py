@@ -17,11 +17,11 @@ memory (XLA ``memory_analysis``) and the relative-RMS distance of each impl's ou
 impl's. Every table names the machine, and the op table prints the plan "auto" would follow.
 
 ``--parts`` prints instead, per T (and per erase setting, ``--erase``), where the pallas impl's
-time goes: its plain-JAX float32 intra-chunk part (``intra_chunk``, forward and forward+backward
-by ``jax.vjp``), the kernels' forward (state pass + readout) and backward (reverse pass + chunk
-gradients), each kernel launch alone, the whole op, and the glue (the op less those parts), each
-called as the op calls it (``merlin.pallas.ops``' stages) and beside its floor (``part_costs``)
-and its share of the op. On a GPU, both erase settings at B = 1, T = 16384 and B = 8,
+time goes: its intra-chunk stage (``intra_stage``: the chunk layout, ``intra_chunk``, the
+kernels' casts; forward, and forward+backward by its pullback), the kernels' forward (state pass
++ readout) and backward (reverse pass + chunk gradients), each kernel launch alone, the whole
+op, and the glue (the op less those parts), each called as the op calls it (``merlin.pallas.ops``'
+stages) and beside its floor (``part_costs``) and its share of the op. On a GPU, both erase settings at B = 1, T = 16384 and B = 8,
 T = 2048:
 
     for bt in "1 16384" "8 2048"; do set -- $bt; python benchmarks/merlin_ops.py --parts \
@@ -38,17 +38,17 @@ that tile choices are timed beside the default in one process.
 The GPU default's forward columns time the erase forward by the query walk (the forward where no
 gradient is taken); ``--tiles query_walk=False`` times the stack forward there instead, which is
 the forward a backward always runs.
-The GPU default's forward columns also run the intra-chunk part by its forward kernel
-(``Config.intra_kernel``, ``merlin.pallas.intra``); ``--tiles intra_kernel=False`` runs the
-plain-JAX part there instead, which is the part a differentiated call always runs. On a GPU, with
-and without it:
+The GPU default runs the intra-chunk part's forward by its kernel (``Config.intra_kernel``,
+``merlin.pallas.intra``; where a gradient is taken it also writes A for the part's pullback);
+``--tiles intra_kernel=False`` runs the plain-JAX forward instead. On a GPU, with and without it:
 
     for v in intra_kernel=False intra_kernel=True; do python benchmarks/merlin_ops.py \
         --impls pallas --dtype bfloat16 --B 1 --T 16384 --H 16 --D 128 --V 128 --R 128 \
         --segment-len 256 --chunk 64 --aggregators "" --tiles $v; done
 
-``--parts`` splits the op with the plain-JAX intra-chunk part (``intra_kernel`` off in its
-config): the op's f+b runs that part either way, and the forward kernel's time is the op table's.
+``--parts`` runs the op and its stages with the plain-JAX intra-chunk forward (``intra_kernel``
+off in its config; the pullback is the same either way); the forward kernel's time is the op
+table's and ``--profile``'s.
 
 On a CPU shared with other jobs, XLA's multi-threaded kernels stall under oversubscription (the
 chunked form, which has the larger parallel ops, by up to 100x); pin one core for stable numbers:
@@ -80,7 +80,6 @@ import merlin  # noqa: E402
 from benchmarks.common import ceilings, kernel_profile, machine, profile_table  # noqa: E402
 from benchmarks.common import variant_fields  # noqa: E402
 from layers.platform import default_platform  # noqa: E402
-from merlin.chunked import intra_chunk  # noqa: E402
 from merlin.pallas import kernels as merlin_kernels  # noqa: E402
 from merlin.pallas import ops as merlin_pallas  # noqa: E402
 from merlin.pallas import plan as merlin_plan  # noqa: E402
@@ -426,13 +425,13 @@ PART_ROWS = {True: ("state pass", "readout", "reverse pass", "chunk gradients"),
 
 def parts_table(args, t, dtype, erase, floor_ms):
   """Where the pallas op's time goes at length t: its stages timed alone on the operands the op
-  hands them (``merlin.pallas.ops``: ``chunk_inputs`` -> ``intra_chunk`` -> ``chunk_operands``
-  and ``chunk_weights`` -> ``kernel_operands`` -> ``kernels_forward``; backward
+  hands them (``merlin.pallas.ops``: ``intra_stage`` (``chunk_inputs`` -> ``intra_chunk`` ->
+  ``chunk_operands``) and ``chunk_weights`` -> ``kernel_operands`` -> ``kernels_forward``; backward
   ``kernels_backward``), with ``intra_kernel`` off, each kernel launch alone, the whole op,
   and the glue: the op less its stages (relayouts, casts, lam's layout, the output cotangent's
   dO, the autodiff of the plain-JAX steps around the stages). A stage's f+b is its time in the
   op's forward+backward: the kernels' forward runs in both, their backward only in the f+b; the
-  intra-chunk part's f+b is ``jax.vjp`` with random cotangents on the results the op uses. The
+  intra-chunk stage's f+b is ``jax.vjp`` (its pullback) with random cotangents on its results. The
   op's f+b returns o with the gradients, as a training step needs it (so does the op table's);
   "op, grads only" is the gradients alone, for which XLA drops the readout kernel (and intra's
   P Uv): what the op table measured before it kept o."""
@@ -457,7 +456,7 @@ def parts_table(args, t, dtype, erase, floor_ms):
   def stage_inputs(q, k, v, g, beta, lam):  # as multistate_attention hands them on
     lam = jnp.where(visible(t, seg, n)[:, None, :], lam.astype(jnp.float32), 0.0)
     g = clamp_log_decay(g)
-    return (merlin_pallas.chunk_inputs(q, k, v, g, beta, chunk_size=c),
+    return ((q, k, v, g, beta),
             merlin_pallas.chunk_weights(g, lam, segment_len=seg, chunk_size=c))
 
   cot = jax.random.normal(jax.random.PRNGKey(1), (b, t, h, vd))
@@ -466,7 +465,7 @@ def parts_table(args, t, dtype, erase, floor_ms):
   times["op, grads only"] = (nan, fwd_and_fwd_bwd(op, op_args, cot, repeats, True,
                                                   keep_output=False)[1])
   intra_args, (gc, lamc) = jax.jit(stage_inputs)(*op_args)
-  intra_fn = lambda *a: intra_chunk(*a, erase)[:6]  # uv, w, qe, kw, gam, intra: what the op uses
+  intra_fn = functools.partial(merlin_pallas.intra_stage, c, erase, cfg)
   def intra_vjp(cot, *a):  # its results too, as the op's f+b needs them
     out, pullback = jax.vjp(intra_fn, *a)
     return out, pullback(cot)
@@ -477,9 +476,8 @@ def parts_table(args, t, dtype, erase, floor_ms):
   census = [census_line(hlo_census(fn, a)) for fn, a in ((intra_fn, intra_args),
                                                          (intra_vjp, (intra_cot, *intra_args)))]
 
-  mats = jax.jit(lambda out, gc, lamc: merlin_pallas.kernel_operands(
-      merlin_pallas.chunk_operands(*out, dtype=dtype), gc, lamc, cps=cps, erase=erase))(
-          intra_out, gc, lamc)
+  mats = jax.jit(functools.partial(merlin_pallas.kernel_operands, cps=cps, erase=erase))(
+      intra_out, gc, lamc)
   kfwd, _, (_, *states) = measure(
       functools.partial(merlin_pallas.kernels_forward, cps, erase, cfg, scale), mats, repeats)
   vp = mats[-5].shape[-1]  # uv, padded

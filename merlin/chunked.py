@@ -82,6 +82,70 @@ def intra_chunk(q, k, v, g, beta, erase: bool, docs=None):
   return uv, w, q_eff, k_write, chunk_decay, intra, ut, qk
 
 
+def intra_chunk_pullback(q, k, v, g, beta, ut, cotangents, erase: bool):
+  """The pullback of ``intra_chunk(q, k, v, g, beta, erase)`` (one document): (dq, dk, dv, dg,
+  dbeta) from the cotangents (duv, dw, dq_eff, dk_write, dchunk_decay, dintra) of its first six
+  results (dw None without erase), given its A (``ut``, erase) so that no inverse is repeated.
+
+  With S = Q K^T, P = S * D and, erase, R = [beta V, beta a K], [Uv, W] = A R, a = exp(gc),
+  b = exp(gc_C - gc):
+
+    dP = dintra Uv^T - dQe W^T          dUv' = dUv + P^T dintra       dW' = dW - P^T dQe
+    dA = [dUv', dW'] R^T                dR = A^T [dUv', dW']           dL = -A^T dA A^T (strict)
+    dQ = a dQe + (dP * D) K             dK = (dP * D)^T Q + (G + G^T) K + beta a dR_k + b dKw
+
+  with G = dL * beta_t * D (L = beta_t (K K^T)_ts D_ts); dD = dP * S + dL * beta_t K K^T enters
+  gc as row sums minus column sums of dD * D, and g through the cumulative sum's transpose.
+  Each product is one batched matmul over all chunks; the inverse's loop runs only forward."""
+  duv, dw, dqe, dkw, dgam, dintra = cotangents
+  c = q.shape[-2]
+  rowsum = lambda x, y: jnp.sum(x * y, axis=-1)
+  gc = jnp.cumsum(g, axis=-1)
+  causal = jnp.tril(jnp.ones((c, c), bool))
+  a, b = jnp.exp(gc), jnp.exp(gc[..., -1:] - gc)
+  diff = gc[..., :, None] - gc[..., None, :]
+  decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+  s = jnp.einsum("...td,...sd->...ts", q, k)
+  p = s * decay
+  rv = beta[..., None] * v
+  uv = rv if not erase else jnp.einsum("...ts,...sv->...tv", ut, rv)
+  dp = jnp.einsum("...tv,...sv->...ts", dintra, uv)
+  duv = duv + jnp.einsum("...ts,...tv->...sv", p, dintra)
+  da = rowsum(dqe, q)  # d/da, a = exp(gc)
+  dk = b[..., None] * dkw
+  if erase:
+    rk = (beta * a)[..., None] * k
+    w = jnp.einsum("...ts,...sd->...td", ut, rk)
+    dp = dp - jnp.einsum("...td,...sd->...ts", dqe, w)
+    dw = dw - jnp.einsum("...ts,...td->...sd", p, dqe)
+    dmat = jnp.einsum("...tv,...sv->...ts", duv, rv) + jnp.einsum("...td,...sd->...ts", dw, rk)
+    drv, drk = jnp.einsum("...ts,...tv->...sv", ut, duv), jnp.einsum("...ts,...td->...sd", ut, dw)
+    strict = jnp.tril(jnp.ones((c, c), bool), -1)
+    dmat_at = jnp.einsum("...tu,...vu->...tv", dmat, ut)  # dA A^T
+    dl = jnp.where(strict, -jnp.einsum("...ts,...tu->...su", ut, dmat_at), 0.0)
+    kk = jnp.einsum("...td,...sd->...ts", k, k)
+    gmat = dl * beta[..., None] * decay
+    dk = dk + jnp.einsum("...ts,...sd->...td", gmat, k) + jnp.einsum("...ts,...td->...sd", gmat, k)
+    dk = dk + (beta * a)[..., None] * drk
+    k_drk = rowsum(drk, k)
+    dbeta = rowsum(dl * kk, decay) + a * k_drk
+    da = da + beta * k_drk
+    dd = dp * s + dl * beta[..., None] * kk
+  else:
+    drv, dbeta, dd = duv, 0.0, dp * s
+  dv = beta[..., None] * drv
+  dbeta = dbeta + rowsum(drv, v)
+  dpd = dp * decay
+  dq = a[..., None] * dqe + jnp.einsum("...ts,...sd->...td", dpd, k)
+  dk = dk + jnp.einsum("...ts,...td->...sd", dpd, q)
+  e = dd * decay  # d/d(gc_t - gc_s)
+  db = b * rowsum(dkw, k)
+  dgc = a * da - db + jnp.sum(e, axis=-1) - jnp.sum(e, axis=-2)
+  dgc = dgc.at[..., -1].add(jnp.sum(db, axis=-1) + jnp.exp(gc[..., -1]) * dgam)
+  dg = jnp.flip(jnp.cumsum(jnp.flip(dgc, -1), axis=-1), -1)  # transpose of the cumulative sum
+  return dq, dk, dv, dg, dbeta
+
+
 def chunk_documents(starts: jax.Array, n: int, c: int):
   """Per-chunk document masks from starts (B, T) bool (a token opens a new document).
 

@@ -1,4 +1,6 @@
-"""The intra-chunk forward kernel (``merlin.pallas.intra``; interpret mode) against plain JAX.
+"""The intra-chunk forward kernel (``merlin.pallas.intra``; interpret mode) against plain JAX,
+and the op's pullback of the intra-chunk part (``merlin.chunked.intra_chunk_pullback``, through
+``merlin.pallas.ops.intra_stage``) against JAX's autodiff of the plain-JAX part.
 
 Reference: ``merlin.pallas.ops.intra_operands``, the op's plain-JAX intra-chunk part
 (``intra_chunk`` on the chunked inputs, padded and cast as the kernels take them), which a
@@ -13,6 +15,8 @@ Error bounds (relative RMS, ||a - b|| / ||b||), those of tests/test_merlin_palla
   bfloat16 inputs (the reference computes in float32 from the same bf16 values and rounds its
   results once, as the op does): 1.5e-2 (bf16 operands of the products not involving A, whose
   products stay float32).
+The pullback's gradients: 1e-5 (both float32 throughout on the same values, the kernels' bf16
+cotangents included); 4e-3 for bf16 inputs, whose gradients both round once to bf16.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from triadic.pallas.common import Config
 jax.config.update("jax_default_matmul_precision", "highest")
 
 BOUNDS = {jnp.float32: 1e-5, jnp.bfloat16: 1.5e-2}
+GRAD_BOUNDS = {jnp.float32: 1e-5, jnp.bfloat16: 4e-3}
 CFG = Config("cpu", block_v=16, bwd_block_v=16)
 RESULTS = {True: ("qe", "w", "kw", "uv", "gam", "intra"),
            False: ("qe", "kw", "uv", "gam", "intra")}
@@ -88,3 +93,26 @@ def test_bad_chunk_raises():
   args = make_inputs(0, 1, 48, 1, 16, 16, "weak", jnp.float32)
   with pytest.raises(ValueError, match="power-of-two chunk size"):
     intra_part(*args, chunk_size=24, erase=True, cfg=CFG)
+
+
+@pytest.mark.parametrize("intra_kernel", [False, True], ids=["plain-forward", "kernel-forward"])
+@pytest.mark.parametrize("b,t,h,d,vd,chunk,erase,decay,dtype", CASES)
+def test_intra_pullback_matches_autodiff(b, t, h, d, vd, chunk, erase, decay, dtype, intra_kernel):
+  """``intra_stage``'s gradients (A kept, ``intra_chunk_pullback``) against ``jax.vjp`` of
+  ``intra_operands`` (JAX's autodiff through the inverse's substitution), with random cotangents
+  on every result, the padded columns' included; A from the plain-JAX forward or, with
+  ``intra_kernel``, from the forward kernel's (``intra_part(inverse=True)``)."""
+  args = make_inputs(1, b, t, h, d, vd, decay, dtype)
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, intra_kernel=intra_kernel)
+  reference = lambda *a: ops.intra_operands(*a, chunk_size=chunk, erase=erase)
+  stage = lambda *a: ops.intra_stage(chunk, erase, cfg, *a)
+  outs = jax.eval_shape(reference, *args)
+  keys = jax.random.split(jax.random.PRNGKey(2), len(outs))
+  cots = tuple(jax.random.normal(key, o.shape).astype(o.dtype) for key, o in zip(keys, outs))
+  grads = lambda f: jax.jit(lambda cots, *a: jax.vjp(f, *a)[1](cots))(cots, *args)
+  names = ("dq", "dk", "dv", "dg", "dbeta")
+  for name, x, y in zip(names, grads(stage), grads(reference), strict=True):
+    x, y = np.asarray(x, np.float32), np.asarray(y, np.float32)
+    assert x.shape == y.shape and np.all(np.isfinite(x)), name
+    assert np.linalg.norm(y) > 0, name
+    assert rel_rms(x, y) < GRAD_BOUNDS[dtype], f"{name}: rel RMS {rel_rms(x, y):.2e}"

@@ -15,13 +15,13 @@ the output bound), over five or more segments with a last partial one (and over 
 alone), every aggregator's lam, weak and strong decay and weak decay with four tokens at -30
 (strong decay everywhere leaves the finished states nothing to add); under ``jax.grad`` the op
 keeps the stack forward, with gradients identical to the bit to those without the walk.
-The intra-chunk part's forward kernel (``Config.intra_kernel``, taken only where no gradient is;
-tests/test_merlin_intra.py checks it alone) is checked against the scan with the same output
-bounds and against the plain-JAX part's output (float32 1e-5, bf16 the output bound): both erase
-modes, float32 and bf16, padded D or V, strong decay; under ``jax.jit(jax.grad)`` the op runs the
-plain-JAX part, with output and gradients identical to the bit to those without the kernel.
+The intra-chunk part's forward kernel (``Config.intra_kernel``; tests/test_merlin_intra.py checks
+it and the part's pullback alone) is checked against the scan with the same output bounds and
+against the plain-JAX part's output (float32 1e-5, bf16 the output bound), and under ``jax.grad``
+(where it also writes A for the pullback) with the gradient bounds: both erase modes, float32 and
+bf16, padded D or V, strong decay.
 The plan (which impl "auto" picks, and why), the bad-input errors, the Triton lowering of the
-forward and backward for CUDA (the intra-chunk kernel in the forward alone), what each kernel
+forward and backward for CUDA (the intra-chunk kernel in both), what each kernel
 stores (dtypes; the readout the op's output itself, in the caller's layout) and the
 per-(B, H)-shard run under jit (a subprocess with 4 fake CPU devices: gradients with and without
 ``intra_kernel``, and the forward alone by the intra-chunk kernel and, erase, the query walk) are
@@ -121,12 +121,14 @@ CASES = [
 ]
 
 
-@pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype", CASES)
-def test_pallas_matches_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, lam_kind, dtype):
+def check_against_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, lam_kind, dtype,
+                       **config):
+  """The output and the six gradients of the pallas op (``config``: its Config, else the
+  platform's default) against the scan's, within ``BOUNDS``."""
   n = -(-t // segment_len) + 1  # one more state than the tokens need
   args, do = make_inputs(0, b, t, h, d, vd, n, segment_len, decay, lam_kind, dtype)
   kw = dict(segment_len=segment_len, erase=erase, chunk_size=chunk)
-  got, o = grads("pallas", args, do, **kw)
+  got, o = grads("pallas", args, do, **config, **kw)
   ref_args = tuple(x.astype(jnp.float32) for x in args)
   want, o_ref = grads("scan", ref_args, do, **kw)
   out_bound, grad_bound = BOUNDS[dtype]
@@ -143,6 +145,11 @@ def test_pallas_matches_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, l
     assert np.all(np.isfinite(gx)), name
     assert np.linalg.norm(gw) > 0, name
     assert rel_rms(gx, gw) < grad_bound, f"d{name}: rel RMS {rel_rms(gx, gw):.2e}"
+
+
+@pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype", CASES)
+def test_pallas_matches_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, lam_kind, dtype):
+  check_against_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, lam_kind, dtype)
 
 
 @pytest.mark.parametrize("erase", [True, False])
@@ -185,8 +192,7 @@ WALK_CASES = [
 
 
 def option_config(field, on):
-  """The CPU test tiles with the forward-only Config option ``field`` (query_walk, intra_kernel)
-  on or off."""
+  """The CPU test tiles with the Config option ``field`` (query_walk, intra_kernel) on or off."""
   return Config("cpu", block_v=16, bwd_block_v=16, **{field: on})
 
 
@@ -249,13 +255,22 @@ def test_intra_kernel_matches_scan_and_plain(b, t, h, d, vd, segment_len, chunk,
                      {"merlin_intra_forward", *KERNELS[erase][:2]})
 
 
-@pytest.mark.parametrize("field,erase", [("query_walk", True), ("intra_kernel", True),
-                                         ("intra_kernel", False)])
-def test_forward_only_options_leave_the_gradients(field, erase):
-  """Under ``jax.jit(jax.grad)`` the op with a forward-only option (``Config.query_walk``,
-  ``Config.intra_kernel``) runs what it runs without it (the custom VJPs' forward rules, not
-  their primals): the output and all six gradients are identical to the bit (padded D and V),
-  and only the kernels of the op without the option are traced."""
+@pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype", INTRA_CASES)
+def test_intra_kernel_gradients_match_scan(b, t, h, d, vd, segment_len, chunk, erase, decay,
+                                           lam_kind, dtype):
+  """Under ``jax.grad`` with ``Config.intra_kernel`` the forward kernel runs in the forward too
+  (erase: also writing A, the pullback's one residual): the output and the six gradients against
+  the scan's, within the bounds of ``test_pallas_matches_scan``."""
+  check_against_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, lam_kind, dtype,
+                     config=option_config("intra_kernel", True))
+
+
+def test_query_walk_leaves_the_gradients():
+  """Under ``jax.jit(jax.grad)`` the op with the forward-only ``Config.query_walk`` runs what it
+  runs without it (the custom VJP's forward rule, not its primal): the output and all six
+  gradients are identical to the bit (padded D and V), and only the kernels of the op without
+  the option are traced."""
+  field, erase = "query_walk", True
   b, t, h, d, vd, segment_len, chunk = 1, 150, 2, 24, 40, 32, 16
   n = -(-t // segment_len) + 1
   args, do = make_inputs(3, b, t, h, d, vd, n, segment_len, "weak", "merlin", jnp.float32)
@@ -362,7 +377,8 @@ def test_intra_kernel_lowers_for_cuda(erase, dtype):
   """The GPU default's forward, where no gradient is taken, runs the intra-chunk part by its
   kernel, which lowers to Triton for CUDA on this CPU machine beside the state kernels (padded D
   and V, T not a multiple of the chunk) and stores Qe, [W,] Kw, Uv in the inputs' dtype and
-  gamma, intra float32 (B*H, NC, ...); the gradient's program has no intra kernel."""
+  gamma, intra float32 (B*H, NC, ...); the gradient's program runs it too, erase also writing A
+  (float32, C x C a chunk), the pullback's residual."""
   b, t, h, d, vd, segment_len, n = 1, 300, 2, 48, 80, 128, 3
   config = plan_lib.default_config("gpu")
   assert config.intra_kernel
@@ -376,7 +392,10 @@ def test_intra_kernel_lowers_for_cuda(erase, dtype):
   assert found["merlin_intra_forward"] == [chunks(64, 64)] * (2 + erase) + [
       chunks(64, 128), chunks(1, 1, dt=f), chunks(64, 128, dt=f)]
   grad_text = jax.jit(grad_of_sum(op)).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-  assert "merlin_intra" not in grad_text
+  assert "merlin_intra_forward" in grad_text
+  found = kernel_outputs(jax.make_jaxpr(grad_of_sum(op))(*args).jaxpr)
+  assert found["merlin_intra_forward"][-1] == (chunks(64, 64, dt=f) if erase
+                                               else chunks(64, 128, dt=f))
   for kernel in KERNELS[erase]:
     assert kernel in grad_text, kernel
 
@@ -404,11 +423,13 @@ def test_query_walk_lowers_for_cuda(dtype):
 # readout adds the intra-chunk part and rounds once) and the gradients of the input-dtype operands
 # (Qe, W, Kw, Uv) are stored in that dtype, each use of them being a matmul operand or the op's
 # output or cotangent in that dtype; dgamma, dlam and the no-erase per-value-block dKw (summed
-# after) stay float32.
-OUT_DTYPES = {True: {"merlin_state_pass": "x", "merlin_readout": "x",
-                     "merlin_reverse_state_pass": "xx", "merlin_chunk_gradients": "xxxff"},
-              False: {"merlin_write_pass": "xx", "merlin_readout": "x",
-                      "merlin_reverse_write_pass": "xff", "merlin_read_gradients": "xf"}}
+# after) stay float32, as do the intra-chunk kernel's gamma, P Uv and (erase) A.
+OUT_DTYPES = {True: {"merlin_intra_forward": "xxxxfff", "merlin_state_pass": "x",
+                     "merlin_readout": "x", "merlin_reverse_state_pass": "xx",
+                     "merlin_chunk_gradients": "xxxff"},
+              False: {"merlin_intra_forward": "xxxff", "merlin_write_pass": "xx",
+                      "merlin_readout": "x", "merlin_reverse_write_pass": "xff",
+                      "merlin_read_gradients": "xf"}}
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

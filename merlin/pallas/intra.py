@@ -1,4 +1,4 @@
-"""MERLIN's intra-chunk part (``merlin.chunked.intra_chunk``) as a forward-only Triton kernel.
+"""MERLIN's intra-chunk part (``merlin.chunked.intra_chunk``) as a forward Triton kernel.
 
 One program per (batch*head, chunk). For a chunk of C tokens, q, k (C, D), v (C, V), g, beta
 (C, 1), with gc the chunk-local cumulative sum of g, a = exp(gc), b = exp(gc_C - gc) and the
@@ -9,10 +9,10 @@ decay mask D_ts = exp(gc_t - gc_s) (s <= t, else 0):
     Qe = a Q - P W        Kw = b K        gamma = exp(gc_C)        intra = P Uv
 
 The kernel reads q, k, v, gc, beta and writes Qe, [W,] Kw, Uv in the input dtype (the state
-kernels' operands) and gamma, intra float32 (the readout adds intra in float32); it keeps nothing
-for a backward: it runs only where no gradient is taken (``Config.intra_kernel``), and a
-differentiated call runs the plain-JAX part, whose gradient JAX forms
-(``merlin.pallas.ops.intra_operands``).
+kernels' operands) and gamma, intra float32 (the readout adds intra in float32); where a gradient
+is taken, also A (float32), the one residual of the part's pullback
+(``merlin.chunked.intra_chunk_pullback``, by ``merlin.pallas.ops.intra_stage``), which forms
+every other product again from q, k, v, g, beta.
 
 Layout: q, k, v, gc, beta are read in the caller's (B, T, H, X) layout (``common.token_block``;
 gc and beta as (B, T, H, 1)), T a multiple of C and D, V padded to ``kernels.padded_width`` with
@@ -86,8 +86,10 @@ def _decays(gc_ref, c):
   return jnp.exp(gc), jnp.exp(gl - gc), jnp.exp(gl), decay_mask(gc, gc.T, causal)
 
 
-def _forward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *outs, c, erase, vd, bv, dtype,
-                    precision):
+def _forward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *outs, c, erase, inverse, vd, bv,
+                    dtype, precision):
+  if inverse:  # the last result: A
+    *outs, ut_ref = outs
   qe_ref, kw_ref, uv_ref, gam_ref, intra_ref = (outs[0], *outs[1 + erase:])  # outs[1]: W, erase
   a, b, gam, decay = _decays(gc_ref, c)
   k = k_ref[...]
@@ -95,6 +97,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *outs, c, erase, vd, 
   p = mm(q_ref[...], k, dtype, tb=True) * decay
   if erase:
     amat = _ut_transform(mm(k, k, dtype, tb=True), beta, decay, c=c, precision=precision)
+    if inverse:
+      ut_ref[...] = amat
 
   def value_block(cols, carry):
     uv = beta * v_ref[:, cols].astype(F32)
@@ -121,51 +125,57 @@ def _specs(c, d, vd, heads):
           + [token_block(c, 1, heads)] * 2)
 
 
-def _forward(c, erase, cfg, q, k, v, gc, beta):
+def _forward(c, erase, inverse, cfg, q, k, v, gc, beta):
   """The forward kernel on ``intra_part``'s operands: qe, [w,] kw (B, H, NC, C, D) and uv
-  (B, H, NC, C, V) in q's dtype, gam (B, H, NC) and intra (B, H, NC, C, V) float32."""
+  (B, H, NC, C, V) in q's dtype, gam (B, H, NC) and intra (B, H, NC, C, V) float32, [and A
+  (B, H, NC, C, C) float32 with ``inverse``]."""
   b, t, h, d = q.shape
   vd, nc = v.shape[-1], t // c
   shape = lambda x, dtype=q.dtype: jax.ShapeDtypeStruct((b * h, nc, c, x), dtype)
   mats = [chunk_block(c, d)] * (2 + erase)
-  kernel = functools.partial(_forward_kernel, c=c, erase=erase, vd=vd,
+  kernel = functools.partial(_forward_kernel, c=c, erase=erase, inverse=inverse, vd=vd,
                              bv=min(cfg.bwd_block_v, vd), dtype=q.dtype,
                              precision=cfg.f32_precision)
+  out_specs = mats + [chunk_block(c, vd), chunk_block(1, 1), chunk_block(c, vd)]
+  out_shape = [shape(d)] * (2 + erase) + [
+      shape(vd), jax.ShapeDtypeStruct((b * h, nc, 1, 1), F32), shape(vd, F32)]
+  if inverse:
+    out_specs, out_shape = out_specs + [chunk_block(c, c)], out_shape + [shape(c, F32)]
   outs = call(kernel, cfg=cfg, grid=(b * h, nc), in_specs=_specs(c, d, vd, h),
-              out_specs=mats + [chunk_block(c, vd), chunk_block(1, 1), chunk_block(c, vd)],
-              out_shape=[shape(d)] * (2 + erase) + [
-                  shape(vd), jax.ShapeDtypeStruct((b * h, nc, 1, 1), F32), shape(vd, F32)],
-              semantics=("parallel", "parallel"), name="merlin_intra_forward",
-              num_warps=cfg.bwd_num_warps)(q, k, v, gc, beta)
-  *mats, gam, intra = (x.reshape(b, h, *x.shape[1:]) for x in outs)
-  return (*mats, gam[..., 0, 0], intra)
+              out_specs=out_specs, out_shape=out_shape, semantics=("parallel", "parallel"),
+              name="merlin_intra_forward", num_warps=cfg.bwd_num_warps)(q, k, v, gc, beta)
+  outs = [x.reshape(b, h, *x.shape[1:]) for x in outs]
+  outs[2 + erase + 1] = outs[2 + erase + 1][..., 0, 0]  # gam
+  return tuple(outs)
 
 
 # Shardy: b, h may be sharded on any mesh axes; tokens t, chunks n, c, D, V and g's unit dim o
 # must be whole on every device (the kernel walks them).
 _PARTITIONED = {
-    erase: partition.batch_head_partitioned(
-        _forward, n_static=3,
+    (erase, inverse): partition.batch_head_partitioned(
+        _forward, n_static=4,
         rule=("b t h d, b t h d, b t h v, b t h o, b t h o -> "
-              + "b h n c d, " * (2 + erase) + "b h n c v, b h n, b h n c v"),
-        replicated=("t", "n", "c", "d", "v", "o"))
-    for erase in (True, False)}
+              + "b h n c d, " * (2 + erase) + "b h n c v, b h n, b h n c v"
+              + (", b h n c s" if inverse else "")),
+        replicated=("t", "n", "c", "d", "v", "o", "s"))
+    for erase in (True, False) for inverse in ((True, False) if erase else (False,))}
 
 
-def intra_part(q, k, v, g, beta, *, chunk_size: int, erase: bool, cfg):
+def intra_part(q, k, v, g, beta, *, chunk_size: int, erase: bool, cfg, inverse: bool = False):
   """The state kernels' intra-chunk operands by the forward kernel, from the op's inputs q, k
   (B, T, H, D), v (B, T, H, V), g, beta (B, T, H) (g clamped): qe, [w (erase),] kw
   (B, H, NC, C, D') and uv (B, H, NC, C, V') in q's dtype, gam (B, H, NC) and intra
-  (B, H, NC, C, V) float32, with NC = ceil(T / chunk_size) and D', V' the kernels' widths
+  (B, H, NC, C, V) float32, and with ``inverse`` (erase) A (B, H, NC, C, C) float32, the
+  residual of the pullback; with NC = ceil(T / chunk_size) and D', V' the kernels' widths
   (``padded_width``): ``merlin.chunked.intra_chunk``'s values on the chunked inputs, padded and
   cast as ``merlin.pallas.ops.kernel_operands`` does. Per (B, H) shard under jit.
   T is padded to whole chunks and D, V to their widths here (zeros: no write, no decay), so the
   kernel reads the op's arrays in place where neither is padded; intra is sliced back to V. gc,
   the chunk-local cumulative sum of g, is formed here too (a scan inside a Triton kernel is
   the one construct of these kernels that not every Triton lowers).
-  The op calls it only where no gradient is taken; a differentiated call runs the plain-JAX part
-  instead (``merlin.pallas.ops.intra_operands``)."""
-  c = chunk_size
+  The op calls it through ``merlin.pallas.ops.intra_stage`` (``Config.intra_kernel``), with
+  ``inverse`` where a gradient is taken."""
+  c, inverse = chunk_size, inverse and erase
   if c % SUB or c & (c - 1):
     raise ValueError(f"the intra-chunk kernel needs a power-of-two chunk size >= {SUB}, got {c}")
   t, vd = q.shape[1], v.shape[-1]
@@ -181,5 +191,7 @@ def intra_part(q, k, v, g, beta, *, chunk_size: int, erase: bool, cfg):
   b, _, h, _ = g.shape
   gc = jnp.cumsum(g.reshape(b, tp // c, c, h, 1), axis=2).reshape(g.shape)  # chunk-local
   inputs = (padded(q, dp), padded(k, dp), padded(v, vp), gc, beta)
-  *mats, gam, intra = _PARTITIONED[erase](c, erase, cfg, *inputs)
-  return (*mats, gam, intra if vp == vd else intra[..., :vd])
+  outs = list(_PARTITIONED[erase, inverse](c, erase, inverse, cfg, *inputs))
+  i = 2 + erase + 2  # intra
+  outs[i] = outs[i] if vp == vd else outs[i][..., :vd]
+  return tuple(outs)

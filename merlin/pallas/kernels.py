@@ -1,10 +1,10 @@
 """The Triton Pallas kernels of multi-state linear attention's state work (docs/spec.md section 2).
 
 Per (batch*head), chunk n of C tokens and segment state i, from the chunk prep
-(``merlin.chunked.intra_chunk`` in plain JAX, or, where no gradient is taken, its forward kernel,
-``intra.py``): Qe_n, W_n, Kw_n (C, D), Uv_n (C, V), the chunk decay gamma_n = exp(gc_C) and
-lam_n,i (C, 1). State i is zero before its segment's first chunk n_i = i cps (cps = chunks per
-segment), is written during its cps chunks (up to e_i) and only carried after:
+(``merlin.chunked.intra_chunk`` in plain JAX, or its forward kernel, ``intra.py``): Qe_n, W_n,
+Kw_n (C, D), Uv_n (C, V), the chunk decay gamma_n = exp(gc_C) and lam_n,i (C, 1). State i is
+zero before its segment's first chunk n_i = i cps (cps = chunks per segment), is written during
+its cps chunks (up to e_i) and only carried after:
 
     S_{n+1}^i = gamma_n S_n^i - Kw_n^T (W_n S_n^i) + [n < e_i] Kw_n^T Uv_n     (W = 0: no erase)
     o_n      += (lam_n,i Qe_n) S_n^i                                            (every i <= s(n))

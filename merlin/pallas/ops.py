@@ -1,12 +1,11 @@
 """``multistate_pallas``: multi-state linear attention with its state work in Pallas kernels.
 
 The E-independent, state-free part of each chunk (gc, the UT transform A, Uv, W, Qe, Kw, the
-intra-chunk output P Uv and the chunk decay: ``merlin.chunked.intra_chunk``) runs in plain JAX,
-batched over all chunks, float32, differentiated by JAX (``intra_operands``). With
-``Config.intra_kernel``, where no gradient is taken, it runs instead as the forward kernel of
-``intra.py`` (one program per chunk), the primal of a ``jax.custom_vjp`` whose differentiated
-forward is ``intra_operands`` itself, so a differentiated call's values and gradients are the
-plain-JAX part's. Everything whose cost grows with the number of segment states N is in
+intra-chunk output P Uv and the chunk decay: ``merlin.chunked.intra_chunk``) is ``intra_stage``,
+a ``jax.custom_vjp``: its forward the kernel of ``intra.py`` (``Config.intra_kernel``, one program
+per chunk) or plain JAX batched over all chunks, float32 (``intra_operands``), either keeping A
+where a gradient is taken; its backward ``merlin.chunked.intra_chunk_pullback`` (batched float32
+matmuls, no inverse). Everything whose cost grows with the number of segment states N is in
 ``kernels.py``, behind one ``jax.custom_vjp``:
 
   erase     forward: state pass (every visible chunk-start state, grid over segments) ->
@@ -43,7 +42,7 @@ import jax
 import jax.numpy as jnp
 
 from layers import partition
-from merlin.chunked import intra_chunk
+from merlin.chunked import intra_chunk, intra_chunk_pullback
 from merlin.pallas import kernels
 from merlin.pallas.intra import intra_part
 from merlin.pallas.kernels import padded_width
@@ -305,32 +304,55 @@ def chunk_operands(uv, w, qe, kw, gam, intra, *, dtype):
 
 
 def intra_operands(q, k, v, g, beta, *, chunk_size: int, erase: bool):
-  """The intra-chunk part in plain JAX, float32 over all chunks, differentiated by JAX:
-  ``chunk_inputs`` -> ``intra_chunk`` -> ``chunk_operands``, on the op's inputs (g clamped).
-  Results as ``intra.intra_part``'s."""
-  uv, w, qe, kw, gam, intra, _, _ = intra_chunk(*chunk_inputs(q, k, v, g, beta,
-                                                              chunk_size=chunk_size), erase)
-  return chunk_operands(uv, w, qe, kw, gam, intra, dtype=q.dtype)
+  """The intra-chunk part in plain JAX, float32 over all chunks: ``chunk_inputs`` ->
+  ``intra_chunk`` -> ``chunk_operands``, on the op's inputs (g clamped). Results as
+  ``intra.intra_part``'s. The op differentiates it by ``intra_chunk_pullback`` (``intra_stage``)."""
+  return _intra_forward(q, k, v, g, beta, chunk_size=chunk_size, erase=erase)[0]
+
+
+def _intra_forward(q, k, v, g, beta, *, chunk_size: int, erase: bool):
+  """``intra_operands``' results and ``intra_chunk``'s A (None without erase)."""
+  uv, w, qe, kw, gam, intra, ut, _ = intra_chunk(*chunk_inputs(q, k, v, g, beta,
+                                                               chunk_size=chunk_size), erase)
+  return chunk_operands(uv, w, qe, kw, gam, intra, dtype=q.dtype), ut
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1, 2))
-def _intra_by_kernel(chunk_size, erase, cfg, *inputs):
-  """``intra_operands``' results by the forward kernel (``intra.intra_part``). This primal runs
-  only where no gradient is taken; a differentiated call runs ``intra_operands`` itself
-  (``_intra_by_kernel_fwd``), so its values and gradients are the plain-JAX part's."""
-  return intra_part(*inputs, chunk_size=chunk_size, erase=erase, cfg=cfg)
+def intra_stage(chunk_size, erase, cfg, *inputs):
+  """The op's intra-chunk stage: ``intra_operands``' results, by the forward kernel
+  (``intra.intra_part``) with ``Config.intra_kernel``, else in plain JAX. Where a gradient is
+  taken, the forward also keeps A (the kernel writes it), the one residual beside the inputs,
+  and the backward is ``intra_chunk_pullback`` (batched matmuls; no inverse, no loop), which
+  forms the other products again: no other float32 product of the part is kept."""
+  if cfg.intra_kernel:
+    return intra_part(*inputs, chunk_size=chunk_size, erase=erase, cfg=cfg)
+  return intra_operands(*inputs, chunk_size=chunk_size, erase=erase)
 
 
-def _intra_by_kernel_fwd(chunk_size, erase, cfg, *inputs):
-  """``intra_operands``' results and, as the residual, its pullback (a pytree of arrays)."""
-  return jax.vjp(functools.partial(intra_operands, chunk_size=chunk_size, erase=erase), *inputs)
+def _intra_fwd(chunk_size, erase, cfg, *inputs):
+  if cfg.intra_kernel:
+    part = intra_part(*inputs, chunk_size=chunk_size, erase=erase, cfg=cfg, inverse=True)
+    part, ut = (part[:-1], part[-1]) if erase else (part, None)
+  else:
+    part, ut = _intra_forward(*inputs, chunk_size=chunk_size, erase=erase)
+  return part, (inputs, ut)
 
 
-def _intra_by_kernel_bwd(chunk_size, erase, cfg, pullback, cotangents):
-  return pullback(cotangents)
+def _intra_bwd(chunk_size, erase, cfg, saved, cotangents):
+  """The cotangents of ``chunk_operands``' padded, cast results, back to ``intra_chunk``'s
+  (sliced to D, V; float32), through ``intra_chunk_pullback`` and ``chunk_inputs``' layout."""
+  inputs, ut = saved
+  d, vd = inputs[0].shape[-1], inputs[2].shape[-1]
+  *mats, duv, dgam, dintra = cotangents
+  dqe, dw, dkw = (mats[0], mats[1], mats[2]) if erase else (mats[0], None, mats[1])
+  unpad = lambda x, width: None if x is None else x[..., :width].astype(F32)
+  chunks, pullback = jax.vjp(functools.partial(chunk_inputs, chunk_size=chunk_size), *inputs)
+  grads = intra_chunk_pullback(*chunks, ut, (unpad(duv, vd), unpad(dw, d), unpad(dqe, d),
+                                             unpad(dkw, d), dgam, dintra), erase)
+  return pullback(grads)
 
 
-_intra_by_kernel.defvjp(_intra_by_kernel_fwd, _intra_by_kernel_bwd)
+intra_stage.defvjp(_intra_fwd, _intra_bwd)
 
 
 def weight_operands(gc, lamc, *, cps: int, erase: bool):
@@ -364,16 +386,14 @@ def multistate_pallas(q, k, v, g, beta, lam, *, segment_len: int, scale: float, 
   o (B, T, H, V) in q's dtype, written by the readout kernel (a slice of its output where T is
   not a multiple of the chunk or V not a power of two >= 16: ``padded_width``).
 
-  Its stages, each callable alone: ``intra_operands`` (``chunk_inputs`` -> ``intra_chunk`` ->
-  ``chunk_operands``) and ``chunk_weights`` -> ``kernel_operands`` -> ``_attend``
-  (``kernels_forward``; backward ``kernels_backward``); with ``Config.intra_kernel``, where no
-  gradient is taken, ``intra.intra_part`` in place of ``intra_operands``."""
+  Its stages, each callable alone: ``intra_stage`` (``intra.intra_part`` with
+  ``Config.intra_kernel``, else ``intra_operands``: ``chunk_inputs`` -> ``intra_chunk`` ->
+  ``chunk_operands``; backward ``intra_chunk_pullback``) and
+  ``chunk_weights`` -> ``kernel_operands`` -> ``_attend`` (``kernels_forward``; backward
+  ``kernels_backward``)."""
   cps = segment_len // chunk_size
   inputs = (q, k, v, g, beta)
-  if config.intra_kernel:
-    part = _intra_by_kernel(chunk_size, erase, config, *inputs)
-  else:
-    part = intra_operands(*inputs, chunk_size=chunk_size, erase=erase)
+  part = intra_stage(chunk_size, erase, config, *inputs)
   gc, lamc = chunk_weights(g, lam, segment_len=segment_len, chunk_size=chunk_size)
   operands = kernel_operands(part, gc, lamc, cps=cps, erase=erase)
   return _attend(cps, erase, config, float(scale), q.shape[1], *operands)

@@ -32,7 +32,7 @@ class Plan:
   its and the readout's warps, bwd_block_v the value columns of the readout and of the backward's
   kernels (reverse state pass, chunk gradients), bwd_num_warps the backward kernels' warps,
   query_walk the erase forward's readout where no gradient is taken, intra_kernel the intra-chunk
-  part by a kernel where no gradient is taken) and why this impl runs."""
+  part's forward by a kernel) and why this impl runs."""
   impl: str
   chunk_size: int | None
   reason: str
@@ -45,8 +45,7 @@ class Plan:
       tiles = (f", {cfg.platform} block_v {cfg.block_v} at {cfg.num_warps} warps, "
                f"bwd_block_v {cfg.bwd_block_v} at {cfg.bwd_num_warps} warps"
                + (", erase forward-only by the query walk" if cfg.query_walk else "")
-               + (", intra-chunk part by a kernel where no gradient is taken"
-                  if cfg.intra_kernel else ""))
+               + (", intra-chunk part's forward by a kernel" if cfg.intra_kernel else ""))
     return f"multistate_attention plan: {self.impl} (chunk {self.chunk_size}{tiles}): {self.reason}"
 
 
@@ -65,9 +64,11 @@ def default_config(platform: str) -> Config:
   grows with T, where the stack of visible chunk-start states grows with T^2; and the intra-chunk
   part runs as one forward kernel (``Config.intra_kernel``, at ``bwd_block_v`` columns and
   ``bwd_num_warps``), faster than the plain-JAX part (benchmarks/RESULTS.md). A differentiated
-  call runs the stack forward and the plain-JAX intra-chunk part regardless: the backward needs
-  the stack's states, and the intra-chunk part's gradient is JAX's autodiff of the plain-JAX
-  part. CPU (interpret): 16 columns, so small test shapes still run several value blocks."""
+  call runs the stack forward regardless, as the backward needs the stack's states; its
+  intra-chunk kernel also writes A, the one residual of the part's pullback
+  (``merlin.chunked.intra_chunk_pullback``), so that the float32 products of the plain-JAX part
+  are neither formed forward nor kept. CPU (interpret): 16 columns, so small test shapes still
+  run several value blocks."""
   if platform == "gpu":
     return Config("gpu", block_v=32, num_warps=4, bwd_block_v=64, bwd_num_warps=4,
                   query_walk=True, intra_kernel=True)

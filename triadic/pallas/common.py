@@ -106,12 +106,12 @@ class Config:
   each segment's end state and composite map instead of every visible chunk-start state (the
   (B*H, VIS, D, V) stack). A differentiated call runs the stack forward regardless, as the
   backward needs the states. On in the GPU default (``merlin.pallas.plan.default_config``).
-  intra_kernel: MERLIN's forward-only intra-chunk part (``merlin.chunked.intra_chunk``: the UT
-  transform, Uv, W, Qe, Kw, the chunk decay and P Uv): where no gradient is taken, a Triton kernel,
-  one program per (batch*head, chunk), reading q, k, v, beta and g's chunk-local cumulative sum
-  in the caller's layout (``merlin.pallas.intra``), instead of plain float32 JAX over all
-  chunks. A differentiated call runs the plain-JAX part regardless, whose gradient JAX forms
-  (``merlin.pallas.ops``). On in the GPU default (``merlin.pallas.plan.default_config``).
+  intra_kernel: MERLIN's intra-chunk part's forward (``merlin.chunked.intra_chunk``: the UT
+  transform, Uv, W, Qe, Kw, the chunk decay and P Uv) by a Triton kernel, one program per
+  (batch*head, chunk), reading q, k, v, beta and g's chunk-local cumulative sum in the caller's
+  layout (``merlin.pallas.intra``), instead of plain float32 JAX over all chunks; where a
+  gradient is taken it also writes A for the part's pullback (``merlin.pallas.ops.intra_stage``),
+  which is plain JAX either way. On in the GPU default (``merlin.pallas.plan.default_config``).
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
