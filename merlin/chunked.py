@@ -82,10 +82,11 @@ def intra_chunk(q, k, v, g, beta, erase: bool, docs=None):
   return uv, w, q_eff, k_write, chunk_decay, intra, ut, qk
 
 
-def intra_chunk_pullback(q, k, v, g, beta, ut, cotangents, erase: bool):
+def intra_chunk_pullback(q, k, v, g, beta, ut, uv_w, cotangents, erase: bool):
   """The pullback of ``intra_chunk(q, k, v, g, beta, erase)`` (one document): (dq, dk, dv, dg,
   dbeta) from the cotangents (duv, dw, dq_eff, dk_write, dchunk_decay, dintra) of its first six
-  results (dw None without erase), given its A (``ut``, erase) so that no inverse is repeated.
+  results (dw None without erase), given its A (``ut``) and its Uv and W (``uv_w``, a pair;
+  each None without erase), so that neither the inverse nor A R is formed again.
 
   With S = Q K^T, P = S * D and, erase, R = [beta V, beta a K], [Uv, W] = A R, a = exp(gc),
   b = exp(gc_C - gc):
@@ -108,14 +109,13 @@ def intra_chunk_pullback(q, k, v, g, beta, ut, cotangents, erase: bool):
   s = jnp.einsum("...td,...sd->...ts", q, k)
   p = s * decay
   rv = beta[..., None] * v
-  uv = rv if not erase else jnp.einsum("...ts,...sv->...tv", ut, rv)
+  uv, w = uv_w if erase else (rv, None)
   dp = jnp.einsum("...tv,...sv->...ts", dintra, uv)
   duv = duv + jnp.einsum("...ts,...tv->...sv", p, dintra)
   da = rowsum(dqe, q)  # d/da, a = exp(gc)
   dk = b[..., None] * dkw
   if erase:
     rk = (beta * a)[..., None] * k
-    w = jnp.einsum("...ts,...sd->...td", ut, rk)
     dp = dp - jnp.einsum("...td,...sd->...ts", dqe, w)
     dw = dw - jnp.einsum("...ts,...td->...sd", p, dqe)
     dmat = jnp.einsum("...tv,...sv->...ts", duv, rv) + jnp.einsum("...td,...sd->...ts", dw, rk)

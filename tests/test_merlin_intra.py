@@ -16,7 +16,8 @@ Error bounds (relative RMS, ||a - b|| / ||b||), those of tests/test_merlin_palla
   results once, as the op does): 1.5e-2 (bf16 operands of the products not involving A, whose
   products stay float32).
 The pullback's gradients: 1e-5 (both float32 throughout on the same values, the kernels' bf16
-cotangents included); 4e-3 for bf16 inputs, whose gradients both round once to bf16.
+cotangents included); 1e-2 for bf16 inputs, where the pullback reads the part's Uv and W as the
+state kernels take them, rounded to bf16 (2.8e-3 seen), and both round the gradients to bf16.
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ from triadic.pallas.common import Config
 jax.config.update("jax_default_matmul_precision", "highest")
 
 BOUNDS = {jnp.float32: 1e-5, jnp.bfloat16: 1.5e-2}
-GRAD_BOUNDS = {jnp.float32: 1e-5, jnp.bfloat16: 4e-3}
+GRAD_BOUNDS = {jnp.float32: 1e-5, jnp.bfloat16: 1e-2}
 CFG = Config("cpu", block_v=16, bwd_block_v=16)
 RESULTS = {True: ("qe", "w", "kw", "uv", "gam", "intra"),
            False: ("qe", "kw", "uv", "gam", "intra")}

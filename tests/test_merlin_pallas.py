@@ -259,7 +259,7 @@ def test_intra_kernel_matches_scan_and_plain(b, t, h, d, vd, segment_len, chunk,
 def test_intra_kernel_gradients_match_scan(b, t, h, d, vd, segment_len, chunk, erase, decay,
                                            lam_kind, dtype):
   """Under ``jax.grad`` with ``Config.intra_kernel`` the forward kernel runs in the forward too
-  (erase: also writing A, the pullback's one residual): the output and the six gradients against
+  (erase: also writing A for the pullback): the output and the six gradients against
   the scan's, within the bounds of ``test_pallas_matches_scan``."""
   check_against_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, lam_kind, dtype,
                      config=option_config("intra_kernel", True))

@@ -10,9 +10,9 @@ decay mask D_ts = exp(gc_t - gc_s) (s <= t, else 0):
 
 The kernel reads q, k, v, gc, beta and writes Qe, [W,] Kw, Uv in the input dtype (the state
 kernels' operands) and gamma, intra float32 (the readout adds intra in float32); where a gradient
-is taken, also A (float32), the one residual of the part's pullback
-(``merlin.chunked.intra_chunk_pullback``, by ``merlin.pallas.ops.intra_stage``), which forms
-every other product again from q, k, v, g, beta.
+is taken, also A (float32) for the part's pullback (``merlin.chunked.intra_chunk_pullback``, by
+``merlin.pallas.ops.intra_stage``), which reads it with q, k, v, g, beta and the kernel's own Uv
+and W, and forms the other products again.
 
 Layout: q, k, v, gc, beta are read in the caller's (B, T, H, X) layout (``common.token_block``;
 gc and beta as (B, T, H, 1)), T a multiple of C and D, V padded to ``kernels.padded_width`` with

@@ -321,9 +321,10 @@ def _intra_forward(q, k, v, g, beta, *, chunk_size: int, erase: bool):
 def intra_stage(chunk_size, erase, cfg, *inputs):
   """The op's intra-chunk stage: ``intra_operands``' results, by the forward kernel
   (``intra.intra_part``) with ``Config.intra_kernel``, else in plain JAX. Where a gradient is
-  taken, the forward also keeps A (the kernel writes it), the one residual beside the inputs,
-  and the backward is ``intra_chunk_pullback`` (batched matmuls; no inverse, no loop), which
-  forms the other products again: no other float32 product of the part is kept."""
+  taken, the forward also keeps A (the kernel writes it) beside the inputs and its own Uv and W
+  (in the input dtype, which the state kernels' custom_vjp keeps anyway), and the backward is
+  ``intra_chunk_pullback`` (batched matmuls; no inverse, no loop), which forms the other
+  products again: no other float32 product of the part is kept."""
   if cfg.intra_kernel:
     return intra_part(*inputs, chunk_size=chunk_size, erase=erase, cfg=cfg)
   return intra_operands(*inputs, chunk_size=chunk_size, erase=erase)
@@ -335,20 +336,22 @@ def _intra_fwd(chunk_size, erase, cfg, *inputs):
     part, ut = (part[:-1], part[-1]) if erase else (part, None)
   else:
     part, ut = _intra_forward(*inputs, chunk_size=chunk_size, erase=erase)
-  return part, (inputs, ut)
+  # erase: the kernels' Uv and W (the state kernels' operands, kept by their own custom_vjp too)
+  return part, (inputs, ut, (part[3], part[1]) if erase else None)
 
 
 def _intra_bwd(chunk_size, erase, cfg, saved, cotangents):
   """The cotangents of ``chunk_operands``' padded, cast results, back to ``intra_chunk``'s
   (sliced to D, V; float32), through ``intra_chunk_pullback`` and ``chunk_inputs``' layout."""
-  inputs, ut = saved
+  inputs, ut, uv_w = saved
   d, vd = inputs[0].shape[-1], inputs[2].shape[-1]
   *mats, duv, dgam, dintra = cotangents
   dqe, dw, dkw = (mats[0], mats[1], mats[2]) if erase else (mats[0], None, mats[1])
   unpad = lambda x, width: None if x is None else x[..., :width].astype(F32)
   chunks, pullback = jax.vjp(functools.partial(chunk_inputs, chunk_size=chunk_size), *inputs)
-  grads = intra_chunk_pullback(*chunks, ut, (unpad(duv, vd), unpad(dw, d), unpad(dqe, d),
-                                             unpad(dkw, d), dgam, dintra), erase)
+  uv_w = (None, None) if uv_w is None else (unpad(uv_w[0], vd), unpad(uv_w[1], d))
+  grads = intra_chunk_pullback(*chunks, ut, uv_w, (unpad(duv, vd), unpad(dw, d), unpad(dqe, d),
+                                                   unpad(dkw, d), dgam, dintra), erase)
   return pullback(grads)
 
 

@@ -65,7 +65,7 @@ def default_config(platform: str) -> Config:
   part runs as one forward kernel (``Config.intra_kernel``, at ``bwd_block_v`` columns and
   ``bwd_num_warps``), faster than the plain-JAX part (benchmarks/RESULTS.md). A differentiated
   call runs the stack forward regardless, as the backward needs the stack's states; its
-  intra-chunk kernel also writes A, the one residual of the part's pullback
+  intra-chunk kernel also writes A for the part's pullback
   (``merlin.chunked.intra_chunk_pullback``), so that the float32 products of the plain-JAX part
   are neither formed forward nor kept. CPU (interpret): 16 columns, so small test shapes still
   run several value blocks."""
