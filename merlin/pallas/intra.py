@@ -59,9 +59,11 @@ def _join(parts, axis):
   return parts[0]
 
 
-def _ut_transform(kk, beta, decay, *, c, precision):
+def _ut_transform(kk, beta, decay, *, c, precision, out_ref=None):
   """A = (I + L)^-1 (C, C) float32, L = StrictLower(beta (K K^T) * D), from K K^T (``kk``), beta
-  (C, 1) and D (``decay``): ``blocked_inverse`` on L's SUB x SUB register blocks, rejoined."""
+  (C, 1) and D (``decay``): ``blocked_inverse`` on L's SUB x SUB register blocks, rejoined.
+  With ``out_ref`` A is also stored there, block by block before the join (fewer registers
+  spilled than storing the joined tile: benchmarks/RESULTS.md)."""
   _, strict, _, _ = masks(c)
   nb = c // SUB
   lower = jnp.where(strict, beta * kk * decay, 0.0)
@@ -72,6 +74,10 @@ def _ut_transform(kk, beta, decay, *, c, precision):
                         lambda i, s: rowsum(jnp.where(in_block == s, blocks[i][i], 0.0)),
                         nb, precision)
   zero = jnp.zeros((SUB, SUB), F32)
+  if out_ref is not None:
+    for i in range(nb):
+      for j in range(nb):
+        out_ref[i * SUB:(i + 1) * SUB, j * SUB:(j + 1) * SUB] = inv[i, j] if j <= i else zero
   return _join([_join([inv[i, j] if j <= i else zero for j in range(nb)], axis=1)
                 for i in range(nb)], axis=0)
 
@@ -96,9 +102,8 @@ def _forward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *outs, c, erase, inve
   beta = beta_ref[...]
   p = mm(q_ref[...], k, dtype, tb=True) * decay
   if erase:
-    amat = _ut_transform(mm(k, k, dtype, tb=True), beta, decay, c=c, precision=precision)
-    if inverse:
-      ut_ref[...] = amat
+    amat = _ut_transform(mm(k, k, dtype, tb=True), beta, decay, c=c, precision=precision,
+                         out_ref=ut_ref if inverse else None)
 
   def value_block(cols, carry):
     uv = beta * v_ref[:, cols].astype(F32)
