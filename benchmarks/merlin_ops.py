@@ -20,9 +20,9 @@ impl's. Every table names the machine, and the op table prints the plan "auto" w
 time goes: its intra-chunk stage (``intra_stage``: the chunk layout, ``intra_chunk``, the
 kernels' casts; forward, and forward+backward by its pullback), the kernels' forward (state pass
 + readout) and backward (reverse pass + chunk gradients), each kernel launch alone, the whole
-op, and the glue (the op less those parts), each called as the op calls it (``merlin.pallas.ops``'
-stages) and beside its floor (``part_costs``) and its share of the op. On a GPU, both erase settings at B = 1, T = 16384 and B = 8,
-T = 2048:
+op, and the glue (the op less those parts), each called as the op calls it
+(``merlin.pallas.ops``' stages) and beside its floor (``part_costs``) and its share of the op.
+On a GPU, both erase settings at B = 1, T = 16384 and B = 8, T = 2048:
 
     for bt in "1 16384" "8 2048"; do set -- $bt; python benchmarks/merlin_ops.py --parts \
         --erase both --dtype bfloat16 --B $1 --T $2 --H 16 --D 128 --V 128 --R 128 \
@@ -426,13 +426,13 @@ PART_ROWS = {True: ("state pass", "readout", "reverse pass", "chunk gradients"),
 def parts_table(args, t, dtype, erase, floor_ms):
   """Where the pallas op's time goes at length t: its stages timed alone on the operands the op
   hands them (``merlin.pallas.ops``: ``intra_stage`` (``chunk_inputs`` -> ``intra_chunk`` ->
-  ``chunk_operands``) and ``chunk_weights`` -> ``kernel_operands`` -> ``kernels_forward``; backward
-  ``kernels_backward``), with ``intra_kernel`` off, each kernel launch alone, the whole op,
-  and the glue: the op less its stages (relayouts, casts, lam's layout, the output cotangent's
-  dO, the autodiff of the plain-JAX steps around the stages). A stage's f+b is its time in the
-  op's forward+backward: the kernels' forward runs in both, their backward only in the f+b; the
-  intra-chunk stage's f+b is ``jax.vjp`` (its pullback) with random cotangents on its results. The
-  op's f+b returns o with the gradients, as a training step needs it (so does the op table's);
+  ``chunk_operands``) and ``chunk_weights`` -> ``kernel_operands`` -> ``kernels_forward``;
+  backward ``kernels_backward``), with ``intra_kernel`` off, each kernel launch alone, the whole
+  op, and the glue: the op less its stages (relayouts, casts, lam's layout, the output
+  cotangent's dO, the autodiff of the plain-JAX steps around the stages). A stage's f+b is its
+  time in the op's forward+backward: the kernels' forward runs in both, their backward only in
+  the f+b; the intra-chunk stage's f+b is ``jax.vjp`` (its pullback) with random cotangents on
+  its results. The op's f+b returns o with the gradients, as a training step needs it (so does the op table's);
   "op, grads only" is the gradients alone, for which XLA drops the readout kernel (and intra's
   P Uv): what the op table measured before it kept o."""
   b, h, d, vd, seg = args.B, args.H, args.D, args.V, args.segment_len
