@@ -42,6 +42,13 @@ def _group_size(n: int) -> int:
   return max(g for g in range(1, root + 1) if n % g == 0)
 
 
+def _decay_mask(gc, causal):
+  """D_ts = exp(gc_t - gc_s) where ``causal`` (s <= t), else 0; the exponent is masked before the
+  exponential, so no later-minus-earlier difference overflows."""
+  diff = gc[..., :, None] - gc[..., None, :]
+  return jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+
+
 def intra_chunk(q, k, v, g, beta, erase: bool, docs=None):
   """Everything inside a chunk that does not touch a state. Inputs (..., C, D|V) and (..., C).
 
@@ -64,8 +71,7 @@ def intra_chunk(q, k, v, g, beta, erase: bool, docs=None):
     decay_s0 = jnp.where(fresh, decay_s0, 0.0)
     k_end = jnp.where(last, k_end, 0.0)
     chunk_decay = jnp.where(fresh[..., -1], chunk_decay, 0.0)
-  diff = gc[..., :, None] - gc[..., None, :]
-  decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)  # D_ts, zero for s > t
+  decay = _decay_mask(gc, causal)
   qk = jnp.einsum("...td,...sd->...ts", q, k) * decay  # P
   uv = beta[..., None] * v
   w = ut = None
@@ -104,8 +110,7 @@ def intra_chunk_pullback(q, k, v, g, beta, ut, uv_w, cotangents, erase: bool):
   gc = jnp.cumsum(g, axis=-1)
   causal = jnp.tril(jnp.ones((c, c), bool))
   a, b = jnp.exp(gc), jnp.exp(gc[..., -1:] - gc)
-  diff = gc[..., :, None] - gc[..., None, :]
-  decay = jnp.where(causal, jnp.exp(jnp.where(causal, diff, 0.0)), 0.0)
+  decay = _decay_mask(gc, causal)
   s = jnp.einsum("...td,...sd->...ts", q, k)
   p = s * decay
   rv = beta[..., None] * v
