@@ -39,16 +39,19 @@ The GPU default's forward columns time the erase forward by the query walk (the 
 gradient is taken); ``--tiles query_walk=False`` times the stack forward there instead, which is
 the forward a backward always runs.
 The GPU default runs the intra-chunk part's forward by its kernel (``Config.intra_kernel``,
-``merlin.pallas.intra``; where a gradient is taken it also writes A for the part's pullback);
-``--tiles intra_kernel=False`` runs the plain-JAX forward instead. On a GPU, with and without it:
+``merlin.pallas.intra``; where a gradient is taken it also writes A for the part's pullback)
+and its pullback by the backward kernel (``Config.intra_backward_kernel``);
+``--tiles intra_kernel=False`` runs the plain-JAX forward instead, and ``--op-variants
+intra_backward_kernel=False`` adds a row with the plain-JAX pullback. On a GPU, with and without
+the forward kernel:
 
     for v in intra_kernel=False intra_kernel=True; do python benchmarks/merlin_ops.py \
         --impls pallas --dtype bfloat16 --B 1 --T 16384 --H 16 --D 128 --V 128 --R 128 \
         --segment-len 256 --chunk 64 --aggregators "" --tiles $v; done
 
 ``--parts`` runs the op and its stages with the plain-JAX intra-chunk forward (``intra_kernel``
-off in its config; the pullback is the same either way); the forward kernel's time is the op
-table's and ``--profile``'s.
+off in its config; the pullback, by the plan's ``intra_backward_kernel``, is the same either
+way); the forward kernel's time is the op table's and ``--profile``'s.
 
 On a CPU shared with other jobs, XLA's multi-threaded kernels stall under oversubscription (the
 chunked form, which has the larger parallel ops, by up to 100x); pin one core for stable numbers:

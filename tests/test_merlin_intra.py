@@ -1,6 +1,7 @@
 """The intra-chunk forward kernel (``merlin.pallas.intra``; interpret mode) against plain JAX,
 and the op's pullback of the intra-chunk part (``merlin.chunked.intra_chunk_pullback``, through
-``merlin.pallas.ops.intra_stage``) against JAX's autodiff of the plain-JAX part.
+``merlin.pallas.ops.intra_stage``; in plain JAX and by the backward kernel) against JAX's
+autodiff of the plain-JAX part.
 
 Reference: ``merlin.pallas.ops.intra_operands``, the op's plain-JAX intra-chunk part
 (``intra_chunk`` on the chunked inputs, padded and cast as the kernels take them), which a
@@ -17,7 +18,9 @@ Error bounds (relative RMS, ||a - b|| / ||b||), those of tests/test_merlin_palla
   products stay float32).
 The pullback's gradients: 1e-5 (both float32 throughout on the same values, the kernels' bf16
 cotangents included); 1e-2 for bf16 inputs, where the pullback reads the part's Uv and W as the
-state kernels take them, rounded to bf16 (2.8e-3 seen), and both round the gradients to bf16.
+state kernels take them, rounded to bf16 (2.8e-3 seen), both round the gradients to bf16, and
+the backward kernel takes bf16 operands for the products not involving A (3.5e-3 seen against
+the plain-JAX pullback).
 """
 
 from __future__ import annotations
@@ -96,15 +99,18 @@ def test_bad_chunk_raises():
     intra_part(*args, chunk_size=24, erase=True, cfg=CFG)
 
 
-@pytest.mark.parametrize("intra_kernel", [False, True], ids=["plain-forward", "kernel-forward"])
+@pytest.mark.parametrize("kernels", [False, True], ids=["plain-jax", "kernels"])
 @pytest.mark.parametrize("b,t,h,d,vd,chunk,erase,decay,dtype", CASES)
-def test_intra_pullback_matches_autodiff(b, t, h, d, vd, chunk, erase, decay, dtype, intra_kernel):
+def test_intra_pullback_matches_autodiff(b, t, h, d, vd, chunk, erase, decay, dtype, kernels):
   """``intra_stage``'s gradients (A kept, ``intra_chunk_pullback``) against ``jax.vjp`` of
   ``intra_operands`` (JAX's autodiff through the inverse's substitution), with random cotangents
-  on every result, the padded columns' included; A from the plain-JAX forward or, with
-  ``intra_kernel``, from the forward kernel's (``intra_part(inverse=True)``)."""
+  on every result, the padded columns' and rows' included: the plain-JAX forward and pullback,
+  or (``kernels``) the forward kernel's A (``intra_part(inverse=True)``) and the backward kernel
+  (``Config.intra_backward_kernel``: ``intra_part_pullback``, in blocks of several value and
+  key columns where D, V > 16)."""
   args = make_inputs(1, b, t, h, d, vd, decay, dtype)
-  cfg = Config("cpu", block_v=16, bwd_block_v=16, intra_kernel=intra_kernel)
+  cfg = Config("cpu", block_v=16, bwd_block_v=16, intra_kernel=kernels,
+               intra_backward_kernel=kernels)
   reference = lambda *a: ops.intra_operands(*a, chunk_size=chunk, erase=erase)
   stage = lambda *a: ops.intra_stage(chunk, erase, cfg, *a)
   outs = jax.eval_shape(reference, *args)

@@ -191,9 +191,10 @@ WALK_CASES = [
 ]
 
 
-def option_config(field, on):
-  """The CPU test tiles with the Config option ``field`` (query_walk, intra_kernel) on or off."""
-  return Config("cpu", block_v=16, bwd_block_v=16, **{field: on})
+def option_config(field, on, **more):
+  """The CPU test tiles with the Config option ``field`` (query_walk, intra_kernel) on or off,
+  and the options ``more``."""
+  return Config("cpu", block_v=16, bwd_block_v=16, **{field: on}, **more)
 
 
 def check_forward_only(field, args, kw, dtype, kernels):
@@ -258,11 +259,12 @@ def test_intra_kernel_matches_scan_and_plain(b, t, h, d, vd, segment_len, chunk,
 @pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype", INTRA_CASES)
 def test_intra_kernel_gradients_match_scan(b, t, h, d, vd, segment_len, chunk, erase, decay,
                                            lam_kind, dtype):
-  """Under ``jax.grad`` with ``Config.intra_kernel`` the forward kernel runs in the forward too
-  (erase: also writing A for the pullback): the output and the six gradients against
-  the scan's, within the bounds of ``test_pallas_matches_scan``."""
+  """Under ``jax.grad`` with ``Config.intra_kernel`` and ``Config.intra_backward_kernel`` the
+  intra-chunk part runs by its two kernels, the forward kernel (erase: also writing A) and the
+  backward kernel: the output and the six gradients against the scan's, within the bounds of
+  ``test_pallas_matches_scan``."""
   check_against_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, lam_kind, dtype,
-                     config=option_config("intra_kernel", True))
+                     config=option_config("intra_kernel", True, intra_backward_kernel=True))
 
 
 def test_query_walk_leaves_the_gradients():
@@ -378,10 +380,11 @@ def test_intra_kernel_lowers_for_cuda(erase, dtype):
   kernel, which lowers to Triton for CUDA on this CPU machine beside the state kernels (padded D
   and V, T not a multiple of the chunk) and stores Qe, [W,] Kw, Uv in the inputs' dtype and
   gamma, intra float32 (B*H, NC, ...); the gradient's program runs it too, erase also writing A
-  (float32, C x C a chunk), the pullback's residual."""
+  (float32, C x C a chunk), the pullback's residual, and the backward kernel, which writes dq,
+  dk, dv in the inputs' dtype and dgc, dbeta float32 in the caller's (B, T, H, X) layout."""
   b, t, h, d, vd, segment_len, n = 1, 300, 2, 48, 80, 128, 3
   config = plan_lib.default_config("gpu")
-  assert config.intra_kernel
+  assert config.intra_kernel and config.intra_backward_kernel
   op = pallas_op(erase, segment_len, config=config)
   args = op_specs(b, t, h, d, vd, n, dtype)
   text = jax.jit(op).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
@@ -396,6 +399,9 @@ def test_intra_kernel_lowers_for_cuda(erase, dtype):
   found = kernel_outputs(jax.make_jaxpr(grad_of_sum(op))(*args).jaxpr)
   assert found["merlin_intra_forward"][-1] == (chunks(64, 64, dt=f) if erase
                                                else chunks(64, 128, dt=f))
+  tokens = lambda width, dt=x: ((b, 320, h, width), dt)
+  assert found["merlin_intra_backward"] == [tokens(64), tokens(64), tokens(128),
+                                            tokens(1, dt=f), tokens(1, dt=f)]
   for kernel in KERNELS[erase]:
     assert kernel in grad_text, kernel
 
@@ -423,13 +429,14 @@ def test_query_walk_lowers_for_cuda(dtype):
 # readout adds the intra-chunk part and rounds once) and the gradients of the input-dtype operands
 # (Qe, W, Kw, Uv) are stored in that dtype, each use of them being a matmul operand or the op's
 # output or cotangent in that dtype; dgamma, dlam and the no-erase per-value-block dKw (summed
-# after) stay float32, as do the intra-chunk kernel's gamma, P Uv and (erase) A.
+# after) stay float32, as do the intra-chunk kernel's gamma, P Uv and (erase) A; its backward
+# kernel stores dq, dk, dv in that dtype (the inputs' cotangents) and dgc, dbeta float32.
 OUT_DTYPES = {True: {"merlin_intra_forward": "xxxxfff", "merlin_state_pass": "x",
                      "merlin_readout": "x", "merlin_reverse_state_pass": "xx",
-                     "merlin_chunk_gradients": "xxxff"},
+                     "merlin_chunk_gradients": "xxxff", "merlin_intra_backward": "xxxff"},
               False: {"merlin_intra_forward": "xxxff", "merlin_write_pass": "xx",
                       "merlin_readout": "x", "merlin_reverse_write_pass": "xff",
-                      "merlin_read_gradients": "xf"}}
+                      "merlin_read_gradients": "xf", "merlin_intra_backward": "xxxff"}}
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -499,7 +506,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
         for intra_kernel in (False, True):
           f = compiled_grads("pallas", sharded, put(do), **kw,  # the values come from this HLO
                              config=Config("cpu", block_v=16, bwd_block_v=16,
-                                           intra_kernel=intra_kernel))
+                                           intra_kernel=intra_kernel,
+                                           intra_backward_kernel=intra_kernel))
           got, o = f(*sharded)
           hlo = f.as_text()
           report[f"{partitioner} erase={erase}" + " intra kernel" * intra_kernel] = dict(
@@ -528,8 +536,8 @@ SHARDED_SCRIPT = textwrap.dedent("""
 
 def test_pallas_runs_per_shard_under_jit():
   """Batch over "data" and heads over "tensor" on 4 fake CPU devices, under Shardy and GSPMD,
-  both erase modes, gradients with and without ``intra_kernel`` and the forward alone by the
-  intra-chunk kernel (erase: and the query walk): values and gradients match the unsharded scan,
+  both erase modes, gradients with and without the intra-chunk part's kernels (``intra_kernel``,
+  ``intra_backward_kernel``) and the forward alone by the intra-chunk kernel (erase: and the query walk): values and gradients match the unsharded scan,
   and every device runs the kernels on its own (B/2, H/2) slice (no all-gather, no array of the
   global kernel layout)."""
   report = run_on_four_devices(SHARDED_SCRIPT, timeout=600)

@@ -1,4 +1,5 @@
-"""MERLIN's intra-chunk part (``merlin.chunked.intra_chunk``) as a forward Triton kernel.
+"""MERLIN's intra-chunk part (``merlin.chunked.intra_chunk``) as Triton kernels, forward and
+backward.
 
 One program per (batch*head, chunk). For a chunk of C tokens, q, k (C, D), v (C, V), g, beta
 (C, 1), with gc the chunk-local cumulative sum of g, a = exp(gc), b = exp(gc_C - gc) and the
@@ -8,24 +9,29 @@ decay mask D_ts = exp(gc_t - gc_s) (s <= t, else 0):
     Uv = A R_v,  R_v = beta V        W = A R_k,  R_k = beta a K       (no erase: A = I, no W)
     Qe = a Q - P W        Kw = b K        gamma = exp(gc_C)        intra = P Uv
 
-The kernel reads q, k, v, gc, beta and writes Qe, [W,] Kw, Uv in the input dtype (the state
-kernels' operands) and gamma, intra float32 (the readout adds intra in float32); where a gradient
-is taken, also A (float32) for the part's pullback (``merlin.chunked.intra_chunk_pullback``, by
-``merlin.pallas.ops.intra_stage``), which reads it with q, k, v, g, beta and the kernel's own Uv
-and W, and forms the other products again.
+The forward kernel reads q, k, v, gc, beta and writes Qe, [W,] Kw, Uv in the input dtype (the
+state kernels' operands) and gamma, intra float32 (the readout adds intra in float32); where a
+gradient is taken, also A (float32), the residual of the backward. The backward is
+``merlin.chunked.intra_chunk_pullback`` chunk by chunk: either that plain-JAX function over all
+chunks, or (``Config.intra_backward_kernel``) the backward kernel here, which reads q, k, v, gc,
+beta, A, the forward's own Uv and W and the results' cotangents, forms S, P and K K^T again,
+and writes dq, dk, dv (input dtype) and dgc, dbeta (float32) in the caller's layout
+(``intra_part_pullback``; both by ``merlin.pallas.ops.intra_stage``).
 
 Layout: q, k, v, gc, beta are read in the caller's (B, T, H, X) layout (``common.token_block``;
 gc and beta as (B, T, H, 1)), T a multiple of C and D, V padded to ``kernels.padded_width`` with
-zeros (exact: padded columns add nothing), both by ``intra_part`` in plain JAX where needed; the
-results are in the state kernels' (B*H, NC, C, X) layout. The value axis is walked in blocks of
-``bwd_block_v`` columns (``common.over_value_blocks``). The kernel runs at ``bwd_num_warps``:
-several (C, C) float32 tiles (D, P, A) are live at once.
+zeros (exact: padded columns add nothing), both by ``kernel_inputs`` in plain JAX where needed; the
+forward's results are in the state kernels' (B*H, NC, C, X) layout. The forward walks the value
+axis in blocks of ``bwd_block_v`` columns (``common.over_value_blocks``) at ``bwd_num_warps``;
+the backward walks V and D in its own blocks at its own warps (``BACKWARD_WARPS``,
+``BACKWARD_BLOCKS``). Several (C, C) float32 tiles (D, P, A; the backward's dP and dA too) are
+live at once.
 
 The UT transform: L's SUB x SUB blocks (``lax.split`` of the register tile; Triton cannot index
 one) give A by ``chunk_prep.blocked_inverse`` (substitution, as accurate as a triangular solve),
-and A is joined back into one (C, C) tile (``_join``). A's products (A R) take float32 operands at
-``Config.f32_precision``; the others (Q K^T, K K^T, P W, P Uv) the input dtype's, as the state
-kernels' products do.
+and A is joined back into one (C, C) tile (``_join``). A's products (A R; backward: A^T dUv',
+A^T dW', A^T dA A^T) take float32 operands at ``Config.f32_precision``; the others (Q K^T, K K^T,
+P W, P Uv and their gradients' products) the input dtype's, as the state kernels' products do.
 
 Numerics: every exponent is a later-minus-earlier difference of gc (<= 0), the upper triangle
 masked before the exponential (``common.decay_mask``), so no g <= 0 overflows.
@@ -42,7 +48,7 @@ from layers import partition
 from merlin.pallas.kernels import padded_width
 from triadic.pallas.chunk_prep import SUB, blocked_inverse
 from triadic.pallas.common import (F32, call, chunk_block, colsum, decay_mask, masks, mm,
-                                   over_value_blocks, rowsum, token_block)
+                                   over_value_blocks, rowsum, token_block, total)
 
 
 def _join(parts, axis):
@@ -166,24 +172,13 @@ _PARTITIONED = {
     for erase in (True, False) for inverse in ((True, False) if erase else (False,))}
 
 
-def intra_part(q, k, v, g, beta, *, chunk_size: int, erase: bool, cfg, inverse: bool = False):
-  """The state kernels' intra-chunk operands by the forward kernel, from the op's inputs q, k
-  (B, T, H, D), v (B, T, H, V), g, beta (B, T, H) (g clamped): qe, [w (erase),] kw
-  (B, H, NC, C, D') and uv (B, H, NC, C, V') in q's dtype, gam (B, H, NC) and intra
-  (B, H, NC, C, V) float32, and with ``inverse`` (erase) A (B, H, NC, C, C) float32, the
-  residual of the pullback; with NC = ceil(T / chunk_size) and D', V' the kernels' widths
-  (``padded_width``): ``merlin.chunked.intra_chunk``'s values on the chunked inputs, padded and
-  cast as ``merlin.pallas.ops.kernel_operands`` does. Per (B, H) shard under jit.
-  T is padded to whole chunks and D, V to their widths here (zeros: no write, no decay), so the
-  kernel reads the op's arrays in place where neither is padded; intra is sliced back to V. gc,
-  the chunk-local cumulative sum of g, is formed here too (a scan inside a Triton kernel is
-  the one construct of these kernels that not every Triton lowers).
-  The op calls it through ``merlin.pallas.ops.intra_stage`` (``Config.intra_kernel``), with
-  ``inverse`` where a gradient is taken."""
-  c, inverse = chunk_size, inverse and erase
-  if c % SUB or c & (c - 1):
-    raise ValueError(f"the intra-chunk kernel needs a power-of-two chunk size >= {SUB}, got {c}")
-  t, vd = q.shape[1], v.shape[-1]
+def kernel_inputs(q, k, v, g, beta, *, chunk_size: int):
+  """The kernels' q, k, v, gc, beta from the op's inputs q, k (B, T, H, D), v (B, T, H, V), g, beta
+  (B, T, H) (g clamped): T padded to whole chunks and D, V to their widths (``padded_width``)
+  with zeros (no write, no decay; the arrays themselves where nothing is padded), g and beta
+  float32 as (B, T', H, 1), and gc the chunk-local cumulative sum of g (a scan inside a Triton
+  kernel is the one construct of these kernels that not every Triton lowers)."""
+  c, t = chunk_size, q.shape[1]
   tp = -(-t // c) * c
 
   def padded(x, width):
@@ -191,12 +186,175 @@ def intra_part(q, k, v, g, beta, *, chunk_size: int, erase: bool, cfg, inverse: 
       return x
     return jnp.pad(x, ((0, 0), (0, tp - t), (0, 0), (0, width - x.shape[-1])))
 
-  dp, vp = padded_width(q.shape[-1]), padded_width(vd)
   g, beta = (padded(x.astype(F32)[..., None], 1) for x in (g, beta))
   b, _, h, _ = g.shape
-  gc = jnp.cumsum(g.reshape(b, tp // c, c, h, 1), axis=2).reshape(g.shape)  # chunk-local
-  inputs = (padded(q, dp), padded(k, dp), padded(v, vp), gc, beta)
-  outs = list(_PARTITIONED[erase, inverse](c, erase, inverse, cfg, *inputs))
+  gc = jnp.cumsum(g.reshape(b, tp // c, c, h, 1), axis=2).reshape(g.shape)
+  return (padded(q, padded_width(q.shape[-1])), padded(k, padded_width(k.shape[-1])),
+          padded(v, padded_width(v.shape[-1])), gc, beta)
+
+
+def _check_chunk(c):
+  if c % SUB or c & (c - 1):
+    raise ValueError(f"the intra-chunk kernel needs a power-of-two chunk size >= {SUB}, got {c}")
+
+
+def intra_part(q, k, v, g, beta, *, chunk_size: int, erase: bool, cfg, inverse: bool = False):
+  """The state kernels' intra-chunk operands by the forward kernel, from the op's inputs q, k
+  (B, T, H, D), v (B, T, H, V), g, beta (B, T, H) (g clamped): qe, [w (erase),] kw
+  (B, H, NC, C, D') and uv (B, H, NC, C, V') in q's dtype, gam (B, H, NC) and intra
+  (B, H, NC, C, V) float32, and with ``inverse`` (erase) A (B, H, NC, C, C) float32, the
+  residual of the pullback; with NC = ceil(T / chunk_size) and D', V' the kernels' widths
+  (``padded_width``): ``merlin.chunked.intra_chunk``'s values on the chunked inputs, padded and
+  cast as ``merlin.pallas.ops.kernel_operands`` does. Per (B, H) shard under jit. The kernel
+  reads ``kernel_inputs``' arrays (the op's own where nothing is padded); intra is sliced back
+  to V. The op calls it through ``merlin.pallas.ops.intra_stage`` (``Config.intra_kernel``),
+  with ``inverse`` where a gradient is taken."""
+  _check_chunk(chunk_size)
+  inverse = inverse and erase
+  vd = v.shape[-1]
+  inputs = kernel_inputs(q, k, v, g, beta, chunk_size=chunk_size)
+  outs = list(_PARTITIONED[erase, inverse](chunk_size, erase, inverse, cfg, *inputs))
   i = 2 + erase + 2  # intra
-  outs[i] = outs[i] if vp == vd else outs[i][..., :vd]
+  outs[i] = outs[i] if outs[i].shape[-1] == vd else outs[i][..., :vd]
   return tuple(outs)
+
+
+# The backward kernel's launch: 8 warps, the value walk in blocks of 32 columns and the key walks
+# in blocks of 16, the fewest spilled registers among 4 / 8 warps and 16 / 32 / 64 columns by
+# benchmarks/triton_registers.py --merlin (its many live (C, C) float32 tiles spill at 4 warps).
+BACKWARD_WARPS = 8
+BACKWARD_BLOCKS = (32, 16)  # (value columns, key columns) a block
+
+
+def _backward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *refs, c, erase, d, vd, bv, bd,
+                     dtype, precision):
+  """One chunk of ``merlin.chunked.intra_chunk_pullback`` in three walks over column blocks (``bv``
+  value, ``bd`` key columns), so that few (C, X) tiles are live at once: over V, dP's P Uv part,
+  dUv', dA's R_v part, dR_v = A^T dUv', dv and dbeta's v part; over D, dP's Qe part, dW', dA's
+  R_k part and the row sums of dR_k K, dQe Q, dKw K; then dL = -A^T dA A^T, dbeta and the decays'
+  gradient dgc; and over D again dq and dk (dW' and dR_k formed again rather than kept). S is
+  formed again too where used: the (C, C) float32 tiles are what fills the registers."""
+  if erase:
+    ut_ref, uv_ref, w_ref, dqe_ref, dw_ref, dkw_ref, duv_ref, dgam_ref, dintra_ref, *outs = refs
+  else:
+    dqe_ref, dkw_ref, duv_ref, dgam_ref, dintra_ref, *outs = refs
+  dq_ref, dk_ref, dv_ref, dgc_ref, dbeta_ref = outs
+  a, b, gam, decay = _decays(gc_ref, c)
+  beta = beta_ref[...]
+  qk = lambda: mm(q_ref[...], k_ref[...], dtype, tb=True)  # S, formed again where used
+  p = qk() * decay
+  ut = ut_ref[...] if erase else None
+  d_w = lambda cols: dw_ref[:, cols].astype(F32) - mm(p, dqe_ref[:, cols], dtype, ta=True)  # dW'
+  d_rk = lambda dw: mm(ut, dw, F32, ta=True, precision=precision)  # A^T dW'
+
+  def value_block(cols, carry):
+    dp, dbeta, *dmat = carry
+    dintra = dintra_ref[:, cols]
+    v = v_ref[:, cols].astype(F32)
+    rv = beta * v
+    dp = dp + mm(dintra, uv_ref[:, cols] if erase else rv, dtype, tb=True)
+    duv = duv_ref[:, cols].astype(F32) + mm(p, dintra, dtype, ta=True)
+    if erase:
+      dmat = [dmat[0] + mm(duv, rv, dtype, tb=True)]
+      duv = mm(ut, duv, F32, ta=True, precision=precision)  # dR_v
+    dv_ref[:, cols] = (beta * duv).astype(dv_ref.dtype)
+    return (dp, dbeta + rowsum(duv * v), *dmat)
+
+  def key_block_sums(cols, carry):
+    dp, da, db, *rest = carry
+    dqe, k = dqe_ref[:, cols], k_ref[:, cols].astype(F32)
+    da = da + rowsum(dqe.astype(F32) * q_ref[:, cols].astype(F32))
+    db = db + rowsum(dkw_ref[:, cols].astype(F32) * k)
+    if erase:
+      dmat, k_drk = rest
+      dp = dp - mm(dqe, w_ref[:, cols], dtype, tb=True)
+      dw = d_w(cols)
+      rest = [dmat + mm(dw, beta * a * k, dtype, tb=True), k_drk + rowsum(d_rk(dw) * k)]
+    return (dp, da, db, *rest)
+
+  zero, zero_col = jnp.zeros((c, c), F32), jnp.zeros((c, 1), F32)
+  dp, dbeta, *dmat = over_value_blocks(vd, bv, value_block, (zero, zero_col, *([zero] * erase)))
+  dp, da, db, *rest = over_value_blocks(d, bd, key_block_sums, (dp, zero_col, zero_col, *dmat,
+                                                                 *([zero_col] * erase)))
+  db = b * db
+  dd = dp * qk()
+  if erase:
+    dmat, k_drk = rest
+    dl = jnp.where(masks(c)[1], -mm(ut, mm(dmat, ut, F32, tb=True, precision=precision), F32,
+                                     ta=True, precision=precision), 0.0)
+    kk = mm(k_ref[...], k_ref[...], dtype, tb=True)
+    dbeta = dbeta + rowsum(dl * kk * decay) + a * k_drk
+    da = da + beta * k_drk
+    dd = dd + dl * beta * kk
+    gmat = dl * beta * decay
+  dpd = dp * decay
+  e = dd * decay  # d/d(gc_t - gc_s)
+  dgc = a * da - db + rowsum(e) - colsum(e).T
+  is_last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1
+  dgc_ref[...] = dgc + jnp.where(is_last, total(db) + gam * dgam_ref[...], 0.0)
+  dbeta_ref[...] = dbeta
+
+  def key_block_grads(cols, carry):
+    k = k_ref[:, cols]
+    dq_ref[:, cols] = (a * dqe_ref[:, cols].astype(F32) + mm(dpd, k, dtype)).astype(dq_ref.dtype)
+    dk = b * dkw_ref[:, cols].astype(F32) + mm(dpd, q_ref[:, cols], dtype, ta=True)
+    if erase:
+      dk = dk + beta * a * d_rk(d_w(cols)) + mm(gmat, k, dtype) + mm(gmat, k, dtype, ta=True)
+    dk_ref[:, cols] = dk.astype(dk_ref.dtype)
+    return carry
+
+  over_value_blocks(d, bd, key_block_grads, 0)
+
+
+def _backward(c, erase, cfg, q, k, v, gc, beta, *saved_and_cotangents):
+  """The backward kernel on ``kernel_inputs``' arrays, (erase) A, Uv, W, and the cotangents of
+  the forward's results (dqe, [dw,] dkw, duv, dgam, dintra; dintra padded to V' as uv):
+  dq, dk (B, T', H, D'), dv (B, T', H, V') in q's dtype, dgc, dbeta (B, T', H, 1) float32."""
+  b, t, h, d = q.shape
+  vd, nc = v.shape[-1], t // c
+  merge = lambda x: x.reshape(b * h, *x.shape[2:])
+  *mats, dgam, dintra = saved_and_cotangents
+  mat_specs = (([chunk_block(c, c), chunk_block(c, vd), chunk_block(c, d)] if erase else [])
+               + [chunk_block(c, d)] * (2 + erase))
+  in_specs = _specs(c, d, vd, h) + mat_specs + [chunk_block(c, vd), chunk_block(1, 1),
+                                                chunk_block(c, vd)]
+  kernel = functools.partial(_backward_kernel, c=c, erase=erase, d=d, vd=vd,
+                             bv=min(BACKWARD_BLOCKS[0], vd), bd=min(BACKWARD_BLOCKS[1], d),
+                             dtype=q.dtype, precision=cfg.f32_precision)
+  token = lambda x, dtype=q.dtype: jax.ShapeDtypeStruct((b, t, h, x), dtype)
+  return call(kernel, cfg=cfg, grid=(b * h, nc), in_specs=in_specs,
+              out_specs=_specs(c, d, vd, h), out_shape=[token(d), token(d), token(vd),
+                                                        token(1, F32), token(1, F32)],
+              semantics=("parallel", "parallel"), name="merlin_intra_backward",
+              num_warps=BACKWARD_WARPS)(
+                  q, k, v, gc, beta, *map(merge, mats), dgam.reshape(b * h, nc, 1, 1),
+                  merge(dintra))
+
+
+_PARTITIONED_BACKWARD = {
+    erase: partition.batch_head_partitioned(
+        _backward, n_static=3,
+        rule=("b t h d, b t h d, b t h v, b t h o, b t h o, "
+              + ("b h n c s, b h n c v, b h n c d, " if erase else "")
+              + "b h n c d, " * (2 + erase) + "b h n c v, b h n, b h n c v -> "
+              + "b t h d, b t h d, b t h v, b t h o, b t h o"),
+        replicated=("t", "n", "c", "d", "v", "o", "s"))
+    for erase in (True, False)}
+
+
+def intra_part_pullback(inputs, residuals, cotangents, *, chunk_size: int, erase: bool, cfg):
+  """The gradients (dq, dk, dv, dg, dbeta) of ``intra_part``'s inputs ``inputs`` (q, k, v, g,
+  beta) by the backward kernel, from the forward's residuals (erase: A and its own Uv, W; None
+  without erase) and the cotangents of its results (qe, [w,] kw, uv, gam, intra). The kernel
+  computes ``merlin.chunked.intra_chunk_pullback`` chunk by chunk, reading the op's layout and
+  writing the gradients in it (dq, dk, dv in the inputs' dtype); the padding and the
+  cumulative sum of ``kernel_inputs`` are pulled back by JAX."""
+  _check_chunk(chunk_size)
+  padded, pullback = jax.vjp(functools.partial(kernel_inputs, chunk_size=chunk_size), *inputs)
+  *mats, dgam, dintra = cotangents
+  vp = padded[2].shape[-1]
+  if dintra.shape[-1] != vp:
+    dintra = jnp.pad(dintra, ((0, 0),) * 4 + ((0, vp - dintra.shape[-1]),))
+  grads = _PARTITIONED_BACKWARD[erase](chunk_size, erase, cfg, *padded, *(residuals or ()),
+                                       *mats, dgam, dintra)
+  return pullback(tuple(grads))

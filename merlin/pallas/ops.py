@@ -4,8 +4,9 @@ The E-independent, state-free part of each chunk (gc, the UT transform A, Uv, W,
 intra-chunk output P Uv and the chunk decay: ``merlin.chunked.intra_chunk``) is ``intra_stage``,
 a ``jax.custom_vjp``: its forward the kernel of ``intra.py`` (``Config.intra_kernel``, one program
 per chunk) or plain JAX batched over all chunks, float32 (``intra_operands``), either keeping A
-where a gradient is taken; its backward ``merlin.chunked.intra_chunk_pullback`` (batched float32
-matmuls, no inverse). Everything whose cost grows with the number of segment states N is in
+where a gradient is taken; its backward ``merlin.chunked.intra_chunk_pullback`` (no inverse), by
+the backward kernel of ``intra.py`` (``Config.intra_backward_kernel``, one program per chunk) or
+as batched float32 matmuls over all chunks. Everything whose cost grows with the number of segment states N is in
 ``kernels.py``, behind one ``jax.custom_vjp``:
 
   erase     forward: state pass (every visible chunk-start state, grid over segments) ->
@@ -44,7 +45,7 @@ import jax.numpy as jnp
 from layers import partition
 from merlin.chunked import intra_chunk, intra_chunk_pullback
 from merlin.pallas import kernels
-from merlin.pallas.intra import intra_part
+from merlin.pallas.intra import intra_part, intra_part_pullback
 from merlin.pallas.kernels import padded_width
 from merlin.segments import segment_ids
 from triadic.chunked import to_chunks
@@ -323,8 +324,10 @@ def intra_stage(chunk_size, erase, cfg, *inputs):
   (``intra.intra_part``) with ``Config.intra_kernel``, else in plain JAX. Where a gradient is
   taken, the forward also keeps A (the kernel writes it) beside the inputs and its own Uv and W
   (in the input dtype, which the state kernels' custom_vjp keeps anyway), and the backward is
-  ``intra_chunk_pullback`` (batched matmuls; no inverse, no loop), which forms the other
-  products again: no other float32 product of the part is kept."""
+  ``intra_chunk_pullback`` (no inverse, no loop), which forms the other products again: no
+  other float32 product of the part is kept. That backward runs chunk by chunk in the kernel of
+  ``intra.intra_part_pullback`` with ``Config.intra_backward_kernel``, else as batched plain-JAX
+  matmuls over all chunks."""
   if cfg.intra_kernel:
     return intra_part(*inputs, chunk_size=chunk_size, erase=erase, cfg=cfg)
   return intra_operands(*inputs, chunk_size=chunk_size, erase=erase)
@@ -341,9 +344,14 @@ def _intra_fwd(chunk_size, erase, cfg, *inputs):
 
 
 def _intra_bwd(chunk_size, erase, cfg, saved, cotangents):
-  """The cotangents of ``chunk_operands``' padded, cast results, back to ``intra_chunk``'s
-  (sliced to D, V; float32), through ``intra_chunk_pullback`` and ``chunk_inputs``' layout."""
+  """The cotangents of ``chunk_operands``' padded, cast results, back to the inputs': by the
+  backward kernel (``Config.intra_backward_kernel``: ``intra.intra_part_pullback``), else by
+  ``intra_chunk_pullback`` (sliced to D, V; float32) and ``chunk_inputs``' layout."""
   inputs, ut, uv_w = saved
+  if cfg.intra_backward_kernel:
+    residuals = (ut, uv_w[0], uv_w[1]) if erase else None
+    return intra_part_pullback(inputs, residuals, cotangents, chunk_size=chunk_size,
+                               erase=erase, cfg=cfg)
   d, vd = inputs[0].shape[-1], inputs[2].shape[-1]
   *mats, duv, dgam, dintra = cotangents
   dqe, dw, dkw = (mats[0], mats[1], mats[2]) if erase else (mats[0], None, mats[1])

@@ -32,7 +32,8 @@ class Plan:
   its and the readout's warps, bwd_block_v the value columns of the readout and of the backward's
   kernels (reverse state pass, chunk gradients), bwd_num_warps the backward kernels' warps,
   query_walk the erase forward's readout where no gradient is taken, intra_kernel the intra-chunk
-  part's forward by a kernel) and why this impl runs."""
+  part's forward by a kernel, intra_backward_kernel its backward by one) and why this impl
+  runs."""
   impl: str
   chunk_size: int | None
   reason: str
@@ -45,7 +46,8 @@ class Plan:
       tiles = (f", {cfg.platform} block_v {cfg.block_v} at {cfg.num_warps} warps, "
                f"bwd_block_v {cfg.bwd_block_v} at {cfg.bwd_num_warps} warps"
                + (", erase forward-only by the query walk" if cfg.query_walk else "")
-               + (", intra-chunk part's forward by a kernel" if cfg.intra_kernel else ""))
+               + (", intra-chunk part's forward by a kernel" if cfg.intra_kernel else "")
+               + (", its backward by a kernel" if cfg.intra_backward_kernel else ""))
     return f"multistate_attention plan: {self.impl} (chunk {self.chunk_size}{tiles}): {self.reason}"
 
 
@@ -67,11 +69,12 @@ def default_config(platform: str) -> Config:
   call runs the stack forward regardless, as the backward needs the stack's states; its
   intra-chunk kernel also writes A for the part's pullback
   (``merlin.chunked.intra_chunk_pullback``), so that the float32 products of the plain-JAX part
-  are neither formed forward nor kept. CPU (interpret): 16 columns, so small test shapes still
-  run several value blocks."""
+  are neither formed forward nor kept, and that pullback runs as one kernel too
+  (``Config.intra_backward_kernel``), reading the op's layout and writing its gradients in it.
+  CPU (interpret): 16 columns, so small test shapes still run several value blocks."""
   if platform == "gpu":
     return Config("gpu", block_v=32, num_warps=4, bwd_block_v=64, bwd_num_warps=4,
-                  query_walk=True, intra_kernel=True)
+                  query_walk=True, intra_kernel=True, intra_backward_kernel=True)
   return Config("cpu", block_v=16, bwd_block_v=16)
 
 

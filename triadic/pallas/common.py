@@ -110,8 +110,12 @@ class Config:
   transform, Uv, W, Qe, Kw, the chunk decay and P Uv) by a Triton kernel, one program per
   (batch*head, chunk), reading q, k, v, beta and g's chunk-local cumulative sum in the caller's
   layout (``merlin.pallas.intra``), instead of plain float32 JAX over all chunks; where a
-  gradient is taken it also writes A for the part's pullback (``merlin.pallas.ops.intra_stage``),
-  which is plain JAX either way. On in the GPU default (``merlin.pallas.plan.default_config``).
+  gradient is taken it also writes A for the part's pullback (``merlin.pallas.ops.intra_stage``).
+  On in the GPU default (``merlin.pallas.plan.default_config``).
+  intra_backward_kernel: that part's pullback (``merlin.chunked.intra_chunk_pullback``) by a
+  Triton kernel, one program per (batch*head, chunk), reading the inputs and the residuals and
+  writing dq, dk, dv, dgc, dbeta in the caller's layout (``merlin.pallas.intra``), instead of
+  plain float32 JAX over all chunks. On in the GPU default.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -142,6 +146,7 @@ class Config:
   mask_grads_kernel: bool = False
   query_walk: bool = False
   intra_kernel: bool = False
+  intra_backward_kernel: bool = False
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -154,7 +159,8 @@ class Config:
       raise ValueError("sequence_pieces must be an int >= 0 (1: none, 0: by the device), got "
                        f"{self.sequence_pieces!r}")
     for name in ("masks_in_prep", "token_major", "save_masks", "drhs_in_reverse_pass",
-                 "partials_in_bf16", "mask_grads_kernel", "query_walk", "intra_kernel"):
+                 "partials_in_bf16", "mask_grads_kernel", "query_walk", "intra_kernel",
+                 "intra_backward_kernel"):
       if not isinstance(getattr(self, name), bool):
         raise TypeError(f"{name} must be a bool, got {getattr(self, name)!r}")
     if self.slice_unroll_max_e is not None and (not isinstance(self.slice_unroll_max_e, int)
