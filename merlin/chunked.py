@@ -103,7 +103,8 @@ def intra_chunk_pullback(q, k, v, g, beta, ut, uv_w, cotangents, erase: bool):
 
   with G = dL * beta_t * D (L = beta_t (K K^T)_ts D_ts); dD = dP * S + dL * beta_t K K^T enters
   gc as row sums minus column sums of dD * D, and g through the cumulative sum's transpose.
-  Each product is one batched matmul over all chunks; the inverse's loop runs only forward."""
+  Each product is one batched matmul over all chunks; the inverse's loop runs only forward.
+  ``merlin.pallas.intra``'s backward kernel computes the same chunk by chunk."""
   duv, dw, dqe, dkw, dgam, dintra = cotangents
   c = q.shape[-2]
   rowsum = lambda x, y: jnp.sum(x * y, axis=-1)
