@@ -22,6 +22,17 @@
   that executable for every thread and grid point: the same program on the same operands, so
   the kernels compute what they did. Without that private function (another JAX) it does
   nothing.
+- The Mosaic GPU interpreter simulates SMEM, TMA copies, barriers and wgmma in host callbacks
+  (``gpu_callbacks``) that work on numpy: reads and writes of its simulated memory, allocation
+  keys, indices. ``io_callback`` hands each callback its operands as jax Arrays (a
+  ``device_put`` of every operand) and the callbacks build their results, and take their
+  integers apart, with eager jax.numpy ops (``jnp.array`` of a list of ints, ``int`` of each
+  element of a jax Array): dispatch overhead that was most of the interpreted kernels' time.
+  ``_numpy_interpreter_callbacks`` hands those callbacks (and only those) numpy copies of their
+  operands and has their ``jnp.array`` / ``jnp.int32`` be numpy's: the same values in and out,
+  the same simulated memory, so the kernels compute the same bits (the heads-layout tests
+  still compare outputs bit for bit against the default layout's). Without the private
+  functions it does nothing.
 - The files that hold the longest tests are collected first (``FIRST``, longest single test
   first), so that pytest-xdist hands them out at the start and its two workers finish together,
   instead of one of them starting a 30-50 s test when the other has nothing left; with its
@@ -80,6 +91,41 @@ def _compile_thread_bodies_once():
 
 
 _compile_thread_bodies_once()
+
+
+def _numpy_interpreter_callbacks():
+  """The Mosaic GPU interpreter's callbacks on numpy (the module docstring)."""
+  try:
+    import numpy as np
+    from jax._src import callback as callback_lib
+    from jax._src.pallas.mosaic_gpu.interpret import gpu_callbacks
+  except ImportError:
+    return
+  impl = getattr(callback_lib, "io_callback_impl", None)
+  jnp = getattr(gpu_callbacks, "jnp", None)
+  if not callable(impl) or jnp is None:
+    return
+
+  class NumpyArrays:
+    """``gpu_callbacks``' ``jnp``: ``array`` and ``int32`` numpy's, every other name jnp's."""
+    array = staticmethod(np.array)
+    int32 = np.int32
+
+    def __getattr__(self, name):
+      return getattr(jnp, name)
+
+  def io_callback_impl(*args, callback, **params):
+    func = callback.callback_func
+    if getattr(getattr(func, "func", func), "__module__", None) != gpu_callbacks.__name__:
+      return impl(*args, callback=callback, **params)
+    # Copies: an operand may be a view of a buffer that XLA reuses after the callback.
+    return jax.tree.map(np.asarray, callback(*(np.array(x) for x in args)))
+
+  gpu_callbacks.jnp = NumpyArrays()
+  callback_lib.io_callback_impl = io_callback_impl
+
+
+_numpy_interpreter_callbacks()
 
 _CACHE = tempfile.mkdtemp(prefix="jax_test_cache_")
 atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
