@@ -408,48 +408,43 @@ def test_dsmem_exchange_kernels_lower_for_cuda(mechanism):
 
 
 @pytest.mark.slow
-def test_loss_curves_of_pallas_and_chunked_agree_and_a_changed_run_does_not(tmp_path, capsys):
+def test_loss_curves_of_pallas_and_chunked_agree_and_a_preempted_run_ends_the_sweep(
+    tmp_path, capsys, monkeypatch):
   """The MQAR job's first training steps: the Pallas op (interpret mode) trains the model that the
-  chunked op trains, to float32 rounding; a run with another learning rate is told apart."""
-  from benchmarks import loss_curves
-  curves = loss_curves.main(["--steps", "6", "--log-every", "2", "--workdir", str(tmp_path),
-                             "--out", str(tmp_path / "curves.png"), "--variants",
-                             "model.impl=chunked", "model.impl=pallas",
-                             "model.impl=chunked,train.learning_rate=0.02"])
-  diffs = loss_curves.differences(curves)
-  assert sorted(next(iter(curves.values()))) == [2, 4, 6]
-  assert diffs["model.impl=pallas"][0] < 1e-4
-  assert diffs["model.impl=chunked,train.learning_rate=0.02"][0] > 1e-2
-  out = capsys.readouterr().out
-  assert "| against model.impl=chunked |" in out and (tmp_path / "curves.png").stat().st_size > 0
-
-
-def test_loss_curves_reject_a_variant_without_a_value():
-  from benchmarks import loss_curves
-  with pytest.raises(ValueError, match="key=value"):
-    loss_curves.variant_config("configs/mqar.py", [], "model.impl", 2, 1)
-
-
-@pytest.mark.slow
-def test_loss_curves_stop_after_a_preempted_run(tmp_path, capsys, monkeypatch):
-  """A run that the loop stops early (its preemption path, here ``stop_at``) ends the sweep, and
-  the table names the steps it compared."""
+  chunked op trains, to float32 rounding; a run with another learning rate is told apart. That
+  run is stopped early by the loop (its preemption path, here ``stop_at``): it ends the sweep
+  (the scan run after it never starts), and the table names the steps it compared, the steps
+  every run logged and each run's own. (One sweep for both checks: each run is a compile.)"""
   from benchmarks import loss_curves
   from lm import train_loop
   real_train, calls = train_loop.train, []
 
   def train(config, workdir):
     calls.append(workdir)
-    stop_at = (lambda step: step >= 4) if len(calls) == 2 else None
+    stop_at = (lambda step: step >= 4) if len(calls) == 3 else None
     return real_train(config, workdir, stop_at=stop_at)
 
   monkeypatch.setattr(train_loop, "train", train)
+  changed = "model.impl=chunked,train.learning_rate=0.05"
   curves = loss_curves.main(["--steps", "6", "--log-every", "2", "--workdir", str(tmp_path),
-                             "--variants", "model.impl=chunked", "train.learning_rate=0.02",
+                             "--out", str(tmp_path / "curves.png"), "--variants",
+                             "model.impl=chunked", "model.impl=pallas", changed,
                              "model.impl=scan"])
+  assert len(calls) == 3 and list(curves) == ["model.impl=chunked", "model.impl=pallas", changed]
+  assert sorted(curves["model.impl=chunked"]) == sorted(curves["model.impl=pallas"]) == [2, 4, 6]
+  assert sorted(curves[changed]) == [2, 4]
+  diffs = loss_curves.differences(curves)
+  assert diffs["model.impl=pallas"][0] < 1e-4   # over steps 2, 4 and 6
+  assert diffs[changed][0] > 1e-2               # over steps 2 and 4 (0.27 at step 4)
   out = capsys.readouterr().out
-  assert len(calls) == 2 and list(curves) == ["model.impl=chunked", "train.learning_rate=0.02"]
-  assert sorted(curves["train.learning_rate=0.02"]) == [2, 4]
-  assert "# run 1 stopped at step 4 of 6 (preempted)" in out
+  assert "| against model.impl=chunked |" in out and (tmp_path / "curves.png").stat().st_size > 0
+  assert "# run 2 stopped at step 4 of 6 (preempted)" in out
   assert "over steps 2-4 (2 logged by every run)" in out
-  assert "| train.learning_rate=0.02 | 2-4 (2) |" in out
+  assert "| model.impl=pallas | 2-6 (3) |" in out
+  assert f"| {changed} | 2-4 (2) |" in out
+
+
+def test_loss_curves_reject_a_variant_without_a_value():
+  from benchmarks import loss_curves
+  with pytest.raises(ValueError, match="key=value"):
+    loss_curves.variant_config("configs/mqar.py", [], "model.impl", 2, 1)
