@@ -6,8 +6,8 @@ a ``jax.custom_vjp``: its forward the kernel of ``intra.py`` (``Config.intra_ker
 per chunk) or plain JAX batched over all chunks, float32 (``intra_operands``), either keeping A
 where a gradient is taken; its backward ``merlin.chunked.intra_chunk_pullback`` (no inverse), by
 the backward kernel of ``intra.py`` (``Config.intra_backward_kernel``, one program per chunk) or
-as batched float32 matmuls over all chunks. Everything whose cost grows with the number of segment states N is in
-``kernels.py``, behind one ``jax.custom_vjp``:
+as batched float32 matmuls over all chunks. Everything whose cost grows with the number of
+segment states N is in ``kernels.py``, behind one ``jax.custom_vjp``:
 
   erase     forward: state pass (every visible chunk-start state, grid over segments) ->
             readout; backward: reverse state pass (state gradients, dUv) -> chunk gradients
