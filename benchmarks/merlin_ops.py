@@ -435,9 +435,9 @@ def parts_table(args, t, dtype, erase, floor_ms):
   cotangent's dO, the autodiff of the plain-JAX steps around the stages). A stage's f+b is its
   time in the op's forward+backward: the kernels' forward runs in both, their backward only in
   the f+b; the intra-chunk stage's f+b is ``jax.vjp`` (its pullback) with random cotangents on
-  its results. The op's f+b returns o with the gradients, as a training step needs it (so does the op table's);
-  "op, grads only" is the gradients alone, for which XLA drops the readout kernel (and intra's
-  P Uv): what the op table measured before it kept o."""
+  its results. The op's f+b returns o with the gradients, as a training step needs it (so does
+  the op table's); "op, grads only" is the gradients alone, for which XLA drops the readout
+  kernel (and intra's P Uv): what the op table measured before it kept o."""
   b, h, d, vd, seg = args.B, args.H, args.D, args.V, args.segment_len
   plan = merlin_plan.resolve("pallas", d=d, segment_len=seg, chunk_size=args.chunk,
                              documents=False, config=args.config)

@@ -18,8 +18,8 @@ keeps the stack forward, with gradients identical to the bit to those without th
 The intra-chunk part's forward kernel (``Config.intra_kernel``; tests/test_merlin_intra.py checks
 it and the part's pullback alone) is checked against the scan with the same output bounds and
 against the plain-JAX part's output (float32 1e-5, bf16 the output bound), and under ``jax.grad``
-(where it also writes A for the pullback) with the gradient bounds: both erase modes, float32 and
-bf16, padded D or V, strong decay.
+(where it also writes A, and the part's backward kernel, ``Config.intra_backward_kernel``, runs
+too) with the gradient bounds: both erase modes, float32 and bf16, padded D or V, strong decay.
 The plan (which impl "auto" picks, and why), the bad-input errors, the Triton lowering of the
 forward and backward for CUDA (the intra-chunk kernel in both), what each kernel
 stores (dtypes; the readout the op's output itself, in the caller's layout) and the
@@ -537,9 +537,9 @@ SHARDED_SCRIPT = textwrap.dedent("""
 def test_pallas_runs_per_shard_under_jit():
   """Batch over "data" and heads over "tensor" on 4 fake CPU devices, under Shardy and GSPMD,
   both erase modes, gradients with and without the intra-chunk part's kernels (``intra_kernel``,
-  ``intra_backward_kernel``) and the forward alone by the intra-chunk kernel (erase: and the query walk): values and gradients match the unsharded scan,
-  and every device runs the kernels on its own (B/2, H/2) slice (no all-gather, no array of the
-  global kernel layout)."""
+  ``intra_backward_kernel``) and the forward alone by the intra-chunk kernel (erase: and the
+  query walk): values and gradients match the unsharded scan, and every device runs the kernels
+  on its own (B/2, H/2) slice (no all-gather, no array of the global kernel layout)."""
   report = run_on_four_devices(SHARDED_SCRIPT, timeout=600)
   for partitioner, r in report.items():
     for name, err in r["errors"].items():
