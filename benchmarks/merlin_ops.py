@@ -42,8 +42,10 @@ The GPU default runs the intra-chunk part's forward by its kernel (``Config.intr
 ``merlin.pallas.intra``; where a gradient is taken it also writes A for the part's pullback)
 and its pullback by the backward kernel (``Config.intra_backward_kernel``);
 ``--tiles intra_kernel=False`` runs the plain-JAX forward instead, and ``--op-variants
-intra_backward_kernel=False`` adds a row with the plain-JAX pullback. On a GPU, with and without
-the forward kernel:
+intra_backward_kernel=False`` adds a row with the plain-JAX pullback; ``--intra-backward 4,32,32
+8,32,16`` adds a row per launch of the backward kernel (warps, value and key columns a block).
+The op table's last column is the gradients' error to the first impl's (the largest over the
+arguments). On a GPU, with and without the forward kernel:
 
     for v in intra_kernel=False intra_kernel=True; do python benchmarks/merlin_ops.py \
         --impls pallas --dtype bfloat16 --B 1 --T 16384 --H 16 --D 128 --V 128 --R 128 \
@@ -62,6 +64,7 @@ chunked form, which has the larger parallel ops, by up to 100x); pin one core fo
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import functools
 import os
@@ -83,6 +86,7 @@ import merlin  # noqa: E402
 from benchmarks.common import ceilings, kernel_profile, machine, profile_table  # noqa: E402
 from benchmarks.common import variant_fields  # noqa: E402
 from layers.platform import default_platform  # noqa: E402
+from merlin.pallas import intra as merlin_intra  # noqa: E402
 from merlin.pallas import kernels as merlin_kernels  # noqa: E402
 from merlin.pallas import ops as merlin_pallas  # noqa: E402
 from merlin.pallas import plan as merlin_plan  # noqa: E402
@@ -143,6 +147,20 @@ def tiles_config(tiles, base=None):
     return base
   return dataclasses.replace(base or merlin_plan.default_config(default_platform()),
                              **variant_fields(tiles))
+
+
+@contextlib.contextmanager
+def intra_backward_launch(launch):
+  """Within: MERLIN's intra-chunk backward kernel launched as ``launch``, "WARPS,BV,BD" (warps,
+  value and key columns a block; ``merlin.pallas.intra.BACKWARD_WARPS``, ``BACKWARD_BLOCKS``),
+  for what is traced within."""
+  warps, bv, bd = (int(x) for x in launch.split(","))
+  saved = merlin_intra.BACKWARD_WARPS, merlin_intra.BACKWARD_BLOCKS
+  merlin_intra.BACKWARD_WARPS, merlin_intra.BACKWARD_BLOCKS = warps, (bv, bd)
+  try:
+    yield
+  finally:
+    merlin_intra.BACKWARD_WARPS, merlin_intra.BACKWARD_BLOCKS = saved
 
 
 def pipeline(aggregator, impl, segment_len, n, chunk, config=None):
@@ -302,20 +320,25 @@ def training_grad(fn, n_args):
 
 
 def fwd_and_fwd_bwd(fn, args, cot, repeats, backward, keep_output=True):
-  """(fwd s, f+b s, f+b temp MiB, output) of fn(*args); the f+b is the gradient of sum(cot * o)
-  with respect to every array argument and, with ``keep_output``, o too, as a training step needs
-  it (without, XLA drops whatever only o needs: the pallas op's readout kernel)."""
+  """(fwd s, f+b s, f+b temp MiB, output, gradients or None) of fn(*args); the f+b is the
+  gradient of sum(cot * o) with respect to every array argument and, with ``keep_output``, o too,
+  as a training step needs it (without, XLA drops whatever only o needs: the pallas op's readout
+  kernel)."""
   fwd, _, out = measure(fn, args, repeats)
   if not backward:
-    return fwd, np.nan, np.nan, out
+    return fwd, np.nan, np.nan, out, None
   grad = training_grad(fn, len(args))
-  fb, mem, _ = measure(grad if keep_output else lambda *a: grad(*a)[0], (cot, *args), repeats)
-  return fwd, fb, mem, out
+  fb, mem, res = measure(grad if keep_output else lambda *a: grad(*a)[0], (cot, *args), repeats)
+  return fwd, fb, mem, out, res[0] if keep_output else res
 
 
 def rel_err(a, b):
-  a, b = (np.asarray(x, np.float64) for x in (a, b))
-  return np.linalg.norm(a - b) / np.linalg.norm(b)
+  """Relative error of a to b; of the gradients, the largest over their leaves (nan without)."""
+  if a is None or b is None:
+    return np.nan
+  leaves = zip(jax.tree.leaves(a), jax.tree.leaves(b))
+  return max(float(np.linalg.norm(np.asarray(x, np.float64) - np.asarray(y, np.float64))
+                   / max(np.linalg.norm(np.asarray(y, np.float64)), 1e-30)) for x, y in leaves)
 
 
 def fmt(v):
@@ -334,7 +357,8 @@ def op_table(args, lengths, dtype, floor_ms):
   config = args.config
   if config is not None:
     print(merlin_plan.Plan("pallas", args.chunk, f"--tiles {args.tiles}", config))
-  cols = ["op", "T", "fwd", "f+b", "floor fwd", "floor f+b", "f+b/floor", "f+b/GDN", "rel err"]
+  cols = ["op", "T", "fwd", "f+b", "floor fwd", "floor f+b", "f+b/floor", "f+b/GDN", "rel err",
+          "grad err"]
   print(" | ".join(f"{c:>{20 if i == 0 else 12}}" for i, c in enumerate(cols)))
   backward = not args.no_backward
   for t in lengths:
@@ -349,28 +373,35 @@ def op_table(args, lengths, dtype, floor_ms):
     gdn_cost = multistate_cost(*dims, t, args.chunk, aggregator="vanilla", itemsize=item)
     gdn = fwd_and_fwd_bwd(single_state(args.chunk, gpu), (x, lam), cot, args.repeats, backward)
     rows = [("gdn E=1 " + ("pallas" if gpu else "chunked"), gdn, gdn_cost)]
-    ref = None
+    ref = None   # the first impl's (output, gradients): what the error columns compare to
     for impl in args.impls.split(","):
       res = fwd_and_fwd_bwd(attention(impl, args.segment_len, args.chunk, config), (x, lam), cot,
                             args.repeats, backward)
-      ref = res[3] if ref is None else ref
+      ref = res[3:] if ref is None else ref
       rows.append((f"multistate {impl}", res, cost))
     for variant in args.op_variants:   # the pallas impl again, a Config set over --tiles' config
       res = fwd_and_fwd_bwd(attention("pallas", args.segment_len, args.chunk,
                                       tiles_config(variant, base=config)),
                             (x, lam), cot, args.repeats, backward)
       rows.append((f"pallas {variant}", res, cost))
-    for name, (fwd, fb, _, out), (fl, by) in rows:
+    for launch in args.intra_backward:   # the default pallas impl, its backward kernel relaunched
+      with intra_backward_launch(launch):
+        res = fwd_and_fwd_bwd(attention("pallas", args.segment_len, args.chunk, config),
+                              (x, lam), cot, args.repeats, backward)
+      rows.append((f"intra bwd {launch}", res, cost))
+    for name, (fwd, fb, _, out, grads), (fl, by) in rows:
       ffwd, ffb = floor_ms(fl, by, 1), floor_ms(fl, by, 3)
-      err = np.nan if name.startswith("gdn") else rel_err(out, ref)
+      errs = ((np.nan, np.nan) if name.startswith("gdn")
+              else (rel_err(out, ref[0]), rel_err(grads, ref[1])))
       print(" | ".join(fmt(v) for v in (name, t, 1e3 * fwd, 1e3 * fb, ffwd, ffb, 1e3 * fb / ffb,
-                                         fb / gdn[1], err)), flush=True)
+                                         fb / gdn[1], *errs)), flush=True)
     peer = fla_log_linear(x, args.repeats)
     if isinstance(peer, str):
       print(f"{'fla log-linear':>20} | {t:>12} | not run: {peer}")
     else:
       print(" | ".join(fmt(v) for v in ("fla log-lin", t, *peer, np.nan, np.nan, np.nan,
-                                         peer[1] / (1e3 * gdn[1]), np.nan)), flush=True)
+                                         peer[1] / (1e3 * gdn[1]), np.nan, np.nan)),
+            flush=True)
 
 
 def pipeline_table(args, lengths, n, dtype, floor_ms):
@@ -385,7 +416,7 @@ def pipeline_table(args, lengths, n, dtype, floor_ms):
     for agg in args.aggregators.split(","):
       vals, outs = [agg, t], []
       for impl in impls:
-        fwd, fb, mem, out = fwd_and_fwd_bwd(
+        fwd, fb, mem, out, _ = fwd_and_fwd_bwd(
             pipeline(agg, impl, args.segment_len, n, args.chunk, args.config), (x,),
             cot, args.repeats, not args.no_backward)
         vals += [1e3 * fwd, 1e3 * fb, mem]
@@ -617,6 +648,10 @@ def main(argv=None):
                   help="the op table only: also the pallas impl with each of these sets of "
                        "Config fields (--tiles' syntax) over its config, a row each, so that a "
                        "tile choice is timed beside the default in one process")
+  ap.add_argument("--intra-backward", nargs="*", default=[],
+                  help="the op table only: also the pallas impl with the intra-chunk backward "
+                       "kernel launched as each WARPS,BV,BD (warps, value and key columns a "
+                       "block), a row each")
   args = ap.parse_args(argv)
   args.config = tiles_config(args.tiles)   # the pallas impl's Config in every table
 

@@ -200,15 +200,23 @@ def test_train_step_config_overrides():
 
 
 def test_merlin_ops_table_runs(capsys):
-  """The multi-state op benchmark at tiny sizes: every impl, the single-state row, both tables."""
+  """The multi-state op benchmark at tiny sizes: every impl, the single-state row, both tables;
+  the pallas impl with the intra-chunk kernels and a row per ``--intra-backward`` launch, whose
+  output and gradients (the error columns) are the first impl's."""
   from benchmarks import merlin_ops
   merlin_ops.main(["--T", "80", "--H", "1", "--D", "16", "--V", "16", "--R", "8",
                    "--segment-len", "32", "--chunk", "16", "--impls", "chunked,pallas",
-                   "--aggregators", "meanpool", "--repeats", "1", "--no-floors"])
+                   "--aggregators", "meanpool", "--repeats", "1", "--no-floors",
+                   "--tiles", "intra_kernel=True,intra_backward_kernel=True",
+                   "--intra-backward", "4,16,8"])
   out = capsys.readouterr().out
   for row in ("multistate chunked |", "multistate pallas |", "gdn E=1 chunked |", "meanpool |",
-              "fla log-linear", "multistate_attention plan: chunked"):
+              "fla log-linear", "multistate_attention plan: chunked", "intra bwd 4,16,8 |"):
     assert row in out, row
+  for name in ("multistate pallas |", "intra bwd 4,16,8 |"):
+    row = next(line for line in out.splitlines() if line.strip().startswith(name))
+    errs = [float(x) for x in row.split("|")[-2:]]   # output, gradients: float32 here
+    assert max(errs) < 1e-4, (name, errs)
   fl, by = merlin_ops.multistate_cost(1, 2048, 16, 128, 128, 128, 256, 64, aggregator="vanilla")
   gfl, gby = merlin_ops.multistate_cost(1, 2048, 16, 128, 128, 128, 2048, 64, aggregator="vanilla")
   assert fl > 2 * gfl and by > gby  # 8 segments: the stack's work dominates
@@ -233,7 +241,7 @@ def test_merlin_ops_query_walk_tiles(capsys):
   assert "query walk): --tiles query_walk=True" in out
   assert "multistate pallas |" in out
   row = next(line for line in out.splitlines() if line.strip().startswith("pallas block_v=8 |"))
-  assert float(row.split("|")[-1]) < 1e-5    # the same function as the first pallas row
+  assert float(row.split("|")[-2]) < 1e-5    # the same function as the first pallas row
 
 
 def test_merlin_parts_table_runs(capsys):

@@ -30,7 +30,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from merlin.pallas import ops
+from merlin.pallas import intra, ops
 from merlin.pallas.intra import intra_part
 from testkit import rel_rms
 from triadic.pallas.common import Config
@@ -101,13 +101,15 @@ def test_bad_chunk_raises():
 
 @pytest.mark.parametrize("kernels", [False, True], ids=["plain-jax", "kernels"])
 @pytest.mark.parametrize("b,t,h,d,vd,chunk,erase,decay,dtype", CASES)
-def test_intra_pullback_matches_autodiff(b, t, h, d, vd, chunk, erase, decay, dtype, kernels):
+def test_intra_pullback_matches_autodiff(b, t, h, d, vd, chunk, erase, decay, dtype, kernels,
+                                         monkeypatch):
   """``intra_stage``'s gradients (A kept, ``intra_chunk_pullback``) against ``jax.vjp`` of
   ``intra_operands`` (JAX's autodiff through the inverse's substitution), with random cotangents
   on every result, the padded columns' and rows' included: the plain-JAX forward and pullback,
   or (``kernels``) the forward kernel's A (``intra_part(inverse=True)``) and the backward kernel
-  (``Config.intra_backward_kernel``: ``intra_part_pullback``, in blocks of several value and
-  key columns where D, V > 16)."""
+  (``Config.intra_backward_kernel``: ``intra_part_pullback``, its walks here in blocks of 16
+  columns, so that each walks several blocks where D, V > 16)."""
+  monkeypatch.setattr(intra, "BACKWARD_BLOCKS", (16, 16))
   args = make_inputs(1, b, t, h, d, vd, decay, dtype)
   cfg = Config("cpu", block_v=16, bwd_block_v=16, intra_kernel=kernels,
                intra_backward_kernel=kernels)

@@ -219,11 +219,12 @@ def intra_part(q, k, v, g, beta, *, chunk_size: int, erase: bool, cfg, inverse: 
   return tuple(outs)
 
 
-# The backward kernel's launch: 8 warps, the value walk in blocks of 32 columns and the key walks
-# in blocks of 16, the fewest spilled registers among 4 / 8 warps and 16 / 32 / 64 columns by
-# benchmarks/triton_registers.py --merlin (its many live (C, C) float32 tiles spill at 4 warps).
-BACKWARD_WARPS = 8
-BACKWARD_BLOCKS = (32, 16)  # (value columns, key columns) a block
+# The backward kernel's launch: 4 warps, the value and key walks in blocks of 32 columns, the
+# fastest of the launches benchmarks/merlin_ops.py --intra-backward times (2 / 4 / 8 / 16 warps,
+# 16-128 columns; benchmarks/RESULTS.md): at 8 warps the kernel takes twice as long, although it
+# spills fewer registers there (benchmarks/triton_registers.py --merlin).
+BACKWARD_WARPS = 4
+BACKWARD_BLOCKS = (32, 32)  # (value columns, key columns) a block
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *refs, c, erase, d, vd, bv, bd,

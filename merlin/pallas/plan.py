@@ -70,7 +70,8 @@ def default_config(platform: str) -> Config:
   intra-chunk kernel also writes A for the part's pullback
   (``merlin.chunked.intra_chunk_pullback``), so that the float32 products of the plain-JAX part
   are neither formed forward nor kept, and that pullback runs as one kernel too
-  (``Config.intra_backward_kernel``), reading the op's layout and writing its gradients in it.
+  (``Config.intra_backward_kernel``), reading the op's layout and writing its gradients in it,
+  faster than the plain-JAX pullback (benchmarks/RESULTS.md).
   CPU (interpret): 16 columns, so small test shapes still run several value blocks."""
   if platform == "gpu":
     return Config("gpu", block_v=32, num_warps=4, bwd_block_v=64, bwd_num_warps=4,
