@@ -1,6 +1,6 @@
 """Multi-state attention's impls (scan, chunked, pallas) against the single-state GDN op.
 
-    python benchmarks/merlin_ops.py                                  # T = 1024, 4096 on this machine
+    python benchmarks/merlin_ops.py                           # T = 1024, 4096 on this machine
     python benchmarks/merlin_ops.py --impls chunked,pallas --dtype bfloat16 --T 2048,16384 \
         --B 1 --H 16 --D 128 --V 128 --R 128 --segment-len 256 --aggregators merlin   # a GPU
 
@@ -43,7 +43,8 @@ The GPU default runs the intra-chunk part's forward by its kernel (``Config.intr
 and its pullback by the backward kernel (``Config.intra_backward_kernel``);
 ``--tiles intra_kernel=False`` runs the plain-JAX forward instead, and ``--op-variants
 intra_backward_kernel=False`` adds a row with the plain-JAX pullback; ``--intra-backward 4,32,32
-8,32,16`` adds a row per launch of the backward kernel (warps, value and key columns a block).
+8,32,16`` adds a row per launch of the backward kernel (warps, value and key columns a block),
+``--intra-forward 4,32 8,64`` one per launch of the forward kernel (warps, value columns).
 The op table's last column is the gradients' error to the first impl's (the largest over the
 arguments). On a GPU, with and without the forward kernel:
 
@@ -58,7 +59,8 @@ way); the forward kernel's time is the op table's and ``--profile``'s.
 On a CPU shared with other jobs, XLA's multi-threaded kernels stall under oversubscription (the
 chunked form, which has the larger parallel ops, by up to 100x); pin one core for stable numbers:
 
-    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false" taskset -c 0 python benchmarks/merlin_ops.py --T 4096 --H 2 --D 32 --V 32 --R 32
+    XLA_FLAGS="--xla_cpu_multi_thread_eigen=false" taskset -c 0 \
+        python benchmarks/merlin_ops.py --T 4096 --H 2 --D 32 --V 32 --R 32
 """
 
 from __future__ import annotations
@@ -110,7 +112,8 @@ def inputs(key, b, t, h, d, vdim, r, n, dtype=jnp.float32):
       v=jax.random.normal(ks[2], (b, t, h, vdim)).astype(dtype),
       g=-0.1 * jax.random.uniform(ks[3], (b, t, h)),
       beta=jax.nn.sigmoid(jax.random.normal(ks[4], (b, t, h))),
-      qr=unit(jax.random.normal(ks[5], (b, t, h, r))), kr=unit(jax.random.normal(ks[6], (b, t, h, r))),
+      qr=unit(jax.random.normal(ks[5], (b, t, h, r))),
+      kr=unit(jax.random.normal(ks[6], (b, t, h, r))),
       gamma=jax.nn.sigmoid(jax.random.normal(ks[7], (b, t, h))),
       tau_mu=jnp.full((h,), r ** 0.5), tau_sigma=jnp.full((h,), float(r)),
       p=jax.random.normal(ks[8], (b, t, h, n)))
@@ -150,17 +153,22 @@ def tiles_config(tiles, base=None):
 
 
 @contextlib.contextmanager
-def intra_backward_launch(launch):
-  """Within: MERLIN's intra-chunk backward kernel launched as ``launch``, "WARPS,BV,BD" (warps,
-  value and key columns a block; ``merlin.pallas.intra.BACKWARD_WARPS``, ``BACKWARD_BLOCKS``),
-  for what is traced within."""
-  warps, bv, bd = (int(x) for x in launch.split(","))
-  saved = merlin_intra.BACKWARD_WARPS, merlin_intra.BACKWARD_BLOCKS
-  merlin_intra.BACKWARD_WARPS, merlin_intra.BACKWARD_BLOCKS = warps, (bv, bd)
+def intra_launch(forward="", backward=""):
+  """Within: MERLIN's intra-chunk kernels launched as ``forward``, "WARPS,BV", and ``backward``,
+  "WARPS,BV,BD" (warps, value and key columns a block; empty: as they are;
+  ``merlin.pallas.intra``'s ``FORWARD_*``, ``BACKWARD_*``), for what is traced within."""
+  names = ("FORWARD_WARPS", "FORWARD_BLOCK_V", "BACKWARD_WARPS", "BACKWARD_BLOCKS")
+  saved = {name: getattr(merlin_intra, name) for name in names}
+  if forward:
+    merlin_intra.FORWARD_WARPS, merlin_intra.FORWARD_BLOCK_V = (int(x) for x in forward.split(","))
+  if backward:
+    warps, bv, bd = (int(x) for x in backward.split(","))
+    merlin_intra.BACKWARD_WARPS, merlin_intra.BACKWARD_BLOCKS = warps, (bv, bd)
   try:
     yield
   finally:
-    merlin_intra.BACKWARD_WARPS, merlin_intra.BACKWARD_BLOCKS = saved
+    for name, value in saved.items():
+      setattr(merlin_intra, name, value)
 
 
 def pipeline(aggregator, impl, segment_len, n, chunk, config=None):
@@ -384,11 +392,13 @@ def op_table(args, lengths, dtype, floor_ms):
                                       tiles_config(variant, base=config)),
                             (x, lam), cot, args.repeats, backward)
       rows.append((f"pallas {variant}", res, cost))
-    for launch in args.intra_backward:   # the default pallas impl, its backward kernel relaunched
-      with intra_backward_launch(launch):
+    launches = ([("intra fwd", dict(forward=f)) for f in args.intra_forward]
+                + [("intra bwd", dict(backward=b)) for b in args.intra_backward])
+    for name, launch in launches:   # the pallas impl again, an intra-chunk kernel relaunched
+      with intra_launch(**launch):
         res = fwd_and_fwd_bwd(attention("pallas", args.segment_len, args.chunk, config),
                               (x, lam), cot, args.repeats, backward)
-      rows.append((f"intra bwd {launch}", res, cost))
+      rows.append((f"{name} {next(iter(launch.values()))}", res, cost))
     for name, (fwd, fb, _, out, grads), (fl, by) in rows:
       ffwd, ffb = floor_ms(fl, by, 1), floor_ms(fl, by, 3)
       errs = ((np.nan, np.nan) if name.startswith("gdn")
@@ -610,7 +620,8 @@ def profile_ops(args, t, dtype):
 
 
 def main(argv=None):
-  ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+  ap = argparse.ArgumentParser(description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
   ap.add_argument("--T", default="1024,4096", help="comma-separated sequence lengths")
   ap.add_argument("--B", type=int, default=1)
   ap.add_argument("--H", type=int, default=2)
@@ -648,6 +659,10 @@ def main(argv=None):
                   help="the op table only: also the pallas impl with each of these sets of "
                        "Config fields (--tiles' syntax) over its config, a row each, so that a "
                        "tile choice is timed beside the default in one process")
+  ap.add_argument("--intra-forward", nargs="*", default=[],
+                  help="the op table only: also the pallas impl with the intra-chunk forward "
+                       "kernel launched as each WARPS,BV (warps, value columns a block), a row "
+                       "each")
   ap.add_argument("--intra-backward", nargs="*", default=[],
                   help="the op table only: also the pallas impl with the intra-chunk backward "
                        "kernel launched as each WARPS,BV,BD (warps, value and key columns a "
@@ -660,8 +675,8 @@ def main(argv=None):
   dtype = jnp.dtype(args.dtype)
   print(machine())
   print(f"B={args.B} H={args.H} D={args.D} V={args.V} R={args.R} L={args.segment_len} "
-        f"N={n} (pipeline) C={args.chunk} {dtype.name}; times in ms (median of {args.repeats}), temp = XLA "
-        "temporary MiB of the f+b")
+        f"N={n} (pipeline) C={args.chunk} {dtype.name}; times in ms (median of {args.repeats}), "
+        "temp = XLA temporary MiB of the f+b")
   if args.profile:
     for t in lengths:
       profile_ops(args, t, dtype)

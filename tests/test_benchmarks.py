@@ -201,19 +201,20 @@ def test_train_step_config_overrides():
 
 def test_merlin_ops_table_runs(capsys):
   """The multi-state op benchmark at tiny sizes: every impl, the single-state row, both tables;
-  the pallas impl with the intra-chunk kernels and a row per ``--intra-backward`` launch, whose
-  output and gradients (the error columns) are the first impl's."""
+  the pallas impl with the intra-chunk kernels and a row per ``--intra-forward`` and
+  ``--intra-backward`` launch, whose output and gradients (the error columns) are the first
+  impl's."""
   from benchmarks import merlin_ops
   merlin_ops.main(["--T", "80", "--H", "1", "--D", "16", "--V", "16", "--R", "8",
                    "--segment-len", "32", "--chunk", "16", "--impls", "chunked,pallas",
                    "--aggregators", "meanpool", "--repeats", "1", "--no-floors",
                    "--tiles", "intra_kernel=True,intra_backward_kernel=True",
-                   "--intra-backward", "4,16,8"])
+                   "--intra-forward", "4,8", "--intra-backward", "4,16,8"])
   out = capsys.readouterr().out
   for row in ("multistate chunked |", "multistate pallas |", "gdn E=1 chunked |", "meanpool |",
-              "fla log-linear", "multistate_attention plan: chunked", "intra bwd 4,16,8 |"):
+              "fla log-linear", "multistate_attention plan: chunked"):
     assert row in out, row
-  for name in ("multistate pallas |", "intra bwd 4,16,8 |"):
+  for name in ("multistate pallas |", "intra fwd 4,8 |", "intra bwd 4,16,8 |"):
     row = next(line for line in out.splitlines() if line.strip().startswith(name))
     errs = [float(x) for x in row.split("|")[-2:]]   # output, gradients: float32 here
     assert max(errs) < 1e-4, (name, errs)

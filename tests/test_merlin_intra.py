@@ -73,8 +73,11 @@ CASES = [
 
 
 @pytest.mark.parametrize("b,t,h,d,vd,chunk,erase,decay,dtype", CASES)
-def test_intra_kernel_matches_plain_jax(b, t, h, d, vd, chunk, erase, decay, dtype):
-  """The forward kernel's results against the plain-JAX part's."""
+def test_intra_kernel_matches_plain_jax(b, t, h, d, vd, chunk, erase, decay, dtype,
+                                        monkeypatch):
+  """The forward kernel's results against the plain-JAX part's, its value walk in blocks of 16
+  columns (several where V > 16)."""
+  monkeypatch.setattr(intra, "FORWARD_BLOCK_V", 16)
   args = make_inputs(0, b, t, h, d, vd, decay, dtype)
   got = jax.jit(lambda *a: intra_part(*a, chunk_size=chunk, erase=erase, cfg=CFG))(*args)
   want = jax.jit(lambda *a: ops.intra_operands(*a, chunk_size=chunk, erase=erase))(*args)
@@ -107,8 +110,9 @@ def test_intra_pullback_matches_autodiff(b, t, h, d, vd, chunk, erase, decay, dt
   ``intra_operands`` (JAX's autodiff through the inverse's substitution), with random cotangents
   on every result, the padded columns' and rows' included: the plain-JAX forward and pullback,
   or (``kernels``) the forward kernel's A (``intra_part(inverse=True)``) and the backward kernel
-  (``Config.intra_backward_kernel``: ``intra_part_pullback``, its walks here in blocks of 16
-  columns, so that each walks several blocks where D, V > 16)."""
+  (``Config.intra_backward_kernel``: ``intra_part_pullback``), the kernels' walks here in blocks
+  of 16 columns, so that each walks several blocks where D, V > 16."""
+  monkeypatch.setattr(intra, "FORWARD_BLOCK_V", 16)
   monkeypatch.setattr(intra, "BACKWARD_BLOCKS", (16, 16))
   args = make_inputs(1, b, t, h, d, vd, decay, dtype)
   cfg = Config("cpu", block_v=16, bwd_block_v=16, intra_kernel=kernels,

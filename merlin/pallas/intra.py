@@ -22,10 +22,9 @@ Layout: q, k, v, gc, beta are read in the caller's (B, T, H, X) layout (``common
 gc and beta as (B, T, H, 1)), T a multiple of C and D, V padded to ``kernels.padded_width`` with
 zeros (exact: padded columns add nothing), both by ``kernel_inputs`` in plain JAX where needed; the
 forward's results are in the state kernels' (B*H, NC, C, X) layout. The forward walks the value
-axis in blocks of ``bwd_block_v`` columns (``common.over_value_blocks``) at ``bwd_num_warps``;
-the backward walks V and D in its own blocks at its own warps (``BACKWARD_WARPS``,
-``BACKWARD_BLOCKS``). Several (C, C) float32 tiles (D, P, A; the backward's dP and dA too) are
-live at once.
+axis in blocks (``common.over_value_blocks``), the backward V and D, each kernel at its own
+launch (``FORWARD_WARPS``, ``FORWARD_BLOCK_V``; ``BACKWARD_WARPS``, ``BACKWARD_BLOCKS``).
+Several (C, C) float32 tiles (D, P, A; the backward's dP and dA too) are live at once.
 
 The UT transform: L's SUB x SUB blocks (``lax.split`` of the register tile; Triton cannot index
 one) give A by ``chunk_prep.blocked_inverse`` (substitution, as accurate as a triangular solve),
@@ -49,6 +48,18 @@ from merlin.pallas.kernels import padded_width
 from triadic.pallas.chunk_prep import SUB, blocked_inverse
 from triadic.pallas.common import (F32, call, chunk_block, colsum, decay_mask, masks, mm,
                                    over_value_blocks, rowsum, token_block, total)
+
+
+# The kernels' launches. The backward: 4 warps, the value and key walks in blocks of 32 columns,
+# the fastest of the launches benchmarks/merlin_ops.py --intra-backward times (2 / 4 / 8 / 16
+# warps, 16-128 columns; benchmarks/RESULTS.md): at 8 warps it takes twice as long, although it
+# spills fewer registers there (benchmarks/triton_registers.py --merlin). The forward: 4 warps,
+# value blocks of 64 columns, the launch of the state kernels' backward (``plan.default_config``'s
+# bwd_num_warps, bwd_block_v); ``--intra-forward`` times others.
+FORWARD_WARPS = 4
+FORWARD_BLOCK_V = 64
+BACKWARD_WARPS = 4
+BACKWARD_BLOCKS = (32, 32)  # (value columns, key columns) a block
 
 
 def _join(parts, axis):
@@ -145,7 +156,7 @@ def _forward(c, erase, inverse, cfg, q, k, v, gc, beta):
   shape = lambda x, dtype=q.dtype: jax.ShapeDtypeStruct((b * h, nc, c, x), dtype)
   mats = [chunk_block(c, d)] * (2 + erase)
   kernel = functools.partial(_forward_kernel, c=c, erase=erase, inverse=inverse, vd=vd,
-                             bv=min(cfg.bwd_block_v, vd), dtype=q.dtype,
+                             bv=min(FORWARD_BLOCK_V, vd), dtype=q.dtype,
                              precision=cfg.f32_precision)
   out_specs = mats + [chunk_block(c, vd), chunk_block(1, 1), chunk_block(c, vd)]
   out_shape = [shape(d)] * (2 + erase) + [
@@ -154,7 +165,7 @@ def _forward(c, erase, inverse, cfg, q, k, v, gc, beta):
     out_specs, out_shape = out_specs + [chunk_block(c, c)], out_shape + [shape(c, F32)]
   outs = call(kernel, cfg=cfg, grid=(b * h, nc), in_specs=_specs(c, d, vd, h),
               out_specs=out_specs, out_shape=out_shape, semantics=("parallel", "parallel"),
-              name="merlin_intra_forward", num_warps=cfg.bwd_num_warps)(q, k, v, gc, beta)
+              name="merlin_intra_forward", num_warps=FORWARD_WARPS)(q, k, v, gc, beta)
   outs = [x.reshape(b, h, *x.shape[1:]) for x in outs]
   outs[2 + erase + 1] = outs[2 + erase + 1][..., 0, 0]  # gam
   return tuple(outs)
@@ -218,13 +229,6 @@ def intra_part(q, k, v, g, beta, *, chunk_size: int, erase: bool, cfg, inverse: 
   outs[i] = outs[i] if outs[i].shape[-1] == vd else outs[i][..., :vd]
   return tuple(outs)
 
-
-# The backward kernel's launch: 4 warps, the value and key walks in blocks of 32 columns, the
-# fastest of the launches benchmarks/merlin_ops.py --intra-backward times (2 / 4 / 8 / 16 warps,
-# 16-128 columns; benchmarks/RESULTS.md): at 8 warps the kernel takes twice as long, although it
-# spills fewer registers there (benchmarks/triton_registers.py --merlin).
-BACKWARD_WARPS = 4
-BACKWARD_BLOCKS = (32, 32)  # (value columns, key columns) a block
 
 
 def _backward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *refs, c, erase, d, vd, bv, bd,

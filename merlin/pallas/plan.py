@@ -64,15 +64,15 @@ def default_config(platform: str) -> Config:
   Where no gradient is taken, the erase forward reads the states by the query walk
   (``Config.query_walk``): as fast as the stack forward (benchmarks/RESULTS.md), and its memory
   grows with T, where the stack of visible chunk-start states grows with T^2; and the intra-chunk
-  part runs as one forward kernel (``Config.intra_kernel``, at ``bwd_block_v`` columns and
-  ``bwd_num_warps``), faster than the plain-JAX part (benchmarks/RESULTS.md). A differentiated
-  call runs the stack forward regardless, as the backward needs the stack's states; its
-  intra-chunk kernel also writes A for the part's pullback
-  (``merlin.chunked.intra_chunk_pullback``), so that the float32 products of the plain-JAX part
-  are neither formed forward nor kept, and that pullback runs as one kernel too
-  (``Config.intra_backward_kernel``), reading the op's layout and writing its gradients in it,
-  faster than the plain-JAX pullback (benchmarks/RESULTS.md).
-  CPU (interpret): 16 columns, so small test shapes still run several value blocks."""
+  part runs as one forward kernel (``Config.intra_kernel``, launched as ``merlin.pallas.intra``
+  says), faster than the plain-JAX part (benchmarks/RESULTS.md). A differentiated call runs the
+  stack forward regardless, as the backward needs the stack's states; its intra-chunk kernel
+  also writes A for the part's pullback (``merlin.chunked.intra_chunk_pullback``), so that the
+  float32 products of the plain-JAX part are neither formed forward nor kept, and that pullback
+  runs as one kernel too (``Config.intra_backward_kernel``), reading the op's layout and writing
+  its gradients in it, faster than the plain-JAX pullback (benchmarks/RESULTS.md).
+  CPU (interpret): 16 columns, so small test shapes still run several value blocks (the
+  intra-chunk kernels' own launches aside)."""
   if platform == "gpu":
     return Config("gpu", block_v=32, num_warps=4, bwd_block_v=64, bwd_num_warps=4,
                   query_walk=True, intra_kernel=True, intra_backward_kernel=True)
