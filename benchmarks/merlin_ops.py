@@ -659,14 +659,11 @@ def main(argv=None):
                   help="the op table only: also the pallas impl with each of these sets of "
                        "Config fields (--tiles' syntax) over its config, a row each, so that a "
                        "tile choice is timed beside the default in one process")
-  ap.add_argument("--intra-forward", nargs="*", default=[],
-                  help="the op table only: also the pallas impl with the intra-chunk forward "
-                       "kernel launched as each WARPS,BV (warps, value columns a block), a row "
-                       "each")
-  ap.add_argument("--intra-backward", nargs="*", default=[],
-                  help="the op table only: also the pallas impl with the intra-chunk backward "
-                       "kernel launched as each WARPS,BV,BD (warps, value and key columns a "
-                       "block), a row each")
+  for kernel, launch in (("forward", "WARPS,BV (warps, value columns a block)"),
+                         ("backward", "WARPS,BV,BD (warps, value and key columns a block)")):
+    ap.add_argument(f"--intra-{kernel}", nargs="*", default=[],
+                    help=f"the op table only: also the pallas impl with the intra-chunk {kernel} "
+                         f"kernel launched as each {launch}, a row each")
   args = ap.parse_args(argv)
   args.config = tiles_config(args.tiles)   # the pallas impl's Config in every table
 

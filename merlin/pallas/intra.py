@@ -230,7 +230,6 @@ def intra_part(q, k, v, g, beta, *, chunk_size: int, erase: bool, cfg, inverse: 
   return tuple(outs)
 
 
-
 def _backward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *refs, c, erase, d, vd, bv, bd,
                      dtype, precision):
   """One chunk of ``merlin.chunked.intra_chunk_pullback`` in three walks over column blocks (``bv``
