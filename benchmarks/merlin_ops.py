@@ -392,13 +392,13 @@ def op_table(args, lengths, dtype, floor_ms):
                                       tiles_config(variant, base=config)),
                             (x, lam), cot, args.repeats, backward)
       rows.append((f"pallas {variant}", res, cost))
-    launches = ([("intra fwd", dict(forward=f)) for f in args.intra_forward]
-                + [("intra bwd", dict(backward=b)) for b in args.intra_backward])
+    launches = ([(f"intra fwd {f}", dict(forward=f)) for f in args.intra_forward]
+                + [(f"intra bwd {b}", dict(backward=b)) for b in args.intra_backward])
     for name, launch in launches:   # the pallas impl again, an intra-chunk kernel relaunched
       with intra_launch(**launch):
         res = fwd_and_fwd_bwd(attention("pallas", args.segment_len, args.chunk, config),
                               (x, lam), cot, args.repeats, backward)
-      rows.append((f"{name} {next(iter(launch.values()))}", res, cost))
+      rows.append((name, res, cost))
     for name, (fwd, fb, _, out, grads), (fl, by) in rows:
       ffwd, ffb = floor_ms(fl, by, 1), floor_ms(fl, by, 3)
       errs = ((np.nan, np.nan) if name.startswith("gdn")

@@ -54,8 +54,8 @@ from triadic.pallas.common import (F32, call, chunk_block, colsum, decay_mask, m
 # the fastest of the launches benchmarks/merlin_ops.py --intra-backward times (2 / 4 / 8 / 16
 # warps, 16-128 columns; benchmarks/RESULTS.md): at 8 warps it takes twice as long, although it
 # spills fewer registers there (benchmarks/triton_registers.py --merlin). The forward: 4 warps,
-# value blocks of 64 columns, the launch of the state kernels' backward (``plan.default_config``'s
-# bwd_num_warps, bwd_block_v); ``--intra-forward`` times others.
+# value blocks of 64 columns, the one launch it has been timed at (``--intra-forward`` times
+# others).
 FORWARD_WARPS = 4
 FORWARD_BLOCK_V = 64
 BACKWARD_WARPS = 4
