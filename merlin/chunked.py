@@ -16,13 +16,17 @@ write. The output splits the same way: with ``P_ts = (q_t . k_s) D_ts`` and the 
 
     o_t = scale [ lam_t,s (P Uv)_t + sum_i lam_ti Qe_t^T S0^i ]
 
-the second term being one (C, N*D) x (N*D, V) matmul per chunk. Without erase W = 0.
+Without erase W = 0. ``multistate_chunked`` goes further: within a segment's span of chunks
+every earlier segment's state moves by the same maps, so it reads and carries them span by span
+(its docstring); ``multistate_chunked_documents``, whose segments need not align with spans,
+reads and carries the stack chunk by chunk, the second term one (C, N*D) x (N*D, V) matmul.
 
 Numerics: every exponent is a later-minus-earlier difference of gc (<= 0); the upper triangle is
 masked before the exponential, so no g <= 0 overflows, forward or backward. Float32 throughout.
 
-Memory: the chunk loop is a two-level ``lax.scan`` whose inner groups of ~sqrt(#chunks) chunks
-are rematerialised, so the backward keeps O(sqrt(#chunks)) stacks, never per-token states.
+Memory: each loop is a two-level ``lax.scan`` whose inner groups (of ~sqrt(#spans) spans, or of
+~sqrt(#chunks) chunks with documents) are rematerialised, so the backward keeps O(sqrt) stacks,
+never per-token states.
 """
 
 from __future__ import annotations
@@ -31,7 +35,7 @@ import math
 
 import jax
 import jax.numpy as jnp
-from merlin.segments import document_segments, segment_ids
+from merlin.segments import document_segments
 from triadic.chunked import to_chunks, unit_lower_inverse
 
 
@@ -169,47 +173,83 @@ def multistate_chunked(q, k, v, g, beta, lam, *, segment_len: int, scale: float,
                        chunk_size: int):
   """Chunk-parallel multi-state recurrence; shapes as ``merlin.multistate_attention``.
 
+  The scan runs over spans, one segment's chunks each. Entering span s (segment s's first
+  chunk), the states of the earlier segments only decay and are erased until the span ends:
+  chunk m of the span maps each of them by the same Phi_m, so the span reads them with the
+  walked query Qe_m Phi_{m-1} ... Phi_0 and carries them once, by the composite
+  Phi_{cps-1} ... Phi_0 (D x D), instead of chunk by chunk. Segment s's own state starts at
+  zero and is the only one written; it runs chunk by chunk inside the span (``_own_chunk``).
+  Per span that is one (cps C, N D) x (N D, V) read and one D x D map of the stack, where a
+  chunk-by-chunk scan does the read and a C x D map of the stack per chunk.
+
   ``lam`` must already be zero for i > s(t); ``chunk_size`` must divide ``segment_len``.
   Returns o (B, T, H, V) float32.
   """
   b, t, h, d = q.shape
   n_states, vdim = lam.shape[-1], v.shape[-1]
-  c = chunk_size
-  n = -(-t // c)
+  c, cps = chunk_size, segment_len // chunk_size
+  spans = -(-t // segment_len)
+  n = spans * cps  # whole spans: padded chunks add nothing (below)
   # Padded tokens have q = k = v = beta = lam = 0 and g = 0: no write, no erase, no decay.
   q, k, v, lam = (to_chunks(x, n, c) for x in (q, k, v, lam))
   g, beta = to_chunks(g, n, c), to_chunks(beta, n, c)
   uv, w, q_eff, k_write, chunk_decay, intra, _, _ = intra_chunk(q, k, v, g, beta, erase)
 
-  owner = jax.nn.one_hot(segment_ids(n, segment_len // c), n_states, dtype=jnp.float32)  # (n, N)
-  lam_cur = jnp.einsum("bhncm,nm->bhnc", lam, owner)
-  o_intra = lam_cur[..., None] * intra
+  owner = jax.nn.one_hot(jnp.arange(spans), n_states, dtype=jnp.float32)  # (spans, N)
+  lam_own = jnp.einsum("bhsmcn,sn->bhsmc", lam.reshape(b, h, spans, cps, c, n_states), owner)
+  o_intra = lam_own.reshape(b, h, n, c)[..., None] * intra
+  # The walk's map: without erase Phi_m = gamma_m I, so a scalar stands for it.
+  walk_init = (jnp.broadcast_to(jnp.eye(d, dtype=jnp.float32), (b, h, d, d)) if erase
+               else jnp.ones((b, h), jnp.float32))
 
-  def step(states, xs):
-    """One chunk: read the stack with the lam-weighted effective query, then carry it across."""
-    lam_c, qe_c, w_c, kw_c, uv_c, dec_c, owner_c = xs
-    query = (lam_c[..., :, None] * qe_c[..., None, :]).reshape(b, h, c, n_states * d)
+  def span(states, xs):
+    """One segment's span: the stack read by the walked queries, the own state chunk by chunk,
+    then the stack carried by the span's composite map and the own state stored in it."""
+    lam_s, qe_s, w_s, kw_s, uv_s, dec_s, lam_own_s, owner_s = xs
+    own = jnp.zeros((b, h, d, vdim), jnp.float32)
+    (own, walk), (walked, o_own) = jax.lax.scan(_own_chunk, (own, walk_init),
+                                                (qe_s, w_s, kw_s, uv_s, dec_s))
+    rows = lambda x: jnp.moveaxis(x, 0, 2).reshape(b, h, cps * c, *x.shape[4:])  # span's tokens
+    query = (rows(lam_s)[..., :, None] * rows(walked)[..., None, :]).reshape(
+        b, h, cps * c, n_states * d)
     o = jnp.einsum("bhcx,bhxv->bhcv", query, states.reshape(b, h, n_states * d, vdim))
-    carried = dec_c[..., None, None, None] * states
-    if w_c is not None:  # Phi S0 = exp(gc_C) S0 - Kw^T (W S0), all N states in one product
-      carried = carried - jnp.einsum("bhcd,bhncv->bhndv", kw_c,
-                                     jnp.einsum("bhcd,bhndv->bhncv", w_c, states))
-    write = jnp.einsum("bhcd,bhcv->bhdv", kw_c, uv_c)
-    return carried + owner_c[:, None, None] * write[:, :, None], o
+    o = o + rows(lam_own_s)[..., None] * rows(o_own)
+    if erase:
+      states = jnp.einsum("bhde,bhnev->bhndv", walk, states)
+    else:
+      states = walk[..., None, None, None] * states
+    return states + owner_s[:, None, None] * own[:, :, None], o
 
   def group(states, xs):
-    return jax.lax.scan(step, states, xs)
+    return jax.lax.scan(span, states, xs)
 
-  per_group = _group_size(n)
+  per_group = _group_size(spans)
   split = lambda x: None if x is None else jnp.moveaxis(x, 2, 0).reshape(
-      n // per_group, per_group, *x.shape[:2], *x.shape[3:])
-  xs = tuple(map(split, (lam, q_eff, w, k_write, uv, chunk_decay)))
-  xs += (owner.reshape(n // per_group, per_group, n_states),)
+      spans // per_group, per_group, cps, *x.shape[:2], *x.shape[3:])
+  xs = tuple(map(split, (lam, q_eff, w, k_write, uv, chunk_decay, lam_own.reshape(b, h, n, c))))
+  xs += (owner.reshape(spans // per_group, per_group, n_states),)
   init = jnp.zeros((b, h, n_states, d, vdim), jnp.float32)
-  _, o_prev = jax.lax.scan(jax.checkpoint(group), init, xs)
-  o_prev = jnp.moveaxis(o_prev.reshape(n, b, h, c, vdim), 0, 2)
-  o = scale * (o_prev + o_intra)  # (B, H, n, C, V)
+  _, o_prev = jax.lax.scan(jax.checkpoint(group), init, xs)  # (groups, per_group, B, H, cps C, V)
+  o_prev = jnp.moveaxis(o_prev.reshape(spans, b, h, cps * c, vdim), 0, 2)
+  o = scale * (o_prev.reshape(b, h, n, c, vdim) + o_intra)  # (B, H, n, C, V)
   return jnp.moveaxis(o, 1, 3).reshape(b, n * c, h, vdim)[:, :t]
+
+
+def _own_chunk(carry, xs):
+  """One chunk of a span: the own state's read (Qe S) and update (Phi S + Kw^T Uv), and the walk
+  Phi_{m-1} ... Phi_0 (D x D; a scalar without erase) applied to the effective query, then
+  extended by this chunk's Phi (factored: gamma X - Kw^T (W X))."""
+  own, walk = carry
+  qe, w, kw, uv, decay = xs
+  o_own = jnp.einsum("bhcd,bhdv->bhcv", qe, own)
+  write = jnp.einsum("bhcd,bhcv->bhdv", kw, uv)
+  if w is None:
+    walked = walk[..., None, None] * qe
+    return (decay[..., None, None] * own + write, decay * walk), (walked, o_own)
+  walked = jnp.einsum("bhcd,bhde->bhce", qe, walk)
+  phi = lambda x: decay[..., None, None] * x - jnp.einsum(
+      "bhcd,bhcx->bhdx", kw, jnp.einsum("bhcd,bhdx->bhcx", w, x))
+  return (phi(own) + write, phi(walk)), (walked, o_own)
 
 
 def multistate_chunked_documents(q, k, v, g, beta, lam, doc_ids, *, segment_len: int, scale: float,
@@ -220,8 +260,9 @@ def multistate_chunked_documents(q, k, v, g, beta, lam, doc_ids, *, segment_len:
   By linearity of the UT transform, state i's corrected values are U^i = A diag(m_i) (beta V) -
   W S0^i with m_i(s) = [seg(s) = i]. So, per chunk, the intra-chunk output is
   ((P A) * Lam) (beta V) with Lam_tr = lam_t,seg(r) (C x C), and state i's write is
-  (A^T Kw)^T diag(m_i) (beta V): one einsum with the one-hot of seg over the N states. The reads
-  of S0 (Qe) and its carry (Phi) are ``multistate_chunked``'s. ``chunk_documents``' masks keep
+  (A^T Kw)^T diag(m_i) (beta V): one einsum with the one-hot of seg over the N states. Every
+  chunk reads the stack S0 with Qe and carries it by Phi (the module's equations).
+  ``chunk_documents``' masks keep
   every product inside one document (A, P block-diagonal; no S0 read or carry across a start).
   ``lam`` must already be zero for segments a token may not read. Returns o (B, T, H, V) float32.
   """

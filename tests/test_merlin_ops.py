@@ -56,7 +56,9 @@ def test_matches_numpy_loop(erase):
   # Entries for segments not yet started are ignored, even if they are NaN.
   future = np.arange(N)[None, :] > (np.arange(T) // L)[:, None]
   lam_nan = jnp.where(future[None, :, None, :], jnp.nan, lam)
-  for impl, chunk in (("scan", None), ("chunked", 4), ("chunked", 8), ("auto", None)):
+  # chunk 2, 4, 8: four, two and one chunks a segment (a span of the chunked form)
+  for impl, chunk in (("scan", None), ("chunked", 2), ("chunked", 4), ("chunked", 8),
+                      ("auto", None)):
     got = multistate_attention(q, k, v, g, beta, lam_nan, segment_len=L, erase=erase, impl=impl,
                                chunk_size=chunk)
     assert got.shape == (B, T, H, V) and got.dtype == jnp.float32
@@ -102,12 +104,14 @@ def test_chunked_gradients_match_scan(erase):
     assert np.linalg.norm(np.asarray(want)) > 0, name
 
 
-def test_strong_decay_stays_finite():
-  """Exponents are later-minus-earlier differences: g = -30 per token overflows nothing."""
-  q, k, v, _, beta, lam = make_inputs(4, t=16, n=2)
-  g = -30.0 * jnp.ones((B, 16, H))
+@pytest.mark.parametrize("chunk", [4, 8])
+def test_strong_decay_stays_finite(chunk):
+  """Exponents are later-minus-earlier differences: g = -30 per token overflows nothing, also in
+  a span's walked query and composite map (chunk 4: two chunks a segment)."""
+  q, k, v, _, beta, lam = make_inputs(4, t=19, n=3)
+  g = -30.0 * jnp.ones((B, 19, H))
   want = numpy_loop(q, k, v, g, beta, lam, L, True, D ** -0.5)
-  f = lambda g: multistate_attention(q, k, v, g, beta, lam, segment_len=L, chunk_size=8)
+  f = lambda g: multistate_attention(q, k, v, g, beta, lam, segment_len=L, chunk_size=chunk)
   assert rel(f(g), want) < 1e-5
   grad = jax.grad(lambda g: jnp.sum(f(g)))(g)
   assert np.all(np.isfinite(np.asarray(grad)))
