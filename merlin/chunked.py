@@ -180,7 +180,9 @@ def multistate_chunked(q, k, v, g, beta, lam, *, segment_len: int, scale: float,
   Phi_{cps-1} ... Phi_0 (D x D), instead of chunk by chunk. Segment s's own state starts at
   zero and is the only one written; it runs chunk by chunk inside the span (``_own_chunk``).
   Per span that is one (cps C, N D) x (N D, V) read and one D x D map of the stack, where a
-  chunk-by-chunk scan does the read and a C x D map of the stack per chunk.
+  chunk-by-chunk scan does the read and a C x D map of the stack per chunk; the walk adds
+  O(C D^2) a chunk, whatever N (benchmarks/RESULTS.md: the forward is faster from N = 8 states
+  on, forward and backward at every N timed, 4 to 64).
 
   ``lam`` must already be zero for i > s(t); ``chunk_size`` must divide ``segment_len``.
   Returns o (B, T, H, V) float32.
