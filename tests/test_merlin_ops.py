@@ -89,14 +89,15 @@ def test_lam_one_is_single_state(erase, triadic_impl):
     assert rel(got, want) < 1e-5, impl
 
 
+@pytest.mark.parametrize("chunk", [2, 4])
 @pytest.mark.parametrize("erase", [True, False])
-def test_chunked_gradients_match_scan(erase):
+def test_chunked_gradients_match_scan(erase, chunk):
   args = make_inputs(3, t=21, n=3)
   cot = jax.random.normal(jax.random.PRNGKey(9), (B, 21, H, V))
 
   def loss(impl):
     f = lambda *a: jnp.sum(cot * multistate_attention(*a, segment_len=L, erase=erase, impl=impl,
-                                                       chunk_size=4))
+                                                       chunk_size=chunk))
     return jax.jit(jax.grad(f, argnums=tuple(range(6))))(*args)
 
   for name, got, want in zip("q k v g beta lam".split(), loss("chunked"), loss("scan")):
