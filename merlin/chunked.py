@@ -237,21 +237,27 @@ def multistate_chunked(q, k, v, g, beta, lam, *, segment_len: int, scale: float,
   return jnp.moveaxis(o, 1, 3).reshape(b, n * c, h, vdim)[:, :t]
 
 
+def _chunk_map(x, decay, w, kw):
+  """Phi x for x (B, H, ..., D, X), factored: exp(gc_C) x - Kw^T (W x); without erase (w None)
+  Phi = exp(gc_C) I, which also maps a scalar x (B, H) standing for a multiple of I."""
+  x_decayed = decay.reshape(decay.shape + (1,) * (x.ndim - 2)) * x
+  if w is None:
+    return x_decayed
+  return x_decayed - jnp.einsum("bhcd,bh...cx->bh...dx", kw,
+                                jnp.einsum("bhcd,bh...dx->bh...cx", w, x))
+
+
 def _own_chunk(carry, xs):
   """One chunk of a span: the own state's read (Qe S) and update (Phi S + Kw^T Uv), and the walk
   Phi_{m-1} ... Phi_0 (D x D; a scalar without erase) applied to the effective query, then
-  extended by this chunk's Phi (factored: gamma X - Kw^T (W X))."""
+  extended by this chunk's Phi."""
   own, walk = carry
   qe, w, kw, uv, decay = xs
   o_own = jnp.einsum("bhcd,bhdv->bhcv", qe, own)
-  write = jnp.einsum("bhcd,bhcv->bhdv", kw, uv)
-  if w is None:
-    walked = walk[..., None, None] * qe
-    return (decay[..., None, None] * own + write, decay * walk), (walked, o_own)
-  walked = jnp.einsum("bhcd,bhde->bhce", qe, walk)
-  phi = lambda x: decay[..., None, None] * x - jnp.einsum(
-      "bhcd,bhcx->bhdx", kw, jnp.einsum("bhcd,bhdx->bhcx", w, x))
-  return (phi(own) + write, phi(walk)), (walked, o_own)
+  walked = (walk[..., None, None] * qe if w is None
+            else jnp.einsum("bhcd,bhde->bhce", qe, walk))
+  own = _chunk_map(own, decay, w, kw) + jnp.einsum("bhcd,bhcv->bhdv", kw, uv)
+  return (own, _chunk_map(walk, decay, w, kw)), (walked, o_own)
 
 
 def multistate_chunked_documents(q, k, v, g, beta, lam, doc_ids, *, segment_len: int, scale: float,
@@ -289,10 +295,7 @@ def multistate_chunked_documents(q, k, v, g, beta, lam, doc_ids, *, segment_len:
     lam_c, qe_c, w_c, kt_c, kw_c, bv_c, dec_c, owner_c = xs
     query = (lam_c[..., :, None] * qe_c[..., None, :]).reshape(b, h, c, n_states * d)
     o = jnp.einsum("bhcx,bhxv->bhcv", query, states.reshape(b, h, n_states * d, vdim))
-    carried = dec_c[..., None, None, None] * states
-    if w_c is not None:
-      carried = carried - jnp.einsum("bhcd,bhncv->bhndv", kw_c,
-                                     jnp.einsum("bhcd,bhndv->bhncv", w_c, states))
+    carried = _chunk_map(states, dec_c, w_c, kw_c)
     return carried + jnp.einsum("bhcd,bcn,bhcv->bhndv", kt_c, owner_c, bv_c), o
 
   def group(states, xs):
