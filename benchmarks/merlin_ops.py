@@ -255,24 +255,31 @@ def part_costs(b, t, h, d, vd, segment_len, c, *, erase=True, itemsize=4, block_
   count every operand of the stage read once and every result written once, in the dtypes and
   padded widths the op passes them (float32 in and out of ``intra_chunk``; the kernels' Qe, W, Kw,
   Uv, dO, stored states, output and matrix gradients in the input dtype; gamma, lam, intra, own,
-  dlam float32). So a stage's floor is that of the stage as the op splits the work (stored states
-  included), where ``multistate_cost``'s is the algorithm's. Per head, with VIS the visible
-  (segment, chunk) pairs (``kernels.num_visible``) and one product a (C, D) x (D, V) one:
+  dlam float32; the chunk gradients' Y and own parts float32). So a stage's floor is that of the
+  stage as the op splits the work (stored states included), where ``multistate_cost``'s is the
+  algorithm's. Per head, with VIS the visible (segment, chunk) pairs, PAIRS the (state, later
+  span) pairs (``kernels.num_pairs``), one product a (C, D) x (D, V) one and a square one a
+  (C, D) x (D, D) one:
 
-    state pass (erase)      W S and Kw^T (W S) per visible pair, Kw^T Uv per chunk
+    span maps (erase)       Kw^T (W Phi) and Qe Phi per chunk (the backward's also store Phi)
+    state pass (erase)      W S, Kw^T (W S), Kw^T Uv per chunk; U S, (D, D) x (D, V), per pair
+                            of a span crossed (all but the last span)
     write pass (no erase)   Kw^T Uv per chunk
     readout                 (lam Qe) S per visible pair
-    reverse pass            erase: Kw dS, W^T (Kw dS), (lam Qe)^T dO per visible pair; no erase:
+    reverse pass            erase: Kw dS, W^T (Kw dS), (lam Qe)^T dO per chunk; U^T dS per pair,
+                            (lam P)^T dO per visible pair of a finished state; no erase:
                             (lam Qe)^T dO per visible pair, Kw dS and Uv dS^T per chunk
-    chunk gradients         dO S^T, Qe S and the (D, V) x (V, D) dS S^T per visible pair;
-                            Kw G, W G^T (G the (D, D) sum of dS S^T) and Uv dS^T per chunk
+    chunk gradients         erase: dO S^T, P S per visible pair; the own state's dS S^T
+                            ((D, V) x (V, D)), Uv dS^T, and Y Phi^T, Kw G, W G^T per chunk
+    span sums (erase)       dS S^T ((D, V) x (V, D)) per pair; seven square products per chunk
     read gradients          dO S^T, Qe S per visible pair
 
   ``block_v``: the no-erase reverse pass stores its partial dKw and dgamma per value block."""
   nc = -(-t // c)
   cps = segment_len // c
   ns = -(-nc // cps)
-  vis = merlin_kernels.num_visible(nc, cps)
+  vis = sum(nc - i * cps for i in range(ns))
+  pairs = merlin_kernels.num_pairs(ns)
   dp, vp, it, f = merlin_pallas.padded_width(d), merlin_pallas.padded_width(vd), itemsize, 4
   tok, mm, state = nc * c, 2 * c * d * vd, itemsize * dp * vp
   lam, gam = f * ns * tok, f * nc
@@ -283,13 +290,23 @@ def part_costs(b, t, h, d, vd, segment_len, c, *, erase=True, itemsize=4, block_
   costs = {"intra_chunk": (nc * intra, f * tok * (2 * d + vd + 2)
                            + f * (tok * (2 * vd + (3 if erase else 2) * d) + nc))}
   if erase:
-    costs["state pass"] = (vis * 2 * mm + nc * mm, it * tok * (2 * dp + vp) + gam + vis * state)
-    costs["readout"] = (vis * mm, it * tok * (dp + vp) + lam + vis * state + f * tok * (vp + 1))
-    costs["reverse pass"] = (vis * 3 * mm,
-                             it * tok * (3 * dp + 2 * vp) + lam + gam + vis * state)
-    gram = 2 * d * d * vd   # dS S^T, (D, V) x (V, D)
-    costs["chunk gradients"] = (vis * (2 * mm + gram) + nc * (4 * c * d * d + mm),
-                                it * tok * (6 * dp + 2 * vp) + 2 * lam + gam + 2 * vis * state)
+    square, gram, sq = 2 * c * d * d, 2 * d * d * vd, it * dp * dp
+    maps = (nc * 3 * square, it * tok * 4 * dp + gam + ns * sq)
+    costs["span maps"] = maps
+    costs["span maps, Phi"] = (maps[0], maps[1] + nc * sq)
+    costs["state pass"] = (nc * 3 * mm + (ns - 1) * (ns - 2) // 2 * gram,  # the last not crossed
+                           it * tok * (2 * dp + vp) + gam + ns * sq + (nc + pairs) * state)
+    costs["readout"] = (vis * mm, it * tok * (2 * dp + vp) + lam + (nc + pairs) * state
+                        + f * tok * (vp + 1))
+    costs["reverse pass"] = (nc * 3 * mm + pairs * gram + (vis - nc) * mm,
+                             it * tok * (4 * dp + 2 * vp) + ns * sq + lam + gam
+                             + (nc + pairs) * state)
+    costs["chunk gradients"] = ((vis - nc) * 2 * mm + nc * (3 * mm + gram + 3 * square),
+                                it * tok * (5 * dp + 2 * vp) + nc * sq + lam + f * ns * tok
+                                + (pairs + 2 * nc) * state + f * (3 * tok * dp + nc))
+    costs["span sums"] = (pairs * gram + nc * 7 * square,
+                          it * tok * 5 * dp + nc * sq + 2 * pairs * state
+                          + f * (3 * tok * dp + 3 * nc))
   else:
     nv = vp // min(block_v, vp)
     ends = (nc + ns) * state
@@ -463,8 +480,10 @@ def census_line(counts):
   return f"{fusions} fusions, {calls} custom calls, {loops} while loops, {rest} other"
 
 
-PART_ROWS = {True: ("state pass", "readout", "reverse pass", "chunk gradients"),
-             False: ("write pass", "readout", "reverse pass", "read gradients")}
+# The kernel launches of the pallas op's forward and backward, as part_costs names them
+PART_ROWS = {True: (("span maps", "state pass", "readout"),
+                    ("span maps, Phi", "reverse pass", "chunk gradients", "span sums")),
+             False: (("write pass", "readout"), ("reverse pass", "read gradients"))}
 
 
 def parts_table(args, t, dtype, erase, floor_ms):
@@ -544,12 +563,16 @@ def parts_table(args, t, dtype, erase, floor_ms):
   kern, read = merlin_kernels, dict(scale=scale, heads=h)
   if erase:
     qe, w, kw, uv = kmats
-    stack = launch("state pass", kern.stack_state_pass, (w, kw, uv, gam), True)
-    launch("readout", kern.stack_readout, (qe, lam_k, stack, intra, own), True, **read)
-    dstack, _ = launch("reverse pass", kern.stack_reverse_state_pass,
-                       (qe, w, kw, lam_k, gam, do), False)
-    launch("chunk gradients", kern.stack_chunk_gradients,
-           (qe, w, kw, uv, lam_k, do, stack, dstack), False)
+    p, u = launch("span maps", kern.span_maps, (qe, w, kw, gam), True, phi=False)
+    cur, span = launch("state pass", kern.span_state_pass, (w, kw, uv, gam, u), True)
+    launch("readout", kern.span_readout, (qe, lam_k, p, span, cur, intra, own), True, **read)
+    phi, p, u = launch("span maps, Phi", kern.span_maps, (qe, w, kw, gam), False)
+    dspan, dcur, duv = launch("reverse pass", kern.span_reverse_pass,
+                              (qe, p, w, kw, u, lam_k, gam, do), False)
+    _, y, *own_parts, _ = launch("chunk gradients", kern.span_chunk_gradients,
+                                 (qe, p, phi, w, uv, duv, lam_k, do, span, cur, dcur), False)
+    launch("span sums", kern.span_sums, (qe, phi, w, kw, gam, span, dspan, y, *own_parts),
+           False)
   else:
     qe, kw, uv = kmats
     cur, end = launch("write pass", kern.write_pass, (kw, uv, gam), True)
@@ -565,11 +588,12 @@ def parts_table(args, t, dtype, erase, floor_ms):
   floor = lambda fl, by: floor_ms(fl, by, 1)
   fl, by = costs["intra_chunk"]
   floors = {"intra_chunk": (floor(fl, by), floor(3 * fl, 2 * by)), "glue": (nan, nan)}
-  launches = PART_ROWS[erase]
+  forward, backward = PART_ROWS[erase]
+  launches = forward + backward
   for name in launches:
-    floors[name] = ((floor(*costs[name]),) * 2 if name in launches[:2]
+    floors[name] = ((floor(*costs[name]),) * 2 if name in forward
                     else (nan, floor(*costs[name])))
-  for part, names in (("kernels fwd", launches[:2]), ("kernels bwd", launches[2:])):
+  for part, names in (("kernels fwd", forward), ("kernels bwd", backward)):
     fl, by = (sum(costs[k][i] for k in names) for i in (0, 1))
     floors[part] = (floor(fl, by) if part == "kernels fwd" else nan, floor(fl, by))
   fl, by = multistate_cost(b, t, h, d, vd, args.R, seg, c, erase=erase, aggregator="vanilla",
@@ -593,7 +617,7 @@ def parts_table(args, t, dtype, erase, floor_ms):
   print(line(cols))
   print("|" + "|".join("-" * (w + 2) if i == 0 else "-" * (w + 1) + ":"
                        for i, w in enumerate(widths)) + "|")
-  order = ["intra_chunk", "kernels fwd", *launches[:2], "kernels bwd", *launches[2:], "glue", "op",
+  order = ["intra_chunk", "kernels fwd", *forward, "kernels bwd", *backward, "glue", "op",
            "op, grads only"]
   for name in order:
     (fwd, fb), (ffwd, ffb) = times[name], floors[name]

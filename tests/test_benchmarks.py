@@ -258,8 +258,9 @@ def test_merlin_parts_table_runs(capsys):
     cells = [x.strip() for x in line.strip().strip("|").split("|")]
     if line.startswith("| ") and cells[0] != "part":
       rows[cells[0].lstrip("- ")] = [np.nan if x == "-" else float(x) for x in cells[1:]]
-  assert list(rows) == ["intra_chunk", "kernels fwd", "state pass", "readout", "kernels bwd",
-                        "reverse pass", "chunk gradients", "glue", "op", "op, grads only"]
+  assert list(rows) == ["intra_chunk", "kernels fwd", "span maps", "state pass", "readout",
+                        "kernels bwd", "span maps, Phi", "reverse pass", "chunk gradients",
+                        "span sums", "glue", "op", "op, grads only"]
   assert all(len(r) == 7 for r in rows.values())
   assert np.isnan(rows["op, grads only"][0]) and rows["op, grads only"][1] > 0
   for name in ("intra_chunk", "kernels fwd", "op"):
@@ -270,14 +271,20 @@ def test_merlin_parts_table_runs(capsys):
   assert abs(parts - rows["op"][1]) < 2e-3 + 1e-2 * rows["op"][1]  # rounded to 3 decimals
   assert rows["op"][6] == 100.0
   # the forward stages' FLOPs are the algorithm's, plus the UT inverse's block merges (C = 64:
-  # 16 x 16 blocks into 32 x 32, then into 64 x 64; 2 C s^2 each), per chunk and head
+  # 16 x 16 blocks into 32 x 32, then into 64 x 64; 2 C s^2 each), per chunk and head; with
+  # erase, the span form maps the 144 - 32 visible pairs of finished states by 21 span
+  # crossings (one (D, D) x (D, V) product each) instead of their chunk maps (two (C, D) x (D, V)
+  # ones), and forms the 32 chunks' Phi and P (three (C, D) x (D, D) products each)
   for erase in (True, False):
     costs = merlin_ops.part_costs(1, 2048, 16, 128, 128, 256, 64, erase=erase, itemsize=2)
     fl, _ = merlin_ops.multistate_cost(1, 2048, 16, 128, 128, 128, 256, 64, erase=erase,
                                        aggregator="vanilla")
-    fwd = ("intra_chunk", "state pass" if erase else "write pass", "readout")
+    fwd = ("intra_chunk", *(("span maps", "state pass") if erase else ("write pass",)),
+           "readout")
     ut = 2 * 64 * (16 ** 2 + 32 ** 2) if erase else 0
-    assert sum(costs[k][0] for k in fwd) == fl + 32 * 16 * ut
+    mm, cross = 2 * 64 * 128 * 128, 2 * 128 ** 3  # (C, D) x (D, V or D); (D, D) x (D, V)
+    span = (21 * cross - 112 * 2 * mm + 32 * 3 * mm) if erase else 0
+    assert sum(costs[k][0] for k in fwd) == fl + 16 * (32 * ut + span)
 
 
 def test_kernels_of_the_op():

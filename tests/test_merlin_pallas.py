@@ -4,17 +4,19 @@ Every case checks the output and the gradients of all six inputs (q, k, v, g, be
 loss = sum(o * do) with a random do, with lam drawn from one of the four aggregators or random
 with NaN in the entries of segments not yet started (which must be ignored). T = 150 is not a
 multiple of the chunk and crosses several segments; D, V of 24 are padded to 32 inside; T = 420
-runs 14 segments, so the chunk gradients sum up to 14 stored states a chunk, over 4 value blocks.
+runs 14 segments, so the chunk gradients sum up to 14 stored states a chunk, over 4 value blocks;
+T = 300 in segments of four chunks ends in a partial one (19 chunks), so the erase span form's
+maps and sums run over several chunks a span, and over a short last span.
 Error bounds (relative RMS, ||a - b|| / ||b||):
   float32: 1e-5 for the output and every gradient (float32 matmuls in the kernels).
   bfloat16 inputs (the scan runs on the same bf16-rounded values in float32): output 1.5e-2 (o is
   returned in bf16), gradients 2e-2 (bf16 tensor-core operands, chunk-start states kept in bf16).
 The erase forward's query walk (``Config.query_walk``, taken only where no gradient is) is checked
-against the scan with the same output bounds and against the stack forward (float32 1e-5, bf16
+against the scan with the same output bounds and against the span forward (float32 1e-5, bf16
 the output bound), over five or more segments with a last partial one (and over one segment
 alone), every aggregator's lam, weak and strong decay and weak decay with four tokens at -30
 (strong decay everywhere leaves the finished states nothing to add); under ``jax.grad`` the op
-keeps the stack forward, with gradients identical to the bit to those without the walk.
+keeps the span forward, with gradients identical to the bit to those without the walk.
 The intra-chunk part's forward kernel (``Config.intra_kernel``; tests/test_merlin_intra.py checks
 it and the part's pullback alone) is checked against the scan with the same output bounds and
 against the plain-JAX part's output (float32 1e-5, bf16 the output bound), and under ``jax.grad``
@@ -49,10 +51,12 @@ jax.config.update("jax_default_matmul_precision", "highest")
 
 NAMES = ("q", "k", "v", "g", "beta", "lam")
 BOUNDS = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (1.5e-2, 2e-2)}
-KERNELS = {True: ("merlin_state_pass", "merlin_readout", "merlin_reverse_state_pass",
-                  "merlin_chunk_gradients"),
-           False: ("merlin_write_pass", "merlin_readout", "merlin_reverse_write_pass",
-                   "merlin_read_gradients")}
+# The state kernels of the forward (first) and the backward
+FORWARD_KERNELS = {True: ("merlin_span_maps", "merlin_state_pass", "merlin_readout"),
+                   False: ("merlin_write_pass", "merlin_readout")}
+KERNELS = {True: (*FORWARD_KERNELS[True], "merlin_reverse_state_pass", "merlin_chunk_gradients",
+                  "merlin_span_sums"),
+           False: (*FORWARD_KERNELS[False], "merlin_reverse_write_pass", "merlin_read_gradients")}
 
 
 def make_lam(kind, key, b, t, h, n, segment_len):
@@ -118,6 +122,8 @@ CASES = [
                  id="noerase-bf16-random"),
     pytest.param(1, 420, 2, 32, 64, 32, 16, True, "strong", "merlin", jnp.bfloat16,
                  id="erase-bf16-strong-merlin-V64"),
+    pytest.param(1, 300, 2, 16, 32, 64, 16, True, "weak", "random", jnp.float32,
+                 id="erase-four-chunk-spans"),
 ]
 
 
@@ -215,11 +221,12 @@ def check_forward_only(field, args, kw, dtype, kernels):
 
 
 @pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,decay,lam_kind,dtype", WALK_CASES)
-def test_query_walk_matches_scan_and_stack(b, t, h, d, vd, segment_len, chunk, decay, lam_kind,
-                                           dtype):
+def test_query_walk_matches_scan_and_span_form(b, t, h, d, vd, segment_len, chunk, decay,
+                                                lam_kind, dtype):
   """The erase forward by the query walk (no gradient taken) against the scan, within the output
-  bound, and against the stack forward (float32 1e-5; bf16 the output bound, the two rounding
-  differently); its kernels are the erase write pass and the walk's readout, no state pass."""
+  bound, and against the span forward (float32 1e-5; bf16 the output bound, the two rounding
+  differently); its kernels are the erase write pass, the span maps and the walk's readout, no
+  state pass."""
   n = -(-t // segment_len) + 1
   args, _ = make_inputs(0, b, t, h, d, vd, n, segment_len, "weak" if decay == "mixed" else decay,
                         lam_kind, dtype)
@@ -227,7 +234,8 @@ def test_query_walk_matches_scan_and_stack(b, t, h, d, vd, segment_len, chunk, d
     # segments' finished states still reach the last chunks (strong decay everywhere erases them)
     args = (*args[:3], args[3].at[:, segment_len + 8:segment_len + 12].set(-30.0), *args[4:])
   kw = dict(segment_len=segment_len, erase=True, chunk_size=chunk)
-  check_forward_only("query_walk", args, kw, dtype, {"merlin_write_pass", "merlin_walk_readout"})
+  check_forward_only("query_walk", args, kw, dtype,
+                     {"merlin_write_pass", "merlin_span_maps", "merlin_walk_readout"})
 
 
 INTRA_CASES = [
@@ -253,7 +261,7 @@ def test_intra_kernel_matches_scan_and_plain(b, t, h, d, vd, segment_len, chunk,
   args, _ = make_inputs(0, b, t, h, d, vd, n, segment_len, decay, lam_kind, dtype)
   kw = dict(segment_len=segment_len, erase=erase, chunk_size=chunk)
   check_forward_only("intra_kernel", args, kw, dtype,
-                     {"merlin_intra_forward", *KERNELS[erase][:2]})
+                     {"merlin_intra_forward", *FORWARD_KERNELS[erase]})
 
 
 @pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype", INTRA_CASES)
@@ -306,11 +314,11 @@ def test_plan():
   assert small.impl == "chunked" and "chunk_size" not in small.reason and "gcd" in small.reason
   assert explain(128, 256, impl="pallas", platform="cpu").config.interpret
   assert explain(128, 256, impl="scan").impl == "scan"
-  # The GPU default reads by the query walk where no gradient is taken; the stack on request.
-  stack = plan_lib.resolve("pallas", d=128, segment_len=256, chunk_size=None, documents=False,
-                           platform="gpu",
-                           config=dataclasses.replace(gpu.config, query_walk=False))
-  assert "query walk" in str(gpu) and "query walk" not in str(stack)
+  # The GPU default reads by the query walk where no gradient is taken; the span form on request.
+  span = plan_lib.resolve("pallas", d=128, segment_len=256, chunk_size=None, documents=False,
+                          platform="gpu",
+                          config=dataclasses.replace(gpu.config, query_walk=False))
+  assert "query walk" in str(gpu) and "query walk" not in str(span)
 
 
 def test_bad_input_raises():
@@ -409,8 +417,9 @@ def test_intra_kernel_lowers_for_cuda(erase, dtype):
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_query_walk_lowers_for_cuda(dtype):
   """The query-walk forward lowers to Triton for CUDA on this CPU machine (padded D and V, a last
-  partial segment), its kernels storing the current and end states and the output in the inputs'
-  dtype, and no stack (the GPU default's intra-chunk kernel beside them)."""
+  partial segment), its kernels storing the current and end states, the walked queries and span
+  maps and the output in the inputs' dtype, and no stack (the GPU default's intra-chunk kernel
+  beside them)."""
   b, t, h, d, vd, segment_len, n = 1, 300, 2, 48, 80, 128, 3
   config = plan_lib.default_config("gpu")
   assert config.query_walk
@@ -420,20 +429,26 @@ def test_query_walk_lowers_for_cuda(dtype):
   assert "merlin_walk_readout" in text and "merlin_state_pass" not in text
   found = kernel_outputs(jax.make_jaxpr(op)(*args).jaxpr)
   x = jnp.dtype(dtype)
-  assert found.keys() == {"merlin_intra_forward", "merlin_write_pass", "merlin_walk_readout"}
+  assert found.keys() == {"merlin_intra_forward", "merlin_write_pass", "merlin_span_maps",
+                          "merlin_walk_readout"}
   assert found["merlin_write_pass"] == [((b * h, 5, 64, 128), x), ((b * h, 3, 64, 128), x)]
+  assert found["merlin_span_maps"] == [((b * h, 5, 64, 64), x), ((b * h, 3, 64, 64), x)]
   assert found["merlin_walk_readout"] == [((b, 320, h, 128), x)]
 
 
 # Each kernel's outputs: "x" in the inputs' dtype, "f" float32. The states, the op's output (the
 # readout adds the intra-chunk part and rounds once) and the gradients of the input-dtype operands
 # (Qe, W, Kw, Uv) are stored in that dtype, each use of them being a matmul operand or the op's
-# output or cotangent in that dtype; dgamma, dlam and the no-erase per-value-block dKw (summed
-# after) stay float32, as do the intra-chunk kernel's gamma, P Uv and (erase) A; its backward
-# kernel stores dq, dk, dv in that dtype (the inputs' cotangents) and dgc, dbeta float32.
-OUT_DTYPES = {True: {"merlin_intra_forward": "xxxxfff", "merlin_state_pass": "x",
-                     "merlin_readout": "x", "merlin_reverse_state_pass": "xx",
-                     "merlin_chunk_gradients": "xxxff", "merlin_intra_backward": "xxxff"},
+# output or cotangent in that dtype, as are the span maps' Phi, P and U (matmul operands);
+# dgamma, dlam, the erase chunk gradients' Y and own parts of dW, dKw (summed on by the span
+# sums) and the no-erase per-value-block dKw (summed after) stay float32, as do the intra-chunk
+# kernel's gamma, P Uv and (erase) A; its backward kernel stores dq, dk, dv in that dtype (the
+# inputs' cotangents) and dgc, dbeta float32. (The backward's span maps, with Phi, are listed:
+# the forward's are the same less Phi.)
+OUT_DTYPES = {True: {"merlin_intra_forward": "xxxxfff", "merlin_span_maps": "xxx",
+                     "merlin_state_pass": "xx", "merlin_readout": "x",
+                     "merlin_reverse_state_pass": "xxx", "merlin_chunk_gradients": "xfffff",
+                     "merlin_span_sums": "xxf", "merlin_intra_backward": "xxxff"},
               False: {"merlin_intra_forward": "xxxff", "merlin_write_pass": "xx",
                       "merlin_readout": "x", "merlin_reverse_write_pass": "xff",
                       "merlin_read_gradients": "xf", "merlin_intra_backward": "xxxff"}}

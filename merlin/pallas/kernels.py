@@ -18,10 +18,18 @@ scale (o_n + own_n intra_n) with the intra-chunk part intra_n = P_n Uv_n and own
 tokens' lam of their own segment (float32), rounded once to the input dtype and written straight
 into the caller's (B, T, H, V) layout (``_readout_call``).
 
-Erase (the carried stack): a finished state keeps changing (Phi_n), so the forward stores every
-visible chunk-start state S_n^i (n >= n_i, in the input dtype) once, in a compact (BH, VIS, D, V)
-array, VIS = sum_i (NC - n_i), at ``index(i, n)``. Backward, with dS^i_{n+1} the gradient of the
-state leaving chunk n:
+Erase (the span form): a finished state keeps changing, by the same chunk maps
+T_m = gamma_m I - Kw_m^T W_m for every finished state. Span s is segment s's chunks b .. b' - 1;
+across it S_n^i = Phi_n S_b^i for every i < s, with Phi_n = T_{n-1} ... T_b (Phi_b = I) and the
+span map U_s = Phi_{b'}. ``span_maps`` forms Phi_n, the walked queries P_n = Qe_n Phi_n and U_s
+(program (bh, span), Phi in registers). The state pass writes S^i through its own segment chunk by
+chunk (each chunk's start state, ``cur``), then crosses each later span j in one product,
+S_{b'}^i = U_j S_b^i, storing the finished states only at span starts: the span stack,
+NS (NS - 1) / 2 states (``span_index``), where every visible chunk-start state would be
+sum_i (NC - n_i), cps times as many. The readout reads them with the walked query:
+o_n = sum_{i < s} (lam_n,i P_n) S_b^i + (lam_n,s Qe_n) S_n^s.
+
+Backward, with dS^i_{n+1} the gradient of the state leaving chunk n:
 
     dS_n^i  = gamma_n dS^i_{n+1} - W_n^T (Kw_n dS^i_{n+1}) + (lam_n,i Qe_n)^T dO_n
     dUv_n   = Kw_n dS^{s(n)}_{n+1}
@@ -30,25 +38,31 @@ state leaving chunk n:
     G_n     = sum_i dS^i_{n+1} S_n^iT   (D, D)
 
 (W_n and Kw_n are the same for every state i, so the erase terms' sums over i collapse into G_n.)
-The reverse state pass (the forward's grid, at the backward's tiles) stores dS^i_{n+1} at
-``index(i, n)`` and dUv; the chunk-gradients kernel, one program per (batch*head, chunk), reads
-each visible S_n^i and dS^i_{n+1} once and sums dQe, dlam and G_n over i and the value axis, so no
-two programs write one output (no atomics). dUv, dQe, dW and dKw are summed in float32 and stored
-in the input dtype: they leave the op as the cotangents of operands in that dtype, so a float32
-store would only be cast after (dgamma, dlam stay float32, as their operands are).
+Across a later span the reverse pass takes one step, dS_b^i = U_j^T dS_{b'}^i
++ sum_n (lam_n,i P_n)^T dO_n, and stores the finished states' gradients only at span ends
+(dS_{b'}^i, beside S_b^i in the same layout), its own segment chunk by chunk (``dcur``, dUv). For
+the finished states, with Y_n = sum_{i < s} (lam_n,i dO_n) S_b^iT (C, D) and
+K = sum_{i < s} dS_{b'}^i S_b^iT (D, D),
 
-Erase, forward only (the query walk, ``Config.query_walk``): every finished state moves under the
-same chunk map, S_{m+1}^i = T_m S_m^i with T_m = gamma_m I - Kw_m^T W_m (D, D), so
-S_n^i = T_{n-1} ... T_{e_i} S_end^i and the read can move the query instead of the states:
+    dQe_n = Y_n Phi_n^T,   G_n = L_n Phi_n^T,   L_{b'-1} = K,   L_{n-1} = T_n^T L_n + Qe_n^T Y_n
 
-    p = Qe_n T_{n-1} ... T_{n_s}            (p <- gamma_m p - (p Kw_m^T) W_m, chunk n in segment s)
+(the reverse recurrence of dS_{n+1}^i with S_b^iT summed in): the chunk-gradients kernel, one
+program per (batch*head, chunk), reads the span's S_b^i to form Y_n, dlam and dQe, and the own
+state's part of every gradient; the span-sums kernel, one program per (batch*head, span), forms K
+from the stacks and runs L back through the span, finishing dW, dKw and dgamma. No two programs
+write one output (no atomics). dUv, dQe, dW and dKw are summed in float32 and stored in the input
+dtype: they leave the op as the cotangents of operands in that dtype, so a float32 store would
+only be cast after (dgamma, dlam stay float32, as their operands are).
+
+Erase, forward only (the query walk, ``Config.query_walk``): as S_n^i = Phi_n U_{s-1} ... U_{i+1}
+S_end^i, the read can move the query instead of the states:
+
     o_n = (lam_n,s Qe_n) S_n^s + sum_{j < s} (lam_n,j p_j) S_end^j,   p_{j-1} = p_j U_j
 
-with U_j = T_{e_j - 1} ... T_{n_j} the product of segment j's chunk maps (formed once per segment,
-plain JAX) and lam a row scale, which commutes with the right products. ``write_pass`` with W
-gives each chunk's current state and each segment's end state, as in the no-erase case; no
-(VIS, D, V) stack is stored. The backward pairs every state with its own gradient (G_n above),
-so a differentiated call runs the stack forward instead.
+from p_{s-1} = P_n (lam a row scale, which commutes with the right products). ``write_pass`` with
+W gives each chunk's current state and each segment's end state, as in the no-erase case; no
+stack is stored. The backward pairs the states with their gradients (K, Y above), so a
+differentiated call runs the span form's forward instead.
 
 No erase (rescaled states): a finished state only decays, S_n^i = F_n,i S_end^i with
 F_n,i = prod_{e_i <= m < n} gamma_m, so its contribution to every later token is a read of the one
@@ -81,14 +95,16 @@ def padded_width(n: int) -> int:
   return max(16, 1 << (n - 1).bit_length())
 
 
-def num_visible(nc: int, cps: int) -> int:
-  """VIS: the number of (segment i, chunk n >= n_i) pairs, the stored states per batch*head."""
-  return sum(nc - i * cps for i in range(-(-nc // cps)))
+def num_pairs(ns: int) -> int:
+  """The (state i, span j > i) pairs of NS segments: the finished states at span starts, the
+  entries of the span stack per batch*head (at least one, so that the array is never empty)."""
+  return max(1, ns * (ns - 1) // 2)
 
 
-def index(i, n, nc: int, cps: int):
-  """Where S_n^i lives in the compact stack: the pairs of segments j < i, then n - n_i."""
-  return i * nc - cps * (i * (i - 1)) // 2 + n - i * cps
+def span_index(i, j):
+  """Where S^i at the start of span j (i < j) lives in the span stack: span j's states are the
+  entries j (j - 1) / 2 + i, i = 0 .. j - 1, one span's finished states side by side."""
+  return j * (j - 1) // 2 + i
 
 
 def _segment_bounds(nc, cps):
@@ -97,10 +113,11 @@ def _segment_bounds(nc, cps):
   return start, jnp.minimum(start + cps, nc)
 
 
-def _read(qe, lam_ref, finished, current, cur, dtype):
-  """sum_{i < cur} (lam_i Qe) finished(i) + (lam_cur Qe) current: the readout of one chunk."""
-  acc = jax.lax.fori_loop(0, cur, lambda i, acc: acc + mm(lam_ref[i] * qe, finished(i), dtype),
-                          jnp.zeros((qe.shape[0], current.shape[-1]), F32))
+def _read(p, qe, lam_ref, finished, current, cur, dtype):
+  """sum_{i < cur} (lam_i p) finished(i) + (lam_cur qe) current: the readout of one chunk, the
+  finished states read with the query p (erase: the walked query P; no erase: Qe)."""
+  acc = jax.lax.fori_loop(0, cur, lambda i, acc: acc + mm(lam_ref[i] * p, finished(i), dtype),
+                          jnp.zeros((p.shape[0], current.shape[-1]), F32))
   return acc + mm(lam_ref[cur] * qe, current, dtype)
 
 
@@ -132,92 +149,190 @@ def _read_gradients(qe, lam_ref, do_ref, dlam_ref, finished, current, cur, vd, b
   return state(current, cur, dqe)
 
 
-# ---- erase: the carried stack ----
+def _chunk_map(n, s, w_ref, kw_ref, gam_ref, dtype):
+  """T_n S = gamma_n S - Kw_n^T (W_n S): chunk n's map of a state (erase)."""
+  kw = kw_ref[n]
+  return gam_ref[n] * s - mm(kw, mm(w_ref[n], s, dtype), dtype, ta=True)
 
-def _stack_kernel(w_ref, kw_ref, uv_ref, gam_ref, states_ref, *, nc, cps, dtype):
+
+# ---- erase: the span form ----
+
+def _span_maps_kernel(qe_ref, w_ref, kw_ref, gam_ref, *out_refs, nc, cps, dtype):
+  """Program (bh, span j) over the span's chunks n = b .. b' - 1 with Phi (D, D) float32 from
+  the identity: Phi_n and P_n = Qe_n Phi_n stored, then Phi <- T_n Phi; U_j = Phi_{b'} last.
+  ``out_refs``: (phi_ref,) p_ref, u_ref (without phi_ref where the caller needs no Phi)."""
+  *phi_ref, p_ref, u_ref = out_refs
+  j = pl.program_id(1)
+  d = qe_ref.shape[-1]
+
+  def chunk(n, phi):
+    if phi_ref:
+      phi_ref[0][n] = phi.astype(dtype)
+    p_ref[n] = mm(qe_ref[n], phi, dtype).astype(dtype)
+    return _chunk_map(n, phi, w_ref, kw_ref, gam_ref, dtype)
+
+  eye = (jax.lax.broadcasted_iota(jnp.int32, (d, d), 0)
+         == jax.lax.broadcasted_iota(jnp.int32, (d, d), 1)).astype(F32)
+  u_ref[...] = jax.lax.fori_loop(j * cps, jnp.minimum((j + 1) * cps, nc), chunk,
+                                 eye).astype(dtype)
+
+
+def _span_state_kernel(w_ref, kw_ref, uv_ref, gam_ref, u_ref, cur_ref, span_ref, *, nc, cps,
+                       dtype):
+  """Program (bh, value block, segment i): S^i through its own segment from zero, chunk by chunk
+  (each chunk's start state into ``cur_ref``), then across each later span j by its map U_j in
+  one product, stored at each span's start into the span stack (the last span is not crossed:
+  nothing reads its end)."""
   i = pl.program_id(2)
+  ns = -(-nc // cps)
   start, end = _segment_bounds(nc, cps)
 
-  def chunk(n, s, write):
-    states_ref[index(i, n, nc, cps)] = s.astype(states_ref.dtype)
-    kw = kw_ref[n]
-    new = gam_ref[n] * s - mm(kw, mm(w_ref[n], s, dtype), dtype, ta=True)
-    return new + mm(kw, uv_ref[n], dtype, ta=True) if write else new
+  def own(n, s):
+    cur_ref[n] = s.astype(cur_ref.dtype)
+    return (_chunk_map(n, s, w_ref, kw_ref, gam_ref, dtype)
+            + mm(kw_ref[n], uv_ref[n], dtype, ta=True))
 
-  d, bv = states_ref.shape[-2:]
-  s = jax.lax.fori_loop(start, end, lambda n, s: chunk(n, s, True), jnp.zeros((d, bv), F32))
-  jax.lax.fori_loop(end, nc, lambda n, s: chunk(n, s, False), s)
+  def later(j, s):
+    span_ref[span_index(i, j)] = s.astype(span_ref.dtype)
+    return mm(u_ref[j], s, dtype)
+
+  d, bv = cur_ref.shape[-2:]
+  s = jax.lax.fori_loop(start, end, own, jnp.zeros((d, bv), F32))
+  s = jax.lax.fori_loop(i + 1, ns - 1, later, s)
+
+  @pl.when(i + 1 < ns)
+  def _():
+    span_ref[span_index(i, ns - 1)] = s.astype(span_ref.dtype)
 
 
-def _stack_readout_kernel(qe_ref, lam_ref, states_ref, intra_ref, own_ref, o_ref, *, nc, cps,
-                          scale, dtype):
+def _span_readout_kernel(qe_ref, lam_ref, p_ref, span_ref, cur_ref, intra_ref, own_ref, o_ref, *,
+                         cps, scale, dtype):
   n = pl.program_id(1)
-  cur = n // cps
-  o = _read(qe_ref[...].astype(F32), lam_ref, lambda i: states_ref[index(i, n, nc, cps)],
-            states_ref[index(cur, n, nc, cps)], cur, dtype)
+  s = n // cps
+  o = _read(p_ref[...].astype(F32), qe_ref[...].astype(F32), lam_ref,
+            lambda i: span_ref[span_index(i, s)], cur_ref[...], s, dtype)
   _store_output(o_ref, o, intra_ref, own_ref, scale)
 
 
-def _stack_reverse_kernel(qe_ref, w_ref, kw_ref, lam_ref, gam_ref, do_ref, dstates_ref, duv_ref,
-                          *, nc, cps, dtype):
+def _span_reverse_kernel(qe_ref, p_ref, w_ref, kw_ref, u_ref, lam_ref, gam_ref, do_ref, dspan_ref,
+                         dcur_ref, duv_ref, *, nc, cps, dtype):
+  """Program (bh, value block, segment i): dS^i from the sequence's end back across the later
+  spans, each in one step dS_b = U_j^T dS_{b'} + sum_n (lam_n,i P_n)^T dO_n, storing the gradient
+  at each span's end into the span stack, then through its own segment chunk by chunk, storing
+  each chunk's dS^i_{n+1} and dUv_n."""
   i = pl.program_id(2)
+  ns = -(-nc // cps)
   start, end = _segment_bounds(nc, cps)
+  read = lambda q_ref, n: mm(lam_ref[n] * q_ref[n].astype(F32), do_ref[n], dtype, ta=True)
 
-  def chunk(n, ds, write):
-    dstates_ref[index(i, n, nc, cps)] = ds.astype(dstates_ref.dtype)
+  def later(k, ds):  # span j = ns - 1 - k, the last first
+    j = ns - 1 - k
+    dspan_ref[span_index(i, j)] = ds.astype(dspan_ref.dtype)
+    reads = jax.lax.fori_loop(j * cps, jnp.minimum((j + 1) * cps, nc),
+                              lambda n, acc: acc + read(p_ref, n), jnp.zeros_like(ds))
+    return mm(u_ref[j], ds, dtype, ta=True) + reads
+
+  def own(m, ds):  # chunk n = end - 1 - m: dS_{n+1} -> dS_n
+    n = end - 1 - m
     y = mm(kw_ref[n], ds, dtype)
-    if write:
-      duv_ref[n] = y.astype(duv_ref.dtype)
-    return (gam_ref[n] * ds + mm(lam_ref[n] * qe_ref[n].astype(F32), do_ref[n], dtype, ta=True)
-            - mm(w_ref[n], y, dtype, ta=True))
+    dcur_ref[n] = ds.astype(dcur_ref.dtype)
+    duv_ref[n] = y.astype(duv_ref.dtype)
+    return gam_ref[n] * ds + read(qe_ref, n) - mm(w_ref[n], y, dtype, ta=True)
 
-  d, bv = dstates_ref.shape[-2:]
-  ds = jax.lax.fori_loop(0, nc - end, lambda j, ds: chunk(nc - 1 - j, ds, False),
-                         jnp.zeros((d, bv), F32))
-  jax.lax.fori_loop(0, end - start, lambda j, ds: chunk(end - 1 - j, ds, True), ds)
+  d, bv = dcur_ref.shape[-2:]
+  ds = jax.lax.fori_loop(0, ns - 1 - i, later, jnp.zeros((d, bv), F32))
+  jax.lax.fori_loop(0, end - start, own, ds)
 
 
-def _stack_gradients_kernel(qe_ref, w_ref, kw_ref, uv_ref, lam_ref, do_ref, states_ref,
-                            dstates_ref, dqe_ref, dw_ref, dkw_ref, dgam_ref, dlam_ref, *, nc, cps,
-                            vd, bv, dtype):
-  """Program (bh, chunk n): one walk over the visible states i <= s(n) and the value blocks,
-  each state S_n^i and its gradient dS^i_{n+1} read once, accumulating
+def _span_gradients_kernel(qe_ref, p_ref, phi_ref, w_ref, uv_ref, duv_ref, lam_ref, do_ref,
+                           span_ref, cur_ref, dcur_ref, dqe_ref, y_ref, dw_ref, dkw_ref, dgam_ref,
+                           dlam_ref, *, nc, cps, vd, bv, dtype):
+  """Program (bh, chunk n) in span s, over the value blocks: from the finished states'
+  span-start values S_b^i,
 
-      dQe = sum_i (lam_i dO) S_i^T,   dlam_i = rowsum(dO * (Qe S_i)),   G = sum_i dS_i S_i^T.
+      Y_n = sum_{i < s} (lam_i dO_n) S_b^iT,   dlam_i = rowsum(dO_n * (P_n S_b^i)),
 
-  The three erase-term gradients share the chunk's Kw and W across the states, so they follow
-  from the (D, D) sum G alone: dW = -Kw G, dKw = -W G^T (+ Uv dS_{s(n)}^T, the write into the
-  current state), dgamma = trace(G). Per state and value column that is one D x D product
-  instead of the four C x D ones of forming W S and Kw dS per state."""
+  and from the own state's S_n^s and dS_{n+1}^s its part of the chunk's gradients:
+  dQe = (lam_s dO) S^T, dlam_s, and with G = dS S^T (never formed) dW = -Kw G = -dUv S^T,
+  dKw = -W G^T + Uv dS^T = (Uv - W S) dS^T, dgamma = tr G = <dS, S>.
+  dQe is whole here (+ Y_n Phi_n^T, the finished states' read), stored in qe's dtype; Y and the
+  own parts of dW, dKw, dgamma are float32, for ``_span_sums_kernel`` to finish."""
   n = _heaviest_first(nc)(pl.program_id(1))
-  cur = n // cps
+  s = n // cps
   c, d = qe_ref.shape
-  qe = qe_ref[...]
-  tile = lambda ref, i, cols: ref[index(i, n, nc, cps), :, cols]
+  p = p_ref[...]
 
-  def state(i, carry):
+  def finished(i, y):
     def block(cols, carry):
-      dqe, dlam, g = carry
-      s, ds, do = tile(states_ref, i, cols), tile(dstates_ref, i, cols), do_ref[:, cols]
-      return (dqe + mm(lam_ref[i] * do.astype(F32), s, dtype, tb=True),
-              dlam + rowsum(do.astype(F32) * mm(qe, s, dtype)),
-              g + mm(ds, s, dtype, tb=True))
+      y, dlam = carry
+      st, do = span_ref[span_index(i, s), :, cols], do_ref[:, cols].astype(F32)
+      return (y + mm(lam_ref[i] * do, st, dtype, tb=True),
+              dlam + rowsum(do * mm(p, st, dtype)))
 
-    dqe, g = carry
-    dqe, dlam, g = over_value_blocks(vd, bv, block, (dqe, jnp.zeros((c, 1), F32), g))
+    y, dlam = over_value_blocks(vd, bv, block, (y, jnp.zeros((c, 1), F32)))
     dlam_ref[i] = dlam
-    return dqe, g
+    return y
 
-  dqe, g = jax.lax.fori_loop(0, cur + 1, state, (jnp.zeros((c, d), F32), jnp.zeros((d, d), F32)))
+  y = jax.lax.fori_loop(0, s, finished, jnp.zeros((c, d), F32))
+  y_ref[...] = y
+  qe = qe_ref[...]
+
+  def read(cols, carry):  # the own state's read: dQe, dlam_s; and tr G = <dS, S>
+    dqe, dlam, dgam = carry
+    st, do = cur_ref[:, cols], do_ref[:, cols].astype(F32)
+    return (dqe + mm(lam_ref[s] * do, st, dtype, tb=True),
+            dlam + rowsum(do * mm(qe, st, dtype)),
+            dgam + total(dcur_ref[:, cols].astype(F32) * st.astype(F32)))
+
+  dqe, dlam, dgam = over_value_blocks(vd, bv, read, (
+      mm(y, phi_ref[...], dtype, tb=True), jnp.zeros((c, 1), F32), jnp.zeros((1, 1), F32)))
+  dlam_ref[s] = dlam
   dqe_ref[...] = dqe.astype(dqe_ref.dtype)
-  diagonal = (jax.lax.broadcasted_iota(jnp.int32, (d, d), 0)
-              == jax.lax.broadcasted_iota(jnp.int32, (d, d), 1))
-  dgam_ref[...] = total(jnp.where(diagonal, g, 0.0))
-  dw_ref[...] = (-mm(kw_ref[...], g, dtype)).astype(dw_ref.dtype)
-  dkw = over_value_blocks(   # the write Kw^T Uv into the current state
-      vd, bv, lambda cols, dkw: dkw + mm(uv_ref[:, cols], tile(dstates_ref, cur, cols), dtype,
-                                         tb=True), -mm(w_ref[...], g, dtype, tb=True))
-  dkw_ref[...] = dkw.astype(dkw_ref.dtype)
+  dgam_ref[...] = dgam
+  w = w_ref[...]
+
+  def erase_terms(cols, carry):  # -Kw G = -dUv S^T and -W G^T + Uv dS^T = (Uv - W S) dS^T
+    dw, dkw = carry
+    st, dst = cur_ref[:, cols], dcur_ref[:, cols]
+    return (dw - mm(duv_ref[:, cols], st, dtype, tb=True),
+            dkw + mm(uv_ref[:, cols].astype(F32) - mm(w, st, dtype), dst, dtype, tb=True))
+
+  dw_ref[...], dkw_ref[...] = over_value_blocks(vd, bv, erase_terms, (
+      jnp.zeros((c, d), F32), jnp.zeros((c, d), F32)))
+
+
+def _span_sums_kernel(qe_ref, phi_ref, w_ref, kw_ref, gam_ref, span_ref, dspan_ref, y_ref,
+                      dw_own_ref, dkw_own_ref, dgam_own_ref, dw_ref, dkw_ref, dgam_ref, *, nc, cps,
+                      vd, bv, dtype):
+  """Program (bh, span j), the last span first: K = sum_{i < j} dS_{b'}^i S_b^iT over the
+  stacks, then the span's chunks n = b' - 1 down to b with L (D, D) float32 from L = K:
+
+      dW_n = dW_own - (Kw_n L) Phi_n^T,   dKw_n = dKw_own - (W_n Phi_n) L^T,
+      dgamma_n = dgamma_own + sum(L * Phi_n),   L <- T_n^T L + Qe_n^T Y_n
+
+  (the finished states' G_n = L Phi_n^T, formed only through these products)."""
+  j = _heaviest_first(-(-nc // cps))(pl.program_id(1))
+  d = qe_ref.shape[-1]
+
+  def pair(i, g):
+    at = span_index(i, j)
+    return over_value_blocks(vd, bv, lambda cols, g: g + mm(dspan_ref[at, :, cols],
+                                                            span_ref[at, :, cols], dtype,
+                                                            tb=True), g)
+
+  first, last = j * cps, jnp.minimum((j + 1) * cps, nc)
+
+  def chunk(m, l):
+    n = last - 1 - m
+    phi, kw, w = phi_ref[n], kw_ref[n], w_ref[n]
+    a = mm(kw, l, dtype)
+    dw_ref[n] = (dw_own_ref[n] - mm(a, phi, dtype, tb=True)).astype(dw_ref.dtype)
+    dkw_ref[n] = (dkw_own_ref[n] - mm(mm(w, phi, dtype), l, dtype, tb=True)).astype(dkw_ref.dtype)
+    dgam_ref[n] = dgam_own_ref[n] + total(l * phi.astype(F32))
+    return gam_ref[n] * l - mm(w, a, dtype, ta=True) + mm(qe_ref[n], y_ref[n], dtype, ta=True)
+
+  k = jax.lax.fori_loop(0, j, pair, jnp.zeros((d, d), F32))
+  jax.lax.fori_loop(0, last - first, chunk, k)
 
 
 # ---- no erase: rescaled states ----
@@ -225,7 +340,7 @@ def _stack_gradients_kernel(qe_ref, w_ref, kw_ref, uv_ref, lam_ref, do_ref, stat
 def _write_kernel(*refs, nc, cps, erase, dtype):
   """Segment i's write phase from a zero state: each chunk's start state into ``cur_ref`` and the
   segment's end state into ``end_ref[i]``; with ``erase`` (a W operand first) the erase update,
-  by the same operations as ``_stack_kernel``'s, else gamma S + Kw^T Uv."""
+  by the same operations as ``_span_state_kernel``'s, else gamma S + Kw^T Uv."""
   w_ref = refs[0] if erase else None
   kw_ref, uv_ref, gam_ref, cur_ref, end_ref = refs[erase:]
   i = pl.program_id(2)
@@ -235,9 +350,8 @@ def _write_kernel(*refs, nc, cps, erase, dtype):
     cur_ref[n] = s.astype(cur_ref.dtype)
     if not erase:
       return gam_ref[n] * s + mm(kw_ref[n], uv_ref[n], dtype, ta=True)
-    kw = kw_ref[n]
-    new = gam_ref[n] * s - mm(kw, mm(w_ref[n], s, dtype), dtype, ta=True)
-    return new + mm(kw, uv_ref[n], dtype, ta=True)
+    return (_chunk_map(n, s, w_ref, kw_ref, gam_ref, dtype)
+            + mm(kw_ref[n], uv_ref[n], dtype, ta=True))
 
   d, bv = cur_ref.shape[-2:]
   s = jax.lax.fori_loop(start, end, chunk, jnp.zeros((d, bv), F32))
@@ -247,7 +361,8 @@ def _write_kernel(*refs, nc, cps, erase, dtype):
 def _rescaled_readout_kernel(qe_ref, lam_ref, end_ref, cur_ref, intra_ref, own_ref, o_ref, *, cps,
                              scale, dtype):
   cur = pl.program_id(1) // cps
-  o = _read(qe_ref[...].astype(F32), lam_ref, lambda i: end_ref[i], cur_ref[...], cur, dtype)
+  qe = qe_ref[...].astype(F32)
+  o = _read(qe, qe, lam_ref, lambda i: end_ref[i], cur_ref[...], cur, dtype)
   _store_output(o_ref, o, intra_ref, own_ref, scale)
 
 
@@ -277,36 +392,28 @@ def _rescaled_gradients_kernel(qe_ref, lam_ref, do_ref, end_ref, cur_ref, dqe_re
 
 # ---- erase, forward only: the query walk ----
 
-def _walk_kernel(qe_ref, lam_ref, w_ref, kw_ref, gam_ref, cur_ref, end_ref, u_ref, intra_ref,
-                 own_ref, o_ref, *, nc, cps, scale, dtype):
-  """Program (bh, chunk n), the last chunk first (``_heaviest_first``), over the whole V: the
-  query p = Qe_n walks back through the chunk maps T_m = gamma_m I - Kw_m^T W_m of its own
-  segment (p <- gamma_m p - (p Kw_m^T) W_m, m = n - 1 down to n_s), then reads each earlier
-  segment's end state and crosses that segment by its composite U_j:
+def _walk_kernel(qe_ref, lam_ref, p_ref, cur_ref, end_ref, u_ref, intra_ref, own_ref, o_ref, *,
+                 nc, cps, scale, dtype):
+  """Program (bh, chunk n), the last chunk first (``_heaviest_first``), over the whole V: from the
+  walked query p = P_n (``span_maps``), read each earlier segment's end state, crossing that
+  segment by its span map U_j:
 
-      o_n = (lam_s Qe_n) S_n + sum_{j < s} (lam_j p_j) S_end^j,   p_{j-1} = p_j U_j
+      o_n = (lam_s Qe_n) S_n + sum_{j < s} (lam_j p_j) S_end^j,   p_{s-1} = P_n, p_{j-1} = p_j U_j
 
   (S_n the current segment's state at the chunk's start). p and o stay float32; each product
   takes its operands in the input dtype, as the state passes do. The last segment crossed needs
-  no composite: the walk multiplies by U_j only for j >= 1, and segment 0's read is weighted
-  by zero where the chunk lies in segment 0 itself (its state is then S_n)."""
+  no map: the walk multiplies by U_j only for j >= 1, and segment 0's read is weighted by zero
+  where the chunk lies in segment 0 itself (its state is then S_n)."""
   n = _heaviest_first(nc)(pl.program_id(1))
   s = n // cps
-  qe = qe_ref[...].astype(F32)
-  o = mm(lam_ref[s] * qe, cur_ref[...], dtype)
-
-  def own_chunk(k, p):  # m = n - 1 - k, down to the segment's first chunk
-    m = n - 1 - k
-    return gam_ref[m] * p - mm(mm(p, kw_ref[m], dtype, tb=True), w_ref[m], dtype)
-
-  p = jax.lax.fori_loop(0, n - s * cps, own_chunk, qe)
+  o = mm(lam_ref[s] * qe_ref[...].astype(F32), cur_ref[...], dtype)
 
   def segment(k, carry):  # j = s - 1 - k, down to 1
     o, p = carry
     j = s - 1 - k
     return o + mm(lam_ref[j] * p, end_ref[j], dtype), mm(p, u_ref[j], dtype)
 
-  o, p = jax.lax.fori_loop(0, jnp.maximum(s - 1, 0), segment, (o, p))
+  o, p = jax.lax.fori_loop(0, jnp.maximum(s - 1, 0), segment, (o, p_ref[...].astype(F32)))
   o = o + mm(jnp.where(s > 0, lam_ref[0], 0.0) * p, end_ref[0], dtype)
   _store_output(o_ref, o, intra_ref, own_ref, scale)
 
@@ -345,19 +452,46 @@ def _lam_of_segment(nc, c):
   return pl.BlockSpec((None, None, nc, c, 1), lambda b, j, i: (b, i, 0, 0, 0))
 
 
-def stack_state_pass(w, kw, uv, gam, *, cps, cfg):
-  """Erase forward state pass: every visible chunk-start state, (BH, VIS, D, V) in kw's dtype.
-  Grid (BH, V / block_v, NS)."""
+# The span-map and span-sum kernels carry a (D, D) float32 matrix (Phi, L): 8 warps hold it in
+# registers at D = 128 (64 a thread).
+SQUARE_WARPS = 8
+
+
+def span_maps(qe, w, kw, gam, *, cps, cfg, phi=True):
+  """Erase, per span: Phi_n = T_{n-1} ... T_b (BH, NC, D, D) (``phi``: else not stored), the
+  walked queries P_n = Qe_n Phi_n (BH, NC, C, D) and the span maps U_j = Phi_{b'} (BH, NS, D, D),
+  in kw's dtype, from the chunk maps T_n = gamma_n I - Kw_n^T W_n. Grid (BH, NS)."""
+  bh, nc, c, d = kw.shape
+  ns = -(-nc // cps)
+  whole = lambda *shape: pl.BlockSpec((None, *shape), lambda b, j: (b,) + (0,) * len(shape))
+  shape = lambda *s: jax.ShapeDtypeStruct((bh, *s), kw.dtype)
+  outs = [(whole(nc, d, d), shape(nc, d, d))] if phi else []
+  outs += [(whole(nc, c, d), shape(nc, c, d)),
+           (pl.BlockSpec((None, None, d, d), lambda b, j: (b, j, 0, 0)), shape(ns, d, d))]
+  kernel = functools.partial(_span_maps_kernel, nc=nc, cps=cps, dtype=kw.dtype)
+  return call(kernel, cfg=cfg, grid=(bh, ns), in_specs=[whole(nc, c, d)] * 3 + [whole(nc, 1, 1)],
+              out_specs=[spec for spec, _ in outs], out_shape=[s for _, s in outs],
+              semantics=None, name="merlin_span_maps", num_warps=SQUARE_WARPS)(qe, w, kw, gam)
+
+
+def span_state_pass(w, kw, uv, gam, u, *, cps, cfg):
+  """Erase forward state pass: each chunk's own-segment start state ``cur`` (BH, NC, D, V) and
+  the span stack ``span`` (BH, ``num_pairs``, D, V), S^i at the start of every span j > i at
+  ``span_index(i, j)``, both in kw's dtype; ``u`` the span maps (``span_maps``). Grid
+  (BH, V / block_v, NS)."""
   bh, nc, c, d = kw.shape
   vd = uv.shape[-1]
   bv = min(cfg.block_v, vd)
-  vis = num_visible(nc, cps)
-  kernel = functools.partial(_stack_kernel, nc=nc, cps=cps, dtype=kw.dtype)
-  return call(kernel, cfg=cfg, grid=(bh, vd // bv, -(-nc // cps)),
-              in_specs=[_whole(nc, c, d), _whole(nc, c, d), _vblock(nc, c, bv), _whole(nc, 1, 1)],
-              out_specs=_vblock(vis, d, bv),
-              out_shape=jax.ShapeDtypeStruct((bh, vis, d, vd), kw.dtype),
-              semantics=None, name="merlin_state_pass")(w, kw, uv, gam)
+  ns = -(-nc // cps)
+  pairs = num_pairs(ns)
+  kernel = functools.partial(_span_state_kernel, nc=nc, cps=cps, dtype=kw.dtype)
+  return call(kernel, cfg=cfg, grid=(bh, vd // bv, ns),
+              in_specs=[_whole(nc, c, d), _whole(nc, c, d), _vblock(nc, c, bv), _whole(nc, 1, 1),
+                        _whole(ns, d, d)],
+              out_specs=[_vblock(nc, d, bv), _vblock(pairs, d, bv)],
+              out_shape=[jax.ShapeDtypeStruct((bh, nc, d, vd), kw.dtype),
+                         jax.ShapeDtypeStruct((bh, pairs, d, vd), kw.dtype)],
+              semantics=None, name="merlin_state_pass")(w, kw, uv, gam, u)
 
 
 def _readout_call(kernel, qe, lam, state_specs, states, intra, own, heads, cfg, *, bv=None,
@@ -381,60 +515,90 @@ def _readout_call(kernel, qe, lam, state_specs, states, intra, own, heads, cfg, 
               semantics=None, name=name, num_warps=num_warps)(qe, lam, *states, intra, own)
 
 
-def stack_readout(qe, lam, states, intra, own, *, cps, scale, heads, cfg):
-  """The erase output: scale (o_n + own_n intra_n) with o_n = sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i
-  from the stored stack and the intra-chunk part intra = P Uv (BH, NC, C, V), weighted by own
-  (BH, NC, C, 1), each token's lam of its own segment (both float32): summed in float32 and
-  stored once in qe's dtype (the op's output dtype), (B, NC * C, H, V) with H = ``heads``
-  (``_readout_call``). Grid (BH, NC, V / bwd_block_v)."""
-  nc, d = qe.shape[1], qe.shape[-1]
-  vis, vd = states.shape[1], states.shape[-1]
+def span_readout(qe, lam, p, span, cur, intra, own, *, cps, scale, heads, cfg):
+  """The erase output: scale (o_n + own_n intra_n) with
+  o_n = sum_{i < s(n)} (lam_n,i P_n) S_b^i + (lam_n,s(n) Qe_n) S_n^s(n), from the walked queries
+  P (BH, NC, C, D), the span stack and the current states (``span_state_pass``) and the
+  intra-chunk part intra = P Uv (BH, NC, C, V), weighted by own (BH, NC, C, 1), each token's lam
+  of its own segment (both float32): summed in float32 and stored once in qe's dtype (the op's
+  output dtype), (B, NC * C, H, V) with H = ``heads`` (``_readout_call``). Grid
+  (BH, NC, V / bwd_block_v)."""
+  c, d = qe.shape[2:]
+  pairs, vd = span.shape[1], span.shape[-1]
   bv = min(cfg.bwd_block_v, vd)
-  kernel = functools.partial(_stack_readout_kernel, nc=nc, cps=cps, scale=scale, dtype=qe.dtype)
-  spec = pl.BlockSpec((None, vis, d, bv), lambda b, n, j: (b, 0, 0, j))
-  return _readout_call(kernel, qe, lam, [spec], [states], intra, own, heads, cfg)
+  kernel = functools.partial(_span_readout_kernel, cps=cps, scale=scale, dtype=qe.dtype)
+  specs = [_chunk_spec(c, d), pl.BlockSpec((None, pairs, d, bv), lambda b, n, j: (b, 0, 0, j)),
+           pl.BlockSpec((None, None, d, bv), lambda b, n, j: (b, n, 0, j))]
+  return _readout_call(kernel, qe, lam, specs, [p, span, cur], intra, own, heads, cfg)
 
 
-def stack_reverse_state_pass(qe, w, kw, lam, gam, do, *, cps, cfg):
-  """Erase reverse state pass: dS^i_{n+1} at ``index(i, n)`` (BH, VIS, D, V) and dUv
-  (BH, NC, C, V), both in qe's dtype (dUv's one use is the op's cotangent of Uv, which has that
-  dtype). Grid (BH, V / bwd_block_v, NS) at bwd_num_warps; do (BH, NC, C, V) in qe's dtype."""
+def span_reverse_pass(qe, p, w, kw, u, lam, gam, do, *, cps, cfg):
+  """Erase reverse state pass: the span-end gradients ``dspan`` (BH, ``num_pairs``, D, V),
+  dS^i_{b'} for span j > i at ``span_index(i, j)`` (b' the span's end), each chunk's own-segment
+  gradient ``dcur`` dS^s(n)_{n+1} (BH, NC, D, V) and dUv (BH, NC, C, V), all in qe's dtype (dUv's
+  one use is the op's cotangent of Uv, which has that dtype); p and u from ``span_maps``. Grid
+  (BH, V / bwd_block_v, NS) at bwd_num_warps; do (BH, NC, C, V) in qe's dtype."""
   bh, nc, c, d = qe.shape
-  vd = do.shape[-1]
+  ns, vd = lam.shape[1], do.shape[-1]
   bv = min(cfg.bwd_block_v, vd)
-  vis = num_visible(nc, cps)
-  kernel = functools.partial(_stack_reverse_kernel, nc=nc, cps=cps, dtype=qe.dtype)
-  return call(kernel, cfg=cfg, grid=(bh, vd // bv, lam.shape[1]),
-              in_specs=[_whole(nc, c, d)] * 3 + [_lam_of_segment(nc, c), _whole(nc, 1, 1),
-                                                 _vblock(nc, c, bv)],
-              out_specs=[_vblock(vis, d, bv), _vblock(nc, c, bv)],
-              out_shape=[jax.ShapeDtypeStruct((bh, vis, d, vd), qe.dtype),
+  pairs = num_pairs(ns)
+  kernel = functools.partial(_span_reverse_kernel, nc=nc, cps=cps, dtype=qe.dtype)
+  return call(kernel, cfg=cfg, grid=(bh, vd // bv, ns),
+              in_specs=[_whole(nc, c, d)] * 4 + [_whole(ns, d, d), _lam_of_segment(nc, c),
+                                                 _whole(nc, 1, 1), _vblock(nc, c, bv)],
+              out_specs=[_vblock(pairs, d, bv), _vblock(nc, d, bv), _vblock(nc, c, bv)],
+              out_shape=[jax.ShapeDtypeStruct((bh, pairs, d, vd), qe.dtype),
+                         jax.ShapeDtypeStruct((bh, nc, d, vd), qe.dtype),
                          jax.ShapeDtypeStruct((bh, nc, c, vd), qe.dtype)],
               semantics=None, name="merlin_reverse_state_pass",
-              num_warps=cfg.bwd_num_warps)(qe, w, kw, lam, gam, do)
+              num_warps=cfg.bwd_num_warps)(qe, p, w, kw, u, lam, gam, do)
 
 
-def stack_chunk_gradients(qe, w, kw, uv, lam, do, states, dstates, *, cps, cfg):
-  """Erase: dQe, dW, dKw (BH, NC, C, D) in qe's dtype (the op's cotangents of those operands, which
-  have it: summed in float32, rounded once at the store), dgamma (BH, NC, 1, 1) and dlam
-  (BH, NC, NS, C, 1; entries i > s(n) unwritten) float32. Grid (BH, NC), the last chunk first
-  (``_heaviest_first``)."""
+def span_chunk_gradients(qe, p, phi, w, uv, duv, lam, do, span, cur, dcur, *, cps, cfg):
+  """Erase, per chunk (``_span_gradients_kernel``): dQe (BH, NC, C, D) in qe's dtype (the op's
+  cotangent of Qe, which has it: summed in float32, rounded once); float32 Y and the own state's
+  parts of dW, dKw (BH, NC, C, D) and dgamma (BH, NC, 1, 1) (``span_sums`` finishes them); dlam
+  (BH, NC, NS, C, 1; entries i > s(n) unwritten) whole. Grid (BH, NC), the last chunk first
+  (``_heaviest_first``), at bwd_num_warps."""
   bh, nc, c, d = qe.shape
-  vis, vd = states.shape[1], states.shape[-1]
+  pairs, vd = span.shape[1], span.shape[-1]
   ns = lam.shape[1]
   order = _heaviest_first(nc)
   per_chunk = lambda *s: _chunk_spec(*s, chunk=order)
-  stack = pl.BlockSpec((None, vis, d, vd), lambda b, p: (b, 0, 0, 0))
   shape = lambda *s, dtype=F32: jax.ShapeDtypeStruct((bh, nc, *s), dtype)
-  kernel = functools.partial(_stack_gradients_kernel, nc=nc, cps=cps, vd=vd,
+  kernel = functools.partial(_span_gradients_kernel, nc=nc, cps=cps, vd=vd,
                              bv=min(cfg.bwd_block_v, vd), dtype=qe.dtype)
   return call(kernel, cfg=cfg, grid=(bh, nc),
-              in_specs=[per_chunk(c, d)] * 3 + [per_chunk(c, vd), _lam_of_chunk(ns, c, order),
-                                                per_chunk(c, vd), stack, stack],
-              out_specs=[per_chunk(c, d)] * 3 + [per_chunk(1, 1), per_chunk(ns, c, 1)],
-              out_shape=[shape(c, d, dtype=qe.dtype)] * 3 + [shape(1, 1), shape(ns, c, 1)],
+              in_specs=[per_chunk(c, d)] * 2 + [per_chunk(d, d), per_chunk(c, d)]
+                       + [per_chunk(c, vd)] * 2 + [_lam_of_chunk(ns, c, order), per_chunk(c, vd),
+                          pl.BlockSpec((None, pairs, d, vd), lambda b, p: (b, 0, 0, 0)),
+                          per_chunk(d, vd), per_chunk(d, vd)],
+              out_specs=[per_chunk(c, d)] * 4 + [per_chunk(1, 1), per_chunk(ns, c, 1)],
+              out_shape=[shape(c, d, dtype=qe.dtype)] + [shape(c, d)] * 3
+                        + [shape(1, 1), shape(ns, c, 1)],
               semantics=None, name="merlin_chunk_gradients",
-              num_warps=cfg.bwd_num_warps)(qe, w, kw, uv, lam, do, states, dstates)
+              num_warps=cfg.bwd_num_warps)(qe, p, phi, w, uv, duv, lam, do, span, cur, dcur)
+
+
+def span_sums(qe, phi, w, kw, gam, span, dspan, y, dw_own, dkw_own, dgam_own, *, cps, cfg):
+  """Erase: the chunk gradients dW, dKw (BH, NC, C, D) in qe's dtype and dgamma (BH, NC, 1, 1)
+  float32, the own parts (``span_chunk_gradients``) plus the finished states', through each
+  span's K and L (``_span_sums_kernel``). Grid (BH, NS), the last span first."""
+  bh, nc, c, d = qe.shape
+  pairs, vd = span.shape[1], span.shape[-1]
+  ns = -(-nc // cps)
+  whole = lambda *shape: pl.BlockSpec((None, *shape), lambda b, j: (b,) + (0,) * len(shape))
+  shape = lambda *s, dtype=F32: jax.ShapeDtypeStruct((bh, nc, *s), dtype)
+  kernel = functools.partial(_span_sums_kernel, nc=nc, cps=cps, vd=vd,
+                             bv=min(cfg.bwd_block_v, vd), dtype=qe.dtype)
+  return call(kernel, cfg=cfg, grid=(bh, ns),
+              in_specs=[whole(nc, c, d), whole(nc, d, d), whole(nc, c, d), whole(nc, c, d),
+                        whole(nc, 1, 1), whole(pairs, d, vd), whole(pairs, d, vd),
+                        whole(nc, c, d), whole(nc, c, d), whole(nc, c, d), whole(nc, 1, 1)],
+              out_specs=[whole(nc, c, d)] * 2 + [whole(nc, 1, 1)],
+              out_shape=[shape(c, d, dtype=qe.dtype)] * 2 + [shape(1, 1)],
+              semantics=None, name="merlin_span_sums", num_warps=SQUARE_WARPS)(
+                  qe, phi, w, kw, gam, span, dspan, y, dw_own, dkw_own, dgam_own)
 
 
 def write_pass(kw, uv, gam, *, cps, cfg, w=None):
@@ -459,7 +623,7 @@ def write_pass(kw, uv, gam, *, cps, cfg, w=None):
 def rescaled_readout(qe, lam, cur, end, intra, own, *, cps, scale, heads, cfg):
   """The no-erase output: scale (o_n + own_n intra_n) with o_n = sum_{i < s(n)} (lam_n,i Qe_n)
   S_end^i + (lam_n,s(n) Qe_n) S_n (lam already carrying the finished states' decay), stored as
-  ``stack_readout``'s: (B, NC * C, H, V) in qe's dtype."""
+  ``span_readout``'s: (B, NC * C, H, V) in qe's dtype."""
   ns, d, vd = end.shape[1:]
   bv = min(cfg.bwd_block_v, vd)
   kernel = functools.partial(_rescaled_readout_kernel, cps=cps, scale=scale, dtype=qe.dtype)
@@ -468,28 +632,26 @@ def rescaled_readout(qe, lam, cur, end, intra, own, *, cps, scale, heads, cfg):
   return _readout_call(kernel, qe, lam, specs, [end, cur], intra, own, heads, cfg)
 
 
-def walk_readout(qe, lam, w, kw, gam, cur, end, composites, intra, own, *, cps, scale, heads,
-                 cfg):
+def walk_readout(qe, lam, p, cur, end, u, intra, own, *, cps, scale, heads, cfg):
   """The erase output without a stack of states (forward only): scale (o_n + own_n intra_n),
-  o_n = sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i formed by walking the query back through the chunk
-  maps (``_walk_kernel``) from each chunk's current state ``cur`` (BH, NC, D, V), the segments'
-  end states ``end`` (BH, NS, D, V) (both ``write_pass`` with W) and the segments' composite maps
-  ``composites`` U_j = T_{e_j - 1} ... T_{n_j} (BH, NS, D, D), all in qe's dtype; stored as
-  ``stack_readout``'s: (B, NC * C, H, V) in qe's dtype. Grid (BH, NC), the last chunk first, one
-  program over the whole V: the walk of p (C, D) does not depend on the value columns, so value
-  blocks would repeat it. At ``bwd_num_warps``: p and o, two float32 (C, D) and (C, V) arrays,
-  spill at 4 warps at C = 64, D = V = 128 (192 bytes a thread, benchmarks/triton_registers.py
-  --merlin) and fit at 8."""
+  o_n = sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i formed by walking the query back through the span
+  maps (``_walk_kernel``) from the walked queries ``p`` (BH, NC, C, D) and span maps ``u``
+  (BH, NS, D, D) (``span_maps``), each chunk's current state ``cur`` (BH, NC, D, V) and the
+  segments' end states ``end`` (BH, NS, D, V) (both ``write_pass`` with W), all in qe's dtype;
+  stored as ``span_readout``'s: (B, NC * C, H, V) in qe's dtype. Grid (BH, NC), the last chunk
+  first, one program over the whole V: the walk of p (C, D) does not depend on the value columns,
+  so value blocks would repeat it. At ``bwd_num_warps``: p and o, two float32 (C, D) and (C, V)
+  arrays, spill at 4 warps at C = 64, D = V = 128 (192 bytes a thread,
+  benchmarks/triton_registers.py --merlin) and fit at 8."""
   nc, c, d = qe.shape[1:]
   ns, vd = end.shape[1], end.shape[-1]
   order = _heaviest_first(nc)
   kernel = functools.partial(_walk_kernel, nc=nc, cps=cps, scale=scale, dtype=qe.dtype)
   whole = lambda *shape: pl.BlockSpec((None, *shape), lambda b, p, j: (b,) + (0,) * len(shape))
-  specs = [whole(nc, c, d), whole(nc, c, d), whole(nc, 1, 1), _chunk_spec(d, vd, chunk=order),
-           whole(ns, d, vd), whole(ns, d, d)]
-  return _readout_call(kernel, qe, lam, specs, [w, kw, gam, cur, end, composites], intra, own,
-                       heads, cfg, bv=vd, chunk=order, name="merlin_walk_readout",
-                       num_warps=cfg.bwd_num_warps)
+  specs = [_chunk_spec(c, d, chunk=order), _chunk_spec(d, vd, chunk=order), whole(ns, d, vd),
+           whole(ns, d, d)]
+  return _readout_call(kernel, qe, lam, specs, [p, cur, end, u], intra, own, heads, cfg, bv=vd,
+                       chunk=order, name="merlin_walk_readout", num_warps=cfg.bwd_num_warps)
 
 
 def rescaled_reverse_pass(qe, kw, uv, lam, gam, do, cur, *, cps, cfg):

@@ -99,8 +99,9 @@ def _forward(cps, erase, cfg, scale, *operands):
   read = {"cps": cps, "scale": scale, "heads": h, "cfg": cfg}
   if erase:
     qe, w, kw, uv = mats
-    states = (kernels.stack_state_pass(w, kw, uv, gam, cps=cps, cfg=cfg),)
-    o = kernels.stack_readout(qe, lam, *states, intra, own, **read)
+    p, u = kernels.span_maps(qe, w, kw, gam, cps=cps, cfg=cfg, phi=False)
+    states = kernels.span_state_pass(w, kw, uv, gam, u, cps=cps, cfg=cfg)
+    o = kernels.span_readout(qe, lam, p, *states[::-1], intra, own, **read)
   else:
     qe, kw, uv = mats
     states = kernels.write_pass(kw, uv, gam, cps=cps, cfg=cfg)
@@ -108,44 +109,25 @@ def _forward(cps, erase, cfg, scale, *operands):
   return (o, *(_split(x, b, h) for x in states))
 
 
-def composites(w, kw, gam, cps):
-  """U_j = T_{e_j - 1} ... T_{n_j} (BH, NS, D, D) in kw's dtype: the product of segment j's chunk
-  maps T_m = gamma_m I - Kw_m^T W_m, formed in float32 at full precision from the kernel operands
-  w, kw (BH, NC, C, D) and gam (BH, NC, 1, 1) and rounded once. A last partial segment's missing
-  chunks count as the identity (gamma 1, no erase); the walk never reads its composite."""
-  bh, nc, c, d = kw.shape
-  ns = -(-nc // cps)
-  pad = ns * cps - nc
-  by_segment = lambda x, fill: jnp.pad(x.astype(F32), [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2),
-                                       constant_values=fill).reshape(bh, ns, cps, *x.shape[2:])
-  w, kw, gam = by_segment(w, 0.0), by_segment(kw, 0.0), by_segment(gam, 1.0)
-  eye = jnp.eye(d, dtype=F32)
-  u = jnp.broadcast_to(eye, (bh, ns, d, d))
-  for m in range(cps):  # U <- T_m U, chunk m of every segment
-    t_m = gam[:, :, m] * eye - jnp.einsum("bscd,bsce->bsde", kw[:, :, m], w[:, :, m],
-                                           precision=jax.lax.Precision.HIGHEST)
-    u = jnp.einsum("bsde,bsef->bsdf", t_m, u, precision=jax.lax.Precision.HIGHEST)
-  return u.astype(kw.dtype)
-
-
 def _walk_forward(cps, cfg, scale, *operands):
   """The erase output by the query walk, forward only (``kernels.walk_readout``): ``_forward``'s
   erase operands in, its output alone out, (B, NC * C, H, V) in qe's dtype. The states it reads
-  are each chunk's current state and each segment's end state (``kernels.write_pass`` with W) and
-  the segments' composite maps (``composites``); none is kept."""
+  are each chunk's current state and each segment's end state (``kernels.write_pass`` with W),
+  with the walked queries and span maps (``kernels.span_maps``); none is kept."""
   h = operands[0].shape[1]
   (qe, w, kw, uv), gam, lam = kernel_layout(operands[:-2])
   intra, own = readout_layout(*operands[-2:], uv.shape[-1])
   cur, end = kernels.write_pass(kw, uv, gam, cps=cps, cfg=cfg, w=w)
-  return kernels.walk_readout(qe, lam, w, kw, gam, cur, end, composites(w, kw, gam, cps), intra,
-                              own, cps=cps, scale=scale, heads=h, cfg=cfg)
+  p, u = kernels.span_maps(qe, w, kw, gam, cps=cps, cfg=cfg, phi=False)
+  return kernels.walk_readout(qe, lam, p, cur, end, u, intra, own, cps=cps, scale=scale,
+                              heads=h, cfg=cfg)
 
 
 def _backward(cps, erase, cfg, *args):
   """The gradients of ``_forward``'s kernel operands, all but intra and own (lam's zero for
   i > s(n)), from those operands, the states it stored and the stack read's cotangent do, all
   (B, H, ...); each in its operand's dtype."""
-  n_states = 1 if erase else 2
+  n_states = 2
   operands, states, do = args[:-n_states - 1], args[-n_states - 1:-1], args[-1]
   b, h, nc = operands[0].shape[:3]
   mats, gam, lam = kernel_layout(operands)
@@ -153,9 +135,13 @@ def _backward(cps, erase, cfg, *args):
   do = _merge(do).astype(mats[0].dtype)
   if erase:
     qe, w, kw, uv = mats
-    dstates, duv = kernels.stack_reverse_state_pass(qe, w, kw, lam, gam, do, cps=cps, cfg=cfg)
-    dqe, dw, dkw, dgam, dlam = kernels.stack_chunk_gradients(qe, w, kw, uv, lam, do, *states,
-                                                             dstates, cps=cps, cfg=cfg)
+    cur, span = states
+    phi, p, u = kernels.span_maps(qe, w, kw, gam, cps=cps, cfg=cfg)
+    dspan, dcur, duv = kernels.span_reverse_pass(qe, p, w, kw, u, lam, gam, do, cps=cps, cfg=cfg)
+    dqe, y, *own, dlam = kernels.span_chunk_gradients(qe, p, phi, w, uv, duv, lam, do, span,
+                                                      cur, dcur, cps=cps, cfg=cfg)
+    dw, dkw, dgam = kernels.span_sums(qe, phi, w, kw, gam, span, dspan, y, *own, cps=cps,
+                                      cfg=cfg)
     dmats = (dqe, dw, dkw, duv)
   else:
     qe, kw, uv = mats
@@ -179,7 +165,7 @@ _REPLICATED = ("n", "c", "t", "d", "v", "u", "s", "i")
 
 def _rules(erase):
   mats = "b h n c d, " * (3 if erase else 2) + "b h n c v, b h n, b h s n c"
-  states = "b h i d v" if erase else "b h n d v, b h s d v"
+  states = "b h n d v, b h i d v" if erase else "b h n d v, b h s d v"
   return (f"{mats}, b h n c u, b h n c -> b t h v, {states}",
           f"{mats}, {states}, b h n c v -> {mats}")
 
@@ -192,7 +178,7 @@ _PARTITIONED = {
     for erase in (True, False)}
 
 
-_WALK_RULE = _rules(True)[0].removesuffix(", b h i d v")  # the erase forward's, its output only
+_WALK_RULE = _rules(True)[0].split(" -> ")[0] + " -> b t h v"  # the erase forward's output only
 _WALK = partition.batch_head_partitioned(
     _walk_forward, n_static=3, rule=_WALK_RULE,
     replicated=tuple(f for f in _REPLICATED if f in _WALK_RULE.split()))

@@ -54,19 +54,22 @@ class Plan:
 def default_config(platform: str) -> Config:
   """GPU: the forward state pass at 32 value columns a program (a (D, 32) float32 state, 16 KiB at
   D = 128) and 4 warps, the readout at 64 columns and 4 warps; the backward's kernels (reverse
-  state pass, chunk gradients) at 64 columns and 4 warps. Each state-pass program re-reads its
-  chunk's Qe, W, Kw at every chunk step, so wider value blocks halve that traffic; the profile
-  (benchmarks/RESULTS.md) finds the wider blocks faster for the reverse pass, which carries more
-  per-step work, and slower for the forward pass and the readout; it finds the backward's kernels
-  faster at 4 warps than at 8, although at 4 the reverse state pass and the chunk gradients spill
-  registers and at 8 they do not (benchmarks/triton_registers.py --merlin, which also lists the
-  intra-chunk kernel's). The forward's state and readout kernels do not spill at these tiles.
+  state pass, chunk gradients) at 64 columns and 4 warps (the span kernels, which carry a D x D
+  float32 matrix, at ``kernels.SQUARE_WARPS``). Each state-pass program re-reads its chunk's Qe,
+  W, Kw at every chunk step of its own segment, so wider value blocks halve that traffic; the
+  profile (benchmarks/RESULTS.md) finds the wider blocks faster for the reverse pass, which
+  carries more per-step work, and slower for the forward pass and the readout. At 4 warps the
+  reverse state pass and the chunk gradients spill registers and at 8 they do not
+  (benchmarks/triton_registers.py --merlin, which also lists the intra-chunk kernels'); 4 measured
+  faster for the kernels before the span form, and the span form's kernels are not yet timed at
+  8. The forward's state and readout kernels do not spill at these tiles.
   Where no gradient is taken, the erase forward reads the states by the query walk
-  (``Config.query_walk``): as fast as the stack forward (benchmarks/RESULTS.md), and its memory
-  grows with T, where the stack of visible chunk-start states grows with T^2; and the intra-chunk
+  (``Config.query_walk``), whose memory grows with T, where the span stack's grows with T^2 (it
+  measured as fast as the forward before the span form; the two are not yet timed side by
+  side); and the intra-chunk
   part runs as one forward kernel (``Config.intra_kernel``, launched as ``merlin.pallas.intra``
   says), faster than the plain-JAX part (benchmarks/RESULTS.md). A differentiated call runs the
-  stack forward regardless, as the backward needs the stack's states; its intra-chunk kernel
+  span form's forward regardless, as the backward needs the span stack; its intra-chunk kernel
   also writes A for the part's pullback (``merlin.chunked.intra_chunk_pullback``), so that the
   float32 products of the plain-JAX part are neither formed forward nor kept, and that pullback
   runs as one kernel too (``Config.intra_backward_kernel``), reading the op's layout and writing

@@ -101,11 +101,12 @@ class Config:
   token, slice) shared by the four sums, no cross-thread reductions) instead of plain JAX, where
   XLA takes each of the four sums with its own exponentials (Mosaic GPU chunk backward only).
   query_walk: MERLIN's forward-only readout in the erase mode (``merlin.pallas.kernels``,
-  ``walk_readout``): where no gradient is taken, each chunk's query walks back through the chunk
-  maps and reads only the segments' end states, so the forward stores each chunk's current state,
-  each segment's end state and composite map instead of every visible chunk-start state (the
-  (B*H, VIS, D, V) stack). A differentiated call runs the stack forward regardless, as the
-  backward needs the states. On in the GPU default (``merlin.pallas.plan.default_config``).
+  ``walk_readout``): where no gradient is taken, each chunk's walked query moves back through
+  the span maps and reads only the segments' end states, so the forward stores each chunk's
+  current state and each segment's end state instead of every finished state at every span
+  start (the span stack, (B*H, NS (NS - 1) / 2, D, V)). A differentiated call runs the span
+  form's forward regardless, as the backward needs the span stack. On in the GPU default
+  (``merlin.pallas.plan.default_config``).
   intra_kernel: MERLIN's intra-chunk part's forward (``merlin.chunked.intra_chunk``: the UT
   transform, Uv, W, Qe, Kw, the chunk decay and P Uv) by a Triton kernel, one program per
   (batch*head, chunk), reading q, k, v, beta and g's chunk-local cumulative sum in the caller's
