@@ -325,10 +325,10 @@ def _span_sums_kernel(qe_ref, phi_ref, w_ref, kw_ref, gam_ref, span_ref, dspan_r
   def chunk(m, l):
     n = last - 1 - m
     phi, kw, w = phi_ref[n], kw_ref[n], w_ref[n]
+    dgam_ref[n] = dgam_own_ref[n] + total(l * phi.astype(F32))
     a = mm(kw, l, dtype)
     dw_ref[n] = (dw_own_ref[n] - mm(a, phi, dtype, tb=True)).astype(dw_ref.dtype)
     dkw_ref[n] = (dkw_own_ref[n] - mm(mm(w, phi, dtype), l, dtype, tb=True)).astype(dkw_ref.dtype)
-    dgam_ref[n] = dgam_own_ref[n] + total(l * phi.astype(F32))
     return gam_ref[n] * l - mm(w, a, dtype, ta=True) + mm(qe_ref[n], y_ref[n], dtype, ta=True)
 
   k = jax.lax.fori_loop(0, j, pair, jnp.zeros((d, d), F32))
@@ -583,7 +583,10 @@ def span_chunk_gradients(qe, p, phi, w, uv, duv, lam, do, span, cur, dcur, *, cp
 def span_sums(qe, phi, w, kw, gam, span, dspan, y, dw_own, dkw_own, dgam_own, *, cps, cfg):
   """Erase: the chunk gradients dW, dKw (BH, NC, C, D) in qe's dtype and dgamma (BH, NC, 1, 1)
   float32, the own parts (``span_chunk_gradients``) plus the finished states', through each
-  span's K and L (``_span_sums_kernel``). Grid (BH, NS), the last span first."""
+  span's K and L (``_span_sums_kernel``). Grid (BH, NS), the last span first. Its dot operands
+  (Phi, L, each also transposed, and C x D tiles) take 224 KiB of shared memory at
+  D = V = 128, C = 64 (benchmarks/triton_registers.py --merlin), near Hopper's 227 KiB a block:
+  orders of the chunk step that hold fewer registers took 256-272 KiB, which would not launch."""
   bh, nc, c, d = qe.shape
   pairs, vd = span.shape[1], span.shape[-1]
   ns = -(-nc // cps)
