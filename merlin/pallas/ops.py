@@ -9,22 +9,26 @@ the backward kernel of ``intra.py`` (``Config.intra_backward_kernel``, one progr
 as batched float32 matmuls over all chunks. Everything whose cost grows with the number of
 segment states N is in ``kernels.py``, behind one ``jax.custom_vjp``:
 
-  erase     forward: state pass (every visible chunk-start state, grid over segments) ->
-            readout; backward: reverse state pass (state gradients, dUv) -> chunk gradients
-            (dQe, dW, dKw, dgamma, dlam)
+  erase     forward: span maps (Phi, the walked queries P, the span maps U; grid over spans)
+            -> state pass (each chunk's own-segment state and the finished states at span
+            starts; grid over segments) -> readout; backward: span maps again (with Phi) ->
+            reverse state pass (the gradients at span ends and in the own segment, dUv) ->
+            chunk gradients (Y, dQe, dlam, the own state's terms) -> span sums (dW, dKw,
+            dgamma)
   no erase  forward: write pass (each chunk's current state, each segment's end state) ->
             readout, with a finished state's decay folded into lam here; backward: reverse
             write pass (dUv, dKw, dgamma) and the read's gradients (dQe, dlam)
   erase, no gradient taken, ``Config.query_walk``: write pass with W (each chunk's current
-            state, each segment's end state) and the segments' composite chunk maps (plain
-            JAX) -> the query-walk readout; no stack of states is formed
+            state, each segment's end state) and the span maps -> the query-walk readout; no
+            stack of states is formed
 
 The readout also takes the intra-chunk part, P Uv and each token's lam of its own segment (own),
 and writes the op's output scale (o + own P Uv) itself, in float32 and rounded once to the input
 dtype, into the caller's (B, T, H, V) layout (T padded to whole chunks and V to ``padded_width``: a
 slice after where either is padded). So the stack read o never leaves the kernel: no float32 o is
 written and read back, and no relayout or cast pass follows. The custom_vjp saves its inputs and
-the states the forward stored (in the input dtype); its backward forms dO = scale dy (float32,
+the states the forward stored (in the input dtype; the erase backward forms the span maps again,
+one cheap launch, rather than keeping Phi, P, U); its backward forms dO = scale dy (float32,
 chunk layout), the cotangent of the kernels and of the intra-chunk part. Kernel operands are the
 input dtype (bf16 inputs: bf16 tensor-core operands, float32 accumulation). The kernels store the
 gradients of Qe, W, Kw, Uv in that dtype too, rounded once from their float32 sums: they are the
@@ -90,9 +94,9 @@ def _forward(cps, erase, cfg, scale, *operands):
   lam (B, H, NS, NC, C), and the intra-chunk part, float32: intra = P Uv (B, H, NC, C, V) and
   own (B, H, NC, C), each token's lam of its own segment. Returns the op's output
   scale (o + own intra), o the stack read, in qe's dtype and the caller's layout
-  (B, NC * C, H, V), and the stored states: erase the visible chunk-start states
-  (B, H, VIS, D, V); no erase each chunk's current state (B, H, NC, D, V) and each segment's end
-  state (B, H, NS, D, V)."""
+  (B, NC * C, H, V), and the stored states: each chunk's current state (B, H, NC, D, V), then
+  erase the span stack (B, H, NS (NS - 1) / 2, D, V) (``kernels.span_state_pass``), no erase
+  each segment's end state (B, H, NS, D, V)."""
   b, h = operands[0].shape[:2]
   mats, gam, lam = kernel_layout(operands[:-2])
   intra, own = readout_layout(*operands[-2:], mats[-1].shape[-1])
@@ -100,8 +104,8 @@ def _forward(cps, erase, cfg, scale, *operands):
   if erase:
     qe, w, kw, uv = mats
     p, u = kernels.span_maps(qe, w, kw, gam, cps=cps, cfg=cfg, phi=False)
-    states = kernels.span_state_pass(w, kw, uv, gam, u, cps=cps, cfg=cfg)
-    o = kernels.span_readout(qe, lam, p, *states[::-1], intra, own, **read)
+    cur, span = states = kernels.span_state_pass(w, kw, uv, gam, u, cps=cps, cfg=cfg)
+    o = kernels.span_readout(qe, lam, p, span, cur, intra, own, **read)
   else:
     qe, kw, uv = mats
     states = kernels.write_pass(kw, uv, gam, cps=cps, cfg=cfg)
