@@ -213,6 +213,11 @@ def fla_log_linear(x, reps):
     return f"{type(err).__name__}: {err}"[:120]
 
 
+def visible_pairs(n_chunks, cps):
+  """The (chunk, visible segment state) pairs: sum over chunks i of n_i = i // cps + 1."""
+  return sum(i // cps + 1 for i in range(n_chunks))
+
+
 def multistate_cost(b, t, h, d, vd, r, segment_len, c, *, erase=True, aggregator="merlin",
                     itemsize=4):
   """(forward FLOPs, forward HBM bytes) of the chunk-parallel multi-state algorithm, counting the
@@ -232,7 +237,7 @@ def multistate_cost(b, t, h, d, vd, r, segment_len, c, *, erase=True, aggregator
   Forward+backward is counted as 3x forward. ``n_i = 1`` with no aggregator is the single-state
   GDN (``segment_len >= t``)."""
   n_chunks = -(-t // c)
-  vis = sum(i * c // segment_len + 1 for i in range(n_chunks))   # sum over chunks of n_i
+  vis = visible_pairs(n_chunks, segment_len // c)
   per_head = n_chunks * (2 * c * c * d + 2 * c * c * vd)
   if erase:
     per_head += n_chunks * 2 * c * c * (3 * d + vd) + vis * 4 * c * d * vd
@@ -278,7 +283,7 @@ def part_costs(b, t, h, d, vd, segment_len, c, *, erase=True, itemsize=4, block_
   nc = -(-t // c)
   cps = segment_len // c
   ns = -(-nc // cps)
-  vis = sum(nc - i * cps for i in range(ns))
+  vis = visible_pairs(nc, cps)
   pairs = merlin_kernels.num_pairs(ns)
   dp, vp, it, f = merlin_pallas.padded_width(d), merlin_pallas.padded_width(vd), itemsize, 4
   tok, mm, state = nc * c, 2 * c * d * vd, itemsize * dp * vp

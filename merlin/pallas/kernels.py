@@ -149,10 +149,17 @@ def _read_gradients(qe, lam_ref, do_ref, dlam_ref, finished, current, cur, vd, b
   return state(current, cur, dqe)
 
 
-def _chunk_map(n, s, w_ref, kw_ref, gam_ref, dtype):
-  """T_n S = gamma_n S - Kw_n^T (W_n S): chunk n's map of a state (erase)."""
+def _chunk_map(s, gam, w, kw, dtype):
+  """T S = gamma S - Kw^T (W S): a chunk's map of a state (erase), from its gamma, W and Kw."""
+  return gam * s - mm(kw, mm(w, s, dtype), dtype, ta=True)
+
+
+def _write_step(n, s, w_ref, kw_ref, uv_ref, gam_ref, dtype):
+  """Chunk n's update of the state it writes: T_n S + Kw_n^T Uv_n, with T_n = gamma_n I without
+  erase (``w_ref`` None)."""
   kw = kw_ref[n]
-  return gam_ref[n] * s - mm(kw, mm(w_ref[n], s, dtype), dtype, ta=True)
+  carried = gam_ref[n] * s if w_ref is None else _chunk_map(s, gam_ref[n], w_ref[n], kw, dtype)
+  return carried + mm(kw, uv_ref[n], dtype, ta=True)
 
 
 # ---- erase: the span form ----
@@ -169,7 +176,7 @@ def _span_maps_kernel(qe_ref, w_ref, kw_ref, gam_ref, *out_refs, nc, cps, dtype)
     if phi_ref:
       phi_ref[0][n] = phi.astype(dtype)
     p_ref[n] = mm(qe_ref[n], phi, dtype).astype(dtype)
-    return _chunk_map(n, phi, w_ref, kw_ref, gam_ref, dtype)
+    return _chunk_map(phi, gam_ref[n], w_ref[n], kw_ref[n], dtype)
 
   eye = (jax.lax.broadcasted_iota(jnp.int32, (d, d), 0)
          == jax.lax.broadcasted_iota(jnp.int32, (d, d), 1)).astype(F32)
@@ -189,8 +196,7 @@ def _span_state_kernel(w_ref, kw_ref, uv_ref, gam_ref, u_ref, cur_ref, span_ref,
 
   def own(n, s):
     cur_ref[n] = s.astype(cur_ref.dtype)
-    return (_chunk_map(n, s, w_ref, kw_ref, gam_ref, dtype)
-            + mm(kw_ref[n], uv_ref[n], dtype, ta=True))
+    return _write_step(n, s, w_ref, kw_ref, uv_ref, gam_ref, dtype)
 
   def later(j, s):
     span_ref[span_index(i, j)] = s.astype(span_ref.dtype)
@@ -339,8 +345,8 @@ def _span_sums_kernel(qe_ref, phi_ref, w_ref, kw_ref, gam_ref, span_ref, dspan_r
 
 def _write_kernel(*refs, nc, cps, erase, dtype):
   """Segment i's write phase from a zero state: each chunk's start state into ``cur_ref`` and the
-  segment's end state into ``end_ref[i]``; with ``erase`` (a W operand first) the erase update,
-  by the same operations as ``_span_state_kernel``'s, else gamma S + Kw^T Uv."""
+  segment's end state into ``end_ref[i]``, by ``_write_step`` (with ``erase`` a W operand
+  first)."""
   w_ref = refs[0] if erase else None
   kw_ref, uv_ref, gam_ref, cur_ref, end_ref = refs[erase:]
   i = pl.program_id(2)
@@ -348,10 +354,7 @@ def _write_kernel(*refs, nc, cps, erase, dtype):
 
   def chunk(n, s):
     cur_ref[n] = s.astype(cur_ref.dtype)
-    if not erase:
-      return gam_ref[n] * s + mm(kw_ref[n], uv_ref[n], dtype, ta=True)
-    return (_chunk_map(n, s, w_ref, kw_ref, gam_ref, dtype)
-            + mm(kw_ref[n], uv_ref[n], dtype, ta=True))
+    return _write_step(n, s, w_ref, kw_ref, uv_ref, gam_ref, dtype)
 
   d, bv = cur_ref.shape[-2:]
   s = jax.lax.fori_loop(start, end, chunk, jnp.zeros((d, bv), F32))

@@ -60,20 +60,19 @@ def default_config(platform: str) -> Config:
   profile (benchmarks/RESULTS.md) finds the wider blocks faster for the reverse pass, which
   carries more per-step work, and slower for the forward pass and the readout. At 4 warps the
   reverse state pass and the chunk gradients spill registers and at 8 they do not
-  (benchmarks/triton_registers.py --merlin, which also lists the intra-chunk kernels'); 4 measured
-  faster for the kernels before the span form, and the span form's kernels are not yet timed at
-  8. The forward's state and readout kernels do not spill at these tiles.
+  (benchmarks/triton_registers.py --merlin, which also lists the intra-chunk kernels'); 4 is the
+  warp count benchmarks/RESULTS.md last measured faster. The forward's state and readout kernels
+  do not spill at these tiles.
   Where no gradient is taken, the erase forward reads the states by the query walk
-  (``Config.query_walk``), whose memory grows with T, where the span stack's grows with T^2 (it
-  measured as fast as the forward before the span form; the two are not yet timed side by
-  side); and the intra-chunk
-  part runs as one forward kernel (``Config.intra_kernel``, launched as ``merlin.pallas.intra``
-  says), faster than the plain-JAX part (benchmarks/RESULTS.md). A differentiated call runs the
-  span form's forward regardless, as the backward needs the span stack; its intra-chunk kernel
-  also writes A for the part's pullback (``merlin.chunked.intra_chunk_pullback``), so that the
-  float32 products of the plain-JAX part are neither formed forward nor kept, and that pullback
-  runs as one kernel too (``Config.intra_backward_kernel``), reading the op's layout and writing
-  its gradients in it, faster than the plain-JAX pullback (benchmarks/RESULTS.md).
+  (``Config.query_walk``), whose memory grows with T, where the span stack's grows with T^2; and
+  the intra-chunk part runs as one forward kernel (``Config.intra_kernel``, launched as
+  ``merlin.pallas.intra`` says), faster than the plain-JAX part (benchmarks/RESULTS.md). A
+  differentiated call runs the span form's forward regardless, as the backward needs the span
+  stack; its intra-chunk kernel also writes A for the part's pullback
+  (``merlin.chunked.intra_chunk_pullback``), so that the float32 products of the plain-JAX part
+  are neither formed forward nor kept, and that pullback runs as one kernel too
+  (``Config.intra_backward_kernel``), reading the op's layout and writing its gradients in it,
+  faster than the plain-JAX pullback (benchmarks/RESULTS.md).
   CPU (interpret): 16 columns, so small test shapes still run several value blocks (the
   intra-chunk kernels' own launches aside)."""
   if platform == "gpu":
