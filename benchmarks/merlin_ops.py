@@ -565,7 +565,7 @@ def parts_table(args, t, dtype, erase, floor_ms):
     times[name] = (sec, sec) if forward else (nan, sec)
     return out
 
-  kern, read = merlin_kernels, dict(scale=scale, heads=h)
+  kern, read = merlin_pallas.stages(cfg), dict(scale=scale, heads=h)  # Triton or TPU stages
   if erase:
     qe, w, kw, uv = kmats
     p, u = launch("span maps", kern.span_maps, (qe, w, kw, gam), True, phi=False)

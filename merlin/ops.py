@@ -70,8 +70,8 @@ def multistate_attention(q, k, v, g, beta, lam, *, segment_len: int, erase: bool
       exactly as if each of its documents were its own row: every state is zero at a change of
       id, segments are counted from the document's start (s(t) = (t - start) // L) and lam's index
       i is relative to that document. Runs in the chunked form under "auto".
-    platform: the kernels' platform for impl="pallas" ("gpu" Triton, "cpu" interpret mode);
-      default from ``jax.default_backend()``.
+    platform: the kernels' platform for impl="pallas" ("gpu" Triton, "tpu" Mosaic TPU, "cpu"
+      interpret mode); default from ``jax.default_backend()``.
     config: the kernels' launch ``triadic.pallas.common.Config`` (tiles, warps) where the plan
       runs them; default ``merlin.pallas.plan.default_config`` for the platform.
 

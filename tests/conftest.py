@@ -147,7 +147,7 @@ jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
 FIRST = ("test_train_distributed.py", "test_pieces.py", "test_mosaic_gpu.py", "test_experiments.py",
          "test_benchmarks.py", "test_triadic_pallas.py", "test_train.py", "test_text.py",
          "test_remat.py", "test_model.py", "test_faults.py", "test_merlin_pallas.py",
-         "test_generate_eval.py", "test_mosaic_gpu_backward.py")
+         "test_merlin_tpu.py", "test_generate_eval.py", "test_mosaic_gpu_backward.py")
 
 
 def pytest_collection_modifyitems(items):

@@ -300,14 +300,18 @@ def test_query_walk_leaves_the_gradients():
 
 
 def test_plan():
-  """"auto" picks the kernels on GPU only, and says why it does not elsewhere."""
+  """"auto" picks the kernels on GPU only, and says why it does not elsewhere; "pallas" on a TPU
+  runs the TPU structure (``merlin.pallas.tpu``)."""
   explain = plan_lib.explain
   gpu = explain(128, 256, platform="gpu")
   assert (gpu.impl, gpu.chunk_size, gpu.config.platform) == ("pallas", 64, "gpu")
   assert "pallas" in str(gpu) and "block_v" in str(gpu)
   cpu = explain(128, 256, platform="cpu")
   assert cpu.impl == "chunked" and "interpret" in cpu.reason
-  assert explain(128, 256, platform="tpu").impl == "chunked"
+  tpu = explain(128, 256, platform="tpu")
+  assert tpu.impl == "chunked" and "never timed" in tpu.reason
+  tpu = explain(128, 256, platform="tpu", impl="pallas")
+  assert tpu.impl == "pallas" and tpu.config.chunk_grid and "chunks on the grid" in str(tpu)
   docs = explain(128, 256, platform="gpu", documents=True)
   assert docs.impl == "chunked" and "segment_ids" in docs.reason
   small = explain(128, 24, platform="gpu")  # gcd(24, 64) = 8: no kernel chunk
@@ -333,8 +337,9 @@ def test_bad_input_raises():
   with pytest.raises(ValueError, match="q/k last dim D"):
     q = jnp.zeros((1, 40, 1, 512))
     multistate_attention(q, q, *args[2:], segment_len=32, impl="pallas")
-  with pytest.raises(ValueError, match="Mosaic TPU"):
-    call(platform="tpu")
+  with pytest.raises(ValueError, match="query_walk, intra_kernel are Triton"):
+    call(platform="tpu", config=dataclasses.replace(plan_lib.default_config("tpu"),
+                                                    query_walk=True, intra_kernel=True))
 
 
 def op_specs(b, t, h, d, vd, n, dtype=jnp.bfloat16):

@@ -28,10 +28,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
-from jax.extend import core as jex_core
 
 from testkit import rel_rms
 from testkit.devices import run_on_four_devices
+from testkit.pallas import kernel_blocks
 from testkit.triadic import (NAMES, PALLAS_BOUNDS, assert_matches_scan, bf16_transposes,
                              check_against_scan, cuda_lowering_text, make_grad_inputs,
                              value_and_grads)
@@ -278,30 +278,6 @@ def test_hopper_path_lowers_for_cuda():
     assert kernel in text, kernel
 
 
-def pallas_calls(jaxpr):
-  """Every pallas_call equation in a jaxpr, nested ones (jit, custom_vjp, custom_partitioning)
-  included."""
-  for eqn in jaxpr.eqns:
-    if eqn.primitive.name == "pallas_call":
-      yield eqn
-      continue
-    for param in eqn.params.values():
-      for sub in (param if isinstance(param, (tuple, list)) else (param,)):
-        if isinstance(sub, jex_core.ClosedJaxpr):
-          yield from pallas_calls(sub.jaxpr)
-        elif isinstance(sub, jex_core.Jaxpr):
-          yield from pallas_calls(sub)
-
-
-def vmem_bytes(shape, dtype):
-  """Bytes of a VMEM buffer: the last two dims padded to Mosaic's (8 * packing, 128) tiles."""
-  itemsize = jnp.dtype(dtype).itemsize
-  shape = (1,) * max(0, 2 - len(shape)) + tuple(shape)
-  sub = 8 * (4 // itemsize)
-  padded = (*shape[:-2], -(-shape[-2] // sub) * sub, -(-shape[-1] // 128) * 128)
-  return int(np.prod(padded)) * itemsize
-
-
 def trace_long(platform, t, e=2, d=128, vdim=128, chunk=64):
   """Forward and backward traced at (B, T, H) = (1, t, 1), bf16, for ``platform``; nothing runs."""
   b, h = 1, 1
@@ -316,20 +292,6 @@ def trace_long(platform, t, e=2, d=128, vdim=128, chunk=64):
     return jnp.sum(o.astype(jnp.float32)) + jnp.sum(s)
 
   return jax.jit(jax.grad(loss, argnums=tuple(range(8)))).trace(*args)
-
-
-def kernel_blocks(traced):
-  """Per pallas_call of a traced program: (name, grid, block shapes, estimated VMEM bytes per
-  program: every block twice for the pipeline's double buffering, plus scratch)."""
-  out = []
-  for eqn in pallas_calls(traced.jaxpr.jaxpr):
-    gm = eqn.params["grid_mapping"]
-    shapes = [tuple(bm.ref_aval.shape) for bm in gm.block_mappings]
-    vmem = sum(2 * vmem_bytes(shape, bm.array_aval.dtype)
-               for shape, bm in zip(shapes, gm.block_mappings))
-    vmem += sum(vmem_bytes(a.shape, a.dtype) for a in gm.scratch_avals)
-    out.append((eqn.params["name"], tuple(gm.grid), shapes, vmem))
-  return out
 
 
 def test_tpu_blocks_do_not_span_the_sequence():

@@ -1,4 +1,5 @@
 """The Triton Pallas kernels of multi-state linear attention's state work (docs/spec.md section 2).
+``tpu.py`` runs the same stages in the TPU structure.
 
 Per (batch*head), chunk n of C tokens and segment state i, from the chunk prep
 (``merlin.chunked.intra_chunk`` in plain JAX, or its forward kernel, ``intra.py``): Qe_n, W_n,
@@ -103,8 +104,9 @@ def num_pairs(ns: int) -> int:
 
 def span_index(i, j):
   """Where S^i at the start of span j (i < j) lives in the span stack: span j's states are the
-  entries j (j - 1) / 2 + i, i = 0 .. j - 1, one span's finished states side by side."""
-  return j * (j - 1) // 2 + i
+  entries j (j - 1) / 2 + i, i = 0 .. j - 1, one span's finished states side by side. Traced
+  ints in both kernel structures (``lax.div``: Mosaic TPU lowers no floor division)."""
+  return jax.lax.div(j * (j - 1), 2) + i
 
 
 def _segment_bounds(nc, cps):
@@ -121,7 +123,7 @@ def _read(p, qe, lam_ref, finished, current, cur, dtype):
   return acc + mm(lam_ref[cur] * qe, current, dtype)
 
 
-def _store_output(o_ref, o, intra_ref, own_ref, scale):
+def store_output(o_ref, o, intra_ref, own_ref, scale):
   """The op's output tile: scale (o + own intra) in float32, rounded once to the output dtype."""
   o_ref[...] = (scale * (o + own_ref[...] * intra_ref[...])).astype(o_ref.dtype)
 
@@ -149,16 +151,16 @@ def _read_gradients(qe, lam_ref, do_ref, dlam_ref, finished, current, cur, vd, b
   return state(current, cur, dqe)
 
 
-def _chunk_map(s, gam, w, kw, dtype):
+def chunk_map(s, gam, w, kw, dtype):
   """T S = gamma S - Kw^T (W S): a chunk's map of a state (erase), from its gamma, W and Kw."""
   return gam * s - mm(kw, mm(w, s, dtype), dtype, ta=True)
 
 
-def _write_step(n, s, w_ref, kw_ref, uv_ref, gam_ref, dtype):
+def write_step(n, s, w_ref, kw_ref, uv_ref, gam_ref, dtype):
   """Chunk n's update of the state it writes: T_n S + Kw_n^T Uv_n, with T_n = gamma_n I without
   erase (``w_ref`` None)."""
   kw = kw_ref[n]
-  carried = gam_ref[n] * s if w_ref is None else _chunk_map(s, gam_ref[n], w_ref[n], kw, dtype)
+  carried = gam_ref[n] * s if w_ref is None else chunk_map(s, gam_ref[n], w_ref[n], kw, dtype)
   return carried + mm(kw, uv_ref[n], dtype, ta=True)
 
 
@@ -176,7 +178,7 @@ def _span_maps_kernel(qe_ref, w_ref, kw_ref, gam_ref, *out_refs, nc, cps, dtype)
     if phi_ref:
       phi_ref[0][n] = phi.astype(dtype)
     p_ref[n] = mm(qe_ref[n], phi, dtype).astype(dtype)
-    return _chunk_map(phi, gam_ref[n], w_ref[n], kw_ref[n], dtype)
+    return chunk_map(phi, gam_ref[n], w_ref[n], kw_ref[n], dtype)
 
   eye = (jax.lax.broadcasted_iota(jnp.int32, (d, d), 0)
          == jax.lax.broadcasted_iota(jnp.int32, (d, d), 1)).astype(F32)
@@ -196,7 +198,7 @@ def _span_state_kernel(w_ref, kw_ref, uv_ref, gam_ref, u_ref, cur_ref, span_ref,
 
   def own(n, s):
     cur_ref[n] = s.astype(cur_ref.dtype)
-    return _write_step(n, s, w_ref, kw_ref, uv_ref, gam_ref, dtype)
+    return write_step(n, s, w_ref, kw_ref, uv_ref, gam_ref, dtype)
 
   def later(j, s):
     span_ref[span_index(i, j)] = s.astype(span_ref.dtype)
@@ -217,7 +219,7 @@ def _span_readout_kernel(qe_ref, lam_ref, p_ref, span_ref, cur_ref, intra_ref, o
   s = n // cps
   o = _read(p_ref[...].astype(F32), qe_ref[...].astype(F32), lam_ref,
             lambda i: span_ref[span_index(i, s)], cur_ref[...], s, dtype)
-  _store_output(o_ref, o, intra_ref, own_ref, scale)
+  store_output(o_ref, o, intra_ref, own_ref, scale)
 
 
 def _span_reverse_kernel(qe_ref, p_ref, w_ref, kw_ref, u_ref, lam_ref, gam_ref, do_ref, dspan_ref,
@@ -345,7 +347,7 @@ def _span_sums_kernel(qe_ref, phi_ref, w_ref, kw_ref, gam_ref, span_ref, dspan_r
 
 def _write_kernel(*refs, nc, cps, erase, dtype):
   """Segment i's write phase from a zero state: each chunk's start state into ``cur_ref`` and the
-  segment's end state into ``end_ref[i]``, by ``_write_step`` (with ``erase`` a W operand
+  segment's end state into ``end_ref[i]``, by ``write_step`` (with ``erase`` a W operand
   first)."""
   w_ref = refs[0] if erase else None
   kw_ref, uv_ref, gam_ref, cur_ref, end_ref = refs[erase:]
@@ -354,7 +356,7 @@ def _write_kernel(*refs, nc, cps, erase, dtype):
 
   def chunk(n, s):
     cur_ref[n] = s.astype(cur_ref.dtype)
-    return _write_step(n, s, w_ref, kw_ref, uv_ref, gam_ref, dtype)
+    return write_step(n, s, w_ref, kw_ref, uv_ref, gam_ref, dtype)
 
   d, bv = cur_ref.shape[-2:]
   s = jax.lax.fori_loop(start, end, chunk, jnp.zeros((d, bv), F32))
@@ -366,7 +368,7 @@ def _rescaled_readout_kernel(qe_ref, lam_ref, end_ref, cur_ref, intra_ref, own_r
   cur = pl.program_id(1) // cps
   qe = qe_ref[...].astype(F32)
   o = _read(qe, qe, lam_ref, lambda i: end_ref[i], cur_ref[...], cur, dtype)
-  _store_output(o_ref, o, intra_ref, own_ref, scale)
+  store_output(o_ref, o, intra_ref, own_ref, scale)
 
 
 def _rescaled_reverse_kernel(qe_ref, kw_ref, uv_ref, lam_ref, gam_ref, do_ref, cur_ref, duv_ref,
@@ -418,7 +420,7 @@ def _walk_kernel(qe_ref, lam_ref, p_ref, cur_ref, end_ref, u_ref, intra_ref, own
 
   o, p = jax.lax.fori_loop(0, jnp.maximum(s - 1, 0), segment, (o, p_ref[...].astype(F32)))
   o = o + mm(jnp.where(s > 0, lam_ref[0], 0.0) * p, end_ref[0], dtype)
-  _store_output(o_ref, o, intra_ref, own_ref, scale)
+  store_output(o_ref, o, intra_ref, own_ref, scale)
 
 
 # ---- launchers ----

@@ -7,7 +7,8 @@ per chunk) or plain JAX batched over all chunks, float32 (``intra_operands``), e
 where a gradient is taken; its backward ``merlin.chunked.intra_chunk_pullback`` (no inverse), by
 the backward kernel of ``intra.py`` (``Config.intra_backward_kernel``, one program per chunk) or
 as batched float32 matmuls over all chunks. Everything whose cost grows with the number of
-segment states N is in ``kernels.py``, behind one ``jax.custom_vjp``:
+segment states N is in ``kernels.py`` (Triton; ``tpu.py`` the same stages for Mosaic TPU, split
+where a walk moves to the grid: ``stages``), behind one ``jax.custom_vjp``:
 
   erase     forward: span maps (Phi, the walked queries P, the span maps U; grid over spans)
             -> state pass (each chunk's own-segment state and the finished states at span
@@ -48,12 +49,19 @@ import jax.numpy as jnp
 
 from layers import partition
 from merlin.chunked import intra_chunk, intra_chunk_pullback
-from merlin.pallas import kernels
+from merlin.pallas import kernels, tpu
 from merlin.pallas.intra import intra_part, intra_part_pullback
 from merlin.pallas.kernels import padded_width
 from merlin.segments import segment_ids
 from triadic.chunked import to_chunks
 from triadic.pallas.common import F32, Config
+
+
+def stages(cfg: Config):
+  """The module of the state kernels' stages for ``cfg``'s structure: ``tpu`` (Mosaic TPU, the
+  walks on the grid) where ``cfg.chunk_grid``, else ``kernels`` (Triton); the same functions,
+  arguments and results."""
+  return tpu if cfg.chunk_grid else kernels
 
 
 def _merge(x):
@@ -100,16 +108,17 @@ def _forward(cps, erase, cfg, scale, *operands):
   b, h = operands[0].shape[:2]
   mats, gam, lam = kernel_layout(operands[:-2])
   intra, own = readout_layout(*operands[-2:], mats[-1].shape[-1])
+  run = stages(cfg)
   read = {"cps": cps, "scale": scale, "heads": h, "cfg": cfg}
   if erase:
     qe, w, kw, uv = mats
-    p, u = kernels.span_maps(qe, w, kw, gam, cps=cps, cfg=cfg, phi=False)
-    cur, span = states = kernels.span_state_pass(w, kw, uv, gam, u, cps=cps, cfg=cfg)
-    o = kernels.span_readout(qe, lam, p, span, cur, intra, own, **read)
+    p, u = run.span_maps(qe, w, kw, gam, cps=cps, cfg=cfg, phi=False)
+    cur, span = states = run.span_state_pass(w, kw, uv, gam, u, cps=cps, cfg=cfg)
+    o = run.span_readout(qe, lam, p, span, cur, intra, own, **read)
   else:
     qe, kw, uv = mats
-    states = kernels.write_pass(kw, uv, gam, cps=cps, cfg=cfg)
-    o = kernels.rescaled_readout(qe, lam, *states, intra, own, **read)
+    states = run.write_pass(kw, uv, gam, cps=cps, cfg=cfg)
+    o = run.rescaled_readout(qe, lam, *states, intra, own, **read)
   return (o, *(_split(x, b, h) for x in states))
 
 
@@ -136,22 +145,22 @@ def _backward(cps, erase, cfg, *args):
   b, h, nc = operands[0].shape[:3]
   mats, gam, lam = kernel_layout(operands)
   states = tuple(map(_merge, states))
+  run = stages(cfg)
   do = _merge(do).astype(mats[0].dtype)
   if erase:
     qe, w, kw, uv = mats
     cur, span = states
-    phi, p, u = kernels.span_maps(qe, w, kw, gam, cps=cps, cfg=cfg)
-    dspan, dcur, duv = kernels.span_reverse_pass(qe, p, w, kw, u, lam, gam, do, cps=cps, cfg=cfg)
-    dqe, y, *own, dlam = kernels.span_chunk_gradients(qe, p, phi, w, uv, duv, lam, do, span,
-                                                      cur, dcur, cps=cps, cfg=cfg)
-    dw, dkw, dgam = kernels.span_sums(qe, phi, w, kw, gam, span, dspan, y, *own, cps=cps,
-                                      cfg=cfg)
+    phi, p, u = run.span_maps(qe, w, kw, gam, cps=cps, cfg=cfg)
+    dspan, dcur, duv = run.span_reverse_pass(qe, p, w, kw, u, lam, gam, do, cps=cps, cfg=cfg)
+    dqe, y, *own, dlam = run.span_chunk_gradients(qe, p, phi, w, uv, duv, lam, do, span, cur,
+                                                  dcur, cps=cps, cfg=cfg)
+    dw, dkw, dgam = run.span_sums(qe, phi, w, kw, gam, span, dspan, y, *own, cps=cps, cfg=cfg)
     dmats = (dqe, dw, dkw, duv)
   else:
     qe, kw, uv = mats
-    duv, dkw, dgam = kernels.rescaled_reverse_pass(qe, kw, uv, lam, gam, do, states[0], cps=cps,
-                                                   cfg=cfg)
-    dqe, dlam = kernels.rescaled_read_gradients(qe, lam, do, *states, cps=cps, cfg=cfg)
+    duv, dkw, dgam = run.rescaled_reverse_pass(qe, kw, uv, lam, gam, do, states[0], cps=cps,
+                                               cfg=cfg)
+    dqe, dlam = run.rescaled_read_gradients(qe, lam, do, *states, cps=cps, cfg=cfg)
     # dKw and dgamma: float32 sums over the value blocks, dKw rounded after the sum
     dmats = (dqe, jnp.sum(dkw, axis=1).astype(kw.dtype), duv)
     dgam = jnp.sum(dgam, axis=1)

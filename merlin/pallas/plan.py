@@ -3,9 +3,9 @@
 ``resolve`` maps the requested impl ("auto", "pallas", "chunked", "scan"), the platform and the
 sizes to a ``Plan``. "auto" is the Pallas kernels on GPU wherever they take the sizes and the
 chunk-parallel JAX form elsewhere: on CPU the kernels run only in interpret mode (far slower than
-XLA), and they are Triton kernels whose blocks span the whole sequence, which Mosaic TPU cannot
-hold in VMEM. An explicit "pallas" that the kernels cannot take is a ValueError giving the
-reason. ``str(plan)`` is one line; ``multistate_attention`` logs each distinct plan once (logger
+XLA), and the TPU structure's kernels (``tpu.py``) are checked in interpret mode and to lower for
+a TPU, never run on one. An explicit "pallas" that the kernels cannot take is a ValueError giving
+the reason. ``str(plan)`` is one line; ``multistate_attention`` logs each distinct plan once (logger
 ``merlin.pallas``) and ``explain`` returns it for given sizes without running anything.
 """
 
@@ -43,11 +43,14 @@ class Plan:
     tiles = ""
     if self.config is not None:
       cfg = self.config
-      tiles = (f", {cfg.platform} block_v {cfg.block_v} at {cfg.num_warps} warps, "
-               f"bwd_block_v {cfg.bwd_block_v} at {cfg.bwd_num_warps} warps"
-               + (", erase forward-only by the query walk" if cfg.query_walk else "")
-               + (", intra-chunk part's forward by a kernel" if cfg.intra_kernel else "")
-               + (", its backward by a kernel" if cfg.intra_backward_kernel else ""))
+      if cfg.chunk_grid:  # Mosaic TPU: no warps
+        tiles = f", tpu block_v {cfg.block_v}, bwd_block_v {cfg.bwd_block_v}, chunks on the grid"
+      else:
+        tiles = (f", {cfg.platform} block_v {cfg.block_v} at {cfg.num_warps} warps, "
+                 f"bwd_block_v {cfg.bwd_block_v} at {cfg.bwd_num_warps} warps")
+      tiles += ((", erase forward-only by the query walk" if cfg.query_walk else "")
+                + (", intra-chunk part's forward by a kernel" if cfg.intra_kernel else "")
+                + (", its backward by a kernel" if cfg.intra_backward_kernel else ""))
     return f"multistate_attention plan: {self.impl} (chunk {self.chunk_size}{tiles}): {self.reason}"
 
 
@@ -73,19 +76,21 @@ def default_config(platform: str) -> Config:
   are neither formed forward nor kept, and that pullback runs as one kernel too
   (``Config.intra_backward_kernel``), reading the op's layout and writing its gradients in it,
   faster than the plain-JAX pullback (benchmarks/RESULTS.md).
+  TPU (Mosaic, ``tpu.py``): 128 columns (Mosaic's lane tile; the whole V where it is narrower),
+  the intra-chunk part in plain JAX and no query walk (those kernels are Triton's).
   CPU (interpret): 16 columns, so small test shapes still run several value blocks (the
   intra-chunk kernels' own launches aside)."""
   if platform == "gpu":
     return Config("gpu", block_v=32, num_warps=4, bwd_block_v=64, bwd_num_warps=4,
                   query_walk=True, intra_kernel=True, intra_backward_kernel=True)
+  if platform == "tpu":
+    return Config("tpu", block_v=128, bwd_block_v=128)
   return Config("cpu", block_v=16, bwd_block_v=16)
 
 
 def unsupported(platform: str, d: int, segment_len: int, chunk_size: int | None,
                 documents: bool) -> str | None:
   """Why the kernels cannot run this call, or None if they can."""
-  if platform == "tpu":
-    return "the kernels are Triton (GPU; interpret mode on CPU), not Mosaic TPU"
   if documents:
     return "segment_ids (packed documents) run in the chunked form"
   c = chunk_size or math.gcd(segment_len, 64)
@@ -111,11 +116,21 @@ def resolve(impl: str, *, d: int, segment_len: int, chunk_size: int | None, docu
     raise ValueError(why_not)
   if impl == "auto" and why_not:
     return _logged(Plan("chunked", default_chunk, f"auto: {why_not}"))
-  if impl == "auto" and platform != "gpu":
+  if impl == "auto" and platform == "cpu":
     return _logged(Plan("chunked", default_chunk,
-                        f"auto on {platform}: the kernels run only in interpret mode there"))
+                        "auto on cpu: the kernels run only in interpret mode there"))
+  if impl == "auto" and platform == "tpu":
+    return _logged(Plan("chunked", default_chunk, "auto on tpu: the Mosaic TPU kernels are "
+                        "checked in interpret mode and to lower, never timed on a TPU"))
+  config = config or default_config(platform)
+  triton_only = [name for name in ("query_walk", "intra_kernel", "intra_backward_kernel")
+                 if getattr(config, name)]
+  if config.chunk_grid and triton_only:
+    raise ValueError(f"config: {', '.join(triton_only)} are Triton (GPU) kernels; the TPU "
+                     "structure (platform 'tpu') runs the span forward and the intra-chunk part "
+                     "in plain JAX: set them False")
   reason = "impl='pallas'" if impl == "pallas" else "auto on gpu"
-  return _logged(Plan("pallas", default_chunk, reason, config or default_config(platform)))
+  return _logged(Plan("pallas", default_chunk, reason, config))
 
 
 def explain(d: int, segment_len: int, *, chunk_size: int | None = None, documents: bool = False,
