@@ -2,11 +2,12 @@
 the grid), on this CPU machine: in interpret mode against the scan, in Pallas' TPU interpret mode
 against the Triton structure's stages, lowered for a TPU, and its blocks' VMEM at long T.
 
-Error bounds: tests/test_merlin_pallas.py's (``check_against_scan``). The TPU interpret mode
-fills uninitialised VMEM with NaN, copies blocks in and out as the TPU's pipeline does (an output
-block goes back to HBM when its index changes) and runs the "parallel" grid axes in a random
-order over two simulated cores, so a step that leaves an output block unwritten, or a carry that
-leaks across a parallel axis, shows; there the two structures agree to float32 rounding (1e-6).
+Cases and error bounds: tests/test_merlin_pallas.py's (``CASES``, ``check_against_scan``). The
+TPU interpret mode fills uninitialised VMEM with NaN, copies blocks in and out as the TPU's
+pipeline does (an output block goes back to HBM when its index changes) and runs the "parallel"
+grid axes in a random order over two simulated cores, so a step that leaves an output block
+unwritten, or a carry that leaks across a parallel axis, shows; there the two structures agree to
+float32 rounding (1e-6).
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ from merlin.pallas import ops
 from merlin.pallas import plan as plan_lib
 from testkit import rel_rms
 from testkit.pallas import kernel_blocks
+from tests import test_merlin_pallas as pallas_tests
 from tests.test_merlin_pallas import check_against_scan, grad_of_sum, make_inputs, op_specs
 from triadic.ops import clamp_log_decay
 from triadic.pallas.common import Config
@@ -36,22 +38,10 @@ KERNELS = {True: ("merlin_span_maps", "merlin_write_pass", "merlin_span_cross", 
            False: ("merlin_write_pass", "merlin_readout", "merlin_later_spans",
                    "merlin_own_reverse", "merlin_read_gradients")}
 
-CASES = [
-    # b, t, h, d, v, segment_len, chunk, erase, decay, lam, dtype
-    pytest.param(2, 150, 2, 16, 32, 32, 16, True, "weak", "random", jnp.float32, id="erase-NS5"),
-    pytest.param(1, 150, 2, 24, 24, 32, 16, True, "strong", "merlin", jnp.float32,
-                 id="erase-strong-merlin-D24"),
-    pytest.param(1, 300, 2, 16, 32, 64, 16, True, "weak", "random", jnp.float32,
-                 id="erase-four-chunk-spans"),   # 19 chunks: the last span has 3 of 4
-    pytest.param(1, 150, 2, 16, 32, 64, 16, False, "weak", "meanpool", jnp.float32,
-                 id="noerase-meanpool-L64"),
-    pytest.param(1, 420, 1, 32, 64, 32, 16, True, "strong", "merlin", jnp.bfloat16,
-                 id="erase-bf16-strong-merlin-V64-NS14"),
-    pytest.param(1, 150, 2, 16, 32, 32, 16, False, "strong", "position", jnp.bfloat16,
-                 id="noerase-bf16-strong-position"),
-    pytest.param(1, 40, 1, 16, 32, 64, 16, True, "weak", "random", jnp.float32,
-                 id="erase-one-segment"),
-]
+# The GPU kernels' cases (tests/test_merlin_pallas.py), and one segment alone
+CASES = [*pallas_tests.CASES,
+         pytest.param(1, 40, 1, 16, 32, 64, 16, True, "weak", "random", jnp.float32,
+                      id="erase-one-segment")]
 
 
 @pytest.mark.parametrize("b,t,h,d,vd,segment_len,chunk,erase,decay,lam_kind,dtype", CASES)

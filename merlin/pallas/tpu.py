@@ -226,7 +226,23 @@ def span_state_pass(w, kw, uv, gam, u, *, cps, cfg):
   return cur, span_cross(end, u, cfg=cfg)
 
 
-# ---- readouts ----
+# ---- readouts and chunk gradients: grid (BH, NC, ...), one state a step ----
+
+def _per_chunk(c, bv, cps, fin_index, *, value_axis):
+  """BlockSpec makers for a (BH, chunk n, ., .) grid whose axis ``value_axis`` (2 or 3) is the
+  value block and the other the state i: a chunk's block (``chunk(*shape)``) and its value
+  block (``vchunk(*shape)``), lam's weights of state i (the current one past it) and the
+  finished state i's value block (``fin(d)``, at ``fin_index``; ``_finished``)."""
+  state_axis = 5 - value_axis
+  chunk = lambda *s: _spec((None, None, *s), lambda b, n, *_: (b, n) + (0,) * len(s))
+  vchunk = lambda *s: _spec((None, None, *s, bv), lambda b, n, *g: (b, n) + (0,) * len(s)
+                            + (g[value_axis - 2],))
+  lam = _spec((None, None, None, c, 1), lambda b, n, *g: (
+      b, jnp.minimum(g[state_axis - 2], _segment_of(n, cps)), n, 0, 0))
+  fin = lambda d: _spec((None, None, d, bv), lambda b, n, *g: (
+      b, _finished(fin_index, g[state_axis - 2], n, cps), 0, g[value_axis - 2]))
+  return chunk, vchunk, lam, fin
+
 
 def _readout_kernel(r_ref, qe_ref, lam_ref, fin_ref, cur_ref, intra_ref, own_ref, o_ref, acc_ref,
                     *, cps, scale, dtype):
@@ -252,15 +268,8 @@ def _readout(r, qe, lam, finished, fin_index, cur, intra, own, *, cps, scale, he
   bh, nc, c, d = qe.shape
   ns, vd = lam.shape[1], intra.shape[-1]
   bv = min(cfg.bwd_block_v, vd)
-  chunk = lambda *s: _spec((None, None, *s), lambda b, n, jv, i: (b, n) + (0,) * len(s))
-  vchunk = lambda *s: _spec((None, None, *s, bv), lambda b, n, jv, i: (b, n) + (0,) * len(s)
-                            + (jv,))
-  specs = [chunk(c, d), chunk(c, d),
-           _spec((None, None, None, c, 1), lambda b, n, jv, i: (
-               b, jnp.minimum(i, _segment_of(n, cps)), n, 0, 0)),
-           _spec((None, None, d, bv), lambda b, n, jv, i: (
-               b, _finished(fin_index, i, n, cps), 0, jv)),
-           vchunk(d), vchunk(c), chunk(c, 1)]
+  chunk, vchunk, lam_spec, fin_spec = _per_chunk(c, bv, cps, fin_index, value_axis=2)
+  specs = [chunk(c, d), chunk(c, d), lam_spec, fin_spec(d), vchunk(d), vchunk(c), chunk(c, 1)]
   out = (vchunk(c), jax.ShapeDtypeStruct((bh, nc, c, vd), qe.dtype))
   kernel = functools.partial(_readout_kernel, cps=cps, scale=scale, dtype=qe.dtype)
   o = _call(kernel, cfg=cfg, grid=(bh, nc, vd // bv, ns), in_specs=specs, outs=[out],
@@ -485,16 +494,11 @@ def _chunk_gradients(r, qe, lam, do, finished, fin_index, cur, *, cps, cfg, eras
   bh, nc, c, d = qe.shape
   ns, vd = lam.shape[1], do.shape[-1]
   bv = min(cfg.bwd_block_v, vd)
-  chunk = lambda *s: _spec((None, None, *s), lambda b, n, i, jv: (b, n) + (0,) * len(s))
-  vchunk = lambda *s: _spec((None, None, *s, bv), lambda b, n, i, jv: (b, n) + (0,) * len(s)
-                            + (jv,))
-  state = lambda b, n, i, jv: jnp.minimum(i, _segment_of(n, cps))
-  lam_spec = _spec((None, None, None, c, 1), lambda b, n, i, jv: (b, state(b, n, i, jv), n, 0, 0))
-  fin_spec = _spec((None, None, d, bv), lambda b, n, i, jv: (
-      b, _finished(fin_index, i, n, cps), 0, jv))
+  chunk, vchunk, lam_spec, fin = _per_chunk(c, bv, cps, fin_index, value_axis=3)
+  fin_spec = fin(d)
   shape = lambda *s, dtype=F32: jax.ShapeDtypeStruct((bh, nc, *s), dtype)
-  dlam = (_spec((None, None, None, c, 1), lambda b, n, i, jv: (b, n, state(b, n, i, jv), 0, 0)),
-          shape(ns, c, 1))
+  dlam = (_spec((None, None, None, c, 1), lambda b, n, i, jv: (
+      b, n, jnp.minimum(i, _segment_of(n, cps)), 0, 0)), shape(ns, c, 1))
   dqe = (chunk(c, d), shape(c, d, dtype=qe.dtype))
   erase = erase_operands is not None
   if erase:
