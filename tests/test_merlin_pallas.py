@@ -350,10 +350,11 @@ def op_specs(b, t, h, d, vd, n, dtype=jnp.bfloat16):
           spec(b, t, h, dt=f32), spec(b, t, h, n, dt=f32)]
 
 
-def pallas_op(erase, segment_len, **kw):
-  """The op on the GPU (Triton) kernels, to trace on this CPU machine."""
+def pallas_op(erase, segment_len, platform="gpu", **kw):
+  """The op on the platform's kernels (default the GPU's, Triton), to trace on this CPU
+  machine."""
   return lambda *a: multistate_attention(*a, segment_len=segment_len, erase=erase, impl="pallas",
-                                         platform="gpu", **kw)
+                                         platform=platform, **kw)
 
 
 def grad_of_sum(fn):

@@ -18,13 +18,13 @@ import numpy as np
 import pytest
 from jax.experimental.pallas import tpu as pltpu
 
-from merlin import multistate_attention
 from merlin.pallas import ops
 from merlin.pallas import plan as plan_lib
 from testkit import rel_rms
 from testkit.pallas import kernel_blocks
 from tests import test_merlin_pallas as pallas_tests
-from tests.test_merlin_pallas import check_against_scan, grad_of_sum, make_inputs, op_specs
+from tests.test_merlin_pallas import (check_against_scan, grad_of_sum, make_inputs, op_specs,
+                                      pallas_op)
 from triadic.ops import clamp_log_decay
 from triadic.pallas.common import Config
 
@@ -86,10 +86,8 @@ def test_tpu_structure_under_tpu_interpret_mode(erase):
 def traced(erase, t, dtype=jnp.bfloat16, platform="tpu"):
   """The gradients of the op's sum at D = V = 128, segment 256 (chunk 64), B = 1, H = 2, with the
   platform's default kernels; traced, not run."""
-  n = -(-t // 256)
-  op = lambda *a: multistate_attention(*a, segment_len=256, erase=erase, impl="pallas",
-                                       platform=platform)
-  return jax.jit(grad_of_sum(op)).trace(*op_specs(1, t, 2, 128, 128, n, dtype))
+  return jax.jit(grad_of_sum(pallas_op(erase, 256, platform))).trace(
+      *op_specs(1, t, 2, 128, 128, -(-t // 256), dtype))
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])

@@ -151,6 +151,12 @@ def _read_gradients(qe, lam_ref, do_ref, dlam_ref, finished, current, cur, vd, b
   return state(current, cur, dqe)
 
 
+def identity(d):
+  """The (d, d) float32 identity: Phi at a span's start."""
+  return (jax.lax.broadcasted_iota(jnp.int32, (d, d), 0)
+          == jax.lax.broadcasted_iota(jnp.int32, (d, d), 1)).astype(F32)
+
+
 def chunk_map(s, gam, w, kw, dtype):
   """T S = gamma S - Kw^T (W S): a chunk's map of a state (erase), from its gamma, W and Kw."""
   return gam * s - mm(kw, mm(w, s, dtype), dtype, ta=True)
@@ -180,10 +186,8 @@ def _span_maps_kernel(qe_ref, w_ref, kw_ref, gam_ref, *out_refs, nc, cps, dtype)
     p_ref[n] = mm(qe_ref[n], phi, dtype).astype(dtype)
     return chunk_map(phi, gam_ref[n], w_ref[n], kw_ref[n], dtype)
 
-  eye = (jax.lax.broadcasted_iota(jnp.int32, (d, d), 0)
-         == jax.lax.broadcasted_iota(jnp.int32, (d, d), 1)).astype(F32)
   u_ref[...] = jax.lax.fori_loop(j * cps, jnp.minimum((j + 1) * cps, nc), chunk,
-                                 eye).astype(dtype)
+                                 identity(d)).astype(dtype)
 
 
 def _span_state_kernel(w_ref, kw_ref, uv_ref, gam_ref, u_ref, cur_ref, span_ref, *, nc, cps,

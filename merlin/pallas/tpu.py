@@ -37,7 +37,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from merlin.pallas.kernels import chunk_map, num_pairs, span_index, store_output, write_step
+from merlin.pallas.kernels import (chunk_map, identity, num_pairs, span_index, store_output,
+                                   write_step)
 from triadic.pallas.common import F32, call, mm, rowsum, token_major, total
 
 WHOLE = ...  # a one-chunk block is read whole: ``write_step``'s chunk index
@@ -80,11 +81,6 @@ def _steps(i, nc, cps):
   return jnp.minimum((i + 1) * cps, nc) - i * cps
 
 
-def _eye(d):
-  return (jax.lax.broadcasted_iota(jnp.int32, (d, d), 0)
-          == jax.lax.broadcasted_iota(jnp.int32, (d, d), 1)).astype(F32)
-
-
 def _call(kernel, *, cfg, grid, in_specs, outs, scratch, name, parallel):
   """``call`` on a grid whose first ``parallel`` axes are independent and the rest sequential."""
   semantics = ("parallel",) * parallel + ("arbitrary",) * (len(grid) - parallel)
@@ -101,7 +97,7 @@ def _span_maps_kernel(qe_ref, w_ref, kw_ref, gam_ref, *refs, nc, cps, dtype):
 
   @pl.when(m == 0)
   def _():
-    phi_s[...] = _eye(phi_s.shape[0])
+    phi_s[...] = identity(phi_s.shape[0])
 
   @pl.when(m < _steps(j, nc, cps))
   def _():
