@@ -28,9 +28,13 @@ Several (C, C) float32 tiles (D, P, A; the backward's dP and dA too) are live at
 
 The UT transform: L's SUB x SUB blocks (``lax.split`` of the register tile; Triton cannot index
 one) give A by ``chunk_prep.blocked_inverse`` (substitution, as accurate as a triangular solve),
-and A is joined back into one (C, C) tile (``_join``). A's products (A R; backward: A^T dUv',
-A^T dW', A^T dA A^T) take float32 operands at ``Config.f32_precision``; the others (Q K^T, K K^T,
-P W, P Uv and their gradients' products) the input dtype's, as the state kernels' products do.
+and A is joined back into one (C, C) tile (``_join``); its block products run at
+``Config.f32_precision``, and the residual A is stored in float32. Every other product (A R; Q K^T,
+K K^T, P W, P Uv; the backward's A^T dUv', A^T dW', A^T dA A^T and the gradients' products) takes
+operands in the input dtype with float32 accumulation, as the state kernels' products, the
+triadic op's A products and FLA's do: in bf16, A is rounded to bf16 for them (float32 inputs run
+them in float32 at ``Config.f32_precision``). Float32 operands would double the (C, C) tiles'
+registers and run as three TF32 products each (benchmarks/RESULTS.md has the spills).
 
 Numerics: every exponent is a later-minus-earlier difference of gc (<= 0), the upper triangle
 masked before the exponential (``common.decay_mask``), so no g <= 0 overflows.
@@ -117,27 +121,33 @@ def _forward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *outs, c, erase, inve
   a, b, gam, decay = _decays(gc_ref, c)
   k = k_ref[...]
   beta = beta_ref[...]
-  p = mm(q_ref[...], k, dtype, tb=True) * decay
+  p = (mm(q_ref[...], k, dtype, tb=True) * decay).astype(dtype)  # a product operand only
   if erase:
     amat = _ut_transform(mm(k, k, dtype, tb=True), beta, decay, c=c, precision=precision,
-                         out_ref=ut_ref if inverse else None)
+                         out_ref=ut_ref if inverse else None).astype(dtype)
 
   def value_block(cols, carry):
     uv = beta * v_ref[:, cols].astype(F32)
     if erase:
-      uv = mm(amat, uv, F32, precision=precision)
+      uv = mm(amat, uv, dtype, precision=precision)
     uv_ref[:, cols] = uv.astype(uv_ref.dtype)
     intra_ref[:, cols] = mm(p, uv, dtype)
     return carry
 
+  def key_block(cols, carry):
+    kb = k_ref[:, cols].astype(F32)
+    qe = a * q_ref[:, cols].astype(F32)
+    if erase:
+      w = mm(amat, beta * a * kb, dtype, precision=precision)
+      outs[1][:, cols] = w.astype(outs[1].dtype)
+      qe = qe - mm(p, w, dtype)
+    qe_ref[:, cols] = qe.astype(qe_ref.dtype)
+    kw_ref[:, cols] = (b * kb).astype(kw_ref.dtype)
+    return carry
+
   over_value_blocks(vd, bv, value_block, None)
-  qe = a * q_ref[...].astype(F32)
-  if erase:
-    w = mm(amat, beta * a * k.astype(F32), F32, precision=precision)
-    outs[1][...] = w.astype(outs[1].dtype)
-    qe = qe - mm(p, w, dtype)
-  qe_ref[...] = qe.astype(qe_ref.dtype)
-  kw_ref[...] = (b * k.astype(F32)).astype(kw_ref.dtype)
+  d = k.shape[-1]
+  over_value_blocks(d, min(bv, d), key_block, None)
   gam_ref[...] = gam
 
 
@@ -246,10 +256,10 @@ def _backward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *refs, c, erase, d, 
   a, b, gam, decay = _decays(gc_ref, c)
   beta = beta_ref[...]
   qk = lambda: mm(q_ref[...], k_ref[...], dtype, tb=True)  # S, formed again where used
-  p = qk() * decay
-  ut = ut_ref[...] if erase else None
+  p = (qk() * decay).astype(dtype)  # an operand of products in dtype only
+  ut = ut_ref[...].astype(dtype) if erase else None  # A, an operand of products in dtype
   d_w = lambda cols: dw_ref[:, cols].astype(F32) - mm(p, dqe_ref[:, cols], dtype, ta=True)  # dW'
-  d_rk = lambda dw: mm(ut, dw, F32, ta=True, precision=precision)  # A^T dW'
+  d_rk = lambda dw: mm(ut, dw, dtype, ta=True, precision=precision)  # A^T dW'
 
   def value_block(cols, carry):
     dp, dbeta, *dmat = carry
@@ -260,7 +270,7 @@ def _backward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *refs, c, erase, d, 
     duv = duv_ref[:, cols].astype(F32) + mm(p, dintra, dtype, ta=True)
     if erase:
       dmat = [dmat[0] + mm(duv, rv, dtype, tb=True)]
-      duv = mm(ut, duv, F32, ta=True, precision=precision)  # dR_v
+      duv = mm(ut, duv, dtype, ta=True, precision=precision)  # dR_v
     dv_ref[:, cols] = (beta * duv).astype(dv_ref.dtype)
     return (dp, dbeta + rowsum(duv * v), *dmat)
 
@@ -284,14 +294,14 @@ def _backward_kernel(q_ref, k_ref, v_ref, gc_ref, beta_ref, *refs, c, erase, d, 
   dd = dp * qk()
   if erase:
     dmat, k_drk = rest
-    dl = jnp.where(masks(c)[1], -mm(ut, mm(dmat, ut, F32, tb=True, precision=precision), F32,
-                                     ta=True, precision=precision), 0.0)
+    dl = jnp.where(masks(c)[1], -mm(ut, mm(dmat, ut, dtype, tb=True, precision=precision),
+                                     dtype, ta=True, precision=precision), 0.0)
     kk = mm(k_ref[...], k_ref[...], dtype, tb=True)
     dbeta = dbeta + rowsum(dl * kk * decay) + a * k_drk
     da = da + beta * k_drk
     dd = dd + dl * beta * kk
-    gmat = dl * beta * decay
-  dpd = dp * decay
+    gmat = (dl * beta * decay).astype(dtype)  # product operands only, as p
+  dpd = (dp * decay).astype(dtype)
   e = dd * decay  # d/d(gc_t - gc_s)
   dgc = a * da - db + rowsum(e) - colsum(e).T
   is_last = jax.lax.broadcasted_iota(jnp.int32, (c, 1), 0) == c - 1

@@ -118,9 +118,9 @@ def _segment_bounds(nc, cps):
 def _read(p, qe, lam_ref, finished, current, cur, dtype):
   """sum_{i < cur} (lam_i p) finished(i) + (lam_cur qe) current: the readout of one chunk, the
   finished states read with the query p (erase: the walked query P; no erase: Qe)."""
-  acc = jax.lax.fori_loop(0, cur, lambda i, acc: acc + mm(lam_ref[i] * p, finished(i), dtype),
+  acc = jax.lax.fori_loop(0, cur, lambda i, acc: acc + lam_ref[i] * mm(p, finished(i), dtype),
                           jnp.zeros((p.shape[0], current.shape[-1]), F32))
-  return acc + mm(lam_ref[cur] * qe, current, dtype)
+  return acc + lam_ref[cur] * mm(qe, current, dtype)
 
 
 def store_output(o_ref, o, intra_ref, own_ref, scale):
@@ -136,15 +136,14 @@ def _read_gradients(qe, lam_ref, do_ref, dlam_ref, finished, current, cur, vd, b
 
   def state(tile, i, dqe):
     def block(cols, carry):
-      dq, dlam = carry
-      s, do = tile(cols), do_ref[:, cols]
-      return (dq + mm(do, s, dtype, tb=True),
-              dlam + rowsum(do.astype(F32) * mm(qe, s, dtype)))
+      dqe, dlam = carry
+      s, do = tile(cols), do_ref[:, cols].astype(F32)
+      return (dqe + mm(lam_ref[i] * do, s, dtype, tb=True),
+              dlam + rowsum(do * mm(qe, s, dtype)))
 
-    dq, dlam = over_value_blocks(vd, bv, block, (jnp.zeros((c, d), F32),
-                                                 jnp.zeros((c, 1), F32)))
+    dqe, dlam = over_value_blocks(vd, bv, block, (dqe, jnp.zeros((c, 1), F32)))
     dlam_ref[i] = dlam
-    return dqe + lam_ref[i] * dq
+    return dqe
 
   dqe = jax.lax.fori_loop(0, cur, lambda i, dqe: state(functools.partial(finished, i), i, dqe),
                           jnp.zeros((c, d), F32))
@@ -221,7 +220,7 @@ def _span_readout_kernel(qe_ref, lam_ref, p_ref, span_ref, cur_ref, intra_ref, o
                          cps, scale, dtype):
   n = pl.program_id(1)
   s = n // cps
-  o = _read(p_ref[...].astype(F32), qe_ref[...].astype(F32), lam_ref,
+  o = _read(p_ref[...], qe_ref[...], lam_ref,
             lambda i: span_ref[span_index(i, s)], cur_ref[...], s, dtype)
   store_output(o_ref, o, intra_ref, own_ref, scale)
 
@@ -235,7 +234,7 @@ def _span_reverse_kernel(qe_ref, p_ref, w_ref, kw_ref, u_ref, lam_ref, gam_ref, 
   i = pl.program_id(2)
   ns = -(-nc // cps)
   start, end = _segment_bounds(nc, cps)
-  read = lambda q_ref, n: mm(lam_ref[n] * q_ref[n].astype(F32), do_ref[n], dtype, ta=True)
+  read = lambda q_ref, n: mm(q_ref[n], lam_ref[n] * do_ref[n].astype(F32), dtype, ta=True)
 
   def later(k, ds):  # span j = ns - 1 - k, the last first
     j = ns - 1 - k
@@ -370,7 +369,7 @@ def _write_kernel(*refs, nc, cps, erase, dtype):
 def _rescaled_readout_kernel(qe_ref, lam_ref, end_ref, cur_ref, intra_ref, own_ref, o_ref, *, cps,
                              scale, dtype):
   cur = pl.program_id(1) // cps
-  qe = qe_ref[...].astype(F32)
+  qe = qe_ref[...]
   o = _read(qe, qe, lam_ref, lambda i: end_ref[i], cur_ref[...], cur, dtype)
   store_output(o_ref, o, intra_ref, own_ref, scale)
 
@@ -378,7 +377,7 @@ def _rescaled_readout_kernel(qe_ref, lam_ref, end_ref, cur_ref, intra_ref, own_r
 def _rescaled_reverse_kernel(qe_ref, kw_ref, uv_ref, lam_ref, gam_ref, do_ref, cur_ref, duv_ref,
                              dkw_ref, dgam_ref, *, nc, cps, dtype):
   start, end = _segment_bounds(nc, cps)
-  read = lambda n: mm(lam_ref[n] * qe_ref[n].astype(F32), do_ref[n], dtype, ta=True)
+  read = lambda n: mm(qe_ref[n], lam_ref[n] * do_ref[n].astype(F32), dtype, ta=True)
   d, bv = cur_ref.shape[-2:]
   ds = jax.lax.fori_loop(end, nc, lambda n, ds: ds + read(n), jnp.zeros((d, bv), F32))  # dS_end
 
@@ -415,15 +414,15 @@ def _walk_kernel(qe_ref, lam_ref, p_ref, cur_ref, end_ref, u_ref, intra_ref, own
   where the chunk lies in segment 0 itself (its state is then S_n)."""
   n = _heaviest_first(nc)(pl.program_id(1))
   s = n // cps
-  o = mm(lam_ref[s] * qe_ref[...].astype(F32), cur_ref[...], dtype)
+  o = lam_ref[s] * mm(qe_ref[...], cur_ref[...], dtype)
 
   def segment(k, carry):  # j = s - 1 - k, down to 1
     o, p = carry
     j = s - 1 - k
-    return o + mm(lam_ref[j] * p, end_ref[j], dtype), mm(p, u_ref[j], dtype)
+    return o + lam_ref[j] * mm(p, end_ref[j], dtype), mm(p, u_ref[j], dtype)
 
   o, p = jax.lax.fori_loop(0, jnp.maximum(s - 1, 0), segment, (o, p_ref[...].astype(F32)))
-  o = o + mm(jnp.where(s > 0, lam_ref[0], 0.0) * p, end_ref[0], dtype)
+  o = o + jnp.where(s > 0, lam_ref[0], 0.0) * mm(p, end_ref[0], dtype)
   store_output(o_ref, o, intra_ref, own_ref, scale)
 
 

@@ -252,11 +252,11 @@ def _readout_kernel(r_ref, qe_ref, lam_ref, fin_ref, cur_ref, intra_ref, own_ref
 
   @pl.when(i < s)
   def _():
-    acc_ref[...] += mm(lam_ref[...] * r_ref[...].astype(F32), fin_ref[...], dtype)
+    acc_ref[...] += lam_ref[...] * mm(r_ref[...], fin_ref[...], dtype)
 
   @pl.when(i == s)
   def _():
-    o = acc_ref[...] + mm(lam_ref[...] * qe_ref[...].astype(F32), cur_ref[...], dtype)
+    o = acc_ref[...] + lam_ref[...] * mm(qe_ref[...], cur_ref[...], dtype)
     store_output(o_ref, o, intra_ref, own_ref, scale)
 
 
@@ -312,7 +312,7 @@ def _later_kernel(r_ref, lam_ref, do_ref, *refs, nc, cps, ns, erase, dtype):
 
   @pl.when(live & (m < _steps(j, nc, cps)))
   def _():
-    ds_ref[...] += mm(lam_ref[...] * r_ref[...].astype(F32), do_ref[...], dtype, ta=True)
+    ds_ref[...] += mm(r_ref[...], lam_ref[...] * do_ref[...].astype(F32), dtype, ta=True)
 
   @pl.when((k == pl.num_programs(3) - 1) & (m == cps - 1))
   def _():
@@ -374,7 +374,7 @@ def _own_kernel(*refs, nc, cps, ns, erase, dtype):
     ds, kw = ds_ref[...], kw_ref[...]
     y = mm(kw, ds, dtype)
     duv_ref[...] = y.astype(duv_ref.dtype)
-    carried = gam_ref[...] * ds + mm(lam_ref[...] * qe_ref[...].astype(F32), do_ref[...], dtype,
+    carried = gam_ref[...] * ds + mm(qe_ref[...], lam_ref[...] * do_ref[...].astype(F32), dtype,
                                      ta=True)
     if erase:
       dcur_ref[...] = ds.astype(dcur_ref.dtype)
