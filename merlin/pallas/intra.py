@@ -54,12 +54,11 @@ from triadic.pallas.common import (F32, call, chunk_block, colsum, decay_mask, m
                                    over_value_blocks, rowsum, token_block, total)
 
 
-# The kernels' launches. The backward: 4 warps, the value and key walks in blocks of 32 columns,
-# the fastest of the launches benchmarks/merlin_ops.py --intra-backward times (2 / 4 / 8 / 16
-# warps, 16-128 columns; benchmarks/RESULTS.md): at 8 warps it takes twice as long, although it
+# The kernels' launches, the fastest benchmarks/merlin_ops.py --intra-backward / --intra-forward
+# timed (benchmarks/RESULTS.md). The backward: 4 warps, the value and key walks in blocks of 32
+# columns (2 / 4 / 8 / 16 warps, 16-128 columns timed): at 8 warps it is slower, although it
 # spills fewer registers there (benchmarks/triton_registers.py --merlin). The forward: 4 warps,
-# value blocks of 64 columns, the one launch it has been timed at (``--intra-forward`` times
-# others).
+# blocks of 64 columns (8 warps slower).
 FORWARD_WARPS = 4
 FORWARD_BLOCK_V = 64
 BACKWARD_WARPS = 4

@@ -651,9 +651,9 @@ def walk_readout(qe, lam, p, cur, end, u, intra, own, *, cps, scale, heads, cfg)
   segments' end states ``end`` (BH, NS, D, V) (both ``write_pass`` with W), all in qe's dtype;
   stored as ``span_readout``'s: (B, NC * C, H, V) in qe's dtype. Grid (BH, NC), the last chunk
   first, one program over the whole V: the walk of p (C, D) does not depend on the value columns,
-  so value blocks would repeat it. At ``bwd_num_warps``: p and o, two float32 (C, D) and (C, V)
-  arrays, spill at 4 warps at C = 64, D = V = 128 (192 bytes a thread,
-  benchmarks/triton_registers.py --merlin) and fit at 8."""
+  so value blocks would repeat it. At ``bwd_num_warps``: p and o, float32 (C, D) and (C, V)
+  arrays, fit the registers at 4 and at 8 warps at C = 64, D = V = 128
+  (benchmarks/triton_registers.py --merlin)."""
   nc, c, d = qe.shape[1:]
   ns, vd = end.shape[1], end.shape[-1]
   order = _heaviest_first(nc)

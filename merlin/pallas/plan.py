@@ -56,16 +56,16 @@ class Plan:
 
 def default_config(platform: str) -> Config:
   """GPU: the forward state pass at 32 value columns a program (a (D, 32) float32 state, 16 KiB at
-  D = 128) and 4 warps, the readout at 64 columns and 4 warps; the backward's kernels (reverse
-  state pass, chunk gradients) at 64 columns and 4 warps (the span kernels, which carry a D x D
-  float32 matrix, at ``kernels.SQUARE_WARPS``). Each state-pass program re-reads its chunk's Qe,
-  W, Kw at every chunk step of its own segment, so wider value blocks halve that traffic; the
-  profile (benchmarks/RESULTS.md) finds the wider blocks faster for the reverse pass, which
-  carries more per-step work, and slower for the forward pass and the readout. At 4 warps the
-  reverse state pass and the chunk gradients spill registers and at 8 they do not
-  (benchmarks/triton_registers.py --merlin, which also lists the intra-chunk kernels'); 4 is the
-  warp count benchmarks/RESULTS.md last measured faster. The forward's state and readout kernels
-  do not spill at these tiles.
+  D = 128) and 4 warps; the readout (at 4 warps) and the backward's kernels (reverse state pass,
+  chunk gradients) at 128 columns (``bwd_block_v``: all of V = 128), the backward's at 8 warps
+  (the span kernels, which carry a D x D float32 matrix, at ``kernels.SQUARE_WARPS``). A
+  reverse-pass program reads each later span's map U and walked queries P for its value block,
+  so one block of all V columns reads them once where two blocks of 64 read them twice; at 8
+  warps the reverse pass and the chunk gradients spill no registers (benchmarks/triton_registers.py
+  --merlin, which also lists the intra-chunk kernels'). That launch measured faster than 64
+  columns at 4 warps at T = 16384 and at the 400M training shape, and 8 warps at 64 columns
+  slower than both (benchmarks/RESULTS.md); the forward's state pass measured the same at 8
+  warps or 64 columns.
   Where no gradient is taken, the erase forward reads the states by the query walk
   (``Config.query_walk``), whose memory grows with T, where the span stack's grows with T^2; and
   the intra-chunk part runs as one forward kernel (``Config.intra_kernel``, launched as
@@ -81,7 +81,7 @@ def default_config(platform: str) -> Config:
   CPU (interpret): 16 columns, so small test shapes still run several value blocks (the
   intra-chunk kernels' own launches aside)."""
   if platform == "gpu":
-    return Config("gpu", block_v=32, num_warps=4, bwd_block_v=64, bwd_num_warps=4,
+    return Config("gpu", block_v=32, num_warps=4, bwd_block_v=128, bwd_num_warps=8,
                   query_walk=True, intra_kernel=True, intra_backward_kernel=True)
   if platform == "tpu":
     return Config("tpu", block_v=128, bwd_block_v=128)
