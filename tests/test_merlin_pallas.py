@@ -159,15 +159,17 @@ def test_pallas_matches_scan(b, t, h, d, vd, segment_len, chunk, erase, decay, l
 
 
 @pytest.mark.parametrize("erase", [True, False])
-def test_forward_and_backward_tiles_differ(erase):
+@pytest.mark.parametrize("bwd_block_v", [32, 64])
+def test_forward_and_backward_tiles_differ(erase, bwd_block_v):
   """The GPU default gives the forward state pass and the backward's kernels different value
-  blocks (``plan.default_config``): each kernel blocks the full-width stacks its own way, so
-  16-column forward blocks with 32-column backward blocks give the scan's output and gradients."""
+  blocks (``plan.default_config``: 32 columns forward, all of V = 128 backward): each kernel
+  blocks the full-width stacks its own way, so 16-column forward blocks with 32-column backward
+  blocks, or one backward block of all 64 columns, give the scan's output and gradients."""
   b, t, h, d, vd, segment_len, chunk = 1, 150, 2, 16, 64, 32, 16
   n = -(-t // segment_len)
   args, do = make_inputs(1, b, t, h, d, vd, n, segment_len, "strong", "merlin", jnp.float32)
   kw = dict(segment_len=segment_len, erase=erase, chunk_size=chunk)
-  config = Config("cpu", block_v=16, bwd_block_v=32, num_warps=4, bwd_num_warps=8)
+  config = Config("cpu", block_v=16, bwd_block_v=bwd_block_v, num_warps=4, bwd_num_warps=8)
   got, o = grads("pallas", args, do, config=config, **kw)
   want, o_ref = grads("scan", args, do, **kw)
   out_bound, grad_bound = BOUNDS[jnp.float32]
