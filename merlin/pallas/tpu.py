@@ -44,10 +44,6 @@ from triadic.pallas.common import F32, call, mm, rowsum, token_major, total
 WHOLE = ...  # a one-chunk block is read whole: ``write_step``'s chunk index
 
 
-def _segments(nc, cps):
-  return -(-nc // cps)
-
-
 def _segment_of(n, cps):
   """The segment of chunk n, a traced int >= 0 (``lax.div``: Mosaic TPU lowers no floor
   division)."""
@@ -115,7 +111,7 @@ def _span_maps_kernel(qe_ref, w_ref, kw_ref, gam_ref, *refs, nc, cps, dtype):
 def span_maps(qe, w, kw, gam, *, cps, cfg, phi=True):
   """``kernels.span_maps``: grid (BH, NS, chunk of the span), Phi in scratch."""
   bh, nc, c, d = kw.shape
-  ns = _segments(nc, cps)
+  ns = -(-nc // cps)
   at = lambda *s: _spec((None, None, *s), lambda b, j, m: (b, _forward_chunk(j, m, nc, cps))
                         + (0,) * len(s))
   shape = lambda *s: jax.ShapeDtypeStruct((bh, *s), kw.dtype)
@@ -154,7 +150,7 @@ def write_pass(kw, uv, gam, *, cps, cfg, w=None):
   bh, nc, c, d = kw.shape
   vd = uv.shape[-1]
   bv = min(cfg.block_v, vd)
-  ns = _segments(nc, cps)
+  ns = -(-nc // cps)
   erase = w is not None
   chunk = lambda *s: _spec((None, None, *s), lambda b, jv, i, m: (
       b, _forward_chunk(i, m, nc, cps)) + (0,) * len(s))
@@ -567,7 +563,7 @@ def span_sums(qe, phi, w, kw, gam, span, dspan, y, dw_own, dkw_own, dgam_own, *,
   bh, nc, c, d = qe.shape
   vd = span.shape[-1]
   bv = min(cfg.bwd_block_v, vd)
-  ns = _segments(nc, cps)
+  ns = -(-nc // cps)
   pair = _spec((None, None, d, bv), lambda b, j, i, jv: (
       b, span_index(jnp.minimum(i, jnp.maximum(j - 1, 0)), jnp.maximum(j, 1)), 0, jv))
   k = _call(functools.partial(_pair_sums_kernel, dtype=qe.dtype), cfg=cfg,
