@@ -178,6 +178,23 @@ def test_forward_and_backward_tiles_differ(erase, bwd_block_v):
     assert rel_rms(gx, gw) < grad_bound, f"d{name}: rel RMS {rel_rms(gx, gw):.2e}"
 
 
+@pytest.mark.parametrize("erase", [True, False])
+@pytest.mark.parametrize("t,read_chunks,reverse_states", [
+    (280, 2, 2),  # 18 chunks in spans of 4: the last span has 2; 5 segments: the last group 1
+    (320, 4, 3),  # 20 chunks, a group of 4 a span; 5 segments in groups of 3 and 2
+    (300, 4, 4),  # 19 chunks: groups of 4 do not divide them, so one chunk a program
+])
+def test_program_groups(erase, t, read_chunks, reverse_states):
+  """Programs over several chunks of a span (the readout, the chunk gradients:
+  ``Config.read_chunks``) and over several segments' states (the reverse pass:
+  ``Config.reverse_states``), short last groups included, give the scan's output and
+  gradients."""
+  config = Config("cpu", block_v=16, bwd_block_v=16, read_chunks=read_chunks,
+                  reverse_states=reverse_states)
+  check_against_scan(1, t, 2, 16, 32, 64, 16, erase, "weak", "random", jnp.float32,
+                     config=config)
+
+
 WALK_CASES = [
     # b, t, h, d, v, segment_len, chunk, decay, lam, dtype: NC = ceil(T / C) chunks, NS segments
     pytest.param(2, 150, 2, 16, 32, 32, 16, "weak", "random", jnp.float32,

@@ -83,6 +83,7 @@ readout's output alone is (B, NC * C, H, V), row bh of the others being batch bh
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -115,12 +116,19 @@ def _segment_bounds(nc, cps):
   return start, jnp.minimum(start + cps, nc)
 
 
-def _read(p, qe, lam_ref, finished, current, cur, dtype):
-  """sum_{i < cur} (lam_i p) finished(i) + (lam_cur qe) current: the readout of one chunk, the
-  finished states read with the query p (erase: the walked query P; no erase: Qe)."""
-  acc = jax.lax.fori_loop(0, cur, lambda i, acc: acc + lam_ref[i] * mm(p, finished(i), dtype),
-                          jnp.zeros((p.shape[0], current.shape[-1]), F32))
-  return acc + lam_ref[cur] * mm(qe, current, dtype)
+def _read(p_ref, qe_ref, lam_ref, finished, current_ref, cur, dtype):
+  """The readouts of a group of G chunks r of one segment (refs (G, C, .), lam_ref (NS, G, C, 1)):
+  o_r = sum_{i < cur} (lam_i p_r) finished(i) + (lam_cur qe_r) current_r, each finished state
+  loaded once for the group (the finished states read with the query p: erase the walked query
+  P, no erase Qe)."""
+  group, c, _ = qe_ref.shape
+
+  def state(i, outs):
+    st = finished(i)
+    return tuple(o + lam_ref[i, r] * mm(p_ref[r], st, dtype) for r, o in enumerate(outs))
+
+  outs = jax.lax.fori_loop(0, cur, state, (jnp.zeros((c, current_ref.shape[-1]), F32),) * group)
+  return [o + lam_ref[cur, r] * mm(qe_ref[r], current_ref[r], dtype) for r, o in enumerate(outs)]
 
 
 def store_output(o_ref, o, intra_ref, own_ref, scale):
@@ -128,22 +136,25 @@ def store_output(o_ref, o, intra_ref, own_ref, scale):
   o_ref[...] = (scale * (o + own_ref[...] * intra_ref[...])).astype(o_ref.dtype)
 
 
+def _store_outputs(o_ref, outs, intra_ref, own_ref, scale):
+  """``store_output`` for each chunk r of a group: rows r C .. (r + 1) C of ``o_ref``."""
+  c = intra_ref.shape[1]
+  for r, o in enumerate(outs):
+    o_ref[pl.ds(r * c, c), :] = (scale * (o + own_ref[r] * intra_ref[r])).astype(o_ref.dtype)
+
+
 def _read_gradients(qe, lam_ref, do_ref, dlam_ref, finished, current, cur, vd, bv, dtype):
-  """The read's dQe (returned) and dlam (written to ``dlam_ref[i]``, i <= cur) for one chunk:
-  dQe = sum_i lam_i (dO S_i^T), dlam_i = rowsum(dO * (Qe S_i)); finished(i, cols) and
-  current(cols) give the states' value-block tiles."""
+  """The read's dQe (returned) and dlam (written to ``dlam_ref[i]``, i <= cur) for one chunk,
+  from one product a state, Z_i = dO S_i^T: dQe = sum_i lam_i Z_i, dlam_i = rowsum(Qe * Z_i)
+  (= rowsum(dO * (Qe S_i))); finished(i, cols) and current(cols) give the states' value-block
+  tiles."""
   c, d = qe.shape
 
   def state(tile, i, dqe):
-    def block(cols, carry):
-      dqe, dlam = carry
-      s, do = tile(cols), do_ref[:, cols].astype(F32)
-      return (dqe + mm(lam_ref[i] * do, s, dtype, tb=True),
-              dlam + rowsum(do * mm(qe, s, dtype)))
-
-    dqe, dlam = over_value_blocks(vd, bv, block, (dqe, jnp.zeros((c, 1), F32)))
-    dlam_ref[i] = dlam
-    return dqe
+    z = over_value_blocks(vd, bv, lambda cols, z: z + mm(do_ref[:, cols], tile(cols), dtype,
+                                                         tb=True), jnp.zeros((c, d), F32))
+    dlam_ref[i] = rowsum(qe.astype(F32) * z)
+    return dqe + lam_ref[i] * z
 
   dqe = jax.lax.fori_loop(0, cur, lambda i, dqe: state(functools.partial(finished, i), i, dqe),
                           jnp.zeros((c, d), F32))
@@ -218,98 +229,123 @@ def _span_state_kernel(w_ref, kw_ref, uv_ref, gam_ref, u_ref, cur_ref, span_ref,
 
 def _span_readout_kernel(qe_ref, lam_ref, p_ref, span_ref, cur_ref, intra_ref, own_ref, o_ref, *,
                          cps, scale, dtype):
-  n = pl.program_id(1)
-  s = n // cps
-  o = _read(p_ref[...], qe_ref[...], lam_ref,
-            lambda i: span_ref[span_index(i, s)], cur_ref[...], s, dtype)
-  store_output(o_ref, o, intra_ref, own_ref, scale)
+  s = pl.program_id(1) * qe_ref.shape[0] // cps
+  outs = _read(p_ref, qe_ref, lam_ref, lambda i: span_ref[span_index(i, s)], cur_ref, s, dtype)
+  _store_outputs(o_ref, outs, intra_ref, own_ref, scale)
 
 
 def _span_reverse_kernel(qe_ref, p_ref, w_ref, kw_ref, u_ref, lam_ref, gam_ref, do_ref, dspan_ref,
-                         dcur_ref, duv_ref, *, nc, cps, dtype):
-  """Program (bh, value block, segment i): dS^i from the sequence's end back across the later
-  spans, each in one step dS_b = U_j^T dS_{b'} + sum_n (lam_n,i P_n)^T dO_n, storing the gradient
-  at each span's end into the span stack, then through its own segment chunk by chunk, storing
-  each chunk's dS^i_{n+1} and dUv_n."""
-  i = pl.program_id(2)
+                         dcur_ref, duv_ref, *, nc, cps, group, dtype):
+  """Program (bh, value block, group of G segments i = g G .. g G + G - 1; G = ``group``): each
+  state's dS^i from the sequence's end back across the later spans, each in one step
+  dS_b = U_j^T dS_{b'} + sum_n (lam_n,i P_n)^T dO_n that reads U_j, P_n and dO_n once for the
+  group's states that cross span j, storing the gradient at each span's end into the span
+  stack; then through its own segment chunk by chunk, storing each chunk's dS^i_{n+1} and dUv_n.
+  States past the last segment (a short last group) take no step."""
+  first = pl.program_id(2) * group
   ns = -(-nc // cps)
-  start, end = _segment_bounds(nc, cps)
-  read = lambda q_ref, n: mm(q_ref[n], lam_ref[n] * do_ref[n].astype(F32), dtype, ta=True)
 
-  def later(k, ds):  # span j = ns - 1 - k, the last first
-    j = ns - 1 - k
-    dspan_ref[span_index(i, j)] = ds.astype(dspan_ref.dtype)
-    reads = jax.lax.fori_loop(j * cps, jnp.minimum((j + 1) * cps, nc),
-                              lambda n, acc: acc + read(p_ref, n), jnp.zeros_like(ds))
-    return mm(u_ref[j], ds, dtype, ta=True) + reads
+  def cross(lo, hi, dss):
+    """The group's first len(dss) states back across spans hi - 1 down to lo."""
+    def span(k, dss):
+      j = hi - 1 - k
+      for r, ds in enumerate(dss):
+        dspan_ref[span_index(first + r, j)] = ds.astype(dspan_ref.dtype)
+      u = u_ref[j]
 
-  def own(m, ds):  # chunk n = end - 1 - m: dS_{n+1} -> dS_n
-    n = end - 1 - m
-    y = mm(kw_ref[n], ds, dtype)
-    dcur_ref[n] = ds.astype(dcur_ref.dtype)
-    duv_ref[n] = y.astype(duv_ref.dtype)
-    return gam_ref[n] * ds + read(qe_ref, n) - mm(w_ref[n], y, dtype, ta=True)
+      def chunk(n, dss):
+        p, do = p_ref[n], do_ref[n].astype(F32)
+        return tuple(acc + mm(p, lam_ref[first + r, n] * do, dtype, ta=True)
+                     for r, acc in enumerate(dss))
+
+      return jax.lax.fori_loop(j * cps, jnp.minimum((j + 1) * cps, nc), chunk,
+                               tuple(mm(u, ds, dtype, ta=True) for ds in dss))
+
+    return jax.lax.fori_loop(0, hi - lo, span, tuple(dss))
+
+  def own(i, ds):  # chunk n = end - 1 - m of segment i: dS_{n+1} -> dS_n
+    start = i * cps
+    end = jnp.minimum(start + cps, nc)
+
+    def chunk(m, ds):
+      n = end - 1 - m
+      y = mm(kw_ref[n], ds, dtype)
+      dcur_ref[n] = ds.astype(dcur_ref.dtype)
+      duv_ref[n] = y.astype(duv_ref.dtype)
+      return (gam_ref[n] * ds + mm(qe_ref[n], lam_ref[i, n] * do_ref[n].astype(F32), dtype,
+                                   ta=True) - mm(w_ref[n], y, dtype, ta=True))
+
+    jax.lax.fori_loop(0, end - start, chunk, ds)
 
   d, bv = dcur_ref.shape[-2:]
-  ds = jax.lax.fori_loop(0, ns - 1 - i, later, jnp.zeros((d, bv), F32))
-  jax.lax.fori_loop(0, end - start, own, ds)
+  dss = cross(first + group, ns, (jnp.zeros((d, bv), F32),) * group)
+  for m in range(group - 1, 0, -1):  # span first + m: state m's own, a later one for those before
+    own(first + m, dss[m])
+    dss = cross(first + m, jnp.minimum(first + m + 1, ns), dss[:m])
+  own(first, dss[0])
+
+
+# The chunk gradients' own-state erase terms run over value blocks of at most this many columns:
+# at D = V = 128 the whole-V step's (C, V) float32 products are what fills the registers
+# (benchmarks/triton_registers.py --merlin).
+OWN_BLOCK_V = 64
 
 
 def _span_gradients_kernel(qe_ref, p_ref, phi_ref, w_ref, uv_ref, duv_ref, lam_ref, do_ref,
                            span_ref, cur_ref, dcur_ref, dqe_ref, y_ref, dw_ref, dkw_ref, dgam_ref,
                            dlam_ref, *, nc, cps, vd, bv, dtype):
-  """Program (bh, chunk n) in span s, over the value blocks: from the finished states'
-  span-start values S_b^i,
+  """Program (bh, group of G chunks n = b_g .. b_g + G - 1 of span s; G = ``group``), over the
+  value blocks: each finished state's span-start value S_b^i, read once for the group, gives
+  every chunk's Z = dO_n S_b^iT (C, D), the one product a state needs:
 
-      Y_n = sum_{i < s} (lam_i dO_n) S_b^iT,   dlam_i = rowsum(dO_n * (P_n S_b^i)),
+      Y_n = sum_{i < s} lam_i Z,   dlam_i = rowsum(P_n * Z)   (= rowsum(dO_n * (P_n S_b^i)));
 
-  and from the own state's S_n^s and dS_{n+1}^s its part of the chunk's gradients:
-  dQe = (lam_s dO) S^T, dlam_s, and with G = dS S^T (never formed) dW = -Kw G = -dUv S^T,
-  dKw = -W G^T + Uv dS^T = (Uv - W S) dS^T, dgamma = tr G = <dS, S>.
+  and from each chunk's own state S_n^s and dS_{n+1}^s its part of the chunk's gradients:
+  dQe = lam_s dO S^T, dlam_s the same way with Qe, and with G = dS S^T (never formed)
+  dW = -Kw G = -dUv S^T, dKw = -W G^T + Uv dS^T = (Uv - W S) dS^T, dgamma = tr G = <dS, S>.
   dQe is whole here (+ Y_n Phi_n^T, the finished states' read), stored in qe's dtype; Y and the
   own parts of dW, dKw, dgamma are float32, for ``_span_sums_kernel`` to finish."""
-  n = _heaviest_first(nc)(pl.program_id(1))
-  s = n // cps
-  c, d = qe_ref.shape
-  p = p_ref[...]
+  group, c, d = qe_ref.shape
+  first = _heaviest_first(nc // group)(pl.program_id(1)) * group
+  s = first // cps
 
-  def finished(i, y):
-    def block(cols, carry):
-      y, dlam = carry
-      st, do = span_ref[span_index(i, s), :, cols], do_ref[:, cols].astype(F32)
-      return (y + mm(lam_ref[i] * do, st, dtype, tb=True),
-              dlam + rowsum(do * mm(p, st, dtype)))
+  def read(state, rows, queries, weights, carry):
+    """For chunks ``rows``, Z = dO_n state^T with the state's value-block tiles ``state(cols)``
+    loaded once: (carry + weights(r) Z, rowsum(queries(r) * Z)) per chunk."""
+    def block(cols, zs):
+      st = state(cols)
+      return tuple(z + mm(do_ref[r, :, cols], st, dtype, tb=True) for r, z in zip(rows, zs))
 
-    y, dlam = over_value_blocks(vd, bv, block, (y, jnp.zeros((c, 1), F32)))
-    dlam_ref[i] = dlam
-    return y
+    zs = over_value_blocks(vd, bv, block, (jnp.zeros((c, d), F32),) * len(rows))
+    return ([acc + weights(r) * z for r, acc, z in zip(rows, carry, zs)],
+            [rowsum(queries(r).astype(F32) * z) for r, z in zip(rows, zs)])
 
-  y = jax.lax.fori_loop(0, s, finished, jnp.zeros((c, d), F32))
-  y_ref[...] = y
-  qe = qe_ref[...]
+  def finished(i, ys):
+    ys, dlams = read(lambda cols: span_ref[span_index(i, s), :, cols], range(group),
+                     lambda r: p_ref[r], lambda r: lam_ref[i, r], ys)
+    for r, dlam in enumerate(dlams):
+      dlam_ref[r, i] = dlam
+    return tuple(ys)
 
-  def read(cols, carry):  # the own state's read: dQe, dlam_s; and tr G = <dS, S>
-    dqe, dlam, dgam = carry
-    st, do = cur_ref[:, cols], do_ref[:, cols].astype(F32)
-    return (dqe + mm(lam_ref[s] * do, st, dtype, tb=True),
-            dlam + rowsum(do * mm(qe, st, dtype)),
-            dgam + total(dcur_ref[:, cols].astype(F32) * st.astype(F32)))
+  ys = jax.lax.fori_loop(0, s, finished, (jnp.zeros((c, d), F32),) * group)
+  for r, y in enumerate(ys):  # each chunk's own state
+    y_ref[r] = y
+    (dqe,), (dlam,) = read(lambda cols, r=r: cur_ref[r, :, cols], [r], lambda r: qe_ref[r],
+                           lambda r: lam_ref[s, r], [mm(y, phi_ref[r], dtype, tb=True)])
+    dqe_ref[r] = dqe.astype(dqe_ref.dtype)
+    dlam_ref[r, s] = dlam
+    w = w_ref[r]
 
-  dqe, dlam, dgam = over_value_blocks(vd, bv, read, (
-      mm(y, phi_ref[...], dtype, tb=True), jnp.zeros((c, 1), F32), jnp.zeros((1, 1), F32)))
-  dlam_ref[s] = dlam
-  dqe_ref[...] = dqe.astype(dqe_ref.dtype)
-  dgam_ref[...] = dgam
-  w = w_ref[...]
+    def erase_terms(cols, carry, r=r):  # -dUv S^T, (Uv - W S) dS^T and <dS, S>
+      dw, dkw, dgam = carry
+      st, dst = cur_ref[r, :, cols], dcur_ref[r, :, cols]
+      return (dw - mm(duv_ref[r, :, cols], st, dtype, tb=True),
+              dkw + mm(uv_ref[r, :, cols].astype(F32) - mm(w, st, dtype), dst, dtype, tb=True),
+              dgam + total(dst.astype(F32) * st.astype(F32)))
 
-  def erase_terms(cols, carry):  # -Kw G = -dUv S^T and -W G^T + Uv dS^T = (Uv - W S) dS^T
-    dw, dkw = carry
-    st, dst = cur_ref[:, cols], dcur_ref[:, cols]
-    return (dw - mm(duv_ref[:, cols], st, dtype, tb=True),
-            dkw + mm(uv_ref[:, cols].astype(F32) - mm(w, st, dtype), dst, dtype, tb=True))
-
-  dw_ref[...], dkw_ref[...] = over_value_blocks(vd, bv, erase_terms, (
-      jnp.zeros((c, d), F32), jnp.zeros((c, d), F32)))
+    dw_ref[r], dkw_ref[r], dgam_ref[r] = over_value_blocks(
+        vd, min(bv, OWN_BLOCK_V), erase_terms,
+        (jnp.zeros((c, d), F32), jnp.zeros((c, d), F32), jnp.zeros((1, 1), F32)))
 
 
 def _span_sums_kernel(qe_ref, phi_ref, w_ref, kw_ref, gam_ref, span_ref, dspan_ref, y_ref,
@@ -368,10 +404,9 @@ def _write_kernel(*refs, nc, cps, erase, dtype):
 
 def _rescaled_readout_kernel(qe_ref, lam_ref, end_ref, cur_ref, intra_ref, own_ref, o_ref, *, cps,
                              scale, dtype):
-  cur = pl.program_id(1) // cps
-  qe = qe_ref[...]
-  o = _read(qe, qe, lam_ref, lambda i: end_ref[i], cur_ref[...], cur, dtype)
-  store_output(o_ref, o, intra_ref, own_ref, scale)
+  cur = pl.program_id(1) * qe_ref.shape[0] // cps
+  outs = _read(qe_ref, qe_ref, lam_ref, lambda i: end_ref[i], cur_ref, cur, dtype)
+  _store_outputs(o_ref, outs, intra_ref, own_ref, scale)
 
 
 def _rescaled_reverse_kernel(qe_ref, kw_ref, uv_ref, lam_ref, gam_ref, do_ref, cur_ref, duv_ref,
@@ -445,14 +480,23 @@ def _heaviest_first(nc):
   return lambda p: nc - 1 - p
 
 
-def _chunk_spec(*shape, chunk=lambda p: p):
-  """One chunk's block on a (BH, NC, ...) grid; ``chunk`` maps the program index to the chunk."""
-  return pl.BlockSpec((None, None, *shape), lambda b, p, *_: (b, chunk(p)) + (0,) * len(shape))
+def _chunk_spec(*shape, chunk=lambda p: p, group=None):
+  """One chunk's block on a (BH, NC, ...) grid, or with ``group`` G a group of G chunks'
+  (G, *shape); ``chunk`` maps the program index to the chunk (group)."""
+  return pl.BlockSpec((None, group, *shape), lambda b, p, *_: (b, chunk(p)) + (0,) * len(shape))
 
 
-def _lam_of_chunk(ns, c, chunk=lambda p: p):
-  """lam (BH, NS, NC, C, 1): every segment's weights of the program's chunk, (NS, C, 1)."""
-  return pl.BlockSpec((None, ns, None, c, 1), lambda b, p, *_: (b, 0, chunk(p), 0, 0))
+def _lam_of_chunk(ns, c, chunk=lambda p: p, group=None):
+  """lam (BH, NS, NC, C, 1): every segment's weights of the program's chunk, (NS, C, 1), or of
+  its group of G chunks, (NS, G, C, 1)."""
+  return pl.BlockSpec((None, ns, group, c, 1), lambda b, p, *_: (b, 0, chunk(p), 0, 0))
+
+
+def read_group(cfg, cps, nc):
+  """The chunks a program of the span readout and chunk gradients takes (``Config.read_chunks``
+  where it divides the chunks of a segment and of the sequence, else their common divisor): all
+  in one span, so that each finished state is read once for the group."""
+  return math.gcd(cfg.read_chunks, cps, nc)
 
 
 def _lam_of_segment(nc, c):
@@ -503,21 +547,25 @@ def span_state_pass(w, kw, uv, gam, u, *, cps, cfg):
 
 
 def _readout_call(kernel, qe, lam, state_specs, states, intra, own, heads, cfg, *, bv=None,
-                  chunk=lambda p: p, name="merlin_readout", num_warps=None):
+                  chunk=lambda p: p, group=None, name="merlin_readout", num_warps=None):
   """The readout launch: program (bh, p, j) reads chunk n = chunk(p)'s Qe, lam, own and value
-  block j (``bv`` columns, default bwd_block_v) of intra and of the states, and writes the
-  output's (C, bv) tile in qe's dtype into the caller's (B, NC * C, H, V) layout: row bh is batch
-  bh // H, head bh % H (the head dim squeezed, a strided block), so the output needs no relayout
-  after."""
+  block j (``bv`` columns, default bwd_block_v) of intra and of the states, or with ``group`` G
+  those of chunk group chunk(p) (G chunks, blocks (G, ...)), and writes the output's (C, bv)
+  tile ((G C, bv)) in qe's dtype into the caller's (B, NC * C, H, V) layout: row bh is batch
+  bh // H, head bh % H (the head dim squeezed, a strided block), so the output needs no
+  relayout after."""
   bh, nc, c, d = qe.shape
   vd = intra.shape[-1]
   bv = min(bv or cfg.bwd_block_v, vd)
-  return call(kernel, cfg=cfg, grid=(bh, nc, vd // bv),
-              in_specs=[_chunk_spec(c, d, chunk=chunk), _lam_of_chunk(lam.shape[1], c, chunk)]
+  programs = nc // (group or 1)
+  return call(kernel, cfg=cfg, grid=(bh, programs, vd // bv),
+              in_specs=[_chunk_spec(c, d, chunk=chunk, group=group),
+                        _lam_of_chunk(lam.shape[1], c, chunk, group)]
                        + state_specs
-                       + [pl.BlockSpec((None, None, c, bv), lambda b, p, j: (b, chunk(p), 0, j)),
-                          _chunk_spec(c, 1, chunk=chunk)],
-              out_specs=pl.BlockSpec((None, c, None, bv),
+                       + [pl.BlockSpec((None, group, c, bv),
+                                       lambda b, p, j: (b, chunk(p), 0, j)),
+                          _chunk_spec(c, 1, chunk=chunk, group=group)],
+              out_specs=pl.BlockSpec((None, (group or 1) * c, None, bv),
                                      lambda b, p, j: (b // heads, chunk(p), b % heads, j)),
               out_shape=jax.ShapeDtypeStruct((bh // heads, nc * c, heads, vd), qe.dtype),
               semantics=None, name=name, num_warps=num_warps)(qe, lam, *states, intra, own)
@@ -530,14 +578,17 @@ def span_readout(qe, lam, p, span, cur, intra, own, *, cps, scale, heads, cfg):
   intra-chunk part intra = P Uv (BH, NC, C, V), weighted by own (BH, NC, C, 1), each token's lam
   of its own segment (both float32): summed in float32 and stored once in qe's dtype (the op's
   output dtype), (B, NC * C, H, V) with H = ``heads`` (``_readout_call``). Grid
-  (BH, NC, V / bwd_block_v)."""
-  c, d = qe.shape[2:]
+  (BH, NC / G, V / bwd_block_v), G chunks a program (``read_group``)."""
+  nc, c, d = qe.shape[1:]
   pairs, vd = span.shape[1], span.shape[-1]
   bv = min(cfg.bwd_block_v, vd)
+  group = read_group(cfg, cps, nc)
   kernel = functools.partial(_span_readout_kernel, cps=cps, scale=scale, dtype=qe.dtype)
-  specs = [_chunk_spec(c, d), pl.BlockSpec((None, pairs, d, bv), lambda b, n, j: (b, 0, 0, j)),
-           pl.BlockSpec((None, None, d, bv), lambda b, n, j: (b, n, 0, j))]
-  return _readout_call(kernel, qe, lam, specs, [p, span, cur], intra, own, heads, cfg)
+  specs = [_chunk_spec(c, d, group=group),
+           pl.BlockSpec((None, pairs, d, bv), lambda b, n, j: (b, 0, 0, j)),
+           pl.BlockSpec((None, group, d, bv), lambda b, n, j: (b, n, 0, j))]
+  return _readout_call(kernel, qe, lam, specs, [p, span, cur], intra, own, heads, cfg,
+                       group=group)
 
 
 def span_reverse_pass(qe, p, w, kw, u, lam, gam, do, *, cps, cfg):
@@ -545,14 +596,16 @@ def span_reverse_pass(qe, p, w, kw, u, lam, gam, do, *, cps, cfg):
   dS^i_{b'} for span j > i at ``span_index(i, j)`` (b' the span's end), each chunk's own-segment
   gradient ``dcur`` dS^s(n)_{n+1} (BH, NC, D, V) and dUv (BH, NC, C, V), all in qe's dtype (dUv's
   one use is the op's cotangent of Uv, which has that dtype); p and u from ``span_maps``. Grid
-  (BH, V / bwd_block_v, NS) at bwd_num_warps; do (BH, NC, C, V) in qe's dtype."""
+  (BH, V / bwd_block_v, NS / G), ``Config.reverse_states`` = G segments a program (the last
+  group short where G does not divide NS), at bwd_num_warps; do (BH, NC, C, V) in qe's dtype."""
   bh, nc, c, d = qe.shape
   ns, vd = lam.shape[1], do.shape[-1]
   bv = min(cfg.bwd_block_v, vd)
   pairs = num_pairs(ns)
-  kernel = functools.partial(_span_reverse_kernel, nc=nc, cps=cps, dtype=qe.dtype)
-  return call(kernel, cfg=cfg, grid=(bh, vd // bv, ns),
-              in_specs=[_whole(nc, c, d)] * 4 + [_whole(ns, d, d), _lam_of_segment(nc, c),
+  group = min(cfg.reverse_states, ns)
+  kernel = functools.partial(_span_reverse_kernel, nc=nc, cps=cps, group=group, dtype=qe.dtype)
+  return call(kernel, cfg=cfg, grid=(bh, vd // bv, -(-ns // group)),
+              in_specs=[_whole(nc, c, d)] * 4 + [_whole(ns, d, d), _whole(ns, nc, c, 1),
                                                  _whole(nc, 1, 1), _vblock(nc, c, bv)],
               out_specs=[_vblock(pairs, d, bv), _vblock(nc, d, bv), _vblock(nc, c, bv)],
               out_shape=[jax.ShapeDtypeStruct((bh, pairs, d, vd), qe.dtype),
@@ -566,19 +619,21 @@ def span_chunk_gradients(qe, p, phi, w, uv, duv, lam, do, span, cur, dcur, *, cp
   """Erase, per chunk (``_span_gradients_kernel``): dQe (BH, NC, C, D) in qe's dtype (the op's
   cotangent of Qe, which has it: summed in float32, rounded once); float32 Y and the own state's
   parts of dW, dKw (BH, NC, C, D) and dgamma (BH, NC, 1, 1) (``span_sums`` finishes them); dlam
-  (BH, NC, NS, C, 1; entries i > s(n) unwritten) whole. Grid (BH, NC), the last chunk first
-  (``_heaviest_first``), at bwd_num_warps."""
+  (BH, NC, NS, C, 1; entries i > s(n) unwritten) whole. Grid (BH, NC / G), G chunks a program
+  (``read_group``), the last group first (``_heaviest_first``), at bwd_num_warps."""
   bh, nc, c, d = qe.shape
   pairs, vd = span.shape[1], span.shape[-1]
   ns = lam.shape[1]
-  order = _heaviest_first(nc)
-  per_chunk = lambda *s: _chunk_spec(*s, chunk=order)
+  group = read_group(cfg, cps, nc)
+  order = _heaviest_first(nc // group)
+  per_chunk = lambda *s: _chunk_spec(*s, chunk=order, group=group)
   shape = lambda *s, dtype=F32: jax.ShapeDtypeStruct((bh, nc, *s), dtype)
   kernel = functools.partial(_span_gradients_kernel, nc=nc, cps=cps, vd=vd,
                              bv=min(cfg.bwd_block_v, vd), dtype=qe.dtype)
-  return call(kernel, cfg=cfg, grid=(bh, nc),
+  return call(kernel, cfg=cfg, grid=(bh, nc // group),
               in_specs=[per_chunk(c, d)] * 2 + [per_chunk(d, d), per_chunk(c, d)]
-                       + [per_chunk(c, vd)] * 2 + [_lam_of_chunk(ns, c, order), per_chunk(c, vd),
+                       + [per_chunk(c, vd)] * 2
+                       + [_lam_of_chunk(ns, c, order, group), per_chunk(c, vd),
                           pl.BlockSpec((None, pairs, d, vd), lambda b, p: (b, 0, 0, 0)),
                           per_chunk(d, vd), per_chunk(d, vd)],
               out_specs=[per_chunk(c, d)] * 4 + [per_chunk(1, 1), per_chunk(ns, c, 1)],
@@ -634,13 +689,15 @@ def write_pass(kw, uv, gam, *, cps, cfg, w=None):
 def rescaled_readout(qe, lam, cur, end, intra, own, *, cps, scale, heads, cfg):
   """The no-erase output: scale (o_n + own_n intra_n) with o_n = sum_{i < s(n)} (lam_n,i Qe_n)
   S_end^i + (lam_n,s(n) Qe_n) S_n (lam already carrying the finished states' decay), stored as
-  ``span_readout``'s: (B, NC * C, H, V) in qe's dtype."""
+  ``span_readout``'s: (B, NC * C, H, V) in qe's dtype, G chunks a program (``read_group``)."""
   ns, d, vd = end.shape[1:]
+  nc = qe.shape[1]
   bv = min(cfg.bwd_block_v, vd)
+  group = read_group(cfg, cps, nc)
   kernel = functools.partial(_rescaled_readout_kernel, cps=cps, scale=scale, dtype=qe.dtype)
   specs = [pl.BlockSpec((None, ns, d, bv), lambda b, n, j: (b, 0, 0, j)),
-           pl.BlockSpec((None, None, d, bv), lambda b, n, j: (b, n, 0, j))]
-  return _readout_call(kernel, qe, lam, specs, [end, cur], intra, own, heads, cfg)
+           pl.BlockSpec((None, group, d, bv), lambda b, n, j: (b, n, 0, j))]
+  return _readout_call(kernel, qe, lam, specs, [end, cur], intra, own, heads, cfg, group=group)
 
 
 def walk_readout(qe, lam, p, cur, end, u, intra, own, *, cps, scale, heads, cfg):

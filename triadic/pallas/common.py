@@ -117,6 +117,13 @@ class Config:
   Triton kernel, one program per (batch*head, chunk), reading the inputs and the residuals and
   writing dq, dk, dv, dgc, dbeta in the caller's layout (``merlin.pallas.intra``), instead of
   plain float32 JAX over all chunks. On in the GPU default.
+  read_chunks: MERLIN's span readout and chunk gradients (``merlin.pallas.kernels``): the
+  chunks of one span a program takes (``kernels.read_group``: where this does not divide the
+  chunks of a segment and of the sequence, their common divisor), so that it reads each
+  finished state once for all of them. 1: a program per chunk.
+  reverse_states: MERLIN's erase reverse state pass: the finished states' gradients a program
+  carries (a group of consecutive segments), so that it reads each later span's map, walked
+  queries and dO once for all of them. 1: a program per state.
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -148,6 +155,8 @@ class Config:
   query_walk: bool = False
   intra_kernel: bool = False
   intra_backward_kernel: bool = False
+  read_chunks: int = 1
+  reverse_states: int = 1
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -168,6 +177,10 @@ class Config:
                                                 or self.slice_unroll_max_e < 0):
       raise ValueError("slice_unroll_max_e must be None (mosaic_backward.UNROLL_MAX_E) or an int "
                        f">= 0, got {self.slice_unroll_max_e!r}")
+    for name in ("read_chunks", "reverse_states"):
+      value = getattr(self, name)
+      if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+        raise ValueError(f"{name} must be an int >= 1, got {value!r}")
     if not isinstance(self.warmup_chunks, int) or self.warmup_chunks < 1:
       raise ValueError(f"warmup_chunks must be an int >= 1, got {self.warmup_chunks!r}")
     if self.platform == "cpu" and not self.interpret:
