@@ -274,10 +274,11 @@ def part_costs(b, t, h, d, vd, segment_len, c, *, erase=True, itemsize=4, block_
     reverse pass            erase: Kw dS, W^T (Kw dS), (lam Qe)^T dO per chunk; U^T dS per pair,
                             (lam P)^T dO per visible pair of a finished state; no erase:
                             (lam Qe)^T dO per visible pair, Kw dS and Uv dS^T per chunk
-    chunk gradients         erase: dO S^T, P S per visible pair; the own state's dS S^T
-                            ((D, V) x (V, D)), Uv dS^T, and Y Phi^T, Kw G, W G^T per chunk
+    chunk gradients         erase: dO S^T per visible pair of a finished state (the finished
+                            reads' launch, which stores Y); the own state's dO S^T, dUv S^T,
+                            W S, (Uv - W S) dS^T and Y Phi^T per chunk (the own launch)
     span sums (erase)       dS S^T ((D, V) x (V, D)) per pair; seven square products per chunk
-    read gradients          dO S^T, Qe S per visible pair
+    read gradients          dO S^T per visible pair
 
   ``block_v``: the no-erase reverse pass stores its partial dKw and dgamma per value block."""
   nc = -(-t // c)
@@ -306,9 +307,9 @@ def part_costs(b, t, h, d, vd, segment_len, c, *, erase=True, itemsize=4, block_
     costs["reverse pass"] = (nc * 3 * mm + pairs * gram + (vis - nc) * mm,
                              it * tok * (4 * dp + 2 * vp) + ns * sq + lam + gam
                              + (nc + pairs) * state)
-    costs["chunk gradients"] = ((vis - nc) * 2 * mm + nc * (3 * mm + gram + 3 * square),
-                                it * tok * (5 * dp + 2 * vp) + nc * sq + lam + f * ns * tok
-                                + (pairs + 2 * nc) * state + f * (3 * tok * dp + nc))
+    costs["chunk gradients"] = ((vis - nc) * mm + nc * (4 * mm + square),
+                                it * tok * 4 * (dp + vp) + nc * sq + 2 * lam + f * ns * tok
+                                + (pairs + 2 * nc) * state + f * (4 * tok * dp + tok + nc))
     costs["span sums"] = (pairs * gram + nc * 7 * square,
                           it * tok * 5 * dp + nc * sq + 2 * pairs * state
                           + f * (3 * tok * dp + 3 * nc))
@@ -319,7 +320,7 @@ def part_costs(b, t, h, d, vd, segment_len, c, *, erase=True, itemsize=4, block_
     costs["readout"] = (vis * mm, it * tok * (dp + vp) + lam + ends + f * tok * (vp + 1))
     costs["reverse pass"] = (vis * mm + nc * 2 * mm, it * tok * (2 * dp + 3 * vp) + lam + gam
                              + nc * state + f * nv * (tok * dp + nc))
-    costs["read gradients"] = (vis * 2 * mm, it * tok * (2 * dp + vp) + 2 * lam + ends)
+    costs["read gradients"] = (vis * mm, it * tok * (2 * dp + vp) + 2 * lam + ends)
   return {k: (b * h * fl, b * h * by) for k, (fl, by) in costs.items()}
 
 

@@ -54,8 +54,8 @@ BOUNDS = {jnp.float32: (1e-5, 1e-5), jnp.bfloat16: (1.5e-2, 2e-2)}
 # The state kernels of the forward (first) and the backward
 FORWARD_KERNELS = {True: ("merlin_span_maps", "merlin_state_pass", "merlin_readout"),
                    False: ("merlin_write_pass", "merlin_readout")}
-KERNELS = {True: (*FORWARD_KERNELS[True], "merlin_reverse_state_pass", "merlin_chunk_gradients",
-                  "merlin_span_sums"),
+KERNELS = {True: (*FORWARD_KERNELS[True], "merlin_reverse_state_pass", "merlin_finished_reads",
+                  "merlin_chunk_gradients", "merlin_span_sums"),
            False: (*FORWARD_KERNELS[False], "merlin_reverse_write_pass", "merlin_read_gradients")}
 
 
@@ -465,14 +465,15 @@ def test_query_walk_lowers_for_cuda(dtype):
 # readout adds the intra-chunk part and rounds once) and the gradients of the input-dtype operands
 # (Qe, W, Kw, Uv) are stored in that dtype, each use of them being a matmul operand or the op's
 # output or cotangent in that dtype, as are the span maps' Phi, P and U (matmul operands);
-# dgamma, dlam, the erase chunk gradients' Y and own parts of dW, dKw (summed on by the span
-# sums) and the no-erase per-value-block dKw (summed after) stay float32, as do the intra-chunk
-# kernel's gamma, P Uv and (erase) A; its backward kernel stores dq, dk, dv in that dtype (the
-# inputs' cotangents) and dgc, dbeta float32. (The backward's span maps, with Phi, are listed:
+# dgamma, dlam, the erase finished reads' Y, the chunk gradients' own parts of dW, dKw (summed on
+# by the span sums) and the no-erase per-value-block dKw (summed after) stay float32, as do the
+# intra-chunk kernel's gamma, P Uv and (erase) A; its backward kernel stores dq, dk, dv in that
+# dtype (the inputs' cotangents) and dgc, dbeta float32. (The backward's span maps, with Phi, are listed:
 # the forward's are the same less Phi.)
 OUT_DTYPES = {True: {"merlin_intra_forward": "xxxxfff", "merlin_span_maps": "xxx",
                      "merlin_state_pass": "xx", "merlin_readout": "x",
-                     "merlin_reverse_state_pass": "xxx", "merlin_chunk_gradients": "xfffff",
+                     "merlin_reverse_state_pass": "xxx", "merlin_finished_reads": "ff",
+                     "merlin_chunk_gradients": "xffff",
                      "merlin_span_sums": "xxf", "merlin_intra_backward": "xxxff"},
               False: {"merlin_intra_forward": "xxxff", "merlin_write_pass": "xx",
                       "merlin_readout": "x", "merlin_reverse_write_pass": "xff",

@@ -285,67 +285,62 @@ def _span_reverse_kernel(qe_ref, p_ref, w_ref, kw_ref, u_ref, lam_ref, gam_ref, 
   own(first, dss[0])
 
 
-# The chunk gradients' own-state erase terms run over value blocks of at most this many columns:
-# at D = V = 128 the whole-V step's (C, V) float32 products are what fills the registers
-# (benchmarks/triton_registers.py --merlin).
-OWN_BLOCK_V = 64
-
-
-def _span_gradients_kernel(qe_ref, p_ref, phi_ref, w_ref, uv_ref, duv_ref, lam_ref, do_ref,
-                           span_ref, cur_ref, dcur_ref, dqe_ref, y_ref, dw_ref, dkw_ref, dgam_ref,
-                           dlam_ref, *, nc, cps, vd, bv, dtype):
+def _finished_reads_kernel(p_ref, lam_ref, do_ref, span_ref, y_ref, dlam_ref, *, nc, cps, vd, bv,
+                           dtype):
   """Program (bh, group of G chunks n = b_g .. b_g + G - 1 of span s; G = ``group``), over the
-  value blocks: each finished state's span-start value S_b^i, read once for the group, gives
-  every chunk's Z = dO_n S_b^iT (C, D), the one product a state needs:
+  value blocks: the finished states' part of the chunks' gradients. Each span-start value S_b^i
+  (i < s), read once for the group, gives every chunk's Z = dO_n S_b^iT (C, D), the one product
+  a state needs:
 
-      Y_n = sum_{i < s} lam_i Z,   dlam_i = rowsum(P_n * Z)   (= rowsum(dO_n * (P_n S_b^i)));
+      Y_n = sum_{i < s} lam_i Z (float32),   dlam_i = rowsum(P_n * Z),
 
-  and from each chunk's own state S_n^s and dS_{n+1}^s its part of the chunk's gradients:
-  dQe = lam_s dO S^T, dlam_s the same way with Qe, and with G = dS S^T (never formed)
-  dW = -Kw G = -dUv S^T, dKw = -W G^T + Uv dS^T = (Uv - W S) dS^T, dgamma = tr G = <dS, S>.
-  dQe is whole here (+ Y_n Phi_n^T, the finished states' read), stored in qe's dtype; Y and the
-  own parts of dW, dKw, dgamma are float32, for ``_span_sums_kernel`` to finish."""
-  group, c, d = qe_ref.shape
+  the latter equal to rowsum(dO_n * (P_n S_b^i))."""
+  group, c, d = p_ref.shape
   first = _heaviest_first(nc // group)(pl.program_id(1)) * group
   s = first // cps
 
-  def read(state, rows, queries, weights, carry):
-    """For chunks ``rows``, Z = dO_n state^T with the state's value-block tiles ``state(cols)``
-    loaded once: (carry + weights(r) Z, rowsum(queries(r) * Z)) per chunk."""
+  def state(i, ys):
     def block(cols, zs):
-      st = state(cols)
-      return tuple(z + mm(do_ref[r, :, cols], st, dtype, tb=True) for r, z in zip(rows, zs))
+      st = span_ref[span_index(i, s), :, cols]
+      return tuple(z + mm(do_ref[r, :, cols], st, dtype, tb=True) for r, z in enumerate(zs))
 
-    zs = over_value_blocks(vd, bv, block, (jnp.zeros((c, d), F32),) * len(rows))
-    return ([acc + weights(r) * z for r, acc, z in zip(rows, carry, zs)],
-            [rowsum(queries(r).astype(F32) * z) for r, z in zip(rows, zs)])
+    zs = over_value_blocks(vd, bv, block, (jnp.zeros((c, d), F32),) * group)
+    for r, z in enumerate(zs):
+      dlam_ref[r, i] = rowsum(p_ref[r].astype(F32) * z)
+    return tuple(y + lam_ref[i, r] * z for r, (y, z) in enumerate(zip(ys, zs)))
 
-  def finished(i, ys):
-    ys, dlams = read(lambda cols: span_ref[span_index(i, s), :, cols], range(group),
-                     lambda r: p_ref[r], lambda r: lam_ref[i, r], ys)
-    for r, dlam in enumerate(dlams):
-      dlam_ref[r, i] = dlam
-    return tuple(ys)
-
-  ys = jax.lax.fori_loop(0, s, finished, (jnp.zeros((c, d), F32),) * group)
-  for r, y in enumerate(ys):  # each chunk's own state
+  ys = jax.lax.fori_loop(0, s, state, (jnp.zeros((c, d), F32),) * group)
+  for r, y in enumerate(ys):
     y_ref[r] = y
-    (dqe,), (dlam,) = read(lambda cols, r=r: cur_ref[r, :, cols], [r], lambda r: qe_ref[r],
-                           lambda r: lam_ref[s, r], [mm(y, phi_ref[r], dtype, tb=True)])
-    dqe_ref[r] = dqe.astype(dqe_ref.dtype)
-    dlam_ref[r, s] = dlam
-    w = w_ref[r]
 
-    def erase_terms(cols, carry, r=r):  # -dUv S^T, (Uv - W S) dS^T and <dS, S>
-      dw, dkw, dgam = carry
-      st, dst = cur_ref[r, :, cols], dcur_ref[r, :, cols]
-      return (dw - mm(duv_ref[r, :, cols], st, dtype, tb=True),
-              dkw + mm(uv_ref[r, :, cols].astype(F32) - mm(w, st, dtype), dst, dtype, tb=True),
-              dgam + total(dst.astype(F32) * st.astype(F32)))
 
-    dw_ref[r], dkw_ref[r], dgam_ref[r] = over_value_blocks(
-        vd, min(bv, OWN_BLOCK_V), erase_terms,
-        (jnp.zeros((c, d), F32), jnp.zeros((c, d), F32), jnp.zeros((1, 1), F32)))
+def _own_gradients_kernel(qe_ref, phi_ref, w_ref, uv_ref, duv_ref, lam_ref, do_ref, cur_ref,
+                          dcur_ref, y_ref, dqe_ref, dlam_ref, dw_ref, dkw_ref, dgam_ref, *, cps,
+                          vd, bv, dtype):
+  """Program (bh, chunk n) in span s, over value blocks of at most ``bv`` columns: from the own
+  state's S_n^s and dS_{n+1}^s its part of the chunk's gradients, with Z = dO S^T:
+  dQe = lam_s Z (+ Y_n Phi_n^T, the finished states' read: dQe is whole here, stored in qe's
+  dtype), dlam_s = rowsum(Qe * Z), and with G = dS S^T (never formed) dW = -Kw G = -dUv S^T,
+  dKw = -W G^T + Uv dS^T = (Uv - W S) dS^T, dgamma = tr G = <dS, S> (float32, for
+  ``_span_sums_kernel`` to finish)."""
+  c, d = qe_ref.shape
+  s = pl.program_id(1) // cps
+  w = w_ref[...]
+
+  def block(cols, carry):
+    z, dw, dkw, dgam = carry
+    st, dst = cur_ref[:, cols], dcur_ref[:, cols]
+    return (z + mm(do_ref[:, cols], st, dtype, tb=True),
+            dw - mm(duv_ref[:, cols], st, dtype, tb=True),
+            dkw + mm(uv_ref[:, cols].astype(F32) - mm(w, st, dtype), dst, dtype, tb=True),
+            dgam + total(dst.astype(F32) * st.astype(F32)))
+
+  zero = jnp.zeros((c, d), F32)
+  z, dw_ref[...], dkw_ref[...], dgam_ref[...] = over_value_blocks(
+      vd, bv, block, (zero, zero, zero, jnp.zeros((1, 1), F32)))
+  dlam_ref[...] = rowsum(qe_ref[...].astype(F32) * z)
+  dqe = mm(y_ref[...], phi_ref[...], dtype, tb=True) + lam_ref[s] * z
+  dqe_ref[...] = dqe.astype(dqe_ref.dtype)
 
 
 def _span_sums_kernel(qe_ref, phi_ref, w_ref, kw_ref, gam_ref, span_ref, dspan_ref, y_ref,
@@ -615,32 +610,53 @@ def span_reverse_pass(qe, p, w, kw, u, lam, gam, do, *, cps, cfg):
               num_warps=cfg.bwd_num_warps)(qe, p, w, kw, u, lam, gam, do)
 
 
+# The own-state gradients run over value blocks of at most this many columns: at D = V = 128 the
+# whole-V step's (C, V) float32 products are what fills the registers
+# (benchmarks/triton_registers.py --merlin).
+OWN_BLOCK_V = 64
+
+
 def span_chunk_gradients(qe, p, phi, w, uv, duv, lam, do, span, cur, dcur, *, cps, cfg):
-  """Erase, per chunk (``_span_gradients_kernel``): dQe (BH, NC, C, D) in qe's dtype (the op's
-  cotangent of Qe, which has it: summed in float32, rounded once); float32 Y and the own state's
-  parts of dW, dKw (BH, NC, C, D) and dgamma (BH, NC, 1, 1) (``span_sums`` finishes them); dlam
-  (BH, NC, NS, C, 1; entries i > s(n) unwritten) whole. Grid (BH, NC / G), G chunks a program
-  (``read_group``), the last group first (``_heaviest_first``), at bwd_num_warps."""
+  """Erase, per chunk: dQe (BH, NC, C, D) in qe's dtype (the op's cotangent of Qe, which has it:
+  summed in float32, rounded once); float32 Y and the own state's parts of dW, dKw
+  (BH, NC, C, D) and dgamma (BH, NC, 1, 1) (``span_sums`` finishes them); dlam (BH, NC, NS, C, 1;
+  entries i > s(n) undefined) whole. Two launches at bwd_num_warps: the finished states' reads
+  (``_finished_reads_kernel``: Y, dlam_i for i < s; grid (BH, NC / G), G chunks a program,
+  ``read_group``, the last group first), then each chunk's own state
+  (``_own_gradients_kernel``: the rest; grid (BH, NC)), so that neither holds the other's
+  registers."""
   bh, nc, c, d = qe.shape
   pairs, vd = span.shape[1], span.shape[-1]
   ns = lam.shape[1]
   group = read_group(cfg, cps, nc)
   order = _heaviest_first(nc // group)
-  per_chunk = lambda *s: _chunk_spec(*s, chunk=order, group=group)
+  grouped = lambda *s: _chunk_spec(*s, chunk=order, group=group)
   shape = lambda *s, dtype=F32: jax.ShapeDtypeStruct((bh, nc, *s), dtype)
-  kernel = functools.partial(_span_gradients_kernel, nc=nc, cps=cps, vd=vd,
-                             bv=min(cfg.bwd_block_v, vd), dtype=qe.dtype)
-  return call(kernel, cfg=cfg, grid=(bh, nc // group),
-              in_specs=[per_chunk(c, d)] * 2 + [per_chunk(d, d), per_chunk(c, d)]
-                       + [per_chunk(c, vd)] * 2
-                       + [_lam_of_chunk(ns, c, order, group), per_chunk(c, vd),
-                          pl.BlockSpec((None, pairs, d, vd), lambda b, p: (b, 0, 0, 0)),
-                          per_chunk(d, vd), per_chunk(d, vd)],
-              out_specs=[per_chunk(c, d)] * 4 + [per_chunk(1, 1), per_chunk(ns, c, 1)],
-              out_shape=[shape(c, d, dtype=qe.dtype)] + [shape(c, d)] * 3
-                        + [shape(1, 1), shape(ns, c, 1)],
-              semantics=None, name="merlin_chunk_gradients",
-              num_warps=cfg.bwd_num_warps)(qe, p, phi, w, uv, duv, lam, do, span, cur, dcur)
+  bv = min(cfg.bwd_block_v, vd)
+  kernel = functools.partial(_finished_reads_kernel, nc=nc, cps=cps, vd=vd, bv=bv,
+                             dtype=qe.dtype)
+  y, dlam = call(kernel, cfg=cfg, grid=(bh, nc // group),
+                 in_specs=[grouped(c, d), _lam_of_chunk(ns, c, order, group), grouped(c, vd),
+                           pl.BlockSpec((None, pairs, d, vd), lambda b, p: (b, 0, 0, 0))],
+                 out_specs=[grouped(c, d), grouped(ns, c, 1)],
+                 out_shape=[shape(c, d), shape(ns, c, 1)],
+                 semantics=None, name="merlin_finished_reads",
+                 num_warps=cfg.bwd_num_warps)(p, lam, do, span)
+  kernel = functools.partial(_own_gradients_kernel, cps=cps, vd=vd,
+                             bv=min(bv, OWN_BLOCK_V), dtype=qe.dtype)
+  dqe, dlam_own, dw, dkw, dgam = call(
+      kernel, cfg=cfg, grid=(bh, nc),
+      in_specs=[_chunk_spec(c, d), _chunk_spec(d, d), _chunk_spec(c, d)]
+               + [_chunk_spec(c, vd)] * 2 + [_lam_of_chunk(ns, c), _chunk_spec(c, vd)]
+               + [_chunk_spec(d, vd)] * 2 + [_chunk_spec(c, d)],
+      out_specs=[_chunk_spec(c, d), _chunk_spec(c, 1), _chunk_spec(c, d), _chunk_spec(c, d),
+                 _chunk_spec(1, 1)],
+      out_shape=[shape(c, d, dtype=qe.dtype), shape(c, 1), shape(c, d), shape(c, d),
+                 shape(1, 1)],
+      semantics=None, name="merlin_chunk_gradients", num_warps=cfg.bwd_num_warps)(
+          qe, phi, w, uv, duv, lam, do, cur, dcur, y)
+  own = (jnp.arange(ns)[None, :] == (jnp.arange(nc) // cps)[:, None])[None, :, :, None, None]
+  return dqe, y, dw, dkw, dgam, jnp.where(own, dlam_own[:, :, None], dlam)
 
 
 def span_sums(qe, phi, w, kw, gam, span, dspan, y, dw_own, dkw_own, dgam_own, *, cps, cfg):
