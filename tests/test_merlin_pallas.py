@@ -186,11 +186,11 @@ def test_forward_and_backward_tiles_differ(erase, bwd_block_v):
 ])
 def test_program_groups(erase, t, read_chunks, reverse_states):
   """Programs over several chunks of a span (the readout, the chunk gradients:
-  ``Config.read_chunks``) and over several segments' states (the reverse pass:
-  ``Config.reverse_states``), short last groups included, give the scan's output and
-  gradients."""
+  ``Config.read_chunks``) and over several segments' states (the state passes:
+  ``Config.reverse_states``, ``forward_states``), short last groups included, give the scan's
+  output and gradients."""
   config = Config("cpu", block_v=16, bwd_block_v=16, read_chunks=read_chunks,
-                  reverse_states=reverse_states)
+                  reverse_states=reverse_states, forward_states=reverse_states)
   check_against_scan(1, t, 2, 16, 32, 64, 16, erase, "weak", "random", jnp.float32,
                      config=config)
 

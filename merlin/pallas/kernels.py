@@ -200,31 +200,45 @@ def _span_maps_kernel(qe_ref, w_ref, kw_ref, gam_ref, *out_refs, nc, cps, dtype)
                                  identity(d)).astype(dtype)
 
 
-def _span_state_kernel(w_ref, kw_ref, uv_ref, gam_ref, u_ref, cur_ref, span_ref, *, nc, cps,
+def _span_state_kernel(w_ref, kw_ref, uv_ref, gam_ref, u_ref, cur_ref, span_ref, *, nc, cps, group,
                        dtype):
-  """Program (bh, value block, segment i): S^i through its own segment from zero, chunk by chunk
-  (each chunk's start state into ``cur_ref``), then across each later span j by its map U_j in
-  one product, stored at each span's start into the span stack (the last span is not crossed:
-  nothing reads its end)."""
-  i = pl.program_id(2)
+  """Program (bh, value block, group of G segments i = g G .. g G + G - 1; G = ``group``): each
+  state S^i through its own segment from zero, chunk by chunk (each chunk's start state into
+  ``cur_ref``), then across each later span j by its map U_j in one product that reads U_j once
+  for the group's states that cross span j, stored at each span's start into the span stack
+  (the last span is not crossed: nothing reads its end). States past the last segment (a short
+  last group) take no step."""
+  first = pl.program_id(2) * group
   ns = -(-nc // cps)
-  start, end = _segment_bounds(nc, cps)
 
-  def own(n, s):
-    cur_ref[n] = s.astype(cur_ref.dtype)
-    return write_step(n, s, w_ref, kw_ref, uv_ref, gam_ref, dtype)
+  def cross(lo, hi, ss):
+    """The group's first len(ss) states across spans lo .. hi - 1."""
+    def span(j, ss):
+      for r, st in enumerate(ss):
+        span_ref[span_index(first + r, j)] = st.astype(span_ref.dtype)
+      u = u_ref[j]
+      return tuple(mm(u, st, dtype) for st in ss)
 
-  def later(j, s):
-    span_ref[span_index(i, j)] = s.astype(span_ref.dtype)
-    return mm(u_ref[j], s, dtype)
+    return jax.lax.fori_loop(lo, hi, span, ss)
 
-  d, bv = cur_ref.shape[-2:]
-  s = jax.lax.fori_loop(start, end, own, jnp.zeros((d, bv), F32))
-  s = jax.lax.fori_loop(i + 1, ns - 1, later, s)
+  def own(i):
+    def chunk(n, st):
+      cur_ref[n] = st.astype(cur_ref.dtype)
+      return write_step(n, st, w_ref, kw_ref, uv_ref, gam_ref, dtype)
 
-  @pl.when(i + 1 < ns)
-  def _():
-    span_ref[span_index(i, ns - 1)] = s.astype(span_ref.dtype)
+    return jax.lax.fori_loop(i * cps, jnp.minimum((i + 1) * cps, nc), chunk,
+                             jnp.zeros(cur_ref.shape[-2:], F32))
+
+  ss = ()
+  for m in range(group):  # segment first + m: a later span for the states before m, m's own
+    if ss:
+      ss = cross(first + m, jnp.minimum(first + m + 1, ns - 1), ss)
+    ss = (*ss, own(first + m))
+  ss = cross(first + group, ns - 1, ss)
+  for r, st in enumerate(ss):
+    @pl.when(first + r + 1 < ns)
+    def _():
+      span_ref[span_index(first + r, ns - 1)] = st.astype(span_ref.dtype)
 
 
 def _span_readout_kernel(qe_ref, lam_ref, p_ref, span_ref, cur_ref, intra_ref, own_ref, o_ref, *,
@@ -525,14 +539,16 @@ def span_state_pass(w, kw, uv, gam, u, *, cps, cfg):
   """Erase forward state pass: each chunk's own-segment start state ``cur`` (BH, NC, D, V) and
   the span stack ``span`` (BH, ``num_pairs``, D, V), S^i at the start of every span j > i at
   ``span_index(i, j)``, both in kw's dtype; ``u`` the span maps (``span_maps``). Grid
-  (BH, V / block_v, NS)."""
+  (BH, V / block_v, NS / G), ``Config.forward_states`` = G segments a program (the last group
+  short where G does not divide NS)."""
   bh, nc, c, d = kw.shape
   vd = uv.shape[-1]
   bv = min(cfg.block_v, vd)
   ns = -(-nc // cps)
   pairs = num_pairs(ns)
-  kernel = functools.partial(_span_state_kernel, nc=nc, cps=cps, dtype=kw.dtype)
-  return call(kernel, cfg=cfg, grid=(bh, vd // bv, ns),
+  group = min(cfg.forward_states, ns)
+  kernel = functools.partial(_span_state_kernel, nc=nc, cps=cps, group=group, dtype=kw.dtype)
+  return call(kernel, cfg=cfg, grid=(bh, vd // bv, -(-ns // group)),
               in_specs=[_whole(nc, c, d), _whole(nc, c, d), _vblock(nc, c, bv), _whole(nc, 1, 1),
                         _whole(ns, d, d)],
               out_specs=[_vblock(nc, d, bv), _vblock(pairs, d, bv)],

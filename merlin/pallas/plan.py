@@ -85,7 +85,8 @@ def default_config(platform: str) -> Config:
                   query_walk=True, intra_kernel=True, intra_backward_kernel=True)
   if platform == "tpu":
     return Config("tpu", block_v=128, bwd_block_v=128)
-  return Config("cpu", block_v=16, bwd_block_v=16, read_chunks=2, reverse_states=2)
+  return Config("cpu", block_v=16, bwd_block_v=16, read_chunks=2, reverse_states=2,
+                forward_states=2)
 
 
 def unsupported(platform: str, d: int, segment_len: int, chunk_size: int | None,

@@ -124,6 +124,8 @@ class Config:
   reverse_states: MERLIN's erase reverse state pass: the finished states' gradients a program
   carries (a group of consecutive segments), so that it reads each later span's map, walked
   queries and dO once for all of them. 1: a program per state.
+  forward_states: the same for MERLIN's erase forward state pass (each later span's map read
+  once for the group's states).
   sequence_pieces: cut the sequence into this many pieces for the state passes, each started
   from a warm-up over the ``warmup_chunks`` chunks before it (``pieces.py``; exact to far below
   rounding, and taken only when every window decays enough): 1 none, 0 as many (2, 4 or 8) as
@@ -157,6 +159,7 @@ class Config:
   intra_backward_kernel: bool = False
   read_chunks: int = 1
   reverse_states: int = 1
+  forward_states: int = 1
 
   def __post_init__(self):
     if self.platform not in PLATFORMS:
@@ -177,7 +180,7 @@ class Config:
                                                 or self.slice_unroll_max_e < 0):
       raise ValueError("slice_unroll_max_e must be None (mosaic_backward.UNROLL_MAX_E) or an int "
                        f">= 0, got {self.slice_unroll_max_e!r}")
-    for name in ("read_chunks", "reverse_states"):
+    for name in ("read_chunks", "reverse_states", "forward_states"):
       value = getattr(self, name)
       if not isinstance(value, int) or isinstance(value, bool) or value < 1:
         raise ValueError(f"{name} must be an int >= 1, got {value!r}")
