@@ -12,9 +12,12 @@ its cps chunks (up to e_i) and only carried after:
 
 Each state carries through its own chain of chunks, independent of the others, so the state
 passes put the segment index on the grid: program (bh, value block j, segment i) walks segment i's
-chunks with the (D, block_v) float32 state S^i in registers. The readout is parallel over chunks:
+chunks with the (D, block_v) float32 state S^i in registers (or a group of consecutive
+segments' states, ``Config.forward_states`` / ``reverse_states``, which then read each later
+span's operands once for the group). The readout is parallel over chunks:
 o_n = sum_{i <= s(n)} (lam_n,i Qe_n) S_n^i, the (C, (s(n)+1) D) x ((s(n)+1) D, V) product over the
-stacked states, walked state by state (``_read``). It stores the op's output, not o:
+stacked states, walked state by state (``_read``; a program takes a group of a span's chunks,
+``Config.read_chunks``, and loads each state once for them). It stores the op's output, not o:
 scale (o_n + own_n intra_n) with the intra-chunk part intra_n = P_n Uv_n and own_n the
 tokens' lam of their own segment (float32), rounded once to the input dtype and written straight
 into the caller's (B, T, H, V) layout (``_readout_call``).
@@ -47,11 +50,12 @@ K = sum_{i < s} dS_{b'}^i S_b^iT (D, D),
 
     dQe_n = Y_n Phi_n^T,   G_n = L_n Phi_n^T,   L_{b'-1} = K,   L_{n-1} = T_n^T L_n + Qe_n^T Y_n
 
-(the reverse recurrence of dS_{n+1}^i with S_b^iT summed in): the chunk-gradients kernel, one
-program per (batch*head, chunk), reads the span's S_b^i to form Y_n, dlam and dQe, and the own
-state's part of every gradient; the span-sums kernel, one program per (batch*head, span), forms K
-from the stacks and runs L back through the span, finishing dW, dKw and dgamma. No two programs
-write one output (no atomics). dUv, dQe, dW and dKw are summed in float32 and stored in the input
+(the reverse recurrence of dS_{n+1}^i with S_b^iT summed in): the finished-reads kernel, one
+program per (batch*head, group of a span's chunks), reads each of the span's S_b^i once to form
+Z = dO_n S_b^iT, which gives both Y_n and dlam; the chunk-gradients kernel, one program per
+(batch*head, chunk), forms dQe and the own state's part of every gradient; the span-sums kernel,
+one program per (batch*head, span), forms K from the stacks and runs L back through the span,
+finishing dW, dKw and dgamma. No two programs write one output (no atomics). dUv, dQe, dW and dKw are summed in float32 and stored in the input
 dtype: they leave the op as the cotangents of operands in that dtype, so a float32 store would
 only be cast after (dgamma, dlam stay float32, as their operands are).
 

@@ -32,8 +32,9 @@ class Plan:
   its and the readout's warps, bwd_block_v the value columns of the readout and of the backward's
   kernels (reverse state pass, chunk gradients), bwd_num_warps the backward kernels' warps,
   query_walk the erase forward's readout where no gradient is taken, intra_kernel the intra-chunk
-  part's forward by a kernel, intra_backward_kernel its backward by one) and why this impl
-  runs."""
+  part's forward by a kernel, intra_backward_kernel its backward by one; read_chunks,
+  forward_states, reverse_states the chunks or states a program of the readout and chunk
+  gradients, or of the state passes, takes, named where above 1) and why this impl runs."""
   impl: str
   chunk_size: int | None
   reason: str
@@ -48,7 +49,10 @@ class Plan:
       else:
         tiles = (f", {cfg.platform} block_v {cfg.block_v} at {cfg.num_warps} warps, "
                  f"bwd_block_v {cfg.bwd_block_v} at {cfg.bwd_num_warps} warps")
-      tiles += ((", erase forward-only by the query walk" if cfg.query_walk else "")
+      groups = [f"{name} {getattr(cfg, name)}" for name in
+                ("read_chunks", "forward_states", "reverse_states") if getattr(cfg, name) > 1]
+      tiles += ((", " + ", ".join(groups) if groups else "")
+                + (", erase forward-only by the query walk" if cfg.query_walk else "")
                 + (", intra-chunk part's forward by a kernel" if cfg.intra_kernel else "")
                 + (", its backward by a kernel" if cfg.intra_backward_kernel else ""))
     return f"multistate_attention plan: {self.impl} (chunk {self.chunk_size}{tiles}): {self.reason}"
@@ -78,8 +82,14 @@ def default_config(platform: str) -> Config:
   faster than the plain-JAX pullback (benchmarks/RESULTS.md).
   TPU (Mosaic, ``tpu.py``): 128 columns (Mosaic's lane tile; the whole V where it is narrower),
   the intra-chunk part in plain JAX and no query walk (those kernels are Triton's).
+  The GPU default runs one chunk or one state a program (``Config.read_chunks``,
+  ``forward_states``, ``reverse_states`` 1); the groups are options (benchmarks/RESULTS.md
+  says which launches are timed): at D = V = 128 a group of two fits the registers for the
+  readout at 8 warps, the finished reads and (at 64 columns) the reverse pass, and a group of
+  four for the forward state pass (benchmarks/triton_registers.py --merlin).
   CPU (interpret): 16 columns, so small test shapes still run several value blocks (the
-  intra-chunk kernels' own launches aside)."""
+  intra-chunk kernels' own launches aside), and groups of two chunks and states, so that the
+  tests run the grouped programs."""
   if platform == "gpu":
     return Config("gpu", block_v=32, num_warps=4, bwd_block_v=128, bwd_num_warps=8,
                   query_walk=True, intra_kernel=True, intra_backward_kernel=True)
