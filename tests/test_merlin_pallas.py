@@ -471,8 +471,8 @@ def test_query_walk_lowers_for_cuda(dtype):
 # dgamma, dlam, the erase finished reads' Y, the chunk gradients' own parts of dW, dKw (summed on
 # by the span sums) and the no-erase per-value-block dKw (summed after) stay float32, as do the
 # intra-chunk kernel's gamma, P Uv and (erase) A; its backward kernel stores dq, dk, dv in that
-# dtype (the inputs' cotangents) and dgc, dbeta float32. (The backward's span maps, with Phi, are listed:
-# the forward's are the same less Phi.)
+# dtype (the inputs' cotangents) and dgc, dbeta float32. (The backward's span maps, with Phi, are
+# listed: the forward's are the same less Phi.)
 OUT_DTYPES = {True: {"merlin_intra_forward": "xxxxfff", "merlin_span_maps": "xxx",
                      "merlin_state_pass": "xx", "merlin_readout": "x",
                      "merlin_reverse_state_pass": "xxx", "merlin_finished_reads": "ff",

@@ -55,9 +55,10 @@ program per (batch*head, group of a span's chunks), reads each of the span's S_b
 Z = dO_n S_b^iT, which gives both Y_n and dlam; the chunk-gradients kernel, one program per
 (batch*head, chunk), forms dQe and the own state's part of every gradient; the span-sums kernel,
 one program per (batch*head, span), forms K from the stacks and runs L back through the span,
-finishing dW, dKw and dgamma. No two programs write one output (no atomics). dUv, dQe, dW and dKw are summed in float32 and stored in the input
-dtype: they leave the op as the cotangents of operands in that dtype, so a float32 store would
-only be cast after (dgamma, dlam stay float32, as their operands are).
+finishing dW, dKw and dgamma. No two programs write one output (no atomics). dUv, dQe, dW and
+dKw are summed in float32 and stored in the input dtype: they leave the op as the cotangents of
+operands in that dtype, so a float32 store would only be cast after (dgamma, dlam stay float32,
+as their operands are).
 
 Erase, forward only (the query walk, ``Config.query_walk``): as S_n^i = Phi_n U_{s-1} ... U_{i+1}
 S_end^i, the read can move the query instead of the states:
