@@ -362,6 +362,9 @@ def test_bad_input_raises():
   for name in ("read_chunks", "forward_states", "reverse_states"):
     with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
       Config("gpu", block_v=32, bwd_block_v=128, **{name: 0})
+  with pytest.raises(ValueError, match="read_chunks group the Triton"):
+    call(platform="tpu", config=dataclasses.replace(plan_lib.default_config("tpu"),
+                                                    read_chunks=2))
 
 
 def op_specs(b, t, h, d, vd, n, dtype=jnp.bfloat16):

@@ -140,6 +140,12 @@ def resolve(impl: str, *, d: int, segment_len: int, chunk_size: int | None, docu
     raise ValueError(f"config: {', '.join(triton_only)} are Triton (GPU) kernels; the TPU "
                      "structure (platform 'tpu') runs the span forward and the intra-chunk part "
                      "in plain JAX: set them False")
+  grouped = [name for name in ("read_chunks", "forward_states", "reverse_states")
+             if getattr(config, name) > 1]
+  if config.chunk_grid and grouped:
+    raise ValueError(f"config: {', '.join(grouped)} group the Triton (GPU) kernels' programs; "
+                     "the TPU structure (platform 'tpu') walks one chunk or state a grid step: "
+                     "set them to 1")
   reason = "impl='pallas'" if impl == "pallas" else "auto on gpu"
   return _logged(Plan("pallas", default_chunk, reason, config))
 
