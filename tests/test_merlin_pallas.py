@@ -359,7 +359,7 @@ def test_bad_input_raises():
   with pytest.raises(ValueError, match="query_walk, intra_kernel are Triton"):
     call(platform="tpu", config=dataclasses.replace(plan_lib.default_config("tpu"),
                                                     query_walk=True, intra_kernel=True))
-  for name in ("read_chunks", "forward_states", "reverse_states"):
+  for name in plan_lib.GROUPS:
     with pytest.raises(ValueError, match=f"{name} must be an int >= 1"):
       Config("gpu", block_v=32, bwd_block_v=128, **{name: 0})
   with pytest.raises(ValueError, match="read_chunks group the Triton"):

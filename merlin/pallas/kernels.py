@@ -115,9 +115,10 @@ def span_index(i, j):
   return jax.lax.div(j * (j - 1), 2) + i
 
 
-def _segment_bounds(nc, cps):
-  """(first chunk, end of the write phase) of the program's segment, from its grid index."""
-  start = pl.program_id(2) * cps
+def _segment_bounds(i, nc, cps):
+  """(first chunk, end) of segment i, the chunks of its write phase (span i): i cps up to
+  min((i + 1) cps, NC)."""
+  start = i * cps
   return start, jnp.minimum(start + cps, nc)
 
 
@@ -201,8 +202,7 @@ def _span_maps_kernel(qe_ref, w_ref, kw_ref, gam_ref, *out_refs, nc, cps, dtype)
     p_ref[n] = mm(qe_ref[n], phi, dtype).astype(dtype)
     return chunk_map(phi, gam_ref[n], w_ref[n], kw_ref[n], dtype)
 
-  u_ref[...] = jax.lax.fori_loop(j * cps, jnp.minimum((j + 1) * cps, nc), chunk,
-                                 identity(d)).astype(dtype)
+  u_ref[...] = jax.lax.fori_loop(*_segment_bounds(j, nc, cps), chunk, identity(d)).astype(dtype)
 
 
 def _span_state_kernel(w_ref, kw_ref, uv_ref, gam_ref, u_ref, cur_ref, span_ref, *, nc, cps, group,
@@ -231,7 +231,7 @@ def _span_state_kernel(w_ref, kw_ref, uv_ref, gam_ref, u_ref, cur_ref, span_ref,
       cur_ref[n] = st.astype(cur_ref.dtype)
       return write_step(n, st, w_ref, kw_ref, uv_ref, gam_ref, dtype)
 
-    return jax.lax.fori_loop(i * cps, jnp.minimum((i + 1) * cps, nc), chunk,
+    return jax.lax.fori_loop(*_segment_bounds(i, nc, cps), chunk,
                              jnp.zeros(cur_ref.shape[-2:], F32))
 
   ss = ()
@@ -277,14 +277,13 @@ def _span_reverse_kernel(qe_ref, p_ref, w_ref, kw_ref, u_ref, lam_ref, gam_ref, 
         return tuple(acc + mm(p, lam_ref[first + r, n] * do, dtype, ta=True)
                      for r, acc in enumerate(dss))
 
-      return jax.lax.fori_loop(j * cps, jnp.minimum((j + 1) * cps, nc), chunk,
+      return jax.lax.fori_loop(*_segment_bounds(j, nc, cps), chunk,
                                tuple(mm(u, ds, dtype, ta=True) for ds in dss))
 
     return jax.lax.fori_loop(0, hi - lo, span, tuple(dss))
 
   def own(i, ds):  # chunk n = end - 1 - m of segment i: dS_{n+1} -> dS_n
-    start = i * cps
-    end = jnp.minimum(start + cps, nc)
+    start, end = _segment_bounds(i, nc, cps)
 
     def chunk(m, ds):
       n = end - 1 - m
@@ -381,7 +380,7 @@ def _span_sums_kernel(qe_ref, phi_ref, w_ref, kw_ref, gam_ref, span_ref, dspan_r
                                                             span_ref[at, :, cols], dtype,
                                                             tb=True), g)
 
-  first, last = j * cps, jnp.minimum((j + 1) * cps, nc)
+  first, last = _segment_bounds(j, nc, cps)
 
   def chunk(m, l):
     n = last - 1 - m
@@ -405,7 +404,7 @@ def _write_kernel(*refs, nc, cps, erase, dtype):
   w_ref = refs[0] if erase else None
   kw_ref, uv_ref, gam_ref, cur_ref, end_ref = refs[erase:]
   i = pl.program_id(2)
-  start, end = _segment_bounds(nc, cps)
+  start, end = _segment_bounds(i, nc, cps)
 
   def chunk(n, s):
     cur_ref[n] = s.astype(cur_ref.dtype)
@@ -425,7 +424,7 @@ def _rescaled_readout_kernel(qe_ref, lam_ref, end_ref, cur_ref, intra_ref, own_r
 
 def _rescaled_reverse_kernel(qe_ref, kw_ref, uv_ref, lam_ref, gam_ref, do_ref, cur_ref, duv_ref,
                              dkw_ref, dgam_ref, *, nc, cps, dtype):
-  start, end = _segment_bounds(nc, cps)
+  start, end = _segment_bounds(pl.program_id(2), nc, cps)
   read = lambda n: mm(qe_ref[n], lam_ref[n] * do_ref[n].astype(F32), dtype, ta=True)
   d, bv = cur_ref.shape[-2:]
   ds = jax.lax.fori_loop(end, nc, lambda n, ds: ds + read(n), jnp.zeros((d, bv), F32))  # dS_end

@@ -22,6 +22,8 @@ from triadic.pallas.common import Config
 log = logging.getLogger("merlin.pallas")
 
 CHUNK_SIZES = (16, 32, 64, 128)
+# The Config fields that group the Triton kernels' programs (1: one chunk or state a program)
+GROUPS = ("read_chunks", "forward_states", "reverse_states")
 MAX_D = 256
 
 
@@ -49,8 +51,7 @@ class Plan:
       else:
         tiles = (f", {cfg.platform} block_v {cfg.block_v} at {cfg.num_warps} warps, "
                  f"bwd_block_v {cfg.bwd_block_v} at {cfg.bwd_num_warps} warps")
-      groups = [f"{name} {getattr(cfg, name)}" for name in
-                ("read_chunks", "forward_states", "reverse_states") if getattr(cfg, name) > 1]
+      groups = [f"{name} {getattr(cfg, name)}" for name in GROUPS if getattr(cfg, name) > 1]
       tiles += ((", " + ", ".join(groups) if groups else "")
                 + (", erase forward-only by the query walk" if cfg.query_walk else "")
                 + (", intra-chunk part's forward by a kernel" if cfg.intra_kernel else "")
@@ -140,8 +141,7 @@ def resolve(impl: str, *, d: int, segment_len: int, chunk_size: int | None, docu
     raise ValueError(f"config: {', '.join(triton_only)} are Triton (GPU) kernels; the TPU "
                      "structure (platform 'tpu') runs the span forward and the intra-chunk part "
                      "in plain JAX: set them False")
-  grouped = [name for name in ("read_chunks", "forward_states", "reverse_states")
-             if getattr(config, name) > 1]
+  grouped = [name for name in GROUPS if getattr(config, name) > 1]
   if config.chunk_grid and grouped:
     raise ValueError(f"config: {', '.join(grouped)} group the Triton (GPU) kernels' programs; "
                      "the TPU structure (platform 'tpu') walks one chunk or state a grid step: "
